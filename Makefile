@@ -1,0 +1,26 @@
+# The two entry points of README.md. Both build .venv from scratch when it is missing.
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+
+.PHONY: demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first, pinned: pip then takes the local CPU build instead of a CUDA one
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test,bench]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/diloco-node demo
+
+test: $(VENV)/.installed
+	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/diloco_vs_ddp.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
