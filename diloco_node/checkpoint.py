@@ -1,0 +1,69 @@
+"""Atomic checkpoints: write to a temporary file, fsync, rename, fsync the directory.
+
+A crash at any moment leaves either the previous checkpoint or the new one, never half of one.
+A lock file keeps two nodes from sharing one directory (they would overwrite each other's state).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_NAME = "node.pt"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used, phrased as one line for the user."""
+
+
+class CheckpointStore:
+    def __init__(self, directory: str | os.PathLike[str]):
+        self.directory = Path(directory)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._lock: IO[str] = open(self.directory / ".lock", "w")
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint dir '{directory}' is not usable: {exc.strerror}") from None
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CheckpointError(f"checkpoint dir '{directory}' is in use by another node") from None
+
+    @property
+    def path(self) -> Path:
+        return self.directory / CHECKPOINT_NAME
+
+    def save(self, state: dict[str, Any]) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        with open(tmp, "wb") as file:
+            torch.save({"format": FORMAT_VERSION, **state}, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, self.path)
+        dir_fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # makes the rename itself durable
+        finally:
+            os.close(dir_fd)
+
+    def load(self) -> dict[str, Any] | None:
+        if not self.path.exists():
+            return None
+        try:
+            state = torch.load(self.path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch raises many types for damaged files; all mean the same here
+            raise CheckpointError(f"checkpoint '{self.path}' is unreadable: {exc}") from None
+        if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
+            raise CheckpointError(f"checkpoint '{self.path}' has an unknown format")
+        return state
+
+    def close(self) -> None:
+        self._lock.close()

@@ -1,0 +1,107 @@
+"""Command line: parses flags, env vars and the TOML file into a NodeConfig, and nothing more.
+
+Options are generated from NodeConfig's fields so that a flag, DILOCO_<KEY> and a config key can
+never drift apart, and defaults live only in config.py. Every user-facing failure is one line on
+stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Callable, NoReturn
+
+import click
+from click.core import ParameterSource
+
+from diloco_node.config import ConfigError, NodeConfig, load_config
+
+EXIT_BAD_INPUT = 2
+
+
+def fail(message: str) -> NoReturn:
+    click.echo(f"diloco-node: error: {message}", err=True)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+def _option_for(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    field = NodeConfig.model_fields[name]
+    flag = "--" + name.replace("_", "-")
+    envvar = f"DILOCO_{name.upper()}"
+    is_list = field.annotation == list[str]
+    default = field.get_default(call_default_factory=True)
+    help_text = f"{field.description} [default: {default}; env {envvar}]"
+    if is_list:
+        return click.option(flag, name, multiple=True, envvar=envvar, help=help_text)
+    kind = {int: int, float: float}.get(field.annotation, str)  # type: ignore[call-overload]
+    return click.option(flag, name, type=kind, default=None, envvar=envvar, help=help_text)
+
+
+def node_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    for name in reversed(list(NodeConfig.model_fields)):
+        func = _option_for(name)(func)
+    return click.option("--config", "config_file", type=str, envvar="DILOCO_CONFIG",
+                        help="TOML file with any of these options as keys")(func)
+
+
+def resolve_config(ctx: click.Context, config_file: str | None, values: dict[str, Any]) -> NodeConfig:
+    """Flags and env vars (click already applied flag > env) override the file; the file overrides defaults."""
+    explicit = {name: value for name, value in values.items()
+                if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+                and value not in (None, ())}
+    explicit = {k: list(v) if isinstance(v, tuple) else v for k, v in explicit.items()}
+    try:
+        return load_config(config_file, explicit)
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # hivemind reports every retry with a traceback; our own modules say what matters in one line.
+    logging.getLogger("hivemind").setLevel(logging.ERROR)
+    for handler in logging.getLogger("hivemind").handlers:
+        handler.setLevel(logging.ERROR)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """diloco-node: train one model together over the internet with DiLoCo over a hivemind swarm."""
+
+
+@main.command()
+@node_options
+@click.option("--log-level", default="INFO", envvar="DILOCO_LOG_LEVEL",
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), help="log verbosity")
+@click.pass_context
+def join(ctx: click.Context, config_file: str | None, log_level: str, **values: Any) -> None:
+    """Join a swarm (or start one when no --peer is given) and train until stopped.
+
+    Example: diloco-node join --peer /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
+    """
+    cfg = resolve_config(ctx, config_file, values)
+    setup_logging(log_level)
+    from diloco_node.runner import run_node  # heavy imports (torch, hivemind) only once input is valid
+
+    sys.exit(run_node(cfg))
+
+
+@main.command()
+@click.option("--nodes", default=2, show_default=True, type=click.IntRange(1, 8), help="local node processes")
+@click.option("--rounds", default=12, show_default=True, type=click.IntRange(1), help="outer rounds")
+@click.option("--inner-steps", default=40, show_default=True, type=click.IntRange(1), help="H per round")
+@click.option("--model", default="tiny", show_default=True, help="model preset")
+def demo(nodes: int, rounds: int, inner_steps: int, model: str) -> None:
+    """Train the default model on the embedded corpus with a local swarm, then print a summary.
+
+    Example: diloco-node demo --nodes 2
+    """
+    from diloco_node.demo import run_demo
+
+    sys.exit(run_demo(nodes=nodes, rounds=rounds, inner_steps=inner_steps, model=model))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

@@ -1,0 +1,159 @@
+"""Node configuration: every default lives here, and every value is validated here.
+
+The CLI builds its options from these fields, so a key in a TOML file, an env var DILOCO_<KEY>
+and a flag --<key> always mean the same thing. Precedence: flag > env > file > default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from diloco_node.swarm.addresses import check_multiaddr
+from diloco_node.train.model import PRESETS
+
+DEFAULT_STATUS_PORT = 7780
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the person who made it (one line)."""
+
+
+class NodeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # --- the swarm ---
+    run_id: str = Field("diloco-default", description="name of the training run; peers never mix runs",
+                        pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    peer: list[str] = Field(default_factory=list, description="multiaddr of a node already in the swarm (repeatable)")
+    listen: list[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"],
+                              description="multiaddr to listen on for peers (repeatable)")
+    announce: list[str] = Field(default_factory=list, description="public multiaddr to announce to peers (repeatable)")
+    status: str = Field(f"127.0.0.1:{DEFAULT_STATUS_PORT}",
+                        description="HOST:PORT of the status server (port 0 picks a free one)")
+    round_timeout: float = Field(60.0, gt=0, description="seconds to wait for peers at the end of a round")
+    matchmaking_time: float = Field(3.0, gt=0, description="seconds to gather a group before averaging")
+
+    # --- the model and data ---
+    model: str = Field("tiny", description=f"model preset: {', '.join(PRESETS)}")
+    data: str | None = Field(None, description="text file, directory or .jsonl (default: embedded corpus)")
+    seq_len: int = Field(128, gt=0, description="tokens (bytes) per training sequence")
+    batch_size: int = Field(16, gt=0, description="sequences per inner step")
+    eval_batches: int = Field(8, gt=0, description="held-out batches for eval loss each round")
+    seed: int = Field(0, ge=0, description="seed for the initial model and this node's data order")
+    threads: int = Field(0, ge=0, description="torch CPU threads (0 = torch's default)")
+
+    # --- inner optimizer (AdamW) ---
+    inner_steps: int = Field(50, gt=0, description="H: inner AdamW steps per outer round")
+    inner_lr: float = Field(4e-4, gt=0, description="peak inner learning rate")
+    warmup_steps: int = Field(50, ge=0, description="inner linear warmup steps")
+    weight_decay: float = Field(0.1, ge=0, description="inner AdamW weight decay")
+    grad_clip: float = Field(1.0, gt=0, description="inner gradient norm clip")
+
+    # --- outer optimizer (Nesterov SGD on pseudo-gradients) ---
+    outer_lr: float = Field(0.7, gt=0, description="outer learning rate")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer Nesterov momentum")
+    max_outer_steps: int = Field(0, ge=0, description="stop after this many rounds (0 = run forever)")
+
+    # --- persistence ---
+    checkpoint_dir: str | None = Field(None, description="directory for checkpoints; resumes from it (default: none)")
+    checkpoint_every: int = Field(1, ge=0, description="checkpoint every N rounds (0 = never)")
+
+    @field_validator("peer", "listen", "announce")
+    @classmethod
+    def _multiaddrs(cls, values: list[str]) -> list[str]:
+        for value in values:
+            check_multiaddr(value)
+        return values
+
+    @field_validator("peer")
+    @classmethod
+    def _peer_has_id(cls, values: list[str]) -> list[str]:
+        for value in values:
+            if "/p2p/" not in value:
+                raise ValueError(f"peer address '{value}' lacks its /p2p/<peer id> part")
+        return values
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
+        if value not in PRESETS:
+            raise ValueError(f"unknown model preset '{value}' (known: {', '.join(PRESETS)})")
+        return value
+
+    @field_validator("status")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ValueError(f"status address '{value}' is not HOST:PORT")
+        return value
+
+    @model_validator(mode="after")
+    def _fits_model(self) -> NodeConfig:
+        limit = PRESETS[self.model].max_seq_len
+        if self.seq_len > limit:
+            raise ValueError(f"seq_len {self.seq_len} exceeds model '{self.model}' limit of {limit}")
+        return self
+
+    @property
+    def status_host_port(self) -> tuple[str, int]:
+        host, _, port = self.status.rpartition(":")
+        return host, int(port)
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """What peers must share to average together: the model's shape and the outer algorithm."""
+        arch = PRESETS[self.model]
+        return {
+            "model": self.model, "n_layer": arch.n_layer, "d_model": arch.d_model, "n_head": arch.n_head,
+            "vocab_size": arch.vocab_size, "max_seq_len": arch.max_seq_len,
+            "algorithm": "diloco", "compression": "none",
+            "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
+        }
+
+    def fingerprint(self) -> str:
+        canonical = json.dumps(self.fingerprint_fields(), sort_keys=True)
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def describe_fields(fields: dict[str, Any]) -> str:
+    return " ".join(f"{key}={value}" for key, value in sorted(fields.items()))
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as file:
+            data = tomllib.load(file)
+    except FileNotFoundError:
+        raise ConfigError(f"config file '{path}' does not exist") from None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file '{path}' cannot be read: {exc}") from None
+    # TOML users write either-case keys with dashes like the flags; normalise to field names.
+    return {key.replace("-", "_"): value for key, value in data.items()}
+
+
+def build_config(values: dict[str, Any], source: str = "options") -> NodeConfig:
+    """Validate merged values, turning pydantic's report into one line naming the key."""
+    try:
+        return NodeConfig(**values)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        key = ".".join(str(part) for part in error["loc"]) or "config"
+        if error["type"] == "extra_forbidden":
+            raise ConfigError(f"unknown config key '{key}' in {source}") from None
+        message = error["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"invalid value for '{key}': {message}") from None
+
+
+def load_config(file: str | None, overrides: dict[str, Any]) -> NodeConfig:
+    """File values first, then overrides (env and flags, already resolved by the CLI)."""
+    values = read_toml(file) if file else {}
+    source = f"config file '{file}'" if file else "options"
+    values.update(overrides)
+    return build_config(values, source)
+
+

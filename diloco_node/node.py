@@ -1,0 +1,250 @@
+"""Node: assembles model, data, optimizers, swarm, telemetry and checkpoints, and runs rounds.
+
+One round (DESIGN §2): θ ← φ; H inner AdamW steps; Δ = φ − θ; token-weighted mean of Δ over the
+group; Nesterov step on φ; eval; checkpoint. Only start-up problems end the process; anything that
+goes wrong inside a round is logged and the round goes on with whoever made it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import signal
+import threading
+import time
+import zlib
+from typing import Any, Callable
+
+import torch
+
+from diloco_node.checkpoint import CheckpointError, CheckpointStore
+from diloco_node.config import NodeConfig
+from diloco_node.outer.diloco import OuterOptimizer, pseudo_gradient
+from diloco_node.swarm.member import SwarmMember, SwarmSettings
+from diloco_node.telemetry.meter import Telemetry
+from diloco_node.telemetry.server import StatusServer
+from diloco_node.train.data import ByteDataset, load_corpus
+from diloco_node.train.inner import InnerConfig, InnerTrainer, evaluate
+from diloco_node.train.model import build_model, count_parameters
+
+logger = logging.getLogger(__name__)
+
+STATE_DOWNLOAD_TIMEOUT = 60.0
+
+
+def digest(tensors: list[torch.Tensor]) -> str:
+    """Equal exactly when the tensors are bit-for-bit equal (up to hash collisions)."""
+    hasher = hashlib.sha256()
+    for tensor in tensors:
+        hasher.update(tensor.detach().contiguous().numpy().tobytes())
+    return hasher.hexdigest()[:16]
+
+
+class Node:
+    def __init__(self, cfg: NodeConfig, say: Callable[[str], None] = print):
+        self.cfg, self.say = cfg, say
+        self.dataset = ByteDataset(load_corpus(cfg.data), cfg.seq_len)
+        self.eval_batches = self.dataset.eval_batches(cfg.batch_size, cfg.eval_batches)
+        self.model = build_model(cfg.model, cfg.seed)
+        self.names = [name for name, _ in self.model.named_parameters()]
+        # φ: the fp32 outer copy, in canonical (name) order, exchanged and stepped by the outer optimizer.
+        self.outer_params = [p.detach().clone().float() for p in self.model.parameters()]
+        self.outer = OuterOptimizer(self.outer_params, cfg.outer_lr, cfg.outer_momentum)
+        total = cfg.max_outer_steps * cfg.inner_steps
+        self.inner = InnerTrainer(self.model, InnerConfig(
+            lr=cfg.inner_lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
+            total_steps=total, grad_clip=cfg.grad_clip))
+        self.round = 0
+        self.data_position = 0
+        self.stream_seed = cfg.seed
+        self.lock = threading.Lock()  # guards φ, outer state and round against state-sharing reads
+        self.stop_requested = threading.Event()
+        self.store = CheckpointStore(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+        self.telemetry = Telemetry(run_id=cfg.run_id, model=cfg.model, parameters=count_parameters(self.model),
+                                   outer_step=0, inner_step=0, loss=None, eval_loss=None, peers=1, group_size=0)
+        self.server = StatusServer(self.telemetry, *cfg.status_host_port)
+        self.swarm: SwarmMember | None = None
+
+    # --- start-up -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Everything that can fail because of bad input happens here, before training starts."""
+        resumed = self._resume()
+        self.say(f"status: {self.server.start()}")
+        settings = SwarmSettings(
+            run_id=self.cfg.run_id, fingerprint=self.cfg.fingerprint(), config=self.cfg.fingerprint_fields(),
+            initial_peers=self.cfg.peer, listen=self.cfg.listen, announce=self.cfg.announce,
+            matchmaking_time=self.cfg.matchmaking_time, round_timeout=self.cfg.round_timeout)
+        self.swarm = SwarmMember(settings, self.outer_params, self._shared_state)
+        for address in self.swarm.visible_addresses():
+            self.say(f"peer address: {address}")
+        if not resumed:  # a fresh node gets its own data order, derived from its identity
+            self.stream_seed = zlib.crc32(self.swarm.peer_id.encode()) ^ self.cfg.seed
+        self.swarm.enter(self.round)
+        if not resumed:
+            self._sync_from_peers()
+        self.swarm.share_state(self.round)
+        self.telemetry.update(peer_id=self.swarm.peer_id, maddrs=self.swarm.visible_addresses(),
+                              eval_loss=self._evaluate(), model_digest=self.model_digest())
+        self.telemetry.update(eval_loss_initial=self.telemetry.snapshot()["eval_loss"])
+
+    def _resume(self) -> bool:
+        state = self.store.load() if self.store else None
+        if state is None:
+            return False
+        if state["fingerprint"] != self.cfg.fingerprint():
+            raise CheckpointError(f"checkpoint in '{self.cfg.checkpoint_dir}' was made with another model/config")
+        self._install_outer(state["round"], state["outer_params"], state["momentum"])
+        self.inner.load_state_dict(state["inner"])
+        self.data_position, self.stream_seed = state["data_position"], state["stream_seed"]
+        logger.info("resumed round=%d from %s", self.round, self.store.path if self.store else "")
+        return True
+
+    def _sync_from_peers(self) -> bool:
+        """Download φ, outer momentum and the round from a peer; False when we are the first node."""
+        assert self.swarm is not None
+        received = self.swarm.download_state(STATE_DOWNLOAD_TIMEOUT)
+        if received is None:
+            return False
+        metadata, tensors = received
+        n = len(self.outer_params)
+        shapes_match = len(tensors) == 2 * n and all(
+            t.shape == p.shape for t, p in zip(tensors, self.outer_params + self.outer_params))
+        if metadata.get("fingerprint") != self.cfg.fingerprint() or not shapes_match:
+            logger.warning("ignored state from a peer: incompatible model or config")
+            return False
+        momentum = tensors[n:] if metadata.get("has_momentum") else None
+        self._install_outer(int(metadata["round"]), tensors[:n], momentum)
+        logger.info("synced state from peers round=%d digest=%s", self.round, self.model_digest())
+        return True
+
+    def _install_outer(self, round_: int, params: list[torch.Tensor], momentum: list[torch.Tensor] | None) -> None:
+        with self.lock:
+            for phi, value in zip(self.outer_params, params):
+                phi.copy_(value)
+            self.outer.load_momentum(momentum)
+            self.round = round_
+
+    def _shared_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """What a joining peer downloads; called on hivemind's thread, hence the lock and the copies."""
+        with self.lock:
+            metadata = {"round": self.round, "fingerprint": self.cfg.fingerprint(),
+                        "has_momentum": self.outer.has_momentum()}
+            tensors = [p.clone() for p in self.outer_params] + [m.clone() for m in self.outer.momentum_buffers()]
+        self.telemetry.add(bytes_sent=sum(t.numel() * t.element_size() for t in tensors))
+        return metadata, tensors
+
+    # --- rounds -------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        self._install_signal_handlers()
+        try:
+            while not self.stop_requested.is_set():
+                if self.cfg.max_outer_steps and self.round >= self.cfg.max_outer_steps:
+                    break
+                self.run_round()
+        finally:
+            self.shutdown()
+
+    def run_round(self) -> None:
+        assert self.swarm is not None
+        started = time.monotonic()
+        self._load_outer_into_model()
+        losses = self._inner_phase()
+        if losses is None:
+            return  # stop requested mid-round: the checkpoint keeps the round's start
+        tokens = len(losses) * self.cfg.batch_size * self.cfg.seq_len
+        self.swarm.announce(self.round, ready_round=self.round)
+        verdict = self.swarm.wait_for_round(self.round, self.cfg.round_timeout)
+        if verdict == "behind":
+            logger.warning("round=%d peers moved on without us; re-syncing instead of sending stale work",
+                           self.round)
+            self._sync_from_peers()
+            self.swarm.announce(self.round, ready_round=self.round - 1)
+            return
+        delta = pseudo_gradient(self.outer_params, list(self.model.parameters()))
+        group_size, bytes_sent, bytes_received = 1, 0, 0
+        if verdict != "alone":
+            result = self.swarm.average(delta, weight=float(tokens), round_=self.round)
+            group_size, bytes_sent, bytes_received = result.group_size, result.bytes_sent, result.bytes_received
+            if group_size == 1:
+                logger.warning("round=%d no peer averaged with us; applying our own pseudo-gradient", self.round)
+        with self.lock:
+            self.outer.step(delta)
+            self.round += 1
+        self.swarm.announce(self.round, ready_round=self.round - 1)
+        self.swarm.share_state(self.round)
+        self._finish_round(losses, group_size, bytes_sent, bytes_received, time.monotonic() - started)
+
+    def _inner_phase(self) -> list[float] | None:
+        losses = []
+        for _ in range(self.cfg.inner_steps):
+            if self.stop_requested.is_set():
+                return None
+            x, y = self.dataset.train_batch(self.cfg.batch_size, self.stream_seed, self.data_position)
+            self.data_position += 1
+            losses.append(self.inner.train_step(x, y))
+            self.telemetry.update(inner_step=self.inner.step, loss=losses[-1])
+        return losses
+
+    def _finish_round(self, losses: list[float], group_size: int, sent: int, received: int, seconds: float) -> None:
+        assert self.swarm is not None
+        eval_loss = self._evaluate()
+        self.telemetry.add(bytes_sent=sent, bytes_received=received)
+        self.telemetry.update(
+            outer_step=self.round, loss=sum(losses) / len(losses), eval_loss=eval_loss, group_size=group_size,
+            peers=len(self.swarm.compatible_peers()), model_digest=self.model_digest(),
+            last_round_bytes_sent=sent, last_round_bytes_received=received, round_seconds=round(seconds, 3))
+        logger.info("round=%d loss=%.4f eval_loss=%.4f group_size=%d sent=%d received=%d seconds=%.1f",
+                    self.round, sum(losses) / len(losses), eval_loss, group_size, sent, received, seconds)
+        if self.store and self.cfg.checkpoint_every and self.round % self.cfg.checkpoint_every == 0:
+            self.save_checkpoint()
+
+    def _load_outer_into_model(self) -> None:
+        with torch.no_grad(), self.lock:
+            for theta, phi in zip(self.model.parameters(), self.outer_params):
+                theta.copy_(phi)
+
+    def _evaluate(self) -> float:
+        self._load_outer_into_model()
+        return evaluate(self.model, self.eval_batches)
+
+    def model_digest(self) -> str:
+        with self.lock:
+            return digest(self.outer_params)
+
+    # --- persistence and shutdown -------------------------------------------------------------
+
+    def save_checkpoint(self) -> None:
+        assert self.store is not None
+        with self.lock:
+            state = {"fingerprint": self.cfg.fingerprint(), "round": self.round,
+                     "outer_params": [p.clone() for p in self.outer_params],
+                     "momentum": self.outer.momentum_buffers() if self.outer.has_momentum() else None,
+                     "inner": self.inner.state_dict(), "data_position": self.data_position,
+                     "stream_seed": self.stream_seed, "digest": digest(self.outer_params)}
+        self.store.save(state)
+
+    def _install_signal_handlers(self) -> None:
+        def request_stop(signum: int, _frame: Any) -> None:
+            logger.info("received %s; stopping at the next safe point", signal.Signals(signum).name)
+            self.stop_requested.set()
+        signal.signal(signal.SIGINT, request_stop)
+        signal.signal(signal.SIGTERM, request_stop)
+
+    def abort(self) -> None:
+        """Release what a failed start-up acquired, saving nothing."""
+        if self.store:
+            self.store.close()
+        if self.swarm:
+            self.swarm.leave()
+        self.server.stop()
+
+    def shutdown(self) -> None:
+        if self.store:
+            self.save_checkpoint()
+            self.store.close()
+        if self.swarm:
+            self.swarm.leave()
+        self.server.stop()
+        logger.info("left the swarm at round=%d", self.round)

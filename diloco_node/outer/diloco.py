@@ -1,0 +1,58 @@
+"""DiLoCo's outer step (DESIGN §3): Nesterov SGD on φ with the group's mean pseudo-gradient."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+
+def pseudo_gradient(outer_params: Sequence[torch.Tensor], inner_params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Δ = φ − θ: the direction the inner phase moved, signed like a gradient."""
+    return [phi - theta.detach().float() for phi, theta in zip(outer_params, inner_params)]
+
+
+class OuterOptimizer:
+    """torch.optim.SGD(nesterov=True) over φ, fed the averaged Δ as the gradient.
+
+    Using torch's own SGD rather than re-deriving Nesterov keeps the semantics exactly those of
+    the reference implementation (momentum buffer initialised to the first gradient, no dampening).
+    """
+
+    def __init__(self, outer_params: Sequence[torch.Tensor], lr: float, momentum: float):
+        self.params = list(outer_params)
+        self._sgd = torch.optim.SGD(self.params, lr=lr, momentum=momentum, nesterov=True)
+
+    @torch.no_grad()
+    def step(self, mean_pseudo_gradient: Sequence[torch.Tensor]) -> None:
+        for param, grad in zip(self.params, mean_pseudo_gradient):
+            param.grad = grad.to(param.dtype)
+        self._sgd.step()
+        for param in self.params:
+            param.grad = None
+
+    def momentum_buffers(self) -> list[torch.Tensor]:
+        """One buffer per parameter; zeros before the first step (SGD then treats them as absent)."""
+        buffers = []
+        for param in self.params:
+            buffer = self._sgd.state.get(param, {}).get("momentum_buffer")
+            buffers.append(buffer if buffer is not None else torch.zeros_like(param))
+        return buffers
+
+    def has_momentum(self) -> bool:
+        return any(self._sgd.state.get(p, {}).get("momentum_buffer") is not None for p in self.params)
+
+    def load_momentum(self, buffers: Sequence[torch.Tensor] | None) -> None:
+        """Install buffers received from a peer or a checkpoint; None means 'no step taken yet'."""
+        for param, buffer in zip(self.params, buffers or [None] * len(self.params)):
+            state = self._sgd.state[param]
+            if buffer is None:
+                state.pop("momentum_buffer", None)
+            else:
+                state["momentum_buffer"] = buffer.detach().clone().to(param.dtype)
+
+    def state(self) -> dict[str, Any]:
+        return {"momentum": self.momentum_buffers() if self.has_momentum() else None}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.load_momentum(state.get("momentum"))

@@ -1,0 +1,39 @@
+"""Runs one node for `diloco-node join`: start-up errors become one line and exit code 2."""
+
+from __future__ import annotations
+
+import logging
+
+import click
+import torch
+
+from diloco_node.checkpoint import CheckpointError
+from diloco_node.config import NodeConfig
+from diloco_node.node import Node
+from diloco_node.swarm.member import SwarmError
+from diloco_node.telemetry.server import StatusServerError
+from diloco_node.train.data import DataError
+
+logger = logging.getLogger(__name__)
+
+START_UP_ERRORS = (DataError, SwarmError, StatusServerError, CheckpointError)
+
+
+def say(line: str) -> None:
+    click.echo(line)  # stdout, flushed per line: scripts and other nodes read these addresses
+
+
+def run_node(cfg: NodeConfig) -> int:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    node = None
+    try:
+        node = Node(cfg, say=say)
+        node.start()
+    except START_UP_ERRORS as exc:
+        click.echo(f"diloco-node: error: {exc}", err=True)
+        if node is not None:
+            node.abort()
+        return 2
+    node.run()
+    return 0

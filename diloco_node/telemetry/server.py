@@ -1,0 +1,73 @@
+"""The status server: aiohttp on its own thread and event loop, reading Telemetry snapshots."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+from aiohttp import web
+
+from diloco_node.telemetry.meter import Telemetry
+
+logger = logging.getLogger(__name__)
+
+TELEMETRY_KEY = web.AppKey("telemetry", Telemetry)
+
+
+class StatusServerError(RuntimeError):
+    """The server could not start (e.g. its port is in use), phrased as one line for the user."""
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
+async def api_status(request: web.Request) -> web.Response:
+    snapshot = request.app[TELEMETRY_KEY].snapshot()
+    snapshot["uptime_seconds"] = round(time.time() - snapshot.pop("started_at"), 1)
+    return web.json_response(snapshot)
+
+
+def build_app(telemetry: Telemetry) -> web.Application:
+    app = web.Application()
+    app[TELEMETRY_KEY] = telemetry
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/api/status", api_status)
+    return app
+
+
+class StatusServer:
+    """Starts synchronously (so a busy port is reported before training starts), then serves."""
+
+    def __init__(self, telemetry: Telemetry, host: str, port: int):
+        self._app = build_app(telemetry)
+        self._host, self._requested_port = host, port
+        self._loop = asyncio.new_event_loop()
+        self._runner = web.AppRunner(self._app, access_log=None)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="status-server", daemon=True)
+        self.port = port
+
+    def start(self) -> str:
+        self._thread.start()
+        future = asyncio.run_coroutine_threadsafe(self._bind(), self._loop)
+        try:
+            self.port = future.result(timeout=30)
+        except OSError as exc:
+            raise StatusServerError(
+                f"cannot serve status on {self._host}:{self._requested_port}: {exc.strerror or exc}") from None
+        return f"http://{self._host}:{self.port}"
+
+    async def _bind(self) -> int:
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._host, self._requested_port, reuse_address=False)
+        await site.start()
+        sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
+        return int(sockets[0].getsockname()[1]) if sockets else self._requested_port
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)

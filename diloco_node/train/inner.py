@@ -1,0 +1,102 @@
+"""The inner loop: plain AdamW steps on the local replica θ between outer rounds."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InnerConfig:
+    lr: float = 4e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.1
+    warmup_steps: int = 50
+    total_steps: int = 0  # 0 = no cosine decay, constant lr after warmup
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+
+
+def lr_at(step: int, cfg: InnerConfig) -> float:
+    """Learning rate for 0-based ``step``: linear warmup, then cosine to ``lr * min_lr_ratio``.
+
+    Warmup reaches ``lr`` at ``step == warmup_steps - 1`` (step 0 gets ``lr / warmup_steps``, not
+    zero, so the first step is not wasted). The cosine runs from ``warmup_steps`` to
+    ``total_steps`` and stays at the floor afterwards.
+    """
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.total_steps <= 0:
+        return cfg.lr
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    if step >= cfg.total_steps:
+        return min_lr
+    decay_steps = max(1, cfg.total_steps - cfg.warmup_steps)
+    progress = (step - cfg.warmup_steps) / decay_steps
+    return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay only matrices (linear and embedding weights, >= 2 dims); biases and LayerNorm
+    gains are 1-d and stay undecayed, as in GPT-2/nanoGPT. The positional embedding is a matrix
+    and is decayed: simpler, and it makes no measurable difference at this scale."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+class InnerTrainer:
+    """Owns the AdamW state of one replica. ``step`` counts inner steps across all rounds, so the
+    schedule continues through outer rounds rather than re-warming each round."""
+
+    def __init__(self, model: nn.Module, cfg: InnerConfig) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.step = 0
+        self.optimizer = torch.optim.AdamW(
+            _param_groups(model, cfg.weight_decay), lr=lr_at(0, cfg), betas=cfg.betas
+        )
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        lr = lr_at(self.step, self.cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss = self.model.loss(x, y)  # type: ignore[operator]
+        loss.backward()
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return float(loss.detach())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean loss over ``batches`` (eval mode, so dropout is off); leaves the model in train mode."""
+    if not batches:
+        raise ValueError("evaluate() needs at least one batch")
+    model.eval()
+    try:
+        total = sum(float(model.loss(x, y)) for x, y in batches)  # type: ignore[operator]
+    finally:
+        model.train()
+    return total / len(batches)
