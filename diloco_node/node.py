@@ -86,7 +86,10 @@ class Node:
         self.swarm.share_state(self.round)
         self.telemetry.update(peer_id=self.swarm.peer_id, maddrs=self.swarm.visible_addresses(),
                               eval_loss=self._evaluate(), model_digest=self.model_digest())
-        self.telemetry.update(eval_loss_initial=self.telemetry.snapshot()["eval_loss"])
+        snapshot = self.telemetry.snapshot()
+        self.telemetry.update(eval_loss_initial=snapshot["eval_loss"])
+        logger.info("joined run=%s round=%d eval_loss=%.4f parameters=%d digest=%s", self.cfg.run_id, self.round,
+                    snapshot["eval_loss"], snapshot["parameters"], snapshot["model_digest"])
 
     def _resume(self) -> bool:
         state = self.store.load() if self.store else None
@@ -195,8 +198,9 @@ class Node:
             outer_step=self.round, loss=sum(losses) / len(losses), eval_loss=eval_loss, group_size=group_size,
             peers=len(self.swarm.compatible_peers()), model_digest=self.model_digest(),
             last_round_bytes_sent=sent, last_round_bytes_received=received, round_seconds=round(seconds, 3))
-        logger.info("round=%d loss=%.4f eval_loss=%.4f group_size=%d sent=%d received=%d seconds=%.1f",
-                    self.round, sum(losses) / len(losses), eval_loss, group_size, sent, received, seconds)
+        logger.info("round=%d loss=%.4f eval_loss=%.4f group_size=%d sent=%d received=%d seconds=%.1f digest=%s",
+                    self.round, sum(losses) / len(losses), eval_loss, group_size, sent, received, seconds,
+                    self.model_digest())
         if self.store and self.cfg.checkpoint_every and self.round % self.cfg.checkpoint_every == 0:
             self.save_checkpoint()
 
