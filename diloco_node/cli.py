@@ -7,6 +7,7 @@ stderr and exit code 2.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -85,6 +86,21 @@ def join(ctx: click.Context, config_file: str | None, log_level: str, **values: 
     from diloco_node.runner import run_node  # heavy imports (torch, hivemind) only once input is valid
 
     sys.exit(run_node(cfg))
+
+
+@main.command("config")
+@node_options
+@click.pass_context
+def show_config(ctx: click.Context, config_file: str | None, **values: Any) -> None:
+    """Print the effective configuration (flags > env > file > defaults) as TOML, and its fingerprint.
+
+    Example: DILOCO_INNER_STEPS=100 diloco-node config --config run.toml --batch-size 8
+    """
+    cfg = resolve_config(ctx, config_file, values)
+    for key, value in cfg.model_dump().items():
+        if value is not None:
+            click.echo(f"{key} = {json.dumps(value)}")
+    click.echo(f"# fingerprint {cfg.fingerprint()}")
 
 
 @main.command()

@@ -1,0 +1,3 @@
+from diloco_node.cli import main
+
+main()
