@@ -35,6 +35,7 @@ class NodeConfig(BaseModel):
     announce: list[str] = Field(default_factory=list, description="public multiaddr to announce to peers (repeatable)")
     status: str = Field(f"127.0.0.1:{DEFAULT_STATUS_PORT}",
                         description="HOST:PORT of the status server (port 0 picks a free one)")
+    min_peers: int = Field(1, ge=1, description="nodes (this one included) to wait for before the first round")
     round_timeout: float = Field(60.0, gt=0, description="seconds to wait for peers at the end of a round")
     matchmaking_time: float = Field(3.0, gt=0, description="seconds to gather a group before averaging")
 

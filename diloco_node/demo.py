@@ -67,7 +67,7 @@ def run_demo(nodes: int, rounds: int, inner_steps: int, model: str) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="diloco-demo-"))
     common = ["--run-id", run_id, "--model", model, "--inner-steps", str(inner_steps), "--max-outer-steps",
               str(rounds), "--listen", "/ip4/127.0.0.1/tcp/0", "--status", "127.0.0.1:0",
-              "--threads", str(threads), "--log-level", "INFO"]
+              "--threads", str(threads), "--min-peers", str(nodes), "--log-level", "INFO"]
     print(f"demo: {nodes} nodes, run {run_id}, {rounds} rounds of H={inner_steps}, logs in {workdir}")
     bar = tqdm(total=nodes * rounds, desc="outer rounds (all nodes)", unit="round")
     processes, progresses, followers = [], [], []
@@ -104,7 +104,7 @@ def run_demo(nodes: int, rounds: int, inner_steps: int, model: str) -> int:
 
 
 def summary(progresses: list[NodeProgress], nodes: int, inner_steps: int) -> str:
-    lines = ["", f"{'node':>4} {'eval before':>11} {'eval after':>10} {'rounds':>6} {'avg group':>9} "
+    lines = ["", f"{'node':>4} {'eval at start':>11} {'eval after':>10} {'rounds':>6} {'avg group':>9} "
              f"{'bytes/round':>12} {'B/param/round':>13} {'vs all-reduce':>13}"]
     for index, progress in enumerate(progresses):
         if not progress.rounds:
@@ -118,7 +118,7 @@ def summary(progresses: list[NodeProgress], nodes: int, inner_steps: int) -> str
         ring = 2 * (nodes - 1) / nodes * FP32_BYTES * progress.parameters * inner_steps * rounds
         reduction = f"{ring / sent:.0f}x less" if sent else "n/a"
         group = sum(r[2] for r in progress.rounds) / rounds
-        lines.append(f"{index:>4} {progress.eval_before or float('nan'):>11.4f} {progress.rounds[-1][1]:>10.4f} "
+        lines.append(f"{index:>4} {progress.eval_before or float('nan'):>13.4f} {progress.rounds[-1][1]:>10.4f} "
                      f"{rounds:>6} {group:>9.2f} {per_round:>12,.0f} {per_param:>13.3f} {reduction:>13}")
     lines.append(f"bytes are this node's payload sent per round; 'vs all-reduce' compares with data-parallel "
                  f"training sending {nodes}-way ring all-reduces every step for the same tokens.")

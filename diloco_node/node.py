@@ -84,6 +84,9 @@ class Node:
         if not resumed:
             self._sync_from_peers()
         self.swarm.share_state(self.round)
+        if self.cfg.min_peers > 1:
+            self.say(f"waiting for {self.cfg.min_peers} nodes in run {self.cfg.run_id}")
+            self.swarm.wait_for_peers(self.cfg.min_peers, self.stop_requested)
         self.telemetry.update(peer_id=self.swarm.peer_id, maddrs=self.swarm.visible_addresses(),
                               eval_loss=self._evaluate(), model_digest=self.model_digest())
         snapshot = self.telemetry.snapshot()
@@ -134,7 +137,6 @@ class Node:
             metadata = {"round": self.round, "fingerprint": self.cfg.fingerprint(),
                         "has_momentum": self.outer.has_momentum()}
             tensors = [p.clone() for p in self.outer_params] + [m.clone() for m in self.outer.momentum_buffers()]
-        self.telemetry.add(bytes_sent=sum(t.numel() * t.element_size() for t in tensors))
         return metadata, tensors
 
     # --- rounds -------------------------------------------------------------------------------
@@ -166,18 +168,17 @@ class Node:
             self.swarm.announce(self.round, ready_round=self.round - 1)
             return
         delta = pseudo_gradient(self.outer_params, list(self.model.parameters()))
-        group_size, bytes_sent, bytes_received = 1, 0, 0
+        group: tuple[str, ...] = (self.swarm.peer_id,)
         if verdict != "alone":
-            result = self.swarm.average(delta, weight=float(tokens), round_=self.round)
-            group_size, bytes_sent, bytes_received = result.group_size, result.bytes_sent, result.bytes_received
-            if group_size == 1:
+            group = self.swarm.average(delta, tokens=float(tokens), round_=self.round).group
+            if len(group) == 1:
                 logger.warning("round=%d no peer averaged with us; applying our own pseudo-gradient", self.round)
         with self.lock:
             self.outer.step(delta)
             self.round += 1
         self.swarm.announce(self.round, ready_round=self.round - 1)
         self.swarm.share_state(self.round)
-        self._finish_round(losses, group_size, bytes_sent, bytes_received, time.monotonic() - started)
+        self._finish_round(losses, group, time.monotonic() - started)
 
     def _inner_phase(self) -> list[float] | None:
         losses = []
@@ -190,16 +191,19 @@ class Node:
             self.telemetry.update(inner_step=self.inner.step, loss=losses[-1])
         return losses
 
-    def _finish_round(self, losses: list[float], group_size: int, sent: int, received: int, seconds: float) -> None:
+    def _finish_round(self, losses: list[float], group: tuple[str, ...], seconds: float) -> None:
         assert self.swarm is not None
-        eval_loss = self._evaluate()
-        self.telemetry.add(bytes_sent=sent, bytes_received=received)
+        eval_loss, loss = self._evaluate(), sum(losses) / len(losses)
+        before = self.telemetry.snapshot()
+        sent, received = self.swarm.traffic()
+        round_sent, round_received = sent - before["bytes_sent"], received - before["bytes_received"]
         self.telemetry.update(
-            outer_step=self.round, loss=sum(losses) / len(losses), eval_loss=eval_loss, group_size=group_size,
-            peers=len(self.swarm.compatible_peers()), model_digest=self.model_digest(),
-            last_round_bytes_sent=sent, last_round_bytes_received=received, round_seconds=round(seconds, 3))
+            outer_step=self.round, loss=loss, eval_loss=eval_loss, group_size=len(group), group=list(group),
+            peers=len(self.swarm.compatible_peers()), model_digest=self.model_digest(), bytes_sent=sent,
+            bytes_received=received, last_round_bytes_sent=round_sent, last_round_bytes_received=round_received,
+            round_seconds=round(seconds, 3))
         logger.info("round=%d loss=%.4f eval_loss=%.4f group_size=%d sent=%d received=%d seconds=%.1f digest=%s",
-                    self.round, sum(losses) / len(losses), eval_loss, group_size, sent, received, seconds,
+                    self.round, loss, eval_loss, len(group), round_sent, round_received, seconds,
                     self.model_digest())
         if self.store and self.cfg.checkpoint_every and self.round % self.cfg.checkpoint_every == 0:
             self.save_checkpoint()

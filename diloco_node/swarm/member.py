@@ -1,16 +1,20 @@
 """This node's membership in the swarm: the DHT, the presence heartbeat, the round barrier,
 pseudo-gradient averaging and state sharing. The rest of the package never sees hivemind.
 
-Averaging uses hivemind's DecentralizedAverager: DHT matchmaking, a butterfly all-reduce that
-splits the work evenly across the group, token weights, timeouts and retries are exactly what a
-DiLoCo outer step needs, and its state download gives late joiners φ and the outer state.
-Rounds never mix: the averager's group key carries the round number, so only peers averaging the
+Groups form through hivemind's DecentralizedAverager: its DHT matchmaking, timeouts and retries
+find the peers averaging the same round, and its all-gather carries each member's token count.
+The averager only all-reduces a one-element dummy; the pseudo-gradients themselves travel through
+PayloadExchange (see exchange.py for why). Its state download gives late joiners φ and the outer
+state. Rounds never mix: the matchmaking key carries the round number, so only peers averaging the
 same round can meet, and the run id + config fingerprint are part of the averager's prefix.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -21,14 +25,17 @@ from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.utils import get_dht_time
 
+from diloco_node.codec import wire
+from diloco_node.outer.aggregate import Contribution, robust_weighted_mean
 from diloco_node.swarm import records
-from diloco_node.swarm.metering import MeteredCompression, butterfly_traffic
+from diloco_node.swarm.exchange import PayloadExchange
 from diloco_node.swarm.records import NodeRecord
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 3.0
-ROUND_BITS = 24  # group key bits carrying the round number (mod 2**24)
+ROUND_BITS = 24
+BOOTSTRAP_ATTEMPTS = 3  # group key bits carrying the round number (mod 2**24)
 
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
 
@@ -51,20 +58,24 @@ class SwarmSettings:
 
 @dataclass(frozen=True)
 class AverageResult:
-    group_size: int
-    group: tuple[str, ...]
-    bytes_sent: int
-    bytes_received: int
+    group: tuple[str, ...]  # peer ids whose contributions made the mean, ourselves included
 
 
 class _StateSharingAverager(DecentralizedAverager):
     """get_current_state is hivemind's documented hook for what a joining peer downloads."""
 
     state_provider: StateProvider | None = None
+    on_state_served: Callable[[int], None] | None = None
 
     def get_current_state(self):  # type: ignore[override]  # runs in our process, on hivemind's thread
         metadata, tensors = self.state_provider() if self.state_provider else ({}, [])
+        if self.on_state_served:
+            self.on_state_served(_tensor_bytes(tensors))
         return metadata, tensors, None
+
+
+def _tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class SwarmMember:
@@ -74,13 +85,16 @@ class SwarmMember:
         self._dht_lock = threading.Lock()  # hivemind's DHT pipe is not safe to share between threads
         self.peer_id = str(self._dht.peer_id)
         self._numel = sum(t.numel() for t in template)
-        self._metered = MeteredCompression()
+        namespace = f"{settings.run_id}_{settings.fingerprint}"
         self._averager = _StateSharingAverager(
-            [torch.zeros_like(t, dtype=torch.float32) for t in template], self._dht, start=True,
-            prefix=f"{settings.run_id}_{settings.fingerprint}", min_matchmaking_time=settings.matchmaking_time,
-            request_timeout=min(3.0, settings.matchmaking_time / 2), next_chunk_timeout=10.0,
-            allreduce_timeout=settings.round_timeout, compression=self._metered, allow_state_sharing=False)
+            [torch.zeros(1)], self._dht, start=True, prefix=namespace,
+            min_matchmaking_time=settings.matchmaking_time, request_timeout=min(3.0, settings.matchmaking_time / 2),
+            next_chunk_timeout=10.0, allreduce_timeout=settings.round_timeout, allow_state_sharing=False)
         self._averager.state_provider = state_provider
+        self._averager.on_state_served = lambda n: self._count_state(sent=n)
+        self._exchange = PayloadExchange(self._dht, namespace, wire.max_payload_bytes(self._numel))
+        self._state_bytes = [0, 0]  # sent, received: state shared with / downloaded from joiners
+        self._state_bytes_lock = threading.Lock()
         self._record = NodeRecord(self.peer_id, settings.fingerprint, settings.config, 0, -1)
         self._refused: set[str] = set()
         self._live: dict[str, NodeRecord] = {}
@@ -111,6 +125,13 @@ class SwarmMember:
         """Live nodes of this run with our config, ourselves included (as of the last heartbeat)."""
         return dict(self._live)
 
+    def wait_for_peers(self, count: int, stop: threading.Event) -> bool:
+        """Block until `count` compatible nodes (ourselves included) are in the run; False if stopped."""
+        while len(self._fetch_compatible()) < count:
+            if stop.wait(0.5):
+                return False
+        return True
+
     def share_state(self, round_: int) -> None:
         """Let others download our state; a higher round makes us the preferred source."""
         self._averager.state_sharing_priority = float(round_)
@@ -119,7 +140,19 @@ class SwarmMember:
     def download_state(self, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         if len(self._fetch()) <= 1:
             return None  # nobody else is here: we start the run
-        return self._averager.load_state_from_peers(timeout=timeout)
+        received = self._averager.load_state_from_peers(timeout=timeout)
+        if received is not None:
+            self._count_state(received=_tensor_bytes(received[1]))
+        return received
+
+    def _count_state(self, sent: int = 0, received: int = 0) -> None:
+        with self._state_bytes_lock:  # hivemind's thread counts what it serves, ours what we download
+            self._state_bytes[0] += sent
+            self._state_bytes[1] += received
+
+    def traffic(self) -> tuple[int, int]:
+        """(bytes sent, bytes received) of payloads and shared state since start."""
+        return (self._exchange.bytes_sent + self._state_bytes[0], self._exchange.bytes_received + self._state_bytes[1])
 
     # --- rounds -------------------------------------------------------------------------------
 
@@ -145,30 +178,46 @@ class SwarmMember:
                 return "timeout"
             time.sleep(0.3)
 
-    def average(self, tensors: Sequence[torch.Tensor], weight: float, round_: int) -> AverageResult:
-        """Replace `tensors` in place by the weighted mean over the group that forms for this round."""
+    def average(self, pseudo_gradient: Sequence[torch.Tensor], tokens: float, round_: int) -> AverageResult:
+        """Replace `pseudo_gradient` in place by the robust token-weighted mean over this round's group."""
+        flat = torch.cat([t.detach().reshape(-1).float() for t in pseudo_gradient])
+        self._exchange.offer(round_, wire.encode(flat))
+        group_tokens = self._form_group(round_, tokens)
+        others = sorted(peer for peer in group_tokens if peer != self.peer_id)
+        contributions = [Contribution(self.peer_id, tokens, flat)]
+        for peer, payload in self._exchange.fetch_all(others, round_, self.settings.round_timeout).items():
+            if payload is None:
+                continue
+            try:
+                contributions.append(Contribution(peer, group_tokens[peer], wire.decode(payload, self._numel)))
+            except wire.CodecError as exc:
+                logger.warning("round=%d dropped payload from peer=%s: %s", round_, peer, exc)
+        mean = robust_weighted_mean(contributions)
+        offset = 0
+        for tensor in pseudo_gradient:
+            tensor.copy_(mean[offset:offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+        return AverageResult(tuple(sorted(c.peer_id for c in contributions)))
+
+    def _form_group(self, round_: int, tokens: float) -> dict[str, float]:
+        """Matchmake with the peers averaging `round_`; returns peer id → tokens, ourselves included."""
         self._averager.set_group_bits(format(round_ % 2**ROUND_BITS, f"0{ROUND_BITS}b"))
-        with self._averager.get_tensors() as buffers:
-            for buffer, tensor in zip(buffers, tensors):
-                buffer.copy_(tensor)
-        sent_before, elements_before = self._metered.snapshot()
         try:
             gathered = self._averager.step(
-                weight=weight, gather={"round": round_}, timeout=self.settings.round_timeout,
+                gather={"round": round_, "tokens": tokens}, timeout=self.settings.round_timeout,
                 scheduled_time=get_dht_time() + self.settings.matchmaking_time)
         except Exception as exc:  # hivemind surfaces timeouts and peer failures as assorted types
-            logger.warning("round=%d averaging failed (%s); going on alone", round_, type(exc).__name__)
+            logger.warning("round=%d no group formed (%s)", round_, type(exc).__name__)
             gathered = None
-        if not gathered:
-            return AverageResult(1, (self.peer_id,), 0, 0)
-        with self._averager.get_tensors() as buffers:
-            for buffer, tensor in zip(buffers, tensors):
-                tensor.copy_(buffer)
-        sent_after, elements_after = self._metered.snapshot()
-        traffic = butterfly_traffic(sent_after - sent_before, elements_after - elements_before,
-                                    self._numel, len(gathered))
-        group = tuple(sorted(str(peer) for peer in gathered))
-        return AverageResult(len(group), group, traffic.bytes_sent, traffic.bytes_received)
+        group = {self.peer_id: tokens}
+        for peer, info in (gathered or {}).items():
+            if str(peer) == self.peer_id:
+                continue
+            if not (isinstance(info, dict) and info.get("round") == round_ and _valid_tokens(info.get("tokens"))):
+                logger.warning("round=%d ignored peer=%s: malformed group metadata", round_, peer)
+                continue
+            group[str(peer)] = float(info["tokens"])
+        return group
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -179,8 +228,13 @@ class SwarmMember:
                 records.withdraw(self._dht, self.settings.run_id, self._record)
         except Exception as exc:  # leaving must never fail; the record expires on its own anyway
             logger.debug("withdraw failed: %r", exc)
+        self._exchange.close()
         self._averager.shutdown()
         self._dht.shutdown()
+
+    def _fetch_compatible(self) -> dict[str, NodeRecord]:
+        self._fetch()
+        return dict(self._live)
 
     def _fetch(self) -> dict[str, records.NodeRecord]:
         with self._dht_lock:
@@ -204,12 +258,40 @@ class SwarmMember:
                 logger.warning("heartbeat failed: %r", exc)
 
 
-def _start_dht(settings: SwarmSettings) -> DHT:
+def _valid_tokens(value: Any) -> bool:
+    return isinstance(value, (int, float)) and 0 < value < 1e15
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In hivemind's forked DHT/averager processes: die when the node dies, even by kill -9.
+
+    Without this a crashed node leaves orphans that keep answering peers in its name.
+    """
     try:
-        return DHT(initial_peers=list(settings.initial_peers), host_maddrs=list(settings.listen),
-                   announce_maddrs=list(settings.announce) or None, start=True, startup_timeout=30)
-    except Exception as exc:  # hivemind reports p2pd and bootstrap failures as generic errors
-        raise SwarmError(_explain_start_failure(settings, exc)) from None
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: orphans are then cleaned up by p2pd's idle timeout
+        pass
+
+
+os.register_at_fork(after_in_child=_die_with_parent)
+
+
+def _start_dht(settings: SwarmSettings) -> DHT:
+    """Start hivemind's DHT; a first contact that fails is retried, since busy peers answer late."""
+    attempt = 1
+    while True:
+        try:
+            return DHT(initial_peers=list(settings.initial_peers), host_maddrs=list(settings.listen),
+                       announce_maddrs=list(settings.announce) or None, start=True, startup_timeout=30)
+        except Exception as exc:  # hivemind reports p2pd and bootstrap failures as generic errors
+            message = _explain_start_failure(settings, exc)
+            if attempt == BOOTSTRAP_ATTEMPTS or not message.startswith("cannot reach"):
+                raise SwarmError(message) from None
+            logger.warning("attempt=%d %s; retrying", attempt, message)
+            attempt += 1
 
 
 def _explain_start_failure(settings: SwarmSettings, exc: Exception) -> str:

@@ -20,11 +20,6 @@ class Telemetry:
         with self._lock:
             self._values.update(values)
 
-    def add(self, **deltas: int) -> None:
-        with self._lock:
-            for key, delta in deltas.items():
-                self._values[key] = self._values.get(key, 0) + delta
-
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return dict(self._values)

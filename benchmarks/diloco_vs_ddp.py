@@ -1,0 +1,517 @@
+"""DiLoCo vs data-parallel training at an equal number of training tokens, side by side in one run.
+
+    .venv/bin/python benchmarks/diloco_vs_ddp.py            # ~10 min on 2 CPU cores
+    .venv/bin/python benchmarks/diloco_vs_ddp.py --quick    # smoke test, ~1-2 min
+
+(a) DDP: 2 worker processes joined by torch.distributed (gloo, TCP store on 127.0.0.1). Every step
+    each rank backpropagates its own batch, the gradients are all-reduced (averaged) and the
+    package's own InnerTrainer clips and takes the AdamW step, with the same hyperparameters and
+    warmup+cosine schedule as a node whose R*H equals the DDP step count.
+(b) DiLoCo: 2 nodes of the real CLI (`diloco-node join`) on loopback, for each H in --h-values,
+    with R = ddp_steps / H rounds so each node trains the same number of inner steps as one DDP rank.
+
+Both use the package's model, data, inner optimizer and held-out eval batches. Bytes:
+  - DDP: the gradient bytes each rank all-reduces per step are measured (numel * 4, fp32), and the
+    wire bytes per node are reported with the standard ring all-reduce cost 2*(M-1)/M * numel*4 per
+    step (reduce-scatter + all-gather; gloo's ring algorithm; any all-reduce needs this much at M=2).
+  - DiLoCo: the per-round sent/received bytes the nodes log (payload bytes of hivemind's butterfly
+    all-reduce, same 2*(M-1)/M * numel*4 cost per round for fp32).
+  - Both: the loopback interface's byte counter before/after each run, halved per node. It counts
+    every packet on `lo` on this machine (headers, DHT, state download, anything else running), so it
+    is an upper bound, not a measurement of the training traffic alone.
+
+A node started second joins a run the first one already started. To keep token counts equal, the
+first node is paused (SIGSTOP) from the moment it has joined until the second node's swarm is up,
+so it cannot train rounds alone meanwhile; tokens are still counted from the logs and reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from diloco_node.checkpoint import CheckpointStore
+from diloco_node.config import NodeConfig
+from diloco_node.train.data import ByteDataset, load_corpus
+from diloco_node.train.inner import InnerConfig, InnerTrainer, evaluate
+from diloco_node.train.model import build_model, count_parameters
+
+WORLD = 2  # workers / nodes per configuration
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+NAME = "diloco_vs_ddp"
+
+JOINED_RE = re.compile(r"joined run=\S+ round=(\d+) eval_loss=(\S+) parameters=(\d+) digest=(\w+)")
+ROUND_RE = re.compile(r"round=(\d+) loss=(\S+) eval_loss=(\S+) group_size=(\d+) sent=(\d+) received=(\d+) "
+                      r"seconds=(\S+) digest=(\w+)")
+SYNCED_RE = re.compile(r"synced state from peers round=(\d+)")
+
+
+def read_lo_bytes() -> int | None:
+    """Transmit byte counter of the loopback interface (machine-wide), or None where unavailable."""
+    try:
+        for line in Path("/proc/net/dev").read_text().splitlines():
+            name, sep, counters = line.partition(":")
+            if sep and name.strip() == "lo":
+                return int(counters.split()[8])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def lo_per_node(before: int | None, after: int | None) -> int | None:
+    return None if before is None or after is None else (after - before) // WORLD
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def inner_config(cfg: NodeConfig, total_steps: int) -> InnerConfig:
+    """What Node builds for a run of `total_steps` = max_outer_steps * inner_steps."""
+    return InnerConfig(lr=cfg.inner_lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
+                       total_steps=total_steps, grad_clip=cfg.grad_clip)
+
+
+# --- (a) data-parallel ------------------------------------------------------------------------
+
+def ddp_worker(rank: int, port: int, steps: int, eval_every: int, queue: Any) -> None:
+    """One DDP rank: own batches, gradients averaged every step, then the node's AdamW step."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)  # like the nodes' --threads 1
+    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
+    cfg = NodeConfig()
+    dataset = ByteDataset(load_corpus(cfg.data), cfg.seq_len)
+    eval_batches = dataset.eval_batches(cfg.batch_size, cfg.eval_batches)
+    model = build_model(cfg.model, cfg.seed)
+    reduced = [0]  # elements all-reduced during the current step
+
+    def average_gradient(param: torch.Tensor) -> None:
+        # Fires once per parameter when its gradient is complete (the tied embedding included,
+        # after both uses are summed), so the clip inside train_step sees the averaged gradient.
+        assert param.grad is not None
+        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+        param.grad.div_(WORLD)
+        reduced[0] += param.grad.numel()
+
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(average_gradient)
+    trainer = InnerTrainer(model, inner_config(cfg, steps))
+    evals = [(0, evaluate(model, eval_batches))] if rank == 0 else []
+    losses, grad_bytes = [], []
+    started = time.monotonic()
+    for step in range(steps):
+        x, y = dataset.train_batch(cfg.batch_size, 1000 + rank, step)
+        reduced[0] = 0
+        losses.append(trainer.train_step(x, y))
+        grad_bytes.append(reduced[0] * 4)  # fp32 gradients
+        if rank == 0 and ((step + 1) % eval_every == 0 or step + 1 == steps):
+            evals.append((step + 1, evaluate(model, eval_batches)))
+    seconds = time.monotonic() - started
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    checksums = [torch.zeros(2, dtype=torch.float64) for _ in range(WORLD)]
+    dist.all_gather(checksums, torch.stack([flat.double().sum(), flat.double().square().sum()]))
+    dist.destroy_process_group()
+    if rank == 0:
+        queue.put({"evals": evals, "losses": losses, "grad_bytes_per_step": grad_bytes, "train_seconds": seconds,
+                   "parameters": count_parameters(model),
+                   "replicas_identical": all(torch.equal(checksums[0], c) for c in checksums)})
+
+
+def run_ddp(steps: int, eval_every: int, cfg: NodeConfig, timeout: float) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    lo_before, started = read_lo_bytes(), time.monotonic()
+    workers = [ctx.Process(target=ddp_worker, args=(rank, port, steps, eval_every, queue)) for rank in range(WORLD)]
+    for worker in workers:
+        worker.start()
+    try:
+        result = queue.get(timeout=timeout)
+    finally:
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.terminate()
+    wall, lo_after = time.monotonic() - started, read_lo_bytes()
+    if any(worker.exitcode != 0 for worker in workers):
+        raise RuntimeError(f"DDP worker failed: exit codes {[w.exitcode for w in workers]}")
+    params = result["parameters"]
+    ring_per_step = 2 * (WORLD - 1) / WORLD * params * 4
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    return {
+        "method": "ddp", "H": 1, "steps_per_worker": steps, **result,
+        "tokens_per_node": [steps * tokens_per_step] * WORLD,
+        "curve": [{"tokens": WORLD * s * tokens_per_step, "eval_loss": loss} for s, loss in result["evals"]],
+        "final_eval_loss": result["evals"][-1][1],
+        "exchanges": steps, "ring_bytes_per_step_per_node": ring_per_step,
+        "bytes_sent_per_node": [round(ring_per_step * steps)] * WORLD,
+        "bytes_per_param_per_exchange": ring_per_step / params,
+        "lo_bytes_per_node_upper_bound": lo_per_node(lo_before, lo_after), "wall_seconds": wall,
+    }
+
+
+# --- (b) DiLoCo through the real CLI ----------------------------------------------------------
+
+class NodeProcess:
+    """A `diloco-node join` subprocess whose stdout/stderr lines are kept, logged and awaitable."""
+
+    def __init__(self, name: str, args: list[str], log_dir: Path):
+        self.name = name
+        self.lines: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        self._changed = threading.Condition()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}  # only our flags count
+        env["PYTHONUNBUFFERED"] = "1"
+        # A session of its own, so the node's hivemind helpers (DHT, averager, p2pd) can be ended with it.
+        self.proc = subprocess.Popen([node_executable(), "join", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        for stream in ("stdout", "stderr"):
+            log = open(log_dir / f"{name}.{stream}.log", "w")  # noqa: SIM115 - closed by the reader
+            threading.Thread(target=self._read, args=(stream, log), daemon=True).start()
+
+    def _read(self, stream: str, log: Any) -> None:
+        with log:
+            for line in getattr(self.proc, stream):
+                log.write(line)
+                log.flush()
+                with self._changed:
+                    self.lines[stream].append(line.rstrip("\n"))
+                    self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    def wait_for(self, stream: str, prefix: str, timeout: float) -> str:
+        """The rest of the first `stream` line containing `prefix`; raises if the node exits first."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                for line in self.lines[stream]:
+                    if prefix in line:
+                        return line.split(prefix, 1)[1].strip()
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited (rc={self.proc.returncode}) before '{prefix}'"
+                                       f"\n{self.tail()}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name}: no '{prefix}' within {timeout:.0f}s\n{self.tail()}")
+                self._changed.wait(timeout=1.0)
+
+    def tail(self, n: int = 15) -> str:
+        return "\n".join(f"  {self.name}: {line}" for line in self.lines["stderr"][-n:])
+
+    def signal(self, signum: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signum)
+
+    def stop(self) -> None:
+        """SIGTERM (the node checkpoints and leaves), then SIGKILL of its session if it hangs."""
+        if self.proc.poll() is None:
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # leftovers of this node's own session only
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+
+
+def node_executable() -> str:
+    beside = Path(sys.executable).parent / "diloco-node"
+    found = str(beside) if beside.exists() else shutil.which("diloco-node")
+    if not found:
+        raise SystemExit("diloco-node is not installed (run `make bench`, or pip install -e . into the venv)")
+    return found
+
+
+def node_args(h: int, rounds: int, run_id: str, checkpoint_dir: Path) -> list[str]:
+    return ["--listen", "/ip4/127.0.0.1/tcp/0", "--status", "127.0.0.1:0", "--threads", "1",
+            "--max-outer-steps", str(rounds), "--inner-steps", str(h), "--run-id", run_id,
+            "--checkpoint-dir", str(checkpoint_dir)]
+
+
+def start_pair(h: int, rounds: int, work: Path, pause: bool, timeout: float) -> tuple[list[NodeProcess], float]:
+    """Node 1 alone, then node 2 pointed at node 1's printed address. Returns the nodes and the
+    seconds node 1 spent paused while node 2 started up."""
+    run_id = f"bench-h{h}-{os.getpid()}-{int(time.time())}"
+    first = NodeProcess("node1", node_args(h, rounds, run_id, work / "ck1"), work)
+    nodes, paused = [first], 0.0
+    try:
+        address = first.wait_for("stdout", "peer address:", timeout)
+        nodes.append(NodeProcess("node2", node_args(h, rounds, run_id, work / "ck2") + ["--peer", address], work))
+        if pause:
+            first.wait_for("stderr", "joined run=", timeout)
+            first.signal(signal.SIGSTOP)
+            stopped = time.monotonic()
+            try:
+                nodes[1].wait_for("stdout", "peer address:", timeout)
+            finally:
+                first.signal(signal.SIGCONT)
+                paused = time.monotonic() - stopped
+    except BaseException:
+        for node in nodes:
+            node.stop()
+        raise
+    return nodes, paused
+
+
+def run_diloco(h: int, rounds: int, cfg: NodeConfig, work: Path, pause: bool, timeout: float) -> dict[str, Any]:
+    work.mkdir(parents=True)
+    lo_before, started = read_lo_bytes(), time.monotonic()
+    nodes, paused = start_pair(h, rounds, work, pause, timeout)
+    try:
+        deadline = started + timeout
+        for node in nodes:
+            try:
+                node.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"H={h}: {node.name} did not finish within {timeout:.0f}s\n{node.tail()}") from None
+    finally:
+        for node in nodes:
+            node.stop()
+    wall, lo_after = time.monotonic() - started - paused, read_lo_bytes()
+    for node in nodes:
+        if node.proc.returncode != 0:
+            raise RuntimeError(f"H={h}: {node.name} exited with {node.proc.returncode}\n{node.tail()}")
+    logs = [parse_node_log(node.lines["stderr"]) for node in nodes]
+    result = summarize_diloco(h, rounds, cfg, logs, wall, paused, lo_per_node(lo_before, lo_after))
+    result["outer_params_difference"] = outer_difference(work / "ck1", work / "ck2")
+    return result
+
+
+def outer_difference(*directories: Path) -> dict[str, Any]:
+    """How far the nodes' final φ are apart, from the checkpoints they saved on leaving."""
+    states = []
+    for directory in directories:
+        store = CheckpointStore(directory)
+        try:
+            states.append(store.load())
+        finally:
+            store.close()
+    if any(state is None for state in states):
+        return {"max_abs": None, "elements_differing": None}
+    pairs = list(zip(states[0]["outer_params"], states[1]["outer_params"]))
+    return {"max_abs": max(float((a - b).abs().max()) for a, b in pairs),
+            "elements_differing": sum(int((a != b).sum()) for a, b in pairs)}
+
+
+def parse_node_log(lines: list[str]) -> dict[str, Any]:
+    parsed: dict[str, Any] = {"rounds": [], "joined": None, "synced_round": None, "warnings": []}
+    for line in lines:
+        if match := ROUND_RE.search(line):
+            r, loss, ev, group, sent, received, seconds, digest = match.groups()
+            parsed["rounds"].append({"round": int(r), "loss": float(loss), "eval_loss": float(ev),
+                                     "group_size": int(group), "sent": int(sent), "received": int(received),
+                                     "seconds": float(seconds), "digest": digest})
+        elif match := JOINED_RE.search(line):
+            parsed["joined"] = {"round": int(match[1]), "eval_loss": float(match[2]),
+                                "parameters": int(match[3]), "digest": match[4]}
+        elif match := SYNCED_RE.search(line):
+            parsed["synced_round"] = int(match[1])
+        elif " WARNING diloco_node" in line:
+            parsed["warnings"].append(line)
+    if parsed["joined"] is None or not parsed["rounds"]:
+        raise RuntimeError("a node log has no 'joined' or no 'round=' lines; did the log format change?")
+    return parsed
+
+
+def summarize_diloco(h: int, rounds: int, cfg: NodeConfig, logs: list[dict[str, Any]], wall: float,
+                     paused: float, lo_node: int | None) -> dict[str, Any]:
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    params = logs[0]["joined"]["parameters"]
+    final = [log["rounds"][-1] for log in logs]
+    sent = [sum(r["sent"] for r in log["rounds"]) for log in logs]
+    exchanges = [sum(1 for r in log["rounds"] if r["group_size"] > 1) for log in logs]
+    # Swarm-wide tokens behind φ after round r: every round line of every node up to r is H steps.
+    ends = sorted({r["round"] for log in logs for r in log["rounds"]})
+    by_round = {r["round"]: r["eval_loss"] for r in logs[0]["rounds"]}
+    curve = [{"tokens": 0, "eval_loss": logs[0]["joined"]["eval_loss"]}] + [
+        {"tokens": h * tokens_per_step * sum(1 for log in logs for r in log["rounds"] if r["round"] <= end),
+         "eval_loss": by_round[end]} for end in ends if end in by_round]
+    return {
+        "method": "diloco", "H": h, "rounds": rounds, "logs": logs, "curve": curve,
+        "tokens_per_node": [len(log["rounds"]) * h * tokens_per_step for log in logs],
+        "rounds_per_node": [len(log["rounds"]) for log in logs],
+        "final_eval_loss": final[0]["eval_loss"], "final_eval_loss_per_node": [f["eval_loss"] for f in final],
+        "replicas_identical": len({f["digest"] for f in final}) == 1,
+        "bytes_sent_per_node": sent, "bytes_received_per_node": [sum(r["received"] for r in log["rounds"])
+                                                                 for log in logs],
+        "exchanges_per_node": exchanges,
+        "bytes_per_param_per_exchange": max(sent) / max(max(exchanges), 1) / params,
+        "lo_bytes_per_node_upper_bound": lo_node, "wall_seconds": wall, "node1_paused_seconds": paused,
+        "warnings": sum(len(log["warnings"]) for log in logs),
+    }
+
+
+# --- report -----------------------------------------------------------------------------------
+
+def pair(values: list[Any], fmt: str = "{:,}") -> str:
+    return fmt.format(values[0]) if len(set(values)) == 1 else " / ".join(fmt.format(v) for v in values)
+
+
+def markdown(results: list[dict[str, Any]]) -> str:
+    ddp = results[0]
+    ddp_bytes = sum(ddp["bytes_sent_per_node"]) / WORLD
+    rows = ["| method | H | tokens per node | final eval loss | eval loss ratio vs DDP | bytes sent per node | "
+            "bytes/param/exchange | traffic reduction vs DDP | lo bytes per node (upper bound) | wall s |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        mean_sent = sum(res["bytes_sent_per_node"]) / WORLD
+        reduction = f"{ddp_bytes / mean_sent:.1f}x" if mean_sent else "n/a"
+        lo = res["lo_bytes_per_node_upper_bound"]
+        rows.append(f"| {res['method']} | {res['H']} | {pair(res['tokens_per_node'])} | {res['final_eval_loss']:.4f} | "
+                    f"{res['final_eval_loss'] / ddp['final_eval_loss']:.3f} | {pair(res['bytes_sent_per_node'])} | "
+                    f"{res['bytes_per_param_per_exchange']:.2f} | {reduction} | "
+                    f"{'n/a' if lo is None else f'{lo:,}'} | {res['wall_seconds']:.0f} |")
+    return "\n".join(rows)
+
+
+def notes(results: list[dict[str, Any]], cfg: NodeConfig) -> str:
+    ddp = results[0]
+    lines = [
+        f"Model `{cfg.model}` ({ddp['parameters']:,} parameters), batch {cfg.batch_size} x seq {cfg.seq_len} bytes, "
+        f"{WORLD} workers/nodes, embedded corpus, eval on the nodes' {cfg.eval_batches} held-out batches.",
+        f"DDP: {ddp['steps_per_worker']} steps per worker, gradients all-reduced every step; bytes sent are the "
+        "standard ring all-reduce cost 2(M-1)/M x numel x 4 B per step (measured gradient payload: "
+        f"{ddp['grad_bytes_per_step'][0]:,} B per rank per step). DiLoCo: bytes from the nodes' per-round logs.",
+        "\"exchange\" = one DDP step or one DiLoCo round that averaged with a peer. `lo` = machine-wide loopback "
+        "counter delta / 2 (includes headers, DHT, state download and unrelated traffic): an upper bound.",
+    ]
+    for res in results[1:]:
+        diff = res["outer_params_difference"]
+        lines.append(f"DiLoCo H={res['H']}: {res['rounds']} rounds, rounds per node {pair(res['rounds_per_node'])}, "
+                     f"exchanges per node {pair(res['exchanges_per_node'])}, final φ bit-identical on both nodes: "
+                     f"{res['replicas_identical']} (max |φ1-φ2| = {diff['max_abs']}, "
+                     f"{diff['elements_differing']} elements differ), node warnings: {res['warnings']}.")
+    lines.append(f"DDP replicas identical at the end: {ddp['replicas_identical']}.")
+    return "\n".join(f"- {line}" for line in lines)
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is missing (pip install -e '.[bench]'); skipping the plot", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for res in results:
+        label = "DDP (all-reduce every step)" if res["method"] == "ddp" else f"DiLoCo H={res['H']}"
+        ax.plot([p["tokens"] / 1e6 for p in res["curve"]], [p["eval_loss"] for p in res["curve"]],
+                marker="." if res["method"] == "ddp" else "o", markersize=4, label=label)
+    ax.set_xlabel(f"training tokens, summed over the {WORLD} workers (millions)")
+    ax.set_ylabel("held-out eval loss (nats/byte)")
+    ax.set_title("DiLoCo vs data-parallel at equal tokens")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_results(results: list[dict[str, Any]], args: argparse.Namespace, cfg: NodeConfig, out: Path,
+                  total_seconds: float) -> str:
+    import hivemind
+
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(results)
+    payload = {
+        "benchmark": NAME, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "total_seconds": total_seconds,
+        "config": cfg.model_dump(include={"model", "seq_len", "batch_size", "eval_batches", "seed", "inner_lr",
+                                          "warmup_steps", "weight_decay", "grad_clip", "outer_lr",
+                                          "outer_momentum", "matchmaking_time"}),
+        "machine": {"nproc": os.cpu_count(), "torch": torch.__version__, "hivemind": hivemind.__version__,
+                    "python": platform.python_version(), "platform": platform.platform()},
+        "results": results,
+    }
+    (out / f"{NAME}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    (out / f"{NAME}.md").write_text(
+        f"# DiLoCo vs data-parallel ({payload['date']}, {os.cpu_count()} CPU cores, torch {torch.__version__})\n\n"
+        f"{table}\n\n{notes(results, cfg)}\n\nTotal benchmark time: {total_seconds:.0f} s. "
+        f"Reproduce: `.venv/bin/python benchmarks/{NAME}.py`. Plot: `{NAME}.png`.\n")
+    plot(results, out / f"{NAME}.png")
+    return table
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ddp-steps", type=int, help="DDP steps per worker = inner steps per node (default 400)")
+    parser.add_argument("--h-values", type=str, help="comma-separated DiLoCo H values, each dividing --ddp-steps "
+                        "(default 20,50)")
+    parser.add_argument("--ddp-eval-every", type=int, help="DDP eval interval in steps (default 20)")
+    parser.add_argument("--quick", action="store_true", help="small smoke run (60 steps, H=10,30), ~1-2 min")
+    parser.add_argument("--out-dir", type=Path, help=f"results folder (default {RESULTS_DIR}; "
+                        "--quick: a fresh temp folder)")
+    parser.add_argument("--no-pause", action="store_true", help="do not pause node 1 while node 2 starts")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per configuration")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the nodes' logs and checkpoints")
+    args = parser.parse_args()
+    args.ddp_steps = args.ddp_steps or (60 if args.quick else 400)
+    args.h_values = [int(v) for v in (args.h_values or ("10,30" if args.quick else "20,50")).split(",")]
+    args.ddp_eval_every = args.ddp_eval_every or (10 if args.quick else 20)
+    if args.out_dir is None:
+        args.out_dir = Path(tempfile.mkdtemp(prefix=f"{NAME}_quick_")) if args.quick else RESULTS_DIR
+    for h in args.h_values:
+        if h <= 0 or args.ddp_steps % h:
+            parser.error(f"H={h} does not divide --ddp-steps {args.ddp_steps}: tokens would not be equal")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    cfg = NodeConfig()
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix=f"{NAME}_work_"))
+    try:
+        print(f"DDP: {WORLD} workers x {args.ddp_steps} steps ...", flush=True)
+        results = [run_ddp(args.ddp_steps, args.ddp_eval_every, cfg, args.timeout)]
+        print(f"  eval loss {results[0]['final_eval_loss']:.4f} in {results[0]['wall_seconds']:.0f}s", flush=True)
+        for h in args.h_values:
+            rounds = args.ddp_steps // h
+            print(f"DiLoCo: {WORLD} nodes, H={h}, {rounds} rounds ...", flush=True)
+            res = run_diloco(h, rounds, cfg, work / f"h{h}", not args.no_pause, args.timeout)
+            results.append(res)
+            print(f"  eval loss {res['final_eval_loss']:.4f} in {res['wall_seconds']:.0f}s", flush=True)
+    finally:
+        if args.keep_logs:
+            print(f"node logs and checkpoints kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    for res in results[1:]:
+        for log in res["logs"]:  # raw per-round numbers stay in the JSON; the full log lines do not
+            log["warnings"] = log["warnings"][:20]
+    table = write_results(results, args, cfg, args.out_dir, time.monotonic() - started)
+    print(f"\nresults in {args.out_dir}\n\n{table}\n\ntotal {time.monotonic() - started:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The robust, token-weighted mean of the group's pseudo-gradients (DESIGN §3, 'Robust mean').
+
+Every node computes it from the same contributions in the same (peer id) order with the same
+operations, so every node gets a bit-identical result and φ stays equal across the group.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+NORM_CLIP_MULTIPLE = 4.0  # a contribution longer than this many group-median norms is scaled down
+
+
+@dataclass(frozen=True)
+class Contribution:
+    peer_id: str
+    tokens: float
+    pseudo_gradient: torch.Tensor  # flat fp32
+
+
+def robust_weighted_mean(contributions: list[Contribution]) -> torch.Tensor:
+    """Σ w_m Δ_m / Σ w_m over finite contributions, each clipped to NORM_CLIP_MULTIPLE × median norm."""
+    ordered = sorted(contributions, key=lambda c: c.peer_id)
+    finite = [c for c in ordered if torch.isfinite(c.pseudo_gradient).all() and c.tokens > 0]
+    for rejected in set(c.peer_id for c in ordered) - set(c.peer_id for c in finite):
+        logger.warning("rejected contribution from peer=%s: non-finite values or no tokens", rejected)
+    if not finite:
+        raise ValueError("no usable contribution")
+    norms = torch.stack([c.pseudo_gradient.norm() for c in finite])
+    limit = NORM_CLIP_MULTIPLE * norms.median()
+    total = torch.zeros_like(finite[0].pseudo_gradient)
+    weight_sum = sum(c.tokens for c in finite)
+    for contribution, norm in zip(finite, norms):
+        scale = contribution.tokens / weight_sum
+        if len(finite) > 2 and norm > limit:
+            logger.warning("clipped contribution from peer=%s: norm %.3g > %.3g", contribution.peer_id, norm, limit)
+            scale *= float(limit / norm)
+        total += contribution.pseudo_gradient * scale
+    return total

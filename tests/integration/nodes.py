@@ -1,0 +1,129 @@
+"""Real `diloco-node join` processes for integration tests, and what they printed.
+
+Each node's stdout (addresses) and stderr (one key=value log line per round) are read on threads,
+so tests can wait for a round without polling files and without the pipes ever filling up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROUND = re.compile(r"round=(\d+) loss=\S+ eval_loss=([\d.]+) group_size=(\d+) .* digest=(\w+)")
+JOINED = re.compile(r"joined run=\S+ round=(\d+) eval_loss=([\d.]+)")
+FAST = ["--listen", "/ip4/127.0.0.1/tcp/0", "--status", "127.0.0.1:0", "--threads", "1", "--seq-len", "64",
+        "--batch-size", "8", "--eval-batches", "2", "--warmup-steps", "5", "--matchmaking-time", "2"]
+
+
+@dataclass
+class RoundLog:
+    eval_loss: float
+    group_size: int
+    digest: str
+
+
+@dataclass
+class NodeProcess:
+    name: str
+    args: list[str]
+    workdir: Path
+    process: subprocess.Popen[str] | None = None
+    address: str | None = None
+    status_url: str | None = None
+    joined_eval_loss: float | None = None
+    joined_round: int | None = None
+    rounds: dict[int, RoundLog] = field(default_factory=dict)
+    stderr_lines: list[str] = field(default_factory=list)
+    _changed: threading.Condition = field(default_factory=threading.Condition)
+
+    def start(self) -> NodeProcess:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen([sys.executable, "-m", "diloco_node", "join", *self.args],
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                        cwd=self.workdir)
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+        return self
+
+    def _read_stdout(self) -> None:
+        assert self.process and self.process.stdout
+        for line in self.process.stdout:
+            with self._changed:
+                if line.startswith("peer address: ") and self.address is None:
+                    self.address = line.split(": ", 1)[1].strip()
+                elif line.startswith("status: "):
+                    self.status_url = line.split(": ", 1)[1].strip()
+                self._changed.notify_all()
+
+    def _read_stderr(self) -> None:
+        assert self.process and self.process.stderr
+        with open(self.workdir / f"{self.name}.log", "w") as log:
+            for line in self.process.stderr:
+                log.write(line)
+                log.flush()
+                with self._changed:
+                    self.stderr_lines.append(line)
+                    if match := ROUND.search(line):
+                        self.rounds[int(match[1])] = RoundLog(float(match[2]), int(match[3]), match[4])
+                    elif match := JOINED.search(line):
+                        self.joined_round, self.joined_eval_loss = int(match[1]), float(match[2])
+                    self._changed.notify_all()
+
+    def wait_until(self, predicate: Any, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not predicate():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or (self.process and self.process.poll() is not None and not predicate()):
+                    tail = "".join(self.stderr_lines[-15:])
+                    raise AssertionError(f"{self.name}: {what} not reached (exit={self.process and self.process.poll()})"
+                                         f"\n--- last log lines ---\n{tail}")
+                self._changed.wait(min(remaining, 0.5))
+
+    def wait_for_address(self, timeout: float = 60) -> str:
+        self.wait_until(lambda: self.address is not None, timeout, "start-up")
+        assert self.address is not None
+        return self.address
+
+    def wait_joined(self, timeout: float = 90) -> int:
+        """The round this node starts training at (after syncing and waiting for --min-peers)."""
+        self.wait_until(lambda: self.joined_round is not None, timeout, "joining")
+        assert self.joined_round is not None
+        return self.joined_round
+
+    def wait_for_round(self, round_: int, timeout: float = 120) -> RoundLog:
+        self.wait_until(lambda: round_ in self.rounds, timeout, f"round {round_}")
+        return self.rounds[round_]
+
+    def status(self) -> dict[str, Any]:
+        assert self.status_url
+        with urllib.request.urlopen(f"{self.status_url}/api/status", timeout=10) as response:
+            return json.loads(response.read())
+
+    def log_text(self) -> str:
+        with self._changed:
+            return "".join(self.stderr_lines)
+
+    def signal(self, signum: int) -> None:
+        assert self.process
+        self.process.send_signal(signum)
+
+    def wait_exit(self, timeout: float = 60) -> int:
+        assert self.process
+        return self.process.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        if self.process and self.process.poll() is None:
+            # the node's own children (hivemind DHT, averager, p2pd) die with their parent's pipes
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=30)

@@ -1,0 +1,264 @@
+"""Bad input to the real `diloco-node join`: exit code 2, one `diloco-node: error:` line, no traceback.
+
+Every case runs the real CLI in a subprocess. `--log-level ERROR` keeps INFO lines off stderr so
+that the error line is the only one there.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+UNKNOWN_PEER_ID = "12D3KooWJZCFWqQH4SvZLraL276kcU6ZvaLyacnJUdUc1t4Cx8AZ"
+QUIET = ["--log-level", "ERROR"]
+LOCAL = ["--status", "127.0.0.1:0", "--listen", "/ip4/127.0.0.1/tcp/0", "--threads", "1"]
+RUN_TIMEOUT = 90  # a case hanging past this is a failure in itself
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class Processes:
+    """Starts `diloco-node join` in its own process group and kills whatever is left at teardown."""
+
+    def __init__(self) -> None:
+        self.started: list[subprocess.Popen[str]] = []
+
+    def popen(self, *args: str) -> subprocess.Popen[str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+        env["PYTHONUNBUFFERED"] = "1"
+        process = subprocess.Popen([sys.executable, "-m", "diloco_node", "join", *args], env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True)  # its group holds hivemind's helpers too
+        self.started.append(process)
+        return process
+
+    def run(self, *args: str, timeout: float = RUN_TIMEOUT) -> Result:
+        process = self.popen(*args)
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill(process)
+            stdout, stderr = process.communicate()
+            pytest.fail(f"diloco-node join {' '.join(args)} still running after {timeout}s:\n{stderr}")
+        return Result(process.returncode, stdout, stderr)
+
+    @staticmethod
+    def kill(process: subprocess.Popen[str]) -> None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # the group we created for it, nothing else
+        except ProcessLookupError:
+            pass
+
+    def cleanup(self) -> None:
+        for process in self.started:
+            self.kill(process)  # also reaps helpers a clean exit may have left behind in its group
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+@pytest.fixture
+def nodes() -> Iterator[Processes]:
+    processes = Processes()
+    try:
+        yield processes
+    finally:
+        processes.cleanup()
+
+
+def join(nodes: Processes, *args: str, local: bool = True) -> Result:
+    return nodes.run(*(LOCAL if local else []), *QUIET, *args)
+
+
+def assert_bad_input(result: Result, *words: str) -> str:
+    """Exit 2 and exactly one stderr line, `diloco-node: error: ...`, containing all `words`."""
+    assert "Traceback" not in result.stdout + result.stderr, result.stderr
+    assert result.returncode == 2, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, f"expected one stderr line, got:\n{result.stderr}"
+    line = lines[0]
+    assert line.startswith("diloco-node: error: "), line
+    for word in words:
+        assert word in line, f"{word!r} not in {line!r}"
+    return line
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A port on 127.0.0.1 that this test process holds (bound and listening)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield int(sock.getsockname()[1])
+
+
+# --- bad options and files (rejected before anything starts) ----------------------------------
+
+
+def test_malformed_multiaddr(nodes: Processes) -> None:
+    assert_bad_input(join(nodes, "--peer", "garbage"), "peer", "malformed multiaddr", "garbage")
+
+
+def test_peer_without_peer_id(nodes: Processes) -> None:
+    assert_bad_input(join(nodes, "--peer", "/ip4/127.0.0.1/tcp/4001"), "peer", "/p2p/")
+
+
+def test_invalid_value_in_config_file(nodes: Processes, tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text("inner_steps = 0\n")
+    assert_bad_input(join(nodes, "--config", str(path)), "inner_steps")
+
+
+def test_unknown_key_in_config_file(nodes: Processes, tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text("inner_steps = 5\nouter_learning_rate = 0.5\n")
+    assert_bad_input(join(nodes, "--config", str(path)), "unknown config key", "outer_learning_rate", str(path))
+
+
+def test_missing_config_file(nodes: Processes, tmp_path: Path) -> None:
+    path = tmp_path / "absent.toml"
+    assert_bad_input(join(nodes, "--config", str(path)), str(path), "does not exist")
+
+
+# --- bad resources (rejected while starting) --------------------------------------------------
+
+
+def test_missing_data_path(nodes: Processes, tmp_path: Path) -> None:
+    path = tmp_path / "no-such-corpus.txt"
+    assert_bad_input(join(nodes, "--data", str(path)), str(path), "does not exist")
+
+
+def test_checkpoint_dir_locked_by_another_node(nodes: Processes, tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what a running node holds
+        line = assert_bad_input(join(nodes, "--checkpoint-dir", str(directory)), str(directory), "in use")
+    assert "another node" in line
+    assert not (directory / "node.pt").exists()
+
+
+def test_status_port_in_use(nodes: Processes, busy_port: int) -> None:
+    result = join(nodes, "--status", f"127.0.0.1:{busy_port}", "--listen", "/ip4/127.0.0.1/tcp/0",
+                  "--threads", "1", local=False)
+    assert_bad_input(result, f"127.0.0.1:{busy_port}", "address already in use")
+
+
+def test_status_port_in_use_debug_log_has_no_traceback(nodes: Processes, busy_port: int) -> None:
+    """Same case with every log line on: shutting the status server down must not leave a traceback."""
+    result = nodes.run("--status", f"127.0.0.1:{busy_port}", "--listen", "/ip4/127.0.0.1/tcp/0",
+                       "--threads", "1", "--log-level", "DEBUG")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stdout + result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("diloco-node: error: ")]
+    assert len(errors) == 1 and "address already in use" in errors[0]
+
+
+def test_listen_port_in_use(nodes: Processes, busy_port: int) -> None:
+    result = join(nodes, "--status", "127.0.0.1:0", "--listen", f"/ip4/127.0.0.1/tcp/{busy_port}",
+                  "--threads", "1", local=False)
+    assert_bad_input(result, f"/ip4/127.0.0.1/tcp/{busy_port}", "address already in use")
+
+
+def test_unreachable_peer(nodes: Processes) -> None:
+    peer = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{UNKNOWN_PEER_ID}"
+    assert_bad_input(join(nodes, "--peer", peer), "cannot reach", peer)
+
+
+# --- an incompatible peer ---------------------------------------------------------------------
+
+
+class LineReader:
+    """Collects a process's output lines on a thread so that the pipe never fills up."""
+
+    def __init__(self, stream: object) -> None:
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str] = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: object) -> None:
+        for line in stream:  # type: ignore[attr-defined]
+            with self._lock:
+                self.lines.append(line)
+            self._queue.put(line)
+
+    def wait_for(self, predicate: object, timeout: float) -> str | None:
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            for line in self.lines:
+                if predicate(line):  # type: ignore[operator]
+                    return line
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self._queue.get(timeout=left)
+            except queue.Empty:
+                return None
+            if predicate(line):  # type: ignore[operator]
+                return line
+        return None
+
+    def text(self) -> str:
+        self._thread.join(timeout=10)
+        with self._lock:
+            return "".join(self.lines)
+
+
+def test_incompatible_peer_is_refused_on_both_sides(nodes: Processes) -> None:
+    run_id = f"bad-input-{os.getpid()}"
+    light = ["--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--inner-steps", "5"]
+    a = nodes.popen(*LOCAL, "--model", "tiny", "--run-id", run_id, "--max-outer-steps", "0", *light)
+    a_out, a_err = LineReader(a.stdout), LineReader(a.stderr)
+    line = a_out.wait_for(lambda text: text.startswith("peer address: "), timeout=60)
+    assert line is not None, f"node A printed no peer address:\n{a_err.text() if a.poll() is not None else ''}"
+    a_address = line.removeprefix("peer address: ").strip()
+    assert a_err.wait_for(lambda text: "joined run=" in text, timeout=60), "node A did not finish starting"
+
+    b = join(nodes, "--peer", a_address, "--run-id", run_id, "--model", "small")
+    line = assert_bad_input(b, "incompatible", run_id)
+    assert "model=tiny" in line  # names what differs: A's model, and B's own
+    assert "small" in line
+    b_addresses = [text.removeprefix("peer address: ").strip() for text in b.stdout.splitlines()
+                   if text.startswith("peer address: ")]
+    assert b_addresses, b.stdout
+    b_peer_id = b_addresses[0].rsplit("/p2p/", 1)[1]
+
+    refused = a_err.wait_for(lambda text: "refused peer" in text, timeout=15)
+    assert refused is not None, "node A never logged the refused peer"
+    assert b_peer_id in refused
+    assert "model=small (ours: tiny)" in refused
+    assert a.poll() is None, "node A must keep running after refusing a peer"
+
+    a.send_signal(signal.SIGTERM)
+    try:
+        assert a.wait(timeout=60) == 0
+    finally:
+        stderr = a_err.text()
+    assert "Traceback" not in stderr + a_out.text(), stderr

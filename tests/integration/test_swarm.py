@@ -1,0 +1,114 @@
+"""Real nodes through the real CLI on loopback: agreement, late joining, crashes, resume, shutdown."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from tests.integration.nodes import FAST, NodeProcess
+
+pytestmark = pytest.mark.integration
+
+NodeFactory = Callable[..., NodeProcess]
+
+
+@pytest.fixture
+def spawn(tmp_path: Path):
+    """Start nodes; whatever a test leaves running is killed afterwards."""
+    started: list[NodeProcess] = []
+
+    def start(name: str, *extra: str, run_id: str = "itest", peer: NodeProcess | None = None,
+              checkpoint: bool = True) -> NodeProcess:
+        args = [*FAST, "--run-id", run_id, *extra]
+        if checkpoint:
+            args += ["--checkpoint-dir", str(tmp_path / name)]
+        if peer is not None:
+            args += ["--peer", peer.wait_for_address()]
+        node = NodeProcess(name, args, tmp_path).start()
+        started.append(node)
+        return node
+
+    yield start
+    for node in started:
+        node.kill()
+
+
+def assert_same_digests(nodes: list[NodeProcess], rounds: range) -> None:
+    for round_ in rounds:
+        digests = {node.name: node.wait_for_round(round_).digest for node in nodes}
+        assert len(set(digests.values())) == 1, f"round {round_}: φ differs across nodes: {digests}"
+
+
+def test_three_nodes_agree_every_round_and_learn(spawn: NodeFactory) -> None:
+    options = ("--inner-steps", "15", "--max-outer-steps", "5", "--min-peers", "3")
+    first = spawn("a", *options)
+    nodes = [first, *(spawn(name, *options, peer=first) for name in ("b", "c"))]
+    assert_same_digests(nodes, range(1, 6))
+    for node in nodes:
+        assert node.joined_round == 0
+        assert [node.rounds[r].group_size for r in range(1, 6)] == [3] * 5
+        losses = [node.joined_eval_loss] + [node.rounds[r].eval_loss for r in range(1, 6)]
+        assert losses[-1] < losses[0] - 0.5, f"{node.name}: eval loss did not fall: {losses}"
+        assert node.wait_exit() == 0
+
+
+def test_status_api_reports_the_run(spawn: NodeFactory) -> None:
+    first = spawn("a", "--inner-steps", "10", "--min-peers", "2", checkpoint=False)
+    second = spawn("b", "--inner-steps", "10", "--min-peers", "2", peer=first, checkpoint=False)
+    round_ = 1
+    first.wait_for_round(round_ + 1)
+    second.wait_for_round(round_ + 1)
+    status = second.status()
+    for key in ("run_id", "peer_id", "maddrs", "outer_step", "inner_step", "loss", "eval_loss", "peers",
+                "group_size", "bytes_sent", "bytes_received", "model_digest"):
+        assert key in status, key
+    assert status["run_id"] == "itest" and status["peers"] == 2 and status["group_size"] == 2
+    assert status["bytes_sent"] > 0 and status["bytes_received"] > 0
+    assert second.address and status["peer_id"] in second.address
+    assert status["outer_step"] >= round_ + 1
+
+
+def test_late_joiner_reaches_the_same_digest(spawn: NodeFactory) -> None:
+    first = spawn("a", "--inner-steps", "15", "--min-peers", "2", checkpoint=False)
+    second = spawn("b", "--inner-steps", "15", "--min-peers", "2", peer=first, checkpoint=False)
+    second.wait_for_round(2)
+    late = spawn("late", "--inner-steps", "15", peer=second, checkpoint=False)
+    joined = late.wait_joined()
+    assert joined >= 2, "the late joiner should have downloaded the swarm's round, not started at 0"
+    assert_same_digests([first, second, late], range(joined + 1, joined + 3))
+
+
+def test_kill_9_does_not_stop_the_others(spawn: NodeFactory) -> None:
+    timeouts = ("--round-timeout", "20", "--min-peers", "3")
+    first = spawn("a", "--inner-steps", "10", *timeouts, checkpoint=False)
+    second = spawn("b", "--inner-steps", "10", *timeouts, peer=first, checkpoint=False)
+    victim = spawn("c", "--inner-steps", "10", *timeouts, peer=first, checkpoint=False)
+    victim.wait_for_round(1)
+    victim.kill()
+    survivors = [first, second]
+    after = max(max(node.rounds) for node in survivors) + 3
+    assert_same_digests(survivors, range(after - 1, after + 1))
+    assert all(node.rounds[after].group_size == 2 for node in survivors)
+
+
+def test_resume_continues_at_the_saved_round(spawn: NodeFactory) -> None:
+    first = spawn("solo", "--inner-steps", "10", "--max-outer-steps", "3", run_id="resume")
+    saved = first.wait_for_round(3)
+    assert first.wait_exit() == 0
+    again = spawn("solo", "--inner-steps", "10", "--max-outer-steps", "5", run_id="resume")
+    again.wait_for_round(5)
+    assert again.joined_round == 3 and min(again.rounds) == 4
+    assert "resumed round=3" in again.log_text()
+    assert again.joined_eval_loss == pytest.approx(saved.eval_loss, abs=1e-4)
+
+
+def test_sigterm_saves_and_leaves(spawn: NodeFactory, tmp_path: Path) -> None:
+    node = spawn("term", "--inner-steps", "10", run_id="term")
+    node.wait_for_round(2)
+    node.signal(signal.SIGTERM)
+    assert node.wait_exit(timeout=60) == 0
+    assert (tmp_path / "term" / "node.pt").exists()
+    assert "left the swarm" in node.log_text()

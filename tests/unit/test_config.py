@@ -1,0 +1,228 @@
+"""NodeConfig validation, the fingerprint, and flag > env > file > default through the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from diloco_node.config import ConfigError, NodeConfig, build_config, load_config
+
+PEER_ID = "12D3KooWJZCFWqQH4SvZLraL276kcU6ZvaLyacnJUdUc1t4Cx8AZ"
+PEER_A = f"/ip4/10.0.0.1/tcp/4001/p2p/{PEER_ID}"
+PEER_B = f"/ip4/10.0.0.2/tcp/4002/p2p/{PEER_ID}"
+PEER_C = f"/ip4/10.0.0.3/tcp/4003/p2p/{PEER_ID}"
+CLI_TIMEOUT = 60
+
+
+def _error(values: dict[str, Any]) -> str:
+    with pytest.raises(ConfigError) as info:
+        build_config(values)
+    message = str(info.value)
+    assert "\n" not in message and message.strip() == message
+    return message
+
+
+# --- validation -------------------------------------------------------------------------------
+
+
+def test_defaults_are_valid() -> None:
+    cfg = build_config({})
+    assert cfg == NodeConfig()
+    assert cfg.inner_steps == 50 and cfg.outer_lr == 0.7 and cfg.outer_momentum == 0.9
+    assert cfg.status_host_port == ("127.0.0.1", 7780)
+
+
+@pytest.mark.parametrize(
+    ("values", "key", "words"),
+    [
+        ({"inner_steps": 0}, "inner_steps", "greater than 0"),
+        ({"inner_steps": -3}, "inner_steps", "greater than 0"),
+        ({"inner_steps": "many"}, "inner_steps", "integer"),
+        ({"outer_momentum": 1.5}, "outer_momentum", "less than 1"),
+        ({"outer_momentum": 1.0}, "outer_momentum", "less than 1"),
+        ({"outer_lr": 0}, "outer_lr", "greater than 0"),
+        ({"model": "gpt-9000"}, "model", "unknown model preset 'gpt-9000'"),
+        ({"status": "localhost"}, "status", "HOST:PORT"),
+        ({"status": "127.0.0.1:99999"}, "status", "HOST:PORT"),
+        ({"status": ":7780"}, "status", "HOST:PORT"),
+        ({"status": "127.0.0.1:http"}, "status", "HOST:PORT"),
+        ({"peer": ["/ip4/10.0.0.1/tcp/4001"]}, "peer", "/p2p/"),
+        ({"peer": [PEER_A, "/ip4/10.0.0.2/tcp/4002"]}, "peer", "/p2p/"),
+        ({"peer": ["garbage"]}, "peer", "malformed multiaddr 'garbage'"),
+        ({"peer": ["/ip4/10.0.0.1/tcp/notaport/p2p/" + PEER_ID]}, "peer", "malformed multiaddr"),
+        ({"listen": ["/ip4/999.0.0.1/tcp/0"]}, "listen", "malformed multiaddr"),
+        ({"announce": ["nonsense"]}, "announce", "malformed multiaddr"),
+        ({"run_id": "has spaces"}, "run_id", ""),
+    ],
+)
+def test_bad_value_names_the_key(values: dict[str, Any], key: str, words: str) -> None:
+    message = _error(values)
+    assert f"'{key}'" in message
+    assert words in message
+
+
+def test_seq_len_above_preset_limit() -> None:
+    message = _error({"model": "tiny", "seq_len": 257})
+    assert "seq_len" in message and "256" in message and "tiny" in message
+    assert build_config({"model": "tiny", "seq_len": 256}).seq_len == 256  # the limit itself is fine
+    assert build_config({"model": "small", "seq_len": 512}).seq_len == 512
+
+
+def test_unknown_key() -> None:
+    message = _error({"inner_stepz": 5})
+    assert message.startswith("unknown config key 'inner_stepz'")
+
+
+def test_valid_peers_and_status_pass() -> None:
+    cfg = build_config({"peer": [PEER_A, PEER_B], "status": "0.0.0.0:0", "listen": ["/ip4/127.0.0.1/tcp/0"]})
+    assert cfg.peer == [PEER_A, PEER_B]
+    assert cfg.status_host_port == ("0.0.0.0", 0)
+
+
+# --- TOML files -------------------------------------------------------------------------------
+
+
+def test_toml_file_values_and_dashed_keys(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('inner-steps = 7\nouter_lr = 0.5\npeer = ["%s"]\n' % PEER_A)
+    cfg = load_config(str(path), {"outer_lr": 0.25})
+    assert cfg.inner_steps == 7
+    assert cfg.outer_lr == 0.25  # overrides (env and flags) beat the file
+    assert cfg.peer == [PEER_A]
+
+
+def test_unknown_key_in_toml_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text("inner_steps = 7\nlearning_rate = 0.1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), {})
+    message = str(info.value)
+    assert "unknown config key 'learning_rate'" in message
+    assert str(path) in message and "\n" not in message
+
+
+def test_invalid_value_in_toml_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text("outer_momentum = 1.5\n")
+    with pytest.raises(ConfigError, match="'outer_momentum'"):
+        load_config(str(path), {})
+
+
+def test_unparsable_toml_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "broken.toml"
+    path.write_text("inner_steps = = 7\n[unclosed\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), {})
+    message = str(info.value)
+    assert str(path) in message and "cannot be read" in message and "\n" not in message
+
+
+def test_unreadable_toml_names_the_file(tmp_path: Path) -> None:
+    # A directory where a file is expected: unreadable for root as well (unlike chmod 000).
+    with pytest.raises(ConfigError) as info:
+        load_config(str(tmp_path), {})
+    assert str(tmp_path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_missing_toml_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), {})
+    assert str(path) in str(info.value) and "does not exist" in str(info.value)
+
+
+# --- fingerprint ------------------------------------------------------------------------------
+
+
+def test_fingerprint_ignores_local_settings() -> None:
+    base = build_config({})
+    local = build_config({"inner_steps": 7, "batch_size": 3, "seed": 9, "threads": 1, "inner_lr": 1e-3,
+                          "status": "127.0.0.1:0", "checkpoint_dir": "/tmp/x", "peer": [PEER_A]})
+    assert base.fingerprint() == local.fingerprint()
+    assert len(base.fingerprint()) == 16
+
+
+@pytest.mark.parametrize("change", [{"model": "small"}, {"outer_lr": 0.5}, {"outer_momentum": 0.8}])
+def test_fingerprint_covers_model_and_outer_optimizer(change: dict[str, Any]) -> None:
+    assert build_config({}).fingerprint() != build_config(change).fingerprint()
+    assert build_config(change).fingerprint() == build_config(dict(change)).fingerprint()  # deterministic
+
+
+# --- precedence through the real CLI ----------------------------------------------------------
+
+
+def _cli_config(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+    clean.update(env or {})
+    return subprocess.run([sys.executable, "-m", "diloco_node", "config", *args], env=clean,
+                          capture_output=True, text=True, timeout=CLI_TIMEOUT)
+
+
+def _parse(stdout: str) -> tuple[dict[str, Any], str]:
+    values, fingerprint = {}, ""
+    for line in stdout.splitlines():
+        if line.startswith("# fingerprint "):
+            fingerprint = line.removeprefix("# fingerprint ")
+        elif line.strip():
+            key, sep, value = line.partition(" = ")
+            assert sep, line
+            values[key] = json.loads(value)
+    return values, fingerprint
+
+
+def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(
+        "inner_steps = 11\n"        # file only
+        "batch_size = 4\n"          # file, overridden by env
+        "seed = 3\n"                # file, env and flag
+        "warmup_steps = 5\n"        # file, overridden by flag
+        f'peer = ["{PEER_C}"]\n'    # file, overridden by env (a list option)
+    )
+    result = _cli_config(
+        "--config", str(path), "--seed", "7", "--warmup-steps", "6",
+        env={"DILOCO_BATCH_SIZE": "8", "DILOCO_SEED": "5", "DILOCO_OUTER_LR": "0.25",
+             "DILOCO_PEER": f"{PEER_A} {PEER_B}"})
+    assert result.returncode == 0, result.stderr
+    values, fingerprint = _parse(result.stdout)
+    assert values["inner_steps"] == 11        # file > default
+    assert values["batch_size"] == 8          # env > file
+    assert values["seed"] == 7                # flag > env > file
+    assert values["warmup_steps"] == 6        # flag > file
+    assert values["outer_lr"] == 0.25         # env > default
+    assert values["peer"] == [PEER_A, PEER_B]  # list from env, whitespace-separated, replaces the file's
+    assert values["eval_batches"] == 8 and values["outer_momentum"] == 0.9  # untouched defaults
+    assert fingerprint == build_config({"outer_lr": 0.25}).fingerprint()
+
+
+def test_list_flag_replaces_env_list_and_config_file_from_env(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text("inner_steps = 12\n")
+    result = _cli_config("--peer", PEER_C, env={"DILOCO_PEER": f"{PEER_A} {PEER_B}", "DILOCO_CONFIG": str(path)})
+    assert result.returncode == 0, result.stderr
+    values, _ = _parse(result.stdout)
+    assert values["peer"] == [PEER_C]
+    assert values["inner_steps"] == 12  # DILOCO_CONFIG names the file like --config
+
+
+def test_defaults_printed_without_any_input() -> None:
+    result = _cli_config()
+    assert result.returncode == 0, result.stderr
+    values, fingerprint = _parse(result.stdout)
+    expected = NodeConfig().model_dump(exclude_none=True)
+    assert values == expected
+    assert fingerprint == NodeConfig().fingerprint()
+
+
+def test_bad_env_value_is_one_line_exit_2() -> None:
+    result = _cli_config(env={"DILOCO_OUTER_MOMENTUM": "1.5"})
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [result.stderr.strip()]
+    assert result.stderr.startswith("diloco-node: error:") and "outer_momentum" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
