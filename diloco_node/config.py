@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import tomllib
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -46,6 +47,8 @@ class NodeConfig(BaseModel):
     batch_size: int = Field(16, gt=0, description="sequences per inner step")
     eval_batches: int = Field(8, gt=0, description="held-out batches for eval loss each round")
     seed: int = Field(0, ge=0, description="seed for the initial model and this node's data order")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+                        description="where inner steps run: auto (cuda when available), cpu, cuda or cuda:N")
     threads: int = Field(0, ge=0, description="torch CPU threads (0 = torch's default)")
 
     # --- inner optimizer (AdamW) ---
@@ -61,7 +64,8 @@ class NodeConfig(BaseModel):
     max_outer_steps: int = Field(0, ge=0, description="stop after this many rounds (0 = run forever)")
 
     # --- persistence ---
-    checkpoint_dir: str | None = Field(None, description="directory for checkpoints; resumes from it (default: none)")
+    checkpoint_dir: str = Field("checkpoints", description="checkpoints go to DIR/<run_id>/ and join resumes from "
+                                "there; '' turns checkpoints off")
     checkpoint_every: int = Field(1, ge=0, description="checkpoint every N rounds (0 = never)")
 
     @field_validator("peer", "listen", "announce")
@@ -100,6 +104,10 @@ class NodeConfig(BaseModel):
         if self.seq_len > limit:
             raise ValueError(f"seq_len {self.seq_len} exceeds model '{self.model}' limit of {limit}")
         return self
+
+    @property
+    def checkpoint_path(self) -> Path | None:
+        return Path(self.checkpoint_dir) / self.run_id if self.checkpoint_dir else None
 
     @property
     def status_host_port(self) -> tuple[str, int]:

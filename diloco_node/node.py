@@ -32,6 +32,18 @@ logger = logging.getLogger(__name__)
 STATE_DOWNLOAD_TIMEOUT = 60.0
 
 
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise DeviceError(f"device '{name}' requested but no CUDA device is available")
+    return torch.device(name)
+
+
+class DeviceError(RuntimeError):
+    """The requested accelerator is not there."""
+
+
 def digest(tensors: list[torch.Tensor]) -> str:
     """Equal exactly when the tensors are bit-for-bit equal (up to hash collisions)."""
     hasher = hashlib.sha256()
@@ -43,12 +55,15 @@ def digest(tensors: list[torch.Tensor]) -> str:
 class Node:
     def __init__(self, cfg: NodeConfig, say: Callable[[str], None] = print):
         self.cfg, self.say = cfg, say
+        self.device = resolve_device(cfg.device)
         self.dataset = ByteDataset(load_corpus(cfg.data), cfg.seq_len)
-        self.eval_batches = self.dataset.eval_batches(cfg.batch_size, cfg.eval_batches)
-        self.model = build_model(cfg.model, cfg.seed)
+        self.eval_batches = [(x.to(self.device), y.to(self.device))
+                             for x, y in self.dataset.eval_batches(cfg.batch_size, cfg.eval_batches)]
+        self.model = build_model(cfg.model, cfg.seed).to(self.device)
         self.names = [name for name, _ in self.model.named_parameters()]
-        # φ: the fp32 outer copy, in canonical (name) order, exchanged and stepped by the outer optimizer.
-        self.outer_params = [p.detach().clone().float() for p in self.model.parameters()]
+        # φ: the fp32 outer copy on the CPU, in canonical (name) order, exchanged and stepped by the outer
+        # optimizer; only θ lives on the accelerator.
+        self.outer_params = [p.detach().cpu().clone().float() for p in self.model.parameters()]
         self.outer = OuterOptimizer(self.outer_params, cfg.outer_lr, cfg.outer_momentum)
         total = cfg.max_outer_steps * cfg.inner_steps
         self.inner = InnerTrainer(self.model, InnerConfig(
@@ -59,7 +74,7 @@ class Node:
         self.stream_seed = cfg.seed
         self.lock = threading.Lock()  # guards φ, outer state and round against state-sharing reads
         self.stop_requested = threading.Event()
-        self.store = CheckpointStore(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+        self.store = CheckpointStore(cfg.checkpoint_path) if cfg.checkpoint_path else None
         self.telemetry = Telemetry(run_id=cfg.run_id, model=cfg.model, parameters=count_parameters(self.model),
                                    outer_step=0, inner_step=0, loss=None, eval_loss=None, peers=1, group_size=0)
         self.server = StatusServer(self.telemetry, *cfg.status_host_port)
@@ -99,7 +114,7 @@ class Node:
         if state is None:
             return False
         if state["fingerprint"] != self.cfg.fingerprint():
-            raise CheckpointError(f"checkpoint in '{self.cfg.checkpoint_dir}' was made with another model/config")
+            raise CheckpointError(f"checkpoint in '{self.cfg.checkpoint_path}' was made with another model/config")
         self._install_outer(state["round"], state["outer_params"], state["momentum"])
         self.inner.load_state_dict(state["inner"])
         self.data_position, self.stream_seed = state["data_position"], state["stream_seed"]
@@ -160,14 +175,16 @@ class Node:
             return  # stop requested mid-round: the checkpoint keeps the round's start
         tokens = len(losses) * self.cfg.batch_size * self.cfg.seq_len
         self.swarm.announce(self.round, ready_round=self.round)
-        verdict = self.swarm.wait_for_round(self.round, self.cfg.round_timeout)
+        verdict = self.swarm.wait_for_round(self.round, self.cfg.round_timeout, self.stop_requested)
+        if verdict == "stopped":
+            return
         if verdict == "behind":
             logger.warning("round=%d peers moved on without us; re-syncing instead of sending stale work",
                            self.round)
             self._sync_from_peers()
             self.swarm.announce(self.round, ready_round=self.round - 1)
             return
-        delta = pseudo_gradient(self.outer_params, list(self.model.parameters()))
+        delta = pseudo_gradient(self.outer_params, [p.detach().cpu() for p in self.model.parameters()])
         group: tuple[str, ...] = (self.swarm.peer_id,)
         if verdict != "alone":
             group = self.swarm.average(delta, tokens=float(tokens), round_=self.round).group
@@ -187,7 +204,7 @@ class Node:
                 return None
             x, y = self.dataset.train_batch(self.cfg.batch_size, self.stream_seed, self.data_position)
             self.data_position += 1
-            losses.append(self.inner.train_step(x, y))
+            losses.append(self.inner.train_step(x.to(self.device), y.to(self.device)))
             self.telemetry.update(inner_step=self.inner.step, loss=losses[-1])
         return losses
 

@@ -108,11 +108,24 @@ class PayloadExchange:
 
     def close(self) -> None:
         try:
-            self._run(self._p2p.remove_binary_stream_handler(self._handler_name), timeout=5)
+            self._run(self._detach(), timeout=5)
         except Exception as exc:  # closing must not fail; the daemon goes away with the DHT anyway
-            logger.debug("removing the payload handler failed: %r", exc)
+            logger.debug("closing the payload exchange failed: %r", exc)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    async def _detach(self) -> None:
+        """Leave no task pending: at exit asyncio would log each one ('Task was destroyed') on stderr."""
+        try:
+            await self._p2p.remove_binary_stream_handler(self._handler_name)
+        finally:
+            await self._p2p.shutdown()  # a replica: closes only its own client, not the DHT's daemon
+            tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _send(writer: asyncio.StreamWriter, data: bytes) -> None:

@@ -156,11 +156,12 @@ class SwarmMember:
 
     # --- rounds -------------------------------------------------------------------------------
 
-    def wait_for_round(self, round_: int, timeout: float) -> str:
+    def wait_for_round(self, round_: int, timeout: float, stop: threading.Event) -> str:
         """Wait until every live compatible peer has finished its inner phase of `round_`.
 
         Returns "together" (everyone is ready), "timeout" (go on with those that are),
-        "alone" (nobody else is in the run) or "behind" (others already finished this round).
+        "alone" (nobody else is in the run), "behind" (others already finished this round)
+        or "stopped" (the node was asked to stop while waiting).
         """
         deadline = time.monotonic() + timeout
         while True:
@@ -176,7 +177,8 @@ class SwarmMember:
                 waiting = sorted(p for p, r in others.items() if r.ready_round < round_)
                 logger.warning("round=%d barrier timed out; not waiting for %s", round_, ", ".join(waiting))
                 return "timeout"
-            time.sleep(0.3)
+            if stop.wait(0.3):
+                return "stopped"
 
     def average(self, pseudo_gradient: Sequence[torch.Tensor], tokens: float, round_: int) -> AverageResult:
         """Replace `pseudo_gradient` in place by the robust token-weighted mean over this round's group."""

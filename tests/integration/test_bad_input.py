@@ -39,15 +39,17 @@ class Result:
 class Processes:
     """Starts `diloco-node join` in its own process group and kills whatever is left at teardown."""
 
-    def __init__(self) -> None:
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir  # relative defaults (checkpoints/<run_id>) land here, not in the repo
         self.started: list[subprocess.Popen[str]] = []
 
     def popen(self, *args: str) -> subprocess.Popen[str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
         env["PYTHONUNBUFFERED"] = "1"
+        # A session of its own: its process group then also holds hivemind's helper processes.
         process = subprocess.Popen([sys.executable, "-m", "diloco_node", "join", *args], env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   start_new_session=True)  # its group holds hivemind's helpers too
+                                   cwd=self.workdir, start_new_session=True)
         self.started.append(process)
         return process
 
@@ -78,8 +80,10 @@ class Processes:
 
 
 @pytest.fixture
-def nodes() -> Iterator[Processes]:
-    processes = Processes()
+def nodes(tmp_path: Path) -> Iterator[Processes]:
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    processes = Processes(workdir)
     try:
         yield processes
     finally:
@@ -93,7 +97,8 @@ def join(nodes: Processes, *args: str, local: bool = True) -> Result:
 def assert_bad_input(result: Result, *words: str) -> str:
     """Exit 2 and exactly one stderr line, `diloco-node: error: ...`, containing all `words`."""
     assert "Traceback" not in result.stdout + result.stderr, result.stderr
-    assert result.returncode == 2, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode == 2, \
+        f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     lines = result.stderr.splitlines()
     assert len(lines) == 1, f"expected one stderr line, got:\n{result.stderr}"
     line = lines[0]
@@ -138,7 +143,8 @@ def test_invalid_value_in_config_file(nodes: Processes, tmp_path: Path) -> None:
 def test_unknown_key_in_config_file(nodes: Processes, tmp_path: Path) -> None:
     path = tmp_path / "run.toml"
     path.write_text("inner_steps = 5\nouter_learning_rate = 0.5\n")
-    assert_bad_input(join(nodes, "--config", str(path)), "unknown config key", "outer_learning_rate", str(path))
+    result = join(nodes, "--config", str(path))
+    assert_bad_input(result, "unknown config key", "outer_learning_rate", str(path))
 
 
 def test_missing_config_file(nodes: Processes, tmp_path: Path) -> None:
@@ -156,12 +162,14 @@ def test_missing_data_path(nodes: Processes, tmp_path: Path) -> None:
 
 def test_checkpoint_dir_locked_by_another_node(nodes: Processes, tmp_path: Path) -> None:
     directory = tmp_path / "ckpt"
-    directory.mkdir()
-    with open(directory / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what a running node holds
-        line = assert_bad_input(join(nodes, "--checkpoint-dir", str(directory)), str(directory), "in use")
+    store = directory / "locked-run"  # a node keeps its checkpoints in <checkpoint_dir>/<run_id>/
+    store.mkdir(parents=True)
+    with open(store / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what a running node holds (checkpoint.py)
+        result = join(nodes, "--checkpoint-dir", str(directory), "--run-id", "locked-run")
+        line = assert_bad_input(result, str(store), "in use")
     assert "another node" in line
-    assert not (directory / "node.pt").exists()
+    assert not (store / "node.pt").exists()
 
 
 def test_status_port_in_use(nodes: Processes, busy_port: int) -> None:
@@ -234,10 +242,12 @@ class LineReader:
 def test_incompatible_peer_is_refused_on_both_sides(nodes: Processes) -> None:
     run_id = f"bad-input-{os.getpid()}"
     light = ["--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--inner-steps", "5"]
-    a = nodes.popen(*LOCAL, "--model", "tiny", "--run-id", run_id, "--max-outer-steps", "0", *light)
+    # A and B share a directory: A keeps no checkpoints, so B's default checkpoints/<run_id> is free.
+    a = nodes.popen(*LOCAL, "--model", "tiny", "--run-id", run_id, "--max-outer-steps", "0",
+                    "--checkpoint-dir", "", *light)
     a_out, a_err = LineReader(a.stdout), LineReader(a.stderr)
     line = a_out.wait_for(lambda text: text.startswith("peer address: "), timeout=60)
-    assert line is not None, f"node A printed no peer address:\n{a_err.text() if a.poll() is not None else ''}"
+    assert line is not None, "node A printed no peer address:\n" + (a_err.text() if a.poll() is not None else "")
     a_address = line.removeprefix("peer address: ").strip()
     assert a_err.wait_for(lambda text: "joined run=" in text, timeout=60), "node A did not finish starting"
 

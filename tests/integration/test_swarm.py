@@ -23,8 +23,7 @@ def spawn(tmp_path: Path):
     def start(name: str, *extra: str, run_id: str = "itest", peer: NodeProcess | None = None,
               checkpoint: bool = True) -> NodeProcess:
         args = [*FAST, "--run-id", run_id, *extra]
-        if checkpoint:
-            args += ["--checkpoint-dir", str(tmp_path / name)]
+        args += ["--checkpoint-dir", str(tmp_path / name) if checkpoint else ""]
         if peer is not None:
             args += ["--peer", peer.wait_for_address()]
         node = NodeProcess(name, args, tmp_path).start()
@@ -110,5 +109,5 @@ def test_sigterm_saves_and_leaves(spawn: NodeFactory, tmp_path: Path) -> None:
     node.wait_for_round(2)
     node.signal(signal.SIGTERM)
     assert node.wait_exit(timeout=60) == 0
-    assert (tmp_path / "term" / "node.pt").exists()
+    assert (tmp_path / "term" / "term" / "node.pt").exists()
     assert "left the swarm" in node.log_text()

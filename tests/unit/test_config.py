@@ -204,7 +204,8 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None
 def test_list_flag_replaces_env_list_and_config_file_from_env(tmp_path: Path) -> None:
     path = tmp_path / "run.toml"
     path.write_text("inner_steps = 12\n")
-    result = _cli_config("--peer", PEER_C, env={"DILOCO_PEER": f"{PEER_A} {PEER_B}", "DILOCO_CONFIG": str(path)})
+    result = _cli_config("--peer", PEER_C,
+                         env={"DILOCO_PEER": f"{PEER_A} {PEER_B}", "DILOCO_CONFIG": str(path)})
     assert result.returncode == 0, result.stderr
     values, _ = _parse(result.stdout)
     assert values["peer"] == [PEER_C]
