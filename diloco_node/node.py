@@ -98,6 +98,7 @@ class Node:
         self.swarm.enter(self.round)
         if not resumed:
             self._sync_from_peers()
+        self.swarm.announce(self.round, ready_round=self.round - 1)
         self.swarm.share_state(self.round)
         if self.cfg.min_peers > 1:
             self.say(f"waiting for {self.cfg.min_peers} nodes in run {self.cfg.run_id}")
