@@ -63,6 +63,7 @@ JOINED_RE = re.compile(r"joined run=\S+ round=(\d+) eval_loss=(\S+) parameters=(
 ROUND_RE = re.compile(r"round=(\d+) loss=(\S+) eval_loss=(\S+) group_size=(\d+) sent=(\d+) received=(\d+) "
                       r"seconds=(\S+) digest=(\w+)")
 SYNCED_RE = re.compile(r"synced state from peers round=(\d+)")
+WARNING_RE = re.compile(r" WARN(ING)? diloco_node")  # hivemind's log setup renames WARNING to WARN
 
 
 def read_lo_bytes() -> int | None:
@@ -331,7 +332,7 @@ def parse_node_log(lines: list[str]) -> dict[str, Any]:
                                 "parameters": int(match[3]), "digest": match[4]}
         elif match := SYNCED_RE.search(line):
             parsed["synced_round"] = int(match[1])
-        elif " WARNING diloco_node" in line:
+        elif WARNING_RE.search(line):
             parsed["warnings"].append(line)
     if parsed["joined"] is None or not parsed["rounds"]:
         raise RuntimeError("a node log has no 'joined' or no 'round=' lines; did the log format change?")
@@ -491,6 +492,7 @@ def main() -> None:
     cfg = NodeConfig()
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix=f"{NAME}_work_"))
+    keep = args.keep_logs
     try:
         print(f"DDP: {WORLD} workers x {args.ddp_steps} steps ...", flush=True)
         results = [run_ddp(args.ddp_steps, args.ddp_eval_every, cfg, args.timeout)]
@@ -501,8 +503,11 @@ def main() -> None:
             res = run_diloco(h, rounds, cfg, work / f"h{h}", not args.no_pause, args.timeout)
             results.append(res)
             print(f"  eval loss {res['final_eval_loss']:.4f} in {res['wall_seconds']:.0f}s", flush=True)
+    except BaseException:
+        keep = True  # the logs are what explains a failure
+        raise
     finally:
-        if args.keep_logs:
+        if keep:
             print(f"node logs and checkpoints kept in {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)

@@ -33,7 +33,7 @@ class NodeRecord:
 
     @classmethod
     def from_wire(cls, peer_id: str, value: Any) -> NodeRecord | None:
-        if not isinstance(value, dict):
+        if not isinstance(value, dict) or value.get("left"):
             return None
         fingerprint, config = value.get("fingerprint"), value.get("config")
         round_, ready = value.get("round"), value.get("ready_round")
@@ -53,9 +53,13 @@ def publish(dht: DHT, run_id: str, record: NodeRecord) -> None:
 
 
 def withdraw(dht: DHT, run_id: str, record: NodeRecord) -> None:
-    """Replace our record with one that expires at once, so peers stop waiting for us."""
-    dht.store(records_key(run_id), subkey=record.peer_id, value=record.to_wire(),
-              expiration_time=get_dht_time() + 0.5)
+    """Mark our record as left, so peers stop waiting for us at once.
+
+    The DHT keeps the value with the latest expiration, so the marker must outlive the record it
+    replaces; readers skip it like an expired record.
+    """
+    dht.store(records_key(run_id), subkey=record.peer_id, value={**record.to_wire(), "left": True},
+              expiration_time=get_dht_time() + RECORD_TTL + 1)
 
 
 def fetch(dht: DHT, run_id: str) -> dict[str, NodeRecord]:

@@ -247,7 +247,8 @@ def test_incompatible_peer_is_refused_on_both_sides(nodes: Processes) -> None:
                     "--checkpoint-dir", "", *light)
     a_out, a_err = LineReader(a.stdout), LineReader(a.stderr)
     line = a_out.wait_for(lambda text: text.startswith("peer address: "), timeout=60)
-    assert line is not None, "node A printed no peer address:\n" + (a_err.text() if a.poll() is not None else "")
+    if line is None:
+        pytest.fail("node A printed no peer address:\n" + (a_err.text() if a.poll() is not None else ""))
     a_address = line.removeprefix("peer address: ").strip()
     assert a_err.wait_for(lambda text: "joined run=" in text, timeout=60), "node A did not finish starting"
 
