@@ -111,3 +111,16 @@ def test_sigterm_saves_and_leaves(spawn: NodeFactory, tmp_path: Path) -> None:
     assert node.wait_exit(timeout=60) == 0
     assert (tmp_path / "term" / "term" / "node.pt").exists()
     assert "left the swarm" in node.log_text()
+
+
+def test_a_node_that_leaves_is_not_waited_for(spawn: NodeFactory) -> None:
+    # With a round timeout far beyond the test's patience, the survivor can only go on if the
+    # leaver's presence record is withdrawn when it exits.
+    options = ("--inner-steps", "10", "--round-timeout", "900", "--min-peers", "2")
+    first = spawn("a", *options, checkpoint=False)
+    leaver = spawn("b", *options, peer=first, checkpoint=False)
+    leaver.wait_for_round(1)
+    leaver.signal(signal.SIGTERM)
+    assert leaver.wait_exit() == 0
+    last = max(leaver.rounds)
+    assert first.wait_for_round(last + 2, timeout=90).group_size == 1

@@ -227,3 +227,8 @@ def test_bad_env_value_is_one_line_exit_2() -> None:
     assert result.stderr.splitlines() == [result.stderr.strip()]
     assert result.stderr.startswith("diloco-node: error:") and "outer_momentum" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_configs_are_valid(path: Path) -> None:
+    assert load_config(str(path), {}).model
