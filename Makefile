@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: demo test bench clean
+.PHONY: demo test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -18,6 +18,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check diloco_node tests
+	$(VENV)/bin/mypy diloco_node --ignore-missing-imports
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/diloco_vs_ddp.py

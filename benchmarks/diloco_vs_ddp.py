@@ -14,15 +14,16 @@ Both use the package's model, data, inner optimizer and held-out eval batches. B
   - DDP: the gradient bytes each rank all-reduces per step are measured (numel * 4, fp32), and the
     wire bytes per node are reported with the standard ring all-reduce cost 2*(M-1)/M * numel*4 per
     step (reduce-scatter + all-gather; gloo's ring algorithm; any all-reduce needs this much at M=2).
-  - DiLoCo: the per-round sent/received bytes the nodes log (payload bytes of hivemind's butterfly
-    all-reduce, same 2*(M-1)/M * numel*4 cost per round for fp32).
+  - DiLoCo: the per-round sent/received bytes the nodes log (the fp32 pseudo-gradient payloads the
+    nodes all-gather, (M-1) * (numel*4 + header) per round, which equals the ring cost at M=2, plus
+    the state a late joiner downloads).
   - Both: the loopback interface's byte counter before/after each run, halved per node. It counts
     every packet on `lo` on this machine (headers, DHT, state download, anything else running), so it
     is an upper bound, not a measurement of the training traffic alone.
 
-A node started second joins a run the first one already started. To keep token counts equal, the
-first node is paused (SIGSTOP) from the moment it has joined until the second node's swarm is up,
-so it cannot train rounds alone meanwhile; tokens are still counted from the logs and reported.
+Node 2 is started as soon as node 1 prints its peer address. Both run with --min-peers 2, so node 1
+does not train rounds alone while node 2 starts up; node 2 downloads node 1's round-0 state. Tokens
+are counted from the logs (rounds logged x H x batch x seq per node) and reported, not assumed.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -227,7 +229,6 @@ class NodeProcess:
     def stop(self) -> None:
         """SIGTERM (the node checkpoints and leaves), then SIGKILL of its session if it hangs."""
         if self.proc.poll() is None:
-            self.signal(signal.SIGCONT)
             self.signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=30)
@@ -251,38 +252,26 @@ def node_executable() -> str:
 def node_args(h: int, rounds: int, run_id: str, checkpoint_dir: Path) -> list[str]:
     return ["--listen", "/ip4/127.0.0.1/tcp/0", "--status", "127.0.0.1:0", "--threads", "1",
             "--max-outer-steps", str(rounds), "--inner-steps", str(h), "--run-id", run_id,
-            "--checkpoint-dir", str(checkpoint_dir)]
+            "--checkpoint-dir", str(checkpoint_dir), "--min-peers", str(WORLD)]
 
 
-def start_pair(h: int, rounds: int, work: Path, pause: bool, timeout: float) -> tuple[list[NodeProcess], float]:
-    """Node 1 alone, then node 2 pointed at node 1's printed address. Returns the nodes and the
-    seconds node 1 spent paused while node 2 started up."""
-    run_id = f"bench-h{h}-{os.getpid()}-{int(time.time())}"
+def start_pair(h: int, rounds: int, run_id: str, work: Path, timeout: float) -> list[NodeProcess]:
+    """Node 1 without --peer, then node 2 pointed at the address node 1 prints."""
     first = NodeProcess("node1", node_args(h, rounds, run_id, work / "ck1"), work)
-    nodes, paused = [first], 0.0
     try:
         address = first.wait_for("stdout", "peer address:", timeout)
-        nodes.append(NodeProcess("node2", node_args(h, rounds, run_id, work / "ck2") + ["--peer", address], work))
-        if pause:
-            first.wait_for("stderr", "joined run=", timeout)
-            first.signal(signal.SIGSTOP)
-            stopped = time.monotonic()
-            try:
-                nodes[1].wait_for("stdout", "peer address:", timeout)
-            finally:
-                first.signal(signal.SIGCONT)
-                paused = time.monotonic() - stopped
+        second = NodeProcess("node2", node_args(h, rounds, run_id, work / "ck2") + ["--peer", address], work)
     except BaseException:
-        for node in nodes:
-            node.stop()
+        first.stop()
         raise
-    return nodes, paused
+    return [first, second]
 
 
-def run_diloco(h: int, rounds: int, cfg: NodeConfig, work: Path, pause: bool, timeout: float) -> dict[str, Any]:
+def run_diloco(h: int, rounds: int, cfg: NodeConfig, work: Path, timeout: float) -> dict[str, Any]:
     work.mkdir(parents=True)
+    run_id = f"bench-h{h}-{os.getpid()}-{int(time.time())}"
     lo_before, started = read_lo_bytes(), time.monotonic()
-    nodes, paused = start_pair(h, rounds, work, pause, timeout)
+    nodes = start_pair(h, rounds, run_id, work, timeout)
     try:
         deadline = started + timeout
         for node in nodes:
@@ -293,21 +282,25 @@ def run_diloco(h: int, rounds: int, cfg: NodeConfig, work: Path, pause: bool, ti
     finally:
         for node in nodes:
             node.stop()
-    wall, lo_after = time.monotonic() - started - paused, read_lo_bytes()
+    wall, lo_after = time.monotonic() - started, read_lo_bytes()
     for node in nodes:
         if node.proc.returncode != 0:
             raise RuntimeError(f"H={h}: {node.name} exited with {node.proc.returncode}\n{node.tail()}")
     logs = [parse_node_log(node.lines["stderr"]) for node in nodes]
-    result = summarize_diloco(h, rounds, cfg, logs, wall, paused, lo_per_node(lo_before, lo_after))
-    result["outer_params_difference"] = outer_difference(work / "ck1", work / "ck2")
+    result = summarize_diloco(h, rounds, cfg, logs, wall, lo_per_node(lo_before, lo_after))
+    result["outer_params_difference"] = outer_difference(run_id, work / "ck1", work / "ck2")
     return result
 
 
-def outer_difference(*directories: Path) -> dict[str, Any]:
+def outer_difference(run_id: str, *directories: Path) -> dict[str, Any]:
     """How far the nodes' final φ are apart, from the checkpoints they saved on leaving."""
     states = []
     for directory in directories:
-        store = CheckpointStore(directory)
+        path = NodeConfig(run_id=run_id, checkpoint_dir=str(directory)).checkpoint_path
+        assert path is not None
+        if not path.exists():  # CheckpointStore would create it
+            return {"max_abs": None, "elements_differing": None}
+        store = CheckpointStore(path)
         try:
             states.append(store.load())
         finally:
@@ -340,7 +333,7 @@ def parse_node_log(lines: list[str]) -> dict[str, Any]:
 
 
 def summarize_diloco(h: int, rounds: int, cfg: NodeConfig, logs: list[dict[str, Any]], wall: float,
-                     paused: float, lo_node: int | None) -> dict[str, Any]:
+                     lo_node: int | None) -> dict[str, Any]:
     tokens_per_step = cfg.batch_size * cfg.seq_len
     params = logs[0]["joined"]["parameters"]
     final = [log["rounds"][-1] for log in logs]
@@ -361,8 +354,10 @@ def summarize_diloco(h: int, rounds: int, cfg: NodeConfig, logs: list[dict[str, 
         "bytes_sent_per_node": sent, "bytes_received_per_node": [sum(r["received"] for r in log["rounds"])
                                                                  for log in logs],
         "exchanges_per_node": exchanges,
-        "bytes_per_param_per_exchange": max(sent) / max(max(exchanges), 1) / params,
-        "lo_bytes_per_node_upper_bound": lo_node, "wall_seconds": wall, "node1_paused_seconds": paused,
+        # The typical round (the median) leaves out the state node 1 serves node 2 once, at join.
+        "bytes_per_param_per_exchange": statistics.median(
+            [r["sent"] for log in logs for r in log["rounds"] if r["group_size"] > 1] or [0]) / params,
+        "lo_bytes_per_node_upper_bound": lo_node, "wall_seconds": wall,
         "warnings": sum(len(log["warnings"]) for log in logs),
     }
 
@@ -397,9 +392,12 @@ def notes(results: list[dict[str, Any]], cfg: NodeConfig) -> str:
         f"{WORLD} workers/nodes, embedded corpus, eval on the nodes' {cfg.eval_batches} held-out batches.",
         f"DDP: {ddp['steps_per_worker']} steps per worker, gradients all-reduced every step; bytes sent are the "
         "standard ring all-reduce cost 2(M-1)/M x numel x 4 B per step (measured gradient payload: "
-        f"{ddp['grad_bytes_per_step'][0]:,} B per rank per step). DiLoCo: bytes from the nodes' per-round logs.",
+        f"{ddp['grad_bytes_per_step'][0]:,} B per rank per step). DiLoCo: bytes from the nodes' per-round logs (fp32 "
+        "pseudo-gradient payloads with their wire header, plus the φ and momentum node 2 downloads at join); "
+        "bytes/param/exchange is the median round.",
         "\"exchange\" = one DDP step or one DiLoCo round that averaged with a peer. `lo` = machine-wide loopback "
-        "counter delta / 2 (includes headers, DHT, state download and unrelated traffic): an upper bound.",
+        "transmit counter delta / 2 (TCP/IP headers, DHT, state download and any unrelated traffic included): "
+        "an upper bound on the mean bytes a node sent.",
     ]
     for res in results[1:]:
         diff = res["outer_params_difference"]
@@ -443,7 +441,7 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace, cfg: 
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(results)
     payload = {
-        "benchmark": NAME, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "benchmark": NAME, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "total_seconds": total_seconds,
         "config": cfg.model_dump(include={"model", "seq_len", "batch_size", "eval_batches", "seed", "inner_lr",
@@ -472,7 +470,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small smoke run (60 steps, H=10,30), ~1-2 min")
     parser.add_argument("--out-dir", type=Path, help=f"results folder (default {RESULTS_DIR}; "
                         "--quick: a fresh temp folder)")
-    parser.add_argument("--no-pause", action="store_true", help="do not pause node 1 while node 2 starts")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per configuration")
     parser.add_argument("--keep-logs", action="store_true", help="keep the nodes' logs and checkpoints")
     args = parser.parse_args()
@@ -500,7 +497,7 @@ def main() -> None:
         for h in args.h_values:
             rounds = args.ddp_steps // h
             print(f"DiLoCo: {WORLD} nodes, H={h}, {rounds} rounds ...", flush=True)
-            res = run_diloco(h, rounds, cfg, work / f"h{h}", not args.no_pause, args.timeout)
+            res = run_diloco(h, rounds, cfg, work / f"h{h}", args.timeout)
             results.append(res)
             print(f"  eval loss {res['final_eval_loss']:.4f} in {res['wall_seconds']:.0f}s", flush=True)
     except BaseException:

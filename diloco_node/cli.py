@@ -11,7 +11,8 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import click
 from click.core import ParameterSource
@@ -35,7 +36,7 @@ def _option_for(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
     help_text = f"{field.description} [default: {default}; env {envvar}]"
     if is_list:
         return click.option(flag, name, multiple=True, envvar=envvar, help=help_text)
-    kind = {int: int, float: float}.get(field.annotation, str)  # type: ignore[call-overload]
+    kind: type = field.annotation if field.annotation in (int, float) else str  # type: ignore[assignment]
     return click.option(flag, name, type=kind, default=None, envvar=envvar, help=help_text)
 
 

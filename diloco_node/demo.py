@@ -70,30 +70,28 @@ def run_demo(nodes: int, rounds: int, inner_steps: int, model: str) -> int:
               "--threads", str(threads), "--min-peers", str(nodes), "--log-level", "INFO"]
     print(f"demo: {nodes} nodes, run {run_id}, {rounds} rounds of H={inner_steps}, logs in {workdir}")
     bar = tqdm(total=nodes * rounds, desc="outer rounds (all nodes)", unit="round")
-    processes, progresses, followers = [], [], []
+    processes: list[subprocess.Popen[str]] = []
+    progresses: list[NodeProgress] = []
     try:
+        first_address = ""
         for index in range(nodes):
             args = common + ["--checkpoint-dir", str(workdir / f"node{index}")]
-            if processes:
-                args += ["--peer", first_address]
+            args += ["--peer", first_address] if index else []
             process = _start_node(args, workdir / f"node{index}.log")
             progress = NodeProgress()
             assert process.stderr is not None
-            follower = threading.Thread(target=_follow, daemon=True,
-                                        args=(process.stderr, progress, bar, workdir / f"node{index}.log"))
-            follower.start()
-            processes.append(process), progresses.append(progress), followers.append(follower)
+            threading.Thread(target=_follow, daemon=True,
+                             args=(process.stderr, progress, bar, workdir / f"node{index}.log")).start()
+            processes.append(process)
+            progresses.append(progress)
             if index == 0:
-                address = _first_peer_address(process)
-                if address is None:
+                first_address = _first_peer_address(process) or ""
+                if not first_address:
                     process.wait()
                     bar.close()
                     print(f"demo: the first node failed to start; see {workdir / 'node0.log'}", file=sys.stderr)
                     return 1
-                first_address = address
         codes = [process.wait() for process in processes]
-        for follower in followers:
-            follower.join(timeout=5)
     except KeyboardInterrupt:
         for process in processes:
             process.terminate()

@@ -13,7 +13,8 @@ import signal
 import threading
 import time
 import zlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -95,14 +96,14 @@ class Node:
             self.say(f"peer address: {address}")
         if not resumed:  # a fresh node gets its own data order, derived from its identity
             self.stream_seed = zlib.crc32(self.swarm.peer_id.encode()) ^ self.cfg.seed
-        self.swarm.enter(self.round)
+        self.swarm.presence.enter(self.round)
         if not resumed:
             self._sync_from_peers()
-        self.swarm.announce(self.round, ready_round=self.round - 1)
+        self.swarm.presence.announce(self.round, ready_round=self.round - 1)
         self.swarm.share_state(self.round)
         if self.cfg.min_peers > 1:
             self.say(f"waiting for {self.cfg.min_peers} nodes in run {self.cfg.run_id}")
-            self.swarm.wait_for_peers(self.cfg.min_peers, self.stop_requested)
+            self.swarm.presence.wait_for_peers(self.cfg.min_peers, self.stop_requested)
         self.telemetry.update(peer_id=self.swarm.peer_id, maddrs=self.swarm.visible_addresses(),
                               eval_loss=self._evaluate(), model_digest=self.model_digest())
         snapshot = self.telemetry.snapshot()
@@ -131,7 +132,7 @@ class Node:
         metadata, tensors = received
         n = len(self.outer_params)
         shapes_match = len(tensors) == 2 * n and all(
-            t.shape == p.shape for t, p in zip(tensors, self.outer_params + self.outer_params))
+            t.shape == p.shape for t, p in zip(tensors, self.outer_params + self.outer_params, strict=True))
         if metadata.get("fingerprint") != self.cfg.fingerprint() or not shapes_match:
             logger.warning("ignored state from a peer: incompatible model or config")
             return False
@@ -142,7 +143,7 @@ class Node:
 
     def _install_outer(self, round_: int, params: list[torch.Tensor], momentum: list[torch.Tensor] | None) -> None:
         with self.lock:
-            for phi, value in zip(self.outer_params, params):
+            for phi, value in zip(self.outer_params, params, strict=True):
                 phi.copy_(value)
             self.outer.load_momentum(momentum)
             self.round = round_
@@ -175,15 +176,15 @@ class Node:
         if losses is None:
             return  # stop requested mid-round: the checkpoint keeps the round's start
         tokens = len(losses) * self.cfg.batch_size * self.cfg.seq_len
-        self.swarm.announce(self.round, ready_round=self.round)
-        verdict = self.swarm.wait_for_round(self.round, self.cfg.round_timeout, self.stop_requested)
+        self.swarm.presence.announce(self.round, ready_round=self.round)
+        verdict = self.swarm.presence.wait_for_round(self.round, self.cfg.round_timeout, self.stop_requested)
         if verdict == "stopped":
             return
         if verdict == "behind":
             logger.warning("round=%d peers moved on without us; re-syncing instead of sending stale work",
                            self.round)
             self._sync_from_peers()
-            self.swarm.announce(self.round, ready_round=self.round - 1)
+            self.swarm.presence.announce(self.round, ready_round=self.round - 1)
             return
         delta = pseudo_gradient(self.outer_params, [p.detach().cpu() for p in self.model.parameters()])
         group: tuple[str, ...] = (self.swarm.peer_id,)
@@ -194,7 +195,7 @@ class Node:
         with self.lock:
             self.outer.step(delta)
             self.round += 1
-        self.swarm.announce(self.round, ready_round=self.round - 1)
+        self.swarm.presence.announce(self.round, ready_round=self.round - 1)
         self.swarm.share_state(self.round)
         self._finish_round(losses, group, time.monotonic() - started)
 
@@ -217,7 +218,7 @@ class Node:
         round_sent, round_received = sent - before["bytes_sent"], received - before["bytes_received"]
         self.telemetry.update(
             outer_step=self.round, loss=loss, eval_loss=eval_loss, group_size=len(group), group=list(group),
-            peers=len(self.swarm.compatible_peers()), model_digest=self.model_digest(), bytes_sent=sent,
+            peers=len(self.swarm.presence.compatible_peers()), model_digest=self.model_digest(), bytes_sent=sent,
             bytes_received=received, last_round_bytes_sent=round_sent, last_round_bytes_received=round_received,
             round_seconds=round(seconds, 3))
         logger.info("round=%d loss=%.4f eval_loss=%.4f group_size=%d sent=%d received=%d seconds=%.1f digest=%s",
@@ -228,7 +229,7 @@ class Node:
 
     def _load_outer_into_model(self) -> None:
         with torch.no_grad(), self.lock:
-            for theta, phi in zip(self.model.parameters(), self.outer_params):
+            for theta, phi in zip(self.model.parameters(), self.outer_params, strict=True):
                 theta.copy_(phi)
 
     def _evaluate(self) -> float:

@@ -11,12 +11,14 @@ from diloco_node.checkpoint import CheckpointError
 from diloco_node.config import NodeConfig
 from diloco_node.node import DeviceError, Node
 from diloco_node.swarm.member import SwarmError
+from diloco_node.swarm.presence import IncompatibleRun
 from diloco_node.telemetry.server import StatusServerError
 from diloco_node.train.data import DataError
 
 logger = logging.getLogger(__name__)
 
-START_UP_ERRORS = (DataError, SwarmError, StatusServerError, CheckpointError, DeviceError)
+START_UP_ERRORS = (DataError, SwarmError, StatusServerError, CheckpointError, DeviceError,
+                   IncompatibleRun)
 
 
 def say(line: str) -> None:

@@ -35,7 +35,7 @@ def robust_weighted_mean(contributions: list[Contribution]) -> torch.Tensor:
     limit = NORM_CLIP_MULTIPLE * norms.median()
     total = torch.zeros_like(finite[0].pseudo_gradient)
     weight_sum = sum(c.tokens for c in finite)
-    for contribution, norm in zip(finite, norms):
+    for contribution, norm in zip(finite, norms, strict=True):
         scale = contribution.tokens / weight_sum
         if len(finite) > 2 and norm > limit:
             logger.warning("clipped contribution from peer=%s: norm %.3g > %.3g", contribution.peer_id, norm, limit)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 
 def pseudo_gradient(outer_params: Sequence[torch.Tensor], inner_params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Δ = φ − θ: the direction the inner phase moved, signed like a gradient."""
-    return [phi - theta.detach().float() for phi, theta in zip(outer_params, inner_params)]
+    return [phi - theta.detach().float() for phi, theta in zip(outer_params, inner_params, strict=True)]
 
 
 class OuterOptimizer:
@@ -25,7 +26,7 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def step(self, mean_pseudo_gradient: Sequence[torch.Tensor]) -> None:
-        for param, grad in zip(self.params, mean_pseudo_gradient):
+        for param, grad in zip(self.params, mean_pseudo_gradient, strict=True):
             param.grad = grad.to(param.dtype)
         self._sgd.step()
         for param in self.params:
@@ -44,12 +45,12 @@ class OuterOptimizer:
 
     def load_momentum(self, buffers: Sequence[torch.Tensor] | None) -> None:
         """Install buffers received from a peer or a checkpoint; None means 'no step taken yet'."""
-        for param, buffer in zip(self.params, buffers or [None] * len(self.params)):
-            state = self._sgd.state[param]
-            if buffer is None:
-                state.pop("momentum_buffer", None)
-            else:
-                state["momentum_buffer"] = buffer.detach().clone().to(param.dtype)
+        if buffers is None:
+            for param in self.params:
+                self._sgd.state[param].pop("momentum_buffer", None)
+            return
+        for param, buffer in zip(self.params, buffers, strict=True):
+            self._sgd.state[param]["momentum_buffer"] = buffer.detach().clone().to(param.dtype)
 
     def state(self) -> dict[str, Any]:
         return {"momentum": self.momentum_buffers() if self.has_momentum() else None}

@@ -17,7 +17,7 @@ import asyncio
 import json
 import logging
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
@@ -72,8 +72,7 @@ class PayloadExchange:
                 payload = self._offers.get(round_, b"") if isinstance(round_, int) else b""
             await _send(writer, payload)
             self._count(sent=HEADER_LEN + len(payload), received=HEADER_LEN + len(request))
-        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, ValueError, KeyError,
-                TypeError) as exc:
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError) as exc:
             logger.warning("payload request failed: %s", type(exc).__name__)
         finally:
             writer.close()
@@ -88,7 +87,7 @@ class PayloadExchange:
             results = self._run(fetch_every(), timeout=timeout + 5)
         except TimeoutError:
             results = [None] * len(peers)
-        return dict(zip(peers, results))
+        return dict(zip(peers, results, strict=True))
 
     async def _fetch(self, peer: str, round_: int, timeout: float) -> bytes | None:
         try:

@@ -16,9 +16,9 @@ import logging
 import os
 import signal
 import threading
-import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from hivemind import DHT
@@ -27,13 +27,11 @@ from hivemind.utils import get_dht_time
 
 from diloco_node.codec import wire
 from diloco_node.outer.aggregate import Contribution, robust_weighted_mean
-from diloco_node.swarm import records
 from diloco_node.swarm.exchange import PayloadExchange
-from diloco_node.swarm.records import NodeRecord
+from diloco_node.swarm.presence import Presence
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_SECONDS = 3.0
 ROUND_BITS = 24
 BOOTSTRAP_ATTEMPTS = 3  # group key bits carrying the round number (mod 2**24)
 
@@ -82,8 +80,8 @@ class SwarmMember:
     def __init__(self, settings: SwarmSettings, template: Sequence[torch.Tensor], state_provider: StateProvider):
         self.settings = settings
         self._dht = _start_dht(settings)
-        self._dht_lock = threading.Lock()  # hivemind's DHT pipe is not safe to share between threads
         self.peer_id = str(self._dht.peer_id)
+        self.presence = Presence(self._dht, self.peer_id, settings.run_id, settings.fingerprint, settings.config)
         self._numel = sum(t.numel() for t in template)
         namespace = f"{settings.run_id}_{settings.fingerprint}"
         self._averager = _StateSharingAverager(
@@ -95,42 +93,11 @@ class SwarmMember:
         self._exchange = PayloadExchange(self._dht, namespace, wire.max_payload_bytes(self._numel))
         self._state_bytes = [0, 0]  # sent, received: state shared with / downloaded from joiners
         self._state_bytes_lock = threading.Lock()
-        self._record = NodeRecord(self.peer_id, settings.fingerprint, settings.config, 0, -1)
-        self._refused: set[str] = set()
-        self._live: dict[str, NodeRecord] = {}
-        self._stop = threading.Event()
-        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="swarm-heartbeat", daemon=True)
 
     # --- membership -------------------------------------------------------------------------
 
     def visible_addresses(self) -> list[str]:
         return [str(addr) for addr in self._dht.get_visible_maddrs()]
-
-    def enter(self, round_: int) -> None:
-        """Announce ourselves and refuse to go on if the run already uses another config."""
-        self.announce(round_, ready_round=round_ - 1)
-        for record in self._fetch().values():
-            if record.fingerprint != self.settings.fingerprint:
-                difference = records.config_difference(self.settings.config, record.config)
-                raise SwarmError(f"refused: run '{self.settings.run_id}' uses an incompatible config "
-                                 f"(peer {record.peer_id}: {difference})")
-        self._heartbeat.start()
-
-    def announce(self, round_: int, ready_round: int) -> None:
-        self._record = NodeRecord(self.peer_id, self.settings.fingerprint, self.settings.config, round_, ready_round)
-        with self._dht_lock:
-            records.publish(self._dht, self.settings.run_id, self._record)
-
-    def compatible_peers(self) -> dict[str, NodeRecord]:
-        """Live nodes of this run with our config, ourselves included (as of the last heartbeat)."""
-        return dict(self._live)
-
-    def wait_for_peers(self, count: int, stop: threading.Event) -> bool:
-        """Block until `count` compatible nodes (ourselves included) are in the run; False if stopped."""
-        while len(self._fetch_compatible()) < count:
-            if stop.wait(0.5):
-                return False
-        return True
 
     def share_state(self, round_: int) -> None:
         """Let others download our state; a higher round makes us the preferred source."""
@@ -138,7 +105,7 @@ class SwarmMember:
         self._averager.allow_state_sharing = True
 
     def download_state(self, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        if len(self._fetch()) <= 1:
+        if len(self.presence.compatible_peers()) <= 1:
             return None  # nobody else is here: we start the run
         received = self._averager.load_state_from_peers(timeout=timeout)
         if received is not None:
@@ -155,30 +122,6 @@ class SwarmMember:
         return (self._exchange.bytes_sent + self._state_bytes[0], self._exchange.bytes_received + self._state_bytes[1])
 
     # --- rounds -------------------------------------------------------------------------------
-
-    def wait_for_round(self, round_: int, timeout: float, stop: threading.Event) -> str:
-        """Wait until every live compatible peer has finished its inner phase of `round_`.
-
-        Returns "together" (everyone is ready), "timeout" (go on with those that are),
-        "alone" (nobody else is in the run), "behind" (others already finished this round)
-        or "stopped" (the node was asked to stop while waiting).
-        """
-        deadline = time.monotonic() + timeout
-        while True:
-            others = {p: r for p, r in self._fetch().items()
-                      if p != self.peer_id and r.fingerprint == self.settings.fingerprint}
-            if any(r.round > round_ for r in others.values()):
-                return "behind"  # they already averaged this round without us
-            if not others:
-                return "alone"
-            if all(r.ready_round >= round_ for r in others.values()):
-                return "together"
-            if time.monotonic() > deadline:
-                waiting = sorted(p for p, r in others.items() if r.ready_round < round_)
-                logger.warning("round=%d barrier timed out; not waiting for %s", round_, ", ".join(waiting))
-                return "timeout"
-            if stop.wait(0.3):
-                return "stopped"
 
     def average(self, pseudo_gradient: Sequence[torch.Tensor], tokens: float, round_: int) -> AverageResult:
         """Replace `pseudo_gradient` in place by the robust token-weighted mean over this round's group."""
@@ -224,40 +167,10 @@ class SwarmMember:
     # --- lifecycle ----------------------------------------------------------------------------
 
     def leave(self) -> None:
-        self._stop.set()
-        try:
-            with self._dht_lock:
-                records.withdraw(self._dht, self.settings.run_id, self._record)
-        except Exception as exc:  # leaving must never fail; the record expires on its own anyway
-            logger.debug("withdraw failed: %r", exc)
+        self.presence.leave()
         self._exchange.close()
         self._averager.shutdown()
         self._dht.shutdown()
-
-    def _fetch_compatible(self) -> dict[str, NodeRecord]:
-        self._fetch()
-        return dict(self._live)
-
-    def _fetch(self) -> dict[str, records.NodeRecord]:
-        with self._dht_lock:
-            found = records.fetch(self._dht, self.settings.run_id)
-        self._live = {p: r for p, r in found.items() if r.fingerprint == self.settings.fingerprint}
-        self._live.setdefault(self.peer_id, self._record)
-        for peer, record in found.items():
-            if record.fingerprint != self.settings.fingerprint and peer not in self._refused:
-                self._refused.add(peer)
-                difference = records.config_difference(self.settings.config, record.config)
-                logger.warning("refused peer %s: incompatible config (%s)", peer, difference)
-        return found
-
-    def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(HEARTBEAT_SECONDS):
-            try:
-                with self._dht_lock:
-                    records.publish(self._dht, self.settings.run_id, self._record)
-                self._fetch()
-            except Exception as exc:  # a missed heartbeat is retried; the loop must outlive it
-                logger.warning("heartbeat failed: %r", exc)
 
 
 def _valid_tokens(value: Any) -> bool:

@@ -63,8 +63,7 @@ class StatusServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._host, self._requested_port, reuse_address=False)
         await site.start()
-        sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
-        return int(sockets[0].getsockname()[1]) if sockets else self._requested_port
+        return int(self._runner.addresses[0][1])  # the real port when 0 asked for a free one
 
     def stop(self) -> None:
         if self._thread.is_alive():

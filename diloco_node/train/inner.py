@@ -96,7 +96,7 @@ def evaluate(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tenso
         raise ValueError("evaluate() needs at least one batch")
     model.eval()
     try:
-        total = sum(float(model.loss(x, y)) for x, y in batches)  # type: ignore[operator]
+        total = sum(float(model.loss(x, y)) for x, y in batches)  # type: ignore[operator,misc]
     finally:
         model.train()
     return total / len(batches)

@@ -86,7 +86,8 @@ class NodeProcess:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or (self.process and self.process.poll() is not None and not predicate()):
                     tail = "".join(self.stderr_lines[-15:])
-                    raise AssertionError(f"{self.name}: {what} not reached (exit={self.process and self.process.poll()})"
+                    code = self.process and self.process.poll()
+                    raise AssertionError(f"{self.name}: {what} not reached (exit={code})"
                                          f"\n--- last log lines ---\n{tail}")
                 self._changed.wait(min(remaining, 0.5))
 

@@ -90,7 +90,7 @@ def test_valid_peers_and_status_pass() -> None:
 
 def test_toml_file_values_and_dashed_keys(tmp_path: Path) -> None:
     path = tmp_path / "run.toml"
-    path.write_text('inner-steps = 7\nouter_lr = 0.5\npeer = ["%s"]\n' % PEER_A)
+    path.write_text(f'inner-steps = 7\nouter_lr = 0.5\npeer = ["{PEER_A}"]\n')
     cfg = load_config(str(path), {"outer_lr": 0.25})
     assert cfg.inner_steps == 7
     assert cfg.outer_lr == 0.25  # overrides (env and flags) beat the file

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from diloco_node.train.model import PRESETS, GPT, build_model, count_parameters
+from diloco_node.train.model import GPT, PRESETS, build_model, count_parameters
 
 
 def test_same_seed_gives_bit_identical_parameters() -> None:

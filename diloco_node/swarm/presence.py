@@ -1,0 +1,117 @@
+"""Presence: who is in the run and how far each node has got, kept fresh by a heartbeat.
+
+Also the round barrier built on it, and the refusal of peers whose config differs from ours.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from hivemind import DHT
+
+from diloco_node.swarm import records
+from diloco_node.swarm.records import NodeRecord
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_SECONDS = 3.0
+
+
+class IncompatibleRun(RuntimeError):
+    """The run already has nodes with another config; raised before we take part in anything."""
+
+
+class Presence:
+    def __init__(self, dht: DHT, peer_id: str, run_id: str, fingerprint: str, config: dict[str, Any]):
+        self._dht, self.peer_id, self.run_id = dht, peer_id, run_id
+        self.fingerprint, self.config = fingerprint, config
+        self._dht_lock = threading.Lock()  # hivemind's DHT pipe is not safe to share between threads
+        self._record = NodeRecord(peer_id, fingerprint, config, 0, -1)
+        self._refused: set[str] = set()
+        self._live: dict[str, NodeRecord] = {}
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="swarm-heartbeat", daemon=True)
+
+    def enter(self, round_: int) -> None:
+        """Announce ourselves and refuse to go on if the run already uses another config."""
+        self.announce(round_, ready_round=round_ - 1)
+        for record in self._fetch().values():
+            if record.fingerprint != self.fingerprint:
+                difference = records.config_difference(self.config, record.config)
+                raise IncompatibleRun(f"refused: run '{self.run_id}' uses an incompatible config "
+                                      f"(peer {record.peer_id}: {difference})")
+        self._heartbeat.start()
+
+    def announce(self, round_: int, ready_round: int) -> None:
+        self._record = NodeRecord(self.peer_id, self.fingerprint, self.config, round_, ready_round)
+        with self._dht_lock:
+            records.publish(self._dht, self.run_id, self._record)
+
+    def compatible_peers(self, refresh: bool = False) -> dict[str, NodeRecord]:
+        """Live nodes of this run with our config, ourselves included (as of the last heartbeat)."""
+        if refresh:
+            self._fetch()
+        return dict(self._live)
+
+    def wait_for_peers(self, count: int, stop: threading.Event) -> bool:
+        """Block until `count` compatible nodes (ourselves included) are in the run; False if stopped."""
+        while len(self.compatible_peers(refresh=True)) < count:
+            if stop.wait(0.5):
+                return False
+        return True
+
+    def wait_for_round(self, round_: int, timeout: float, stop: threading.Event) -> str:
+        """Wait until every live compatible peer has finished its inner phase of `round_`.
+
+        Returns "together" (everyone is ready), "timeout" (go on with those that are),
+        "alone" (nobody else is in the run), "behind" (others already finished this round)
+        or "stopped" (the node was asked to stop while waiting).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            others = {p: r for p, r in self._fetch().items()
+                      if p != self.peer_id and r.fingerprint == self.fingerprint}
+            if any(r.round > round_ for r in others.values()):
+                return "behind"  # they already averaged this round without us
+            if not others:
+                return "alone"
+            if all(r.ready_round >= round_ for r in others.values()):
+                return "together"
+            if time.monotonic() > deadline:
+                waiting = sorted(p for p, r in others.items() if r.ready_round < round_)
+                logger.warning("round=%d barrier timed out; not waiting for %s", round_, ", ".join(waiting))
+                return "timeout"
+            if stop.wait(0.3):
+                return "stopped"
+
+    def leave(self) -> None:
+        self._stop.set()
+        try:
+            with self._dht_lock:
+                records.withdraw(self._dht, self.run_id, self._record)
+        except Exception as exc:  # leaving must never fail; the record expires on its own anyway
+            logger.debug("withdraw failed: %r", exc)
+
+    def _fetch(self) -> dict[str, NodeRecord]:
+        with self._dht_lock:
+            found = records.fetch(self._dht, self.run_id)
+        self._live = {p: r for p, r in found.items() if r.fingerprint == self.fingerprint}
+        self._live.setdefault(self.peer_id, self._record)
+        for peer, record in found.items():
+            if record.fingerprint != self.fingerprint and peer not in self._refused:
+                self._refused.add(peer)
+                difference = records.config_difference(self.config, record.config)
+                logger.warning("refused peer %s: incompatible config (%s)", peer, difference)
+        return found
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(HEARTBEAT_SECONDS):
+            try:
+                with self._dht_lock:
+                    records.publish(self._dht, self.run_id, self._record)
+                self._fetch()
+            except Exception as exc:  # a missed heartbeat is retried; the loop must outlive it
+                logger.warning("heartbeat failed: %r", exc)
