@@ -29,6 +29,7 @@ are counted from the logs (rounds logged x H x batch x seq per node) and reporte
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -230,14 +231,10 @@ class NodeProcess:
         """SIGTERM (the node checkpoints and leaves), then SIGKILL of its session if it hangs."""
         if self.proc.poll() is None:
             self.signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # leftovers of this node's own session only
-        except (ProcessLookupError, PermissionError):
-            pass
         self.proc.wait()
 
 
@@ -307,7 +304,7 @@ def outer_difference(run_id: str, *directories: Path) -> dict[str, Any]:
             store.close()
     if any(state is None for state in states):
         return {"max_abs": None, "elements_differing": None}
-    pairs = list(zip(states[0]["outer_params"], states[1]["outer_params"]))
+    pairs = list(zip(states[0]["outer_params"], states[1]["outer_params"], strict=True))
     return {"max_abs": max(float((a - b).abs().max()) for a, b in pairs),
             "elements_differing": sum(int((a != b).sum()) for a, b in pairs)}
 
@@ -401,11 +398,15 @@ def notes(results: list[dict[str, Any]], cfg: NodeConfig) -> str:
     ]
     for res in results[1:]:
         diff = res["outer_params_difference"]
+        slowest = max(r["seconds"] for log in res["logs"] for r in log["rounds"])
         lines.append(f"DiLoCo H={res['H']}: {res['rounds']} rounds, rounds per node {pair(res['rounds_per_node'])}, "
-                     f"exchanges per node {pair(res['exchanges_per_node'])}, final φ bit-identical on both nodes: "
-                     f"{res['replicas_identical']} (max |φ1-φ2| = {diff['max_abs']}, "
-                     f"{diff['elements_differing']} elements differ), node warnings: {res['warnings']}.")
-    lines.append(f"DDP replicas identical at the end: {ddp['replicas_identical']}.")
+                     f"exchanges per node {pair(res['exchanges_per_node'])}, final eval loss per node "
+                     f"{pair(res['final_eval_loss_per_node'], '{:.4f}')}, final φ bit-identical on both nodes: "
+                     f"{res['replicas_identical']} (max |φ1-φ2| = {diff['max_abs']:.3g}, "
+                     f"{diff['elements_differing']:,} elements differ), node warnings: {res['warnings']}, "
+                     f"slowest round {slowest:.1f} s.")
+    lines.append(f"DDP replicas identical at the end: {ddp['replicas_identical']}. Wall times include process "
+                 "start-up (~5-8 s); a DiLoCo round also waits matchmaking_time (3 s) for its group.")
     return "\n".join(f"- {line}" for line in lines)
 
 
@@ -439,7 +440,6 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace, cfg: 
     import hivemind
 
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown(results)
     payload = {
         "benchmark": NAME, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -452,8 +452,16 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace, cfg: 
         "results": results,
     }
     (out / f"{NAME}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    return write_report(payload, cfg, out)
+
+
+def write_report(payload: dict[str, Any], cfg: NodeConfig, out: Path) -> str:
+    """The markdown table and the plot, from the JSON's numbers alone (see --report-only)."""
+    results, total_seconds = payload["results"], payload["total_seconds"]
+    table = markdown(results)
+    machine = payload["machine"]
     (out / f"{NAME}.md").write_text(
-        f"# DiLoCo vs data-parallel ({payload['date']}, {os.cpu_count()} CPU cores, torch {torch.__version__})\n\n"
+        f"# DiLoCo vs data-parallel ({payload['date']}, {machine['nproc']} CPU cores, torch {machine['torch']})\n\n"
         f"{table}\n\n{notes(results, cfg)}\n\nTotal benchmark time: {total_seconds:.0f} s. "
         f"Reproduce: `.venv/bin/python benchmarks/{NAME}.py`. Plot: `{NAME}.png`.\n")
     plot(results, out / f"{NAME}.png")
@@ -472,6 +480,8 @@ def parse_args() -> argparse.Namespace:
                         "--quick: a fresh temp folder)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per configuration")
     parser.add_argument("--keep-logs", action="store_true", help="keep the nodes' logs and checkpoints")
+    parser.add_argument("--report-only", action="store_true", help="rewrite the markdown and plot from the "
+                        "JSON in --out-dir without training")
     args = parser.parse_args()
     args.ddp_steps = args.ddp_steps or (60 if args.quick else 400)
     args.h_values = [int(v) for v in (args.h_values or ("10,30" if args.quick else "20,50")).split(",")]
@@ -487,6 +497,10 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     cfg = NodeConfig()
+    if args.report_only:
+        payload = json.loads((args.out_dir / f"{NAME}.json").read_text())
+        print(write_report(payload, cfg, args.out_dir))
+        return
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix=f"{NAME}_work_"))
     keep = args.keep_logs

@@ -1,0 +1,11 @@
+"""Pseudo-gradient codecs (DESIGN §3): what one node's Δ looks like on the wire.
+
+    codec = make_codec(CodecConfig(name="int8"))
+    payload = codec.encode(flat_fp32)             # top-k also applies its error feedback here
+    flat = codec.decode(payload, expected_numel)  # or CodecError: drop that peer's contribution
+"""
+
+from diloco_node.codec.codecs import CODECS, Codec, CodecConfig, make_codec
+from diloco_node.codec.wire import CodecError, max_payload_bytes
+
+__all__ = ["CODECS", "Codec", "CodecConfig", "CodecError", "make_codec", "max_payload_bytes"]

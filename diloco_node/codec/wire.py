@@ -1,59 +1,137 @@
 """The wire format of one pseudo-gradient payload, validated before anything is allocated.
 
-    magic "DLCP" | version u8 | codec u8 | dtype u8 | reserved u8 | numel u64 | body length u64 |
-    crc32 of body u32 | body
+    magic "DLCP" | version u8 | codec u8 | dtype u8 | flags u8 | numel u64 |
+    param_a u32 | param_b u32 | body length u64 | raw length u64 | crc32 of body u32 | body
 
-Version 1 knows one codec, `none` (fp32, little-endian). Decoding checks the header against what
-the receiver expects (the model's parameter count), so a truncated, oversized, mismatched or
-corrupt payload raises CodecError and costs at most one header's worth of work.
+All little-endian (so are the bodies: every supported host is). `param_a`/`param_b` are the codec
+parameters a receiver needs (block size; top-k chunk and k; 0 where unused). The body is the raw
+codec output, or its zstd frame when flag ZSTD is set; the checksum covers the body as sent.
+
+Version 2 adds codecs, flags and codec parameters to version 1 (fp32 only); version 1 payloads are
+refused. Decoding checks every header field against what the receiver expects (the model's
+parameter count and its own codec) and against the raw length that numel and the parameters
+imply, so a truncated, oversized, mismatched, corrupt or inflated payload raises CodecError after
+at most a header's worth of work; memory is only ever allocated up to the expected raw size.
 """
 
 from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"DLCP"
-VERSION = 1
-HEADER = struct.Struct("<4sBBBBQQI")
-CODEC_NONE = 0
-DTYPE_FP32 = 0
+VERSION = 2
+HEADER = struct.Struct("<4sBBBBQIIQQI")
+
+CODEC_IDS = {"none": 0, "fp16": 1, "bf16": 2, "int8": 3, "int4": 4, "topk": 5}
+DTYPE_FP32, DTYPE_FP16, DTYPE_BF16, DTYPE_INT8, DTYPE_INT4 = 0, 1, 2, 3, 4
+FLAG_ZSTD = 1
+KNOWN_FLAGS = FLAG_ZSTD
+MAX_CHUNK = 1 << 16  # top-k offsets are at most uint16
+
+# Raw length given (numel, param_a, param_b); raises CodecError when the parameters are out of range.
+RawLength = Callable[[int, int, int], int]
 
 
 class CodecError(ValueError):
-    """A payload that cannot be decoded; the round drops it and goes on."""
+    """A payload that cannot be decoded (or a vector that cannot be encoded); the round drops it."""
+
+
+@dataclass(frozen=True)
+class Header:
+    codec: int
+    dtype: int
+    flags: int
+    numel: int
+    param_a: int
+    param_b: int
+    body_length: int
+    raw_length: int
+    checksum: int
+
+
+def max_raw_bytes(numel: int) -> int:
+    """Worst raw body over all codecs and valid parameters: fp32 is 4n; top-k with k = C = 1 is
+    5n (2 B scale + 2 B offset + 1 B value per kept entry) plus one partly padded chunk."""
+    return 5 * numel + 3 * MAX_CHUNK + 2
 
 
 def max_payload_bytes(numel: int) -> int:
-    return HEADER.size + 4 * numel
+    """No valid payload of any codec is larger: zstd is only kept when it shrinks the body."""
+    return HEADER.size + max_raw_bytes(numel)
 
 
-def encode(flat: torch.Tensor) -> bytes:
-    """fp32 vector → payload bytes."""
-    body = flat.detach().to(torch.float32).contiguous().numpy().tobytes()
-    header = HEADER.pack(MAGIC, VERSION, CODEC_NONE, DTYPE_FP32, 0, flat.numel(), len(body), zlib.crc32(body))
+def pack(codec: int, dtype: int, numel: int, params: tuple[int, int], raw: bytes, zstd_level: int | None) -> bytes:
+    """Header + body; the body is zstd-compressed when a level is given and that makes it smaller."""
+    from diloco_node.codec import entropy  # entropy imports CodecError from here
+
+    flags, body = 0, raw
+    if zstd_level is not None:
+        packed = entropy.compress(raw, zstd_level)
+        if len(packed) < len(raw):  # incompressible bodies travel raw: zstd only where it pays
+            flags, body = FLAG_ZSTD, packed
+    header = HEADER.pack(MAGIC, VERSION, codec, dtype, flags, numel, *params, len(body), len(raw), zlib.crc32(body))
     return header + body
 
 
-def decode(payload: bytes, expected_numel: int) -> torch.Tensor:
-    """payload bytes → fp32 vector of `expected_numel` finite values, or CodecError."""
+def read_header(payload: bytes | bytearray | memoryview) -> Header:
     if len(payload) < HEADER.size:
-        raise CodecError(f"payload of {len(payload)} bytes is shorter than its header")
-    magic, version, codec, dtype, _, numel, length, checksum = HEADER.unpack_from(payload)
-    if magic != MAGIC or version != VERSION:
-        raise CodecError(f"unknown payload format (magic={magic!r}, version={version})")
-    if codec != CODEC_NONE or dtype != DTYPE_FP32:
-        raise CodecError(f"unsupported codec {codec} / dtype {dtype}")
-    if numel != expected_numel:
-        raise CodecError(f"payload holds {numel} values, the model has {expected_numel}")
-    if length != 4 * numel or len(payload) != HEADER.size + length:
-        raise CodecError(f"payload length {len(payload) - HEADER.size} does not match its header ({length})")
+        raise CodecError(f"payload of {len(payload)} bytes is shorter than its header ({HEADER.size})")
+    magic, version, *fields = HEADER.unpack_from(payload)
+    if magic != MAGIC:
+        raise CodecError(f"not a pseudo-gradient payload (magic={magic!r})")
+    if version != VERSION:
+        raise CodecError(f"payload format version {version}, this node speaks {VERSION}")
+    return Header(*fields)
+
+
+def unpack(
+    payload: bytes | bytearray | memoryview, expected_numel: int, codec: int, dtype: int, raw_length: RawLength
+) -> tuple[Header, bytearray]:
+    """Validate every header field, the checksum and the zstd frame; return the raw body."""
+    from diloco_node.codec import entropy
+
+    header = read_header(payload)
+    if header.codec != codec or header.dtype != dtype:
+        raise CodecError(f"payload codec {header.codec}/dtype {header.dtype}, expected {codec}/{dtype}")
+    if header.flags & ~KNOWN_FLAGS:
+        raise CodecError(f"unknown flags {header.flags:#x}")
+    if header.numel != expected_numel:
+        raise CodecError(f"payload holds {header.numel} values, the model has {expected_numel}")
+    expected_raw = raw_length(header.numel, header.param_a, header.param_b)  # checks the parameters
+    if header.raw_length != expected_raw:
+        raise CodecError(f"raw length {header.raw_length} does not match numel and codec ({expected_raw})")
+    zstd = bool(header.flags & FLAG_ZSTD)
+    if header.body_length > header.raw_length or (not zstd and header.body_length != header.raw_length):
+        raise CodecError(f"body length {header.body_length} is inconsistent with raw length {header.raw_length}")
+    if len(payload) != HEADER.size + header.body_length:
+        raise CodecError(f"payload body is {len(payload) - HEADER.size} bytes, its header says {header.body_length}")
     body = memoryview(payload)[HEADER.size:]
-    if zlib.crc32(body) != checksum:
+    if zlib.crc32(body) != header.checksum:
         raise CodecError("payload checksum mismatch")
-    flat = torch.frombuffer(bytearray(body), dtype=torch.float32)
-    if not torch.isfinite(flat).all():
-        raise CodecError("payload holds non-finite values")
-    return flat
+    # bytearray: torch.frombuffer wants a writable buffer, and the result must not alias `payload`
+    raw = bytearray(entropy.decompress(body, header.raw_length) if zstd else body)
+    return header, raw
+
+
+# --- version-1 style helpers, kept for existing callers: the `none` codec with default settings ---
+
+
+def encode(flat: torch.Tensor) -> bytes:
+    """fp32 vector → payload of the `none` codec."""
+    from diloco_node.codec.codecs import CodecConfig, make_codec
+
+    return make_codec(CodecConfig()).encode(flat)
+
+
+def decode(payload: bytes, expected_numel: int) -> torch.Tensor:
+    """`none` codec payload → fp32 vector of `expected_numel` finite values, or CodecError."""
+    from diloco_node.codec.codecs import CodecConfig, make_codec
+
+    return make_codec(CodecConfig()).decode(payload, expected_numel)

@@ -88,6 +88,10 @@ class Presence:
                 return "stopped"
 
     def leave(self) -> None:
+        if not self._heartbeat.is_alive():
+            # We never entered (e.g. refused): our record stays until it expires, so that the
+            # nodes of the run get to see, and log, whom they refused.
+            return
         self._stop.set()
         try:
             with self._dht_lock:
