@@ -96,10 +96,10 @@ class Node:
             self.say(f"peer address: {address}")
         if not resumed:  # a fresh node gets its own data order, derived from its identity
             self.stream_seed = zlib.crc32(self.swarm.peer_id.encode()) ^ self.cfg.seed
-        self.swarm.presence.enter(self.round)
+        self.swarm.presence.enter(self.round, self.model_digest())
         if not resumed:
             self._sync_from_peers()
-        self.swarm.presence.announce(self.round, ready_round=self.round - 1)
+        self._announce(ready=False)
         self.swarm.share_state(self.round)
         if self.cfg.min_peers > 1:
             self.say(f"waiting for {self.cfg.min_peers} nodes in run {self.cfg.run_id}")
@@ -138,6 +138,8 @@ class Node:
             return False
         momentum = tensors[n:] if metadata.get("has_momentum") else None
         self._install_outer(int(metadata["round"]), tensors[:n], momentum)
+        # A joiner's learning-rate schedule follows the run's progress, not its own step count.
+        self.inner.step = max(self.inner.step, self.round * self.cfg.inner_steps)
         logger.info("synced state from peers round=%d digest=%s", self.round, self.model_digest())
         return True
 
@@ -176,7 +178,7 @@ class Node:
         if losses is None:
             return  # stop requested mid-round: the checkpoint keeps the round's start
         tokens = len(losses) * self.cfg.batch_size * self.cfg.seq_len
-        self.swarm.presence.announce(self.round, ready_round=self.round)
+        self._announce(ready=True)
         verdict = self.swarm.presence.wait_for_round(self.round, self.cfg.round_timeout, self.stop_requested)
         if verdict == "stopped":
             return
@@ -184,8 +186,13 @@ class Node:
             logger.warning("round=%d peers moved on without us; re-syncing instead of sending stale work",
                            self.round)
             self._sync_from_peers()
-            self.swarm.presence.announce(self.round, ready_round=self.round - 1)
+            self._announce(ready=False)
             return
+        diverged = self.swarm.presence.diverged(self.round, self.model_digest())
+        if diverged:
+            # Our Δ is still a fine direction to contribute; our φ is what must be replaced.
+            logger.warning("round=%d our φ differs from the swarm's; re-syncing after this round", self.round)
+            self.swarm.stop_sharing()
         delta = pseudo_gradient(self.outer_params, [p.detach().cpu() for p in self.model.parameters()])
         group: tuple[str, ...] = (self.swarm.peer_id,)
         if verdict != "alone":
@@ -195,9 +202,16 @@ class Node:
         with self.lock:
             self.outer.step(delta)
             self.round += 1
-        self.swarm.presence.announce(self.round, ready_round=self.round - 1)
+        if diverged:
+            self._sync_from_peers()
+        self._announce(ready=False)
         self.swarm.share_state(self.round)
         self._finish_round(losses, group, time.monotonic() - started)
+
+    def _announce(self, ready: bool) -> None:
+        """Tell the run where we are: training `round` (ready=False) or done with its inner phase."""
+        assert self.swarm is not None
+        self.swarm.presence.announce(self.round, self.round if ready else self.round - 1, self.model_digest())
 
     def _inner_phase(self) -> list[float] | None:
         losses = []

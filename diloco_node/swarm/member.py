@@ -104,6 +104,10 @@ class SwarmMember:
         self._averager.state_sharing_priority = float(round_)
         self._averager.allow_state_sharing = True
 
+    def stop_sharing(self) -> None:
+        """A node whose φ is known to be off must not hand it to joiners."""
+        self._averager.allow_state_sharing = False
+
     def download_state(self, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         if len(self.presence.compatible_peers()) <= 1:
             return None  # nobody else is here: we start the run

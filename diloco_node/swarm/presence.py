@@ -29,15 +29,15 @@ class Presence:
         self._dht, self.peer_id, self.run_id = dht, peer_id, run_id
         self.fingerprint, self.config = fingerprint, config
         self._dht_lock = threading.Lock()  # hivemind's DHT pipe is not safe to share between threads
-        self._record = NodeRecord(peer_id, fingerprint, config, 0, -1)
+        self._record = NodeRecord(peer_id, fingerprint, config, 0, -1, "")
         self._refused: set[str] = set()
         self._live: dict[str, NodeRecord] = {}
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="swarm-heartbeat", daemon=True)
 
-    def enter(self, round_: int) -> None:
+    def enter(self, round_: int, digest: str) -> None:
         """Announce ourselves and refuse to go on if the run already uses another config."""
-        self.announce(round_, ready_round=round_ - 1)
+        self.announce(round_, ready_round=round_ - 1, digest=digest)
         for record in self._fetch().values():
             if record.fingerprint != self.fingerprint:
                 difference = records.config_difference(self.config, record.config)
@@ -45,8 +45,8 @@ class Presence:
                                       f"(peer {record.peer_id}: {difference})")
         self._heartbeat.start()
 
-    def announce(self, round_: int, ready_round: int) -> None:
-        self._record = NodeRecord(self.peer_id, self.fingerprint, self.config, round_, ready_round)
+    def announce(self, round_: int, ready_round: int, digest: str) -> None:
+        self._record = NodeRecord(self.peer_id, self.fingerprint, self.config, round_, ready_round, digest)
         with self._dht_lock:
             records.publish(self._dht, self.run_id, self._record)
 
@@ -86,6 +86,15 @@ class Presence:
                 return "timeout"
             if stop.wait(0.3):
                 return "stopped"
+
+    def diverged(self, round_: int, digest: str) -> bool:
+        """Whether our φ differs from the run's canonical φ for the start of `round_`.
+
+        φ can split when an exchange fails on one side only (one node got the other's payload,
+        the other did not); the nodes holding a non-canonical φ re-sync.
+        """
+        canonical = records.canonical_digest(self.compatible_peers().values(), round_)
+        return canonical is not None and digest != canonical
 
     def leave(self) -> None:
         if not self._heartbeat.is_alive():

@@ -8,6 +8,7 @@ read: anything malformed is ignored, so a peer that writes nonsense cannot break
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,21 +27,22 @@ class NodeRecord:
     config: dict[str, Any]
     round: int  # the round the node is training or averaging
     ready_round: int  # the last round whose inner phase it finished (-1: none yet)
+    digest: str  # hash of the node's φ at the start of `round`
 
     def to_wire(self) -> dict[str, Any]:
         return {"fingerprint": self.fingerprint, "config": self.config,
-                "round": self.round, "ready_round": self.ready_round}
+                "round": self.round, "ready_round": self.ready_round, "digest": self.digest}
 
     @classmethod
     def from_wire(cls, peer_id: str, value: Any) -> NodeRecord | None:
         if not isinstance(value, dict) or value.get("left"):
             return None
         fingerprint, config = value.get("fingerprint"), value.get("config")
-        round_, ready = value.get("round"), value.get("ready_round")
-        if not (isinstance(fingerprint, str) and isinstance(config, dict)
+        round_, ready, digest = value.get("round"), value.get("ready_round"), value.get("digest")
+        if not (isinstance(fingerprint, str) and isinstance(config, dict) and isinstance(digest, str)
                 and isinstance(round_, int) and isinstance(ready, int)):
             return None
-        return cls(peer_id, fingerprint, config, round_, ready)
+        return cls(peer_id, fingerprint, config, round_, ready, digest)
 
 
 def records_key(run_id: str) -> str:
@@ -74,6 +76,20 @@ def fetch(dht: DHT, run_id: str) -> dict[str, NodeRecord]:
             if record is not None and item.expiration_time > get_dht_time():
                 records[subkey] = record
     return records
+
+
+def canonical_digest(nodes: Iterable[NodeRecord], round_: int) -> str | None:
+    """The φ digest most nodes at the start of `round_` hold; a tie goes to the smallest peer id's.
+
+    Every node evaluates this on the same records, so all reach the same verdict.
+    """
+    holders: dict[str, list[str]] = {}
+    for record in nodes:
+        if record.round == round_ and record.digest:
+            holders.setdefault(record.digest, []).append(record.peer_id)
+    if not holders:
+        return None
+    return min(holders, key=lambda digest: (-len(holders[digest]), min(holders[digest])))
 
 
 def config_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> str:

@@ -1,0 +1,288 @@
+"""Codec round-trip error bounds, bytes on the wire, error feedback, and header validation."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from typing import Any
+
+import pytest
+import torch
+import zstandard
+
+from diloco_node.codec import CODECS, CodecConfig, CodecError, make_codec, max_payload_bytes, wire
+from diloco_node.train.data import ByteDataset, embedded_corpus
+from diloco_node.train.inner import InnerConfig, InnerTrainer
+from diloco_node.train.model import build_model
+
+
+@pytest.fixture(scope="module")
+def pseudo_gradient() -> torch.Tensor:
+    """A real Δ = φ − θ: the tiny model after 20 AdamW steps on the embedded corpus (≈ 0.5 s)."""
+    model = build_model("tiny", seed=0)
+    phi = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    trainer = InnerTrainer(model, InnerConfig(warmup_steps=5))
+    data = ByteDataset(embedded_corpus(200_000), seq_len=64)
+    for step in range(20):
+        trainer.train_step(*data.train_batch(4, stream_seed=0, position=step))
+    return phi - torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def heavy_tailed(n: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    normal = torch.randn(n, generator=gen)
+    return normal * torch.rand(n, generator=gen).pow(-0.5) * 1e-3  # Student-t-like tails
+
+
+def roundtrip(name: str, x: torch.Tensor, **kw: object) -> torch.Tensor:
+    codec = make_codec(CodecConfig(name=name, **kw))  # type: ignore[arg-type]
+    return codec.decode(codec.encode(x), x.numel())
+
+
+# --- round-trip error bounds -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 7, 1000, 4099])
+def test_none_is_exact(n: int) -> None:
+    x = heavy_tailed(n)
+    assert torch.equal(roundtrip("none", x), x)
+
+
+@pytest.mark.parametrize(("name", "eps"), [("fp16", 2**-11), ("bf16", 2**-8)])
+def test_half_relative_error(name: str, eps: float) -> None:
+    x = heavy_tailed(10_000)
+    x = x[x.abs() > 1e-4]  # stay clear of fp16 subnormals, where the error is absolute
+    assert ((roundtrip(name, x) - x).abs() <= eps * x.abs()).all()
+
+
+def test_fp16_saturates_instead_of_overflowing() -> None:
+    x = torch.tensor([1e6, -1e6, 1.0])
+    assert roundtrip("fp16", x).tolist() == [65504.0, -65504.0, 1.0]
+
+
+@pytest.mark.parametrize(("name", "levels"), [("int8", 127), ("int4", 7)])
+@pytest.mark.parametrize(("n", "block"), [(1000, 64), (1001, 128), (5, 64), (333, 1)])
+def test_blockwise_error_is_at_most_half_a_step(name: str, levels: int, n: int, block: int) -> None:
+    x = heavy_tailed(n)
+    x[: min(n, block)] = 0.0  # an all-zero block must stay zero
+    error = (roundtrip(name, x, block_size=block) - x).abs()
+    pad = -n % block
+    absmax = torch.nn.functional.pad(x, (0, pad)).view(-1, block).abs().amax(dim=1)
+    scale = absmax / levels * (1 + 2**-7)  # the bf16 scale is rounded up, by at most one ulp
+    bound = scale.repeat_interleave(block)[:n] / 2
+    assert (error <= bound * (1 + 1e-6) + 1e-12).all()
+    assert (error[: min(n, block)] == 0).all()
+
+
+def test_topk_keeps_the_largest_per_chunk_quantized_and_zeroes_the_rest() -> None:
+    chunk, k = 256, 8
+    x = heavy_tailed(1000)
+    y = make_codec(CodecConfig(name="topk", topk_chunk=chunk, topk_k=k, ef_decay=1.0))
+    decoded = y.decode(y.encode(x), x.numel())
+    for start in range(0, 1000, chunk):
+        row, out = x[start:start + chunk], decoded[start:start + chunk]
+        kept = row.abs().topk(min(k, row.numel())).indices
+        dropped = torch.ones_like(row, dtype=torch.bool)
+        dropped[kept] = False
+        assert (out[dropped] == 0).all()
+        scale = row.abs().max() / 127 * (1 + 2**-7)
+        assert ((out[kept] - row[kept]).abs() <= scale / 2 * (1 + 1e-6)).all()
+
+
+def test_topk_with_uint16_offsets() -> None:
+    x = heavy_tailed(5000)
+    decoded = roundtrip("topk", x, topk_chunk=1024, topk_k=16)
+    assert int((decoded != 0).sum()) <= 5 * 16
+    assert torch.equal(decoded != 0, decoded.abs() > 0)
+
+
+# --- bytes per parameter on a real pseudo-gradient ----------------------------------------------
+
+BYTES_PER_PARAM = {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.05, "int4": 0.55, "topk": 0.1}
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_bytes_per_parameter(name: str, pseudo_gradient: torch.Tensor) -> None:
+    n = pseudo_gradient.numel()
+    payload = make_codec(CodecConfig(name=name)).encode(pseudo_gradient)
+    assert len(payload) / n <= BYTES_PER_PARAM[name]
+    assert len(payload) <= max_payload_bytes(n)
+
+
+def test_topk_default_sits_in_the_target_band(pseudo_gradient: torch.Tensor) -> None:
+    payload = make_codec(CodecConfig(name="topk")).encode(pseudo_gradient)
+    assert 0.03 <= len(payload) / pseudo_gradient.numel() <= 0.1
+
+
+# --- error feedback ------------------------------------------------------------------------------
+
+
+def test_error_feedback_conserves_the_sum_of_inputs(pseudo_gradient: torch.Tensor) -> None:
+    codec = make_codec(CodecConfig(name="topk"))
+    n = pseudo_gradient.numel()
+    inputs, sent = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    for step in range(6):
+        delta = pseudo_gradient * (0.5 + step / 4)
+        inputs += delta.double()
+        sent += codec.decode(codec.encode(delta), n).double()
+    residual = codec.state_dict()["residual"].double()
+    assert torch.allclose(sent + residual, inputs, rtol=0, atol=1e-6 * float(inputs.abs().max()))
+    # and error feedback does its job: over rounds, more of the total gets through than one round's k
+    assert float((inputs - sent).norm() / inputs.norm()) < 0.95
+
+
+def test_error_feedback_state_dict_round_trip() -> None:
+    x = heavy_tailed(3000)
+    a = make_codec(CodecConfig(name="topk"))
+    a.encode(x)
+    state = a.state_dict()
+    assert set(state) == {"residual"} and state["residual"].dtype == torch.float32
+    b = make_codec(CodecConfig(name="topk"))
+    b.load_state_dict(state)
+    assert a.encode(x) == b.encode(x)  # same residual → same payload
+    assert torch.equal(a.state_dict()["residual"], b.state_dict()["residual"])
+
+
+def test_stateless_codecs_have_empty_state() -> None:
+    for name in CODECS[:-1]:
+        assert make_codec(CodecConfig(name=name)).state_dict() == {}
+
+
+def test_non_finite_input_is_refused_and_leaves_the_residual_alone() -> None:
+    codec = make_codec(CodecConfig(name="topk"))
+    codec.encode(heavy_tailed(100))
+    before = codec.state_dict()["residual"].clone()
+    with pytest.raises(CodecError):
+        codec.encode(torch.full((100,), float("nan")))
+    assert torch.equal(codec.state_dict()["residual"], before)
+
+
+# --- configuration -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [CodecConfig(name="zip"), CodecConfig(name="int8", block_size=0), CodecConfig(name="topk", topk_k=300),
+     CodecConfig(name="topk", topk_chunk=1 << 17, topk_k=4), CodecConfig(name="topk", ef_decay=1.5)],
+)
+def test_bad_config_fails_at_construction(cfg: CodecConfig) -> None:
+    with pytest.raises(ValueError):
+        make_codec(cfg)
+
+
+def test_wire_helpers_still_speak_the_none_codec() -> None:
+    x = heavy_tailed(100)
+    assert torch.equal(wire.decode(wire.encode(x), 100), x)
+
+
+# --- header validation: every field ------------------------------------------------------------
+
+FIELDS = ("magic", "version", "codec", "dtype", "flags", "numel", "param_a", "param_b", "body_len", "raw_len", "crc")
+
+
+def forge(payload: bytes, body: bytes | None = None, **changes: Any) -> bytes:
+    """Re-pack `payload` with some header fields (and optionally the body) replaced."""
+    fields = dict(zip(FIELDS, wire.HEADER.unpack_from(payload), strict=True))
+    body = payload[wire.HEADER.size:] if body is None else body
+    fields.update(changes)
+    return wire.HEADER.pack(*fields.values()) + body
+
+
+@pytest.fixture()
+def int8_payload() -> bytes:
+    return make_codec(CodecConfig(name="int8", block_size=64)).encode(heavy_tailed(1000))
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"magic": b"XXXX"}, {"version": 1}, {"version": 3}, {"codec": 4}, {"codec": 99}, {"dtype": 0},
+     {"flags": 2}, {"flags": 1}, {"numel": 999}, {"numel": 2**63}, {"param_a": 0}, {"param_a": 128},
+     {"param_a": 2**32 - 1}, {"param_b": 1}, {"raw_len": 1}, {"raw_len": 2**64 - 1}, {"body_len": 10},
+     {"body_len": 2**64 - 1}, {"crc": 0}],
+    ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()),
+)
+def test_every_header_field_is_validated(int8_payload: bytes, changes: dict[str, Any]) -> None:
+    codec = make_codec(CodecConfig(name="int8", block_size=64))
+    with pytest.raises(CodecError):
+        codec.decode(forge(int8_payload, **changes), 1000)
+
+
+def test_truncated_and_extended_payloads(int8_payload: bytes) -> None:
+    codec = make_codec(CodecConfig(name="int8", block_size=64))
+    for bad in (b"", int8_payload[:10], int8_payload[:-1], int8_payload + b"\0"):
+        with pytest.raises(CodecError):
+            codec.decode(bad, 1000)
+
+
+def test_payload_of_another_codec_or_model_is_refused() -> None:
+    x = heavy_tailed(1000)
+    payload = make_codec(CodecConfig(name="int4")).encode(x)
+    with pytest.raises(CodecError):
+        make_codec(CodecConfig(name="int8")).decode(payload, 1000)
+    with pytest.raises(CodecError):
+        make_codec(CodecConfig(name="int4")).decode(payload, 1001)
+
+
+def test_a_different_block_size_is_read_from_the_header() -> None:
+    x = heavy_tailed(1000)
+    payload = make_codec(CodecConfig(name="int8", block_size=128)).encode(x)
+    decoded = make_codec(CodecConfig(name="int8", block_size=64)).decode(payload, 1000)
+    assert torch.equal(decoded, roundtrip("int8", x, block_size=128))
+
+
+def _zstd_payload(raw: bytes, declared_raw: int, frame: bytes | None = None) -> bytes:
+    body = frame if frame is not None else zstandard.ZstdCompressor().compress(raw)
+    return wire.HEADER.pack(wire.MAGIC, wire.VERSION, 0, wire.DTYPE_FP32, wire.FLAG_ZSTD, declared_raw // 4, 0, 0,
+                            len(body), declared_raw, zlib.crc32(body)) + body
+
+
+def test_zstd_bomb_is_refused_before_it_expands() -> None:
+    codec = make_codec(CodecConfig(name="none"))
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * (64 << 20))  # 64 MiB in a few KiB
+    with pytest.raises(CodecError, match="declares"):
+        codec.decode(_zstd_payload(b"", 4000, frame=bomb), 1000)
+    unsized = zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * 4000)
+    with pytest.raises(CodecError):
+        codec.decode(_zstd_payload(b"", 4000, frame=unsized), 1000)
+    two_frames = zstandard.ZstdCompressor().compress(b"\0" * 4000) * 2
+    with pytest.raises(CodecError):
+        codec.decode(_zstd_payload(b"", 4000, frame=two_frames), 1000)
+
+
+def test_zstd_body_larger_than_raw_is_refused() -> None:
+    raw = struct.pack("<1000f", *range(1000))
+    payload = _zstd_payload(raw, 4000, frame=b"\x28\xb5\x2f\xfd" + b"\0" * 4000)
+    with pytest.raises(CodecError, match="body length"):
+        make_codec(CodecConfig(name="none")).decode(payload, 1000)
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_non_finite_payloads_are_refused(name: str) -> None:
+    codec = make_codec(CodecConfig(name=name, zstd=False))
+    x = heavy_tailed(512)
+    payload = codec.encode(x)
+    body = bytearray(payload[wire.HEADER.size:])
+    if name in ("none",):
+        body[0:4] = struct.pack("<f", float("nan"))
+    elif name in ("fp16",):
+        body[0:2] = b"\x00\x7c"  # +inf in fp16
+    else:  # bf16 value, or the first bf16 scale of int8 / int4 / top-k
+        body[0:2] = b"\x80\x7f"  # +inf in bf16
+    forged = forge(payload, body=bytes(body), crc=zlib.crc32(body))
+    with pytest.raises(CodecError, match="non-finite"):
+        codec.decode(forged, 512)
+
+
+def test_out_of_range_codes_are_refused() -> None:
+    x = heavy_tailed(256)
+    for name, patch in (("int8", b"\x80"), ("int4", b"\x00")):
+        payload = make_codec(CodecConfig(name=name, zstd=False)).encode(x)
+        body = bytearray(payload[wire.HEADER.size:])
+        body[8] = patch[0]  # first code byte after 4 bf16 scales (block 64, 256 values)
+        with pytest.raises(CodecError, match="outside"):
+            make_codec(CodecConfig(name=name)).decode(forge(payload, body=bytes(body), crc=zlib.crc32(body)), 256)
+    payload = make_codec(CodecConfig(name="topk", topk_chunk=200, topk_k=4, zstd=False)).encode(x)
+    body = bytearray(payload[wire.HEADER.size:])
+    body[4] = 250  # an offset past the chunk of 200 (2 chunks → 4 bytes of scales first)
+    with pytest.raises(CodecError, match="offset"):
+        make_codec(CodecConfig(name="topk")).decode(forge(payload, body=bytes(body), crc=zlib.crc32(body)), 256)
