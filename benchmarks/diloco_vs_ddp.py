@@ -64,7 +64,7 @@ NAME = "diloco_vs_ddp"
 
 JOINED_RE = re.compile(r"joined run=\S+ round=(\d+) eval_loss=(\S+) parameters=(\d+) digest=(\w+)")
 ROUND_RE = re.compile(r"round=(\d+) loss=(\S+) eval_loss=(\S+) group_size=(\d+) sent=(\d+) received=(\d+) "
-                      r"seconds=(\S+) digest=(\w+)")
+                      r"seconds=(\S+) .*digest=(\w+)")
 SYNCED_RE = re.compile(r"synced state from peers round=(\d+)")
 WARNING_RE = re.compile(r" WARN(ING)? diloco_node")  # hivemind's log setup renames WARNING to WARN
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from diloco_node.codec import CODECS, CodecConfig, make_codec
 from diloco_node.swarm.addresses import check_multiaddr
 from diloco_node.train.model import PRESETS
 
@@ -63,6 +64,16 @@ class NodeConfig(BaseModel):
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer Nesterov momentum")
     max_outer_steps: int = Field(0, ge=0, description="stop after this many rounds (0 = run forever)")
 
+    # --- pseudo-gradient compression (DESIGN §3, codecs) ---
+    compression: str = Field("none", description=f"pseudo-gradient codec: {', '.join(CODECS)}")
+    block_size: int = Field(CodecConfig.block_size, gt=0, description="int8/int4: values per scale")
+    topk_chunk: int = Field(CodecConfig.topk_chunk, gt=0, description="topk: values per chunk")
+    topk_k: int = Field(CodecConfig.topk_k, gt=0, description="topk: values kept per chunk")
+    ef_decay: float = Field(CodecConfig.ef_decay, ge=0, le=1, description="topk: error-feedback decay β")
+    zstd: str = Field("auto", pattern=r"^(auto|on|off)$",
+                      description="zstd as the last stage: auto (where it pays), on, off")
+    zstd_level: int = Field(CodecConfig.zstd_level, ge=-7, le=22, description="zstd compression level")
+
     # --- persistence ---
     checkpoint_dir: str = Field("checkpoints", description="checkpoints go to DIR/<run_id>/ and join resumes from "
                                 "there; '' turns checkpoints off")
@@ -90,6 +101,13 @@ class NodeConfig(BaseModel):
             raise ValueError(f"unknown model preset '{value}' (known: {', '.join(PRESETS)})")
         return value
 
+    @field_validator("compression")
+    @classmethod
+    def _known_codec(cls, value: str) -> str:
+        if value not in CODECS:
+            raise ValueError(f"unknown codec '{value}' (known: {', '.join(CODECS)})")
+        return value
+
     @field_validator("status")
     @classmethod
     def _host_port(cls, value: str) -> str:
@@ -103,7 +121,22 @@ class NodeConfig(BaseModel):
         limit = PRESETS[self.model].max_seq_len
         if self.seq_len > limit:
             raise ValueError(f"seq_len {self.seq_len} exceeds model '{self.model}' limit of {limit}")
+        make_codec(self.codec_config())  # its own range checks, phrased for the user
         return self
+
+    def codec_config(self) -> CodecConfig:
+        return CodecConfig(name=self.compression, block_size=self.block_size, topk_chunk=self.topk_chunk,
+                           topk_k=self.topk_k, ef_decay=self.ef_decay, zstd_level=self.zstd_level,
+                           zstd={"auto": None, "on": True, "off": False}[self.zstd])
+
+    def codec_fingerprint(self) -> dict[str, Any]:
+        """The codec parameters a peer needs to decode our payloads (zstd is flagged per payload)."""
+        params: dict[str, Any] = {"compression": self.compression}
+        if self.compression in ("int8", "int4"):
+            params["block_size"] = self.block_size
+        if self.compression == "topk":
+            params.update(topk_chunk=self.topk_chunk, topk_k=self.topk_k)
+        return params
 
     @property
     def checkpoint_path(self) -> Path | None:
@@ -120,8 +153,8 @@ class NodeConfig(BaseModel):
         return {
             "model": self.model, "n_layer": arch.n_layer, "d_model": arch.d_model, "n_head": arch.n_head,
             "vocab_size": arch.vocab_size, "max_seq_len": arch.max_seq_len,
-            "algorithm": "diloco", "compression": "none",
-            "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
+            "algorithm": "diloco", "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
+            **self.codec_fingerprint(),
         }
 
     def fingerprint(self) -> str:
@@ -155,6 +188,8 @@ def build_config(values: dict[str, Any], source: str = "options") -> NodeConfig:
         if error["type"] == "extra_forbidden":
             raise ConfigError(f"unknown config key '{key}' in {source}") from None
         message = error["msg"].removeprefix("Value error, ")
+        if not error["loc"]:  # a check across several keys: the message names them
+            raise ConfigError(f"invalid configuration: {message}") from None
         raise ConfigError(f"invalid value for '{key}': {message}") from None
 
 

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from diloco_node.checkpoint import CheckpointError, CheckpointStore
+from diloco_node.codec import make_codec
 from diloco_node.config import NodeConfig
 from diloco_node.outer.diloco import OuterOptimizer, pseudo_gradient
-from diloco_node.swarm.member import SwarmMember, SwarmSettings
+from diloco_node.swarm.member import AverageResult, SwarmMember, SwarmSettings
 from diloco_node.telemetry.meter import Telemetry
 from diloco_node.telemetry.server import StatusServer
 from diloco_node.train.data import ByteDataset, load_corpus
@@ -70,6 +71,7 @@ class Node:
         self.inner = InnerTrainer(self.model, InnerConfig(
             lr=cfg.inner_lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
             total_steps=total, grad_clip=cfg.grad_clip))
+        self.codec = make_codec(cfg.codec_config())
         self.round = 0
         self.data_position = 0
         self.stream_seed = cfg.seed
@@ -77,6 +79,7 @@ class Node:
         self.stop_requested = threading.Event()
         self.store = CheckpointStore(cfg.checkpoint_path) if cfg.checkpoint_path else None
         self.telemetry = Telemetry(run_id=cfg.run_id, model=cfg.model, parameters=count_parameters(self.model),
+                                   compression=cfg.compression,
                                    outer_step=0, inner_step=0, loss=None, eval_loss=None, peers=1, group_size=0)
         self.server = StatusServer(self.telemetry, *cfg.status_host_port)
         self.swarm: SwarmMember | None = None
@@ -91,7 +94,7 @@ class Node:
             run_id=self.cfg.run_id, fingerprint=self.cfg.fingerprint(), config=self.cfg.fingerprint_fields(),
             initial_peers=self.cfg.peer, listen=self.cfg.listen, announce=self.cfg.announce,
             matchmaking_time=self.cfg.matchmaking_time, round_timeout=self.cfg.round_timeout)
-        self.swarm = SwarmMember(settings, self.outer_params, self._shared_state)
+        self.swarm = SwarmMember(settings, self.outer_params, self._shared_state, self.codec)
         for address in self.swarm.visible_addresses():
             self.say(f"peer address: {address}")
         if not resumed:  # a fresh node gets its own data order, derived from its identity
@@ -119,6 +122,7 @@ class Node:
             raise CheckpointError(f"checkpoint in '{self.cfg.checkpoint_path}' was made with another model/config")
         self._install_outer(state["round"], state["outer_params"], state["momentum"])
         self.inner.load_state_dict(state["inner"])
+        self.codec.load_state_dict(state["codec"])
         self.data_position, self.stream_seed = state["data_position"], state["stream_seed"]
         logger.info("resumed round=%d from %s", self.round, self.store.path if self.store else "")
         return True
@@ -194,10 +198,10 @@ class Node:
             logger.warning("round=%d our φ differs from the swarm's; re-syncing after this round", self.round)
             self.swarm.stop_sharing()
         delta = pseudo_gradient(self.outer_params, [p.detach().cpu() for p in self.model.parameters()])
-        group: tuple[str, ...] = (self.swarm.peer_id,)
+        result = AverageResult((self.swarm.peer_id,), 0, 0.0)
         if verdict != "alone":
-            group = self.swarm.average(delta, tokens=float(tokens), round_=self.round).group
-            if len(group) == 1:
+            result = self.swarm.average(delta, tokens=float(tokens), round_=self.round)
+            if len(result.group) == 1:
                 logger.warning("round=%d no peer averaged with us; applying our own pseudo-gradient", self.round)
         with self.lock:
             self.outer.step(delta)
@@ -206,7 +210,7 @@ class Node:
             self._sync_from_peers()
         self._announce(ready=False)
         self.swarm.share_state(self.round)
-        self._finish_round(losses, group, time.monotonic() - started)
+        self._finish_round(losses, result, time.monotonic() - started)
 
     def _announce(self, ready: bool) -> None:
         """Tell the run where we are: training `round` (ready=False) or done with its inner phase."""
@@ -224,20 +228,24 @@ class Node:
             self.telemetry.update(inner_step=self.inner.step, loss=losses[-1])
         return losses
 
-    def _finish_round(self, losses: list[float], group: tuple[str, ...], seconds: float) -> None:
+    def _finish_round(self, losses: list[float], result: AverageResult, seconds: float) -> None:
         assert self.swarm is not None
         eval_loss, loss = self._evaluate(), sum(losses) / len(losses)
         before = self.telemetry.snapshot()
         sent, received = self.swarm.traffic()
         round_sent, round_received = sent - before["bytes_sent"], received - before["bytes_received"]
+        numel = before["parameters"]
         self.telemetry.update(
-            outer_step=self.round, loss=loss, eval_loss=eval_loss, group_size=len(group), group=list(group),
-            peers=len(self.swarm.presence.compatible_peers()), model_digest=self.model_digest(), bytes_sent=sent,
-            bytes_received=received, last_round_bytes_sent=round_sent, last_round_bytes_received=round_received,
-            round_seconds=round(seconds, 3))
-        logger.info("round=%d loss=%.4f eval_loss=%.4f group_size=%d sent=%d received=%d seconds=%.1f digest=%s",
-                    self.round, loss, eval_loss, len(group), round_sent, round_received, seconds,
-                    self.model_digest())
+            outer_step=self.round, loss=loss, eval_loss=eval_loss, group_size=len(result.group),
+            group=list(result.group), peers=len(self.swarm.presence.compatible_peers()),
+            model_digest=self.model_digest(), bytes_sent=sent, bytes_received=received,
+            last_round_bytes_sent=round_sent, last_round_bytes_received=round_received, round_seconds=round(seconds, 3),
+            payload_bytes=result.payload_bytes, raw_bytes=4 * numel, bytes_per_param=result.payload_bytes / numel,
+            codec_seconds=round(result.codec_seconds, 4))
+        logger.info("round=%d loss=%.4f eval_loss=%.4f group_size=%d sent=%d received=%d seconds=%.1f "
+                    "payload=%d bytes_per_param=%.4f codec_seconds=%.3f digest=%s",
+                    self.round, loss, eval_loss, len(result.group), round_sent, round_received, seconds,
+                    result.payload_bytes, result.payload_bytes / numel, result.codec_seconds, self.model_digest())
         if self.store and self.cfg.checkpoint_every and self.round % self.cfg.checkpoint_every == 0:
             self.save_checkpoint()
 
@@ -262,7 +270,8 @@ class Node:
             state = {"fingerprint": self.cfg.fingerprint(), "round": self.round,
                      "outer_params": [p.clone() for p in self.outer_params],
                      "momentum": self.outer.momentum_buffers() if self.outer.has_momentum() else None,
-                     "inner": self.inner.state_dict(), "data_position": self.data_position,
+                     "inner": self.inner.state_dict(), "codec": self.codec.state_dict(),
+                     "data_position": self.data_position,
                      "stream_seed": self.stream_seed, "digest": digest(self.outer_params)}
         self.store.save(state)
 

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.utils import get_dht_time
 
-from diloco_node.codec import wire
+from diloco_node.codec import Codec, CodecError, max_payload_bytes
 from diloco_node.outer.aggregate import Contribution, robust_weighted_mean
 from diloco_node.swarm.exchange import PayloadExchange
 from diloco_node.swarm.presence import Presence
@@ -57,6 +58,8 @@ class SwarmSettings:
 @dataclass(frozen=True)
 class AverageResult:
     group: tuple[str, ...]  # peer ids whose contributions made the mean, ourselves included
+    payload_bytes: int  # our encoded pseudo-gradient on the wire (one copy)
+    codec_seconds: float  # encoding ours and decoding everyone's
 
 
 class _StateSharingAverager(DecentralizedAverager):
@@ -77,7 +80,8 @@ def _tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
 
 
 class SwarmMember:
-    def __init__(self, settings: SwarmSettings, template: Sequence[torch.Tensor], state_provider: StateProvider):
+    def __init__(self, settings: SwarmSettings, template: Sequence[torch.Tensor], state_provider: StateProvider,
+                 codec: Codec):
         self.settings = settings
         self._dht = _start_dht(settings)
         self.peer_id = str(self._dht.peer_id)
@@ -90,7 +94,8 @@ class SwarmMember:
             next_chunk_timeout=10.0, allreduce_timeout=settings.round_timeout, allow_state_sharing=False)
         self._averager.state_provider = state_provider
         self._averager.on_state_served = lambda n: self._count_state(sent=n)
-        self._exchange = PayloadExchange(self._dht, namespace, wire.max_payload_bytes(self._numel))
+        self._codec = codec
+        self._exchange = PayloadExchange(self._dht, namespace, max_payload_bytes(self._numel))
         self._state_bytes = [0, 0]  # sent, received: state shared with / downloaded from joiners
         self._state_bytes_lock = threading.Lock()
 
@@ -128,25 +133,39 @@ class SwarmMember:
     # --- rounds -------------------------------------------------------------------------------
 
     def average(self, pseudo_gradient: Sequence[torch.Tensor], tokens: float, round_: int) -> AverageResult:
-        """Replace `pseudo_gradient` in place by the robust token-weighted mean over this round's group."""
+        """Replace `pseudo_gradient` in place by the robust token-weighted mean over this round's group.
+
+        Our own contribution is what peers decode from our payload, not the exact Δ: every node
+        then averages the same values, and top-k's error feedback keeps what was not sent.
+        """
+        started = time.perf_counter()
         flat = torch.cat([t.detach().reshape(-1).float() for t in pseudo_gradient])
-        self._exchange.offer(round_, wire.encode(flat))
+        contributions = []
+        try:
+            payload = self._codec.encode(flat)
+            contributions.append(Contribution(self.peer_id, tokens, self._codec.decode(payload, self._numel)))
+            self._exchange.offer(round_, payload)
+        except CodecError as exc:  # our inner phase blew up (NaN/inf): send nothing, take the others'
+            logger.warning("round=%d not contributing: %s", round_, exc)
+            payload = b""
+        codec_seconds = time.perf_counter() - started
         group_tokens = self._form_group(round_, tokens)
         others = sorted(peer for peer in group_tokens if peer != self.peer_id)
-        contributions = [Contribution(self.peer_id, tokens, flat)]
-        for peer, payload in self._exchange.fetch_all(others, round_, self.settings.round_timeout).items():
-            if payload is None:
+        for peer, received in self._exchange.fetch_all(others, round_, self.settings.round_timeout).items():
+            if received is None:
                 continue
+            started = time.perf_counter()
             try:
-                contributions.append(Contribution(peer, group_tokens[peer], wire.decode(payload, self._numel)))
-            except wire.CodecError as exc:
+                contributions.append(Contribution(peer, group_tokens[peer], self._codec.decode(received, self._numel)))
+            except CodecError as exc:
                 logger.warning("round=%d dropped payload from peer=%s: %s", round_, peer, exc)
-        mean = robust_weighted_mean(contributions)
+            codec_seconds += time.perf_counter() - started
+        mean = robust_weighted_mean(contributions) if contributions else torch.zeros_like(flat)
         offset = 0
         for tensor in pseudo_gradient:
             tensor.copy_(mean[offset:offset + tensor.numel()].view_as(tensor))
             offset += tensor.numel()
-        return AverageResult(tuple(sorted(c.peer_id for c in contributions)))
+        return AverageResult(tuple(sorted(c.peer_id for c in contributions)), len(payload), codec_seconds)
 
     def _form_group(self, round_: int, tokens: float) -> dict[str, float]:
         """Matchmake with the peers averaging `round_`; returns peer id → tokens, ourselves included."""

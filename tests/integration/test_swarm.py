@@ -124,3 +124,14 @@ def test_a_node_that_leaves_is_not_waited_for(spawn: NodeFactory) -> None:
     assert leaver.wait_exit() == 0
     last = max(leaver.rounds)
     assert first.wait_for_round(last + 2, timeout=90).group_size == 1
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8", "int4", "topk"])
+def test_two_nodes_complete_rounds_with_every_codec(spawn: NodeFactory, codec: str) -> None:
+    options = ("--inner-steps", "5", "--max-outer-steps", "2", "--min-peers", "2", "--compression", codec)
+    first = spawn("a", *options, run_id=f"codec-{codec}", checkpoint=False)
+    second = spawn("b", *options, run_id=f"codec-{codec}", peer=first, checkpoint=False)
+    assert_same_digests([first, second], range(1, 3))
+    assert first.rounds[2].group_size == 2
+    for node in (first, second):
+        assert node.wait_exit() == 0
