@@ -148,10 +148,33 @@ def test_fingerprint_ignores_local_settings() -> None:
     assert len(base.fingerprint()) == 16
 
 
-@pytest.mark.parametrize("change", [{"model": "small"}, {"outer_lr": 0.5}, {"outer_momentum": 0.8}])
+@pytest.mark.parametrize("change", [{"model": "small"}, {"outer_lr": 0.5}, {"outer_momentum": 0.8},
+                                    {"compression": "int8"}, {"compression": "topk"}])
 def test_fingerprint_covers_model_and_outer_optimizer(change: dict[str, Any]) -> None:
     assert build_config({}).fingerprint() != build_config(change).fingerprint()
     assert build_config(change).fingerprint() == build_config(dict(change)).fingerprint()  # deterministic
+
+
+def test_fingerprint_covers_only_the_codec_parameters_in_use() -> None:
+    assert build_config({"compression": "int8"}).fingerprint() != build_config(
+        {"compression": "int8", "block_size": 128}).fingerprint()
+    assert build_config({"compression": "topk"}).fingerprint() != build_config(
+        {"compression": "topk", "topk_k": 4}).fingerprint()
+    # zstd is flagged in every payload and error feedback is local: peers may differ there
+    assert build_config({"compression": "topk"}).fingerprint() == build_config(
+        {"compression": "topk", "zstd": "off", "ef_decay": 0.9, "block_size": 128}).fingerprint()
+
+
+@pytest.mark.parametrize(("values", "key"), [({"compression": "zip"}, "compression"), ({"zstd": "maybe"}, "zstd"),
+                                             ({"zstd_level": 30}, "zstd_level"), ({"ef_decay": 2}, "ef_decay")])
+def test_bad_codec_settings_name_their_key(values: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        build_config(values)
+
+
+def test_codec_parameters_out_of_range_are_one_clear_line() -> None:
+    with pytest.raises(ConfigError, match="invalid configuration: .*top-k"):
+        build_config({"compression": "topk", "topk_k": 300})
 
 
 # --- precedence through the real CLI ----------------------------------------------------------
