@@ -29,20 +29,12 @@ are counted from the logs (rounds logged x H x batch x seq per node) and reporte
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import os
-import platform
-import re
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -51,51 +43,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import (
+    RESULTS_DIR,
+    WORLD,
+    free_port,
+    inner_config,
+    lo_per_node,
+    machine_info,
+    pair,
+    pyplot,
+    read_lo_bytes,
+    run_pair,
+)
 
 from diloco_node.checkpoint import CheckpointStore
 from diloco_node.config import NodeConfig
 from diloco_node.train.data import ByteDataset, load_corpus
-from diloco_node.train.inner import InnerConfig, InnerTrainer, evaluate
+from diloco_node.train.inner import InnerTrainer, evaluate
 from diloco_node.train.model import build_model, count_parameters
 
-WORLD = 2  # workers / nodes per configuration
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 NAME = "diloco_vs_ddp"
-
-JOINED_RE = re.compile(r"joined run=\S+ round=(\d+) eval_loss=(\S+) parameters=(\d+) digest=(\w+)")
-ROUND_RE = re.compile(r"round=(\d+) loss=(\S+) eval_loss=(\S+) group_size=(\d+) sent=(\d+) received=(\d+) "
-                      r"seconds=(\S+) .*digest=(\w+)")
-SYNCED_RE = re.compile(r"synced state from peers round=(\d+)")
-WARNING_RE = re.compile(r" WARN(ING)? diloco_node")  # hivemind's log setup renames WARNING to WARN
-
-
-def read_lo_bytes() -> int | None:
-    """Transmit byte counter of the loopback interface (machine-wide), or None where unavailable."""
-    try:
-        for line in Path("/proc/net/dev").read_text().splitlines():
-            name, sep, counters = line.partition(":")
-            if sep and name.strip() == "lo":
-                return int(counters.split()[8])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def lo_per_node(before: int | None, after: int | None) -> int | None:
-    return None if before is None or after is None else (after - before) // WORLD
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def inner_config(cfg: NodeConfig, total_steps: int) -> InnerConfig:
-    """What Node builds for a run of `total_steps` = max_outer_steps * inner_steps."""
-    return InnerConfig(lr=cfg.inner_lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
-                       total_steps=total_steps, grad_clip=cfg.grad_clip)
-
 
 # --- (a) data-parallel ------------------------------------------------------------------------
 
@@ -178,113 +145,10 @@ def run_ddp(steps: int, eval_every: int, cfg: NodeConfig, timeout: float) -> dic
 
 # --- (b) DiLoCo through the real CLI ----------------------------------------------------------
 
-class NodeProcess:
-    """A `diloco-node join` subprocess whose stdout/stderr lines are kept, logged and awaitable."""
-
-    def __init__(self, name: str, args: list[str], log_dir: Path):
-        self.name = name
-        self.lines: dict[str, list[str]] = {"stdout": [], "stderr": []}
-        self._changed = threading.Condition()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}  # only our flags count
-        env["PYTHONUNBUFFERED"] = "1"
-        # A session of its own, so the node's hivemind helpers (DHT, averager, p2pd) can be ended with it.
-        self.proc = subprocess.Popen([node_executable(), "join", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-        for stream in ("stdout", "stderr"):
-            log = open(log_dir / f"{name}.{stream}.log", "w")  # noqa: SIM115 - closed by the reader
-            threading.Thread(target=self._read, args=(stream, log), daemon=True).start()
-
-    def _read(self, stream: str, log: Any) -> None:
-        with log:
-            for line in getattr(self.proc, stream):
-                log.write(line)
-                log.flush()
-                with self._changed:
-                    self.lines[stream].append(line.rstrip("\n"))
-                    self._changed.notify_all()
-        with self._changed:
-            self._changed.notify_all()
-
-    def wait_for(self, stream: str, prefix: str, timeout: float) -> str:
-        """The rest of the first `stream` line containing `prefix`; raises if the node exits first."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while True:
-                for line in self.lines[stream]:
-                    if prefix in line:
-                        return line.split(prefix, 1)[1].strip()
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited (rc={self.proc.returncode}) before '{prefix}'"
-                                       f"\n{self.tail()}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{self.name}: no '{prefix}' within {timeout:.0f}s\n{self.tail()}")
-                self._changed.wait(timeout=1.0)
-
-    def tail(self, n: int = 15) -> str:
-        return "\n".join(f"  {self.name}: {line}" for line in self.lines["stderr"][-n:])
-
-    def signal(self, signum: int) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signum)
-
-    def stop(self) -> None:
-        """SIGTERM (the node checkpoints and leaves), then SIGKILL of its session if it hangs."""
-        if self.proc.poll() is None:
-            self.signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=30)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # leftovers of this node's own session only
-        self.proc.wait()
-
-
-def node_executable() -> str:
-    beside = Path(sys.executable).parent / "diloco-node"
-    found = str(beside) if beside.exists() else shutil.which("diloco-node")
-    if not found:
-        raise SystemExit("diloco-node is not installed (run `make bench`, or pip install -e . into the venv)")
-    return found
-
-
-def node_args(h: int, rounds: int, run_id: str, checkpoint_dir: Path) -> list[str]:
-    return ["--listen", "/ip4/127.0.0.1/tcp/0", "--status", "127.0.0.1:0", "--threads", "1",
-            "--max-outer-steps", str(rounds), "--inner-steps", str(h), "--run-id", run_id,
-            "--checkpoint-dir", str(checkpoint_dir), "--min-peers", str(WORLD)]
-
-
-def start_pair(h: int, rounds: int, run_id: str, work: Path, timeout: float) -> list[NodeProcess]:
-    """Node 1 without --peer, then node 2 pointed at the address node 1 prints."""
-    first = NodeProcess("node1", node_args(h, rounds, run_id, work / "ck1"), work)
-    try:
-        address = first.wait_for("stdout", "peer address:", timeout)
-        second = NodeProcess("node2", node_args(h, rounds, run_id, work / "ck2") + ["--peer", address], work)
-    except BaseException:
-        first.stop()
-        raise
-    return [first, second]
-
-
 def run_diloco(h: int, rounds: int, cfg: NodeConfig, work: Path, timeout: float) -> dict[str, Any]:
-    work.mkdir(parents=True)
     run_id = f"bench-h{h}-{os.getpid()}-{int(time.time())}"
-    lo_before, started = read_lo_bytes(), time.monotonic()
-    nodes = start_pair(h, rounds, run_id, work, timeout)
-    try:
-        deadline = started + timeout
-        for node in nodes:
-            try:
-                node.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise TimeoutError(f"H={h}: {node.name} did not finish within {timeout:.0f}s\n{node.tail()}") from None
-    finally:
-        for node in nodes:
-            node.stop()
-    wall, lo_after = time.monotonic() - started, read_lo_bytes()
-    for node in nodes:
-        if node.proc.returncode != 0:
-            raise RuntimeError(f"H={h}: {node.name} exited with {node.proc.returncode}\n{node.tail()}")
-    logs = [parse_node_log(node.lines["stderr"]) for node in nodes]
-    result = summarize_diloco(h, rounds, cfg, logs, wall, lo_per_node(lo_before, lo_after))
+    logs, wall, lo_node = run_pair(f"H={h}", h, rounds, run_id, work, timeout)
+    result = summarize_diloco(h, rounds, cfg, logs, wall, lo_node)
     result["outer_params_difference"] = outer_difference(run_id, work / "ck1", work / "ck2")
     return result
 
@@ -307,26 +171,6 @@ def outer_difference(run_id: str, *directories: Path) -> dict[str, Any]:
     pairs = list(zip(states[0]["outer_params"], states[1]["outer_params"], strict=True))
     return {"max_abs": max(float((a - b).abs().max()) for a, b in pairs),
             "elements_differing": sum(int((a != b).sum()) for a, b in pairs)}
-
-
-def parse_node_log(lines: list[str]) -> dict[str, Any]:
-    parsed: dict[str, Any] = {"rounds": [], "joined": None, "synced_round": None, "warnings": []}
-    for line in lines:
-        if match := ROUND_RE.search(line):
-            r, loss, ev, group, sent, received, seconds, digest = match.groups()
-            parsed["rounds"].append({"round": int(r), "loss": float(loss), "eval_loss": float(ev),
-                                     "group_size": int(group), "sent": int(sent), "received": int(received),
-                                     "seconds": float(seconds), "digest": digest})
-        elif match := JOINED_RE.search(line):
-            parsed["joined"] = {"round": int(match[1]), "eval_loss": float(match[2]),
-                                "parameters": int(match[3]), "digest": match[4]}
-        elif match := SYNCED_RE.search(line):
-            parsed["synced_round"] = int(match[1])
-        elif WARNING_RE.search(line):
-            parsed["warnings"].append(line)
-    if parsed["joined"] is None or not parsed["rounds"]:
-        raise RuntimeError("a node log has no 'joined' or no 'round=' lines; did the log format change?")
-    return parsed
 
 
 def summarize_diloco(h: int, rounds: int, cfg: NodeConfig, logs: list[dict[str, Any]], wall: float,
@@ -360,10 +204,6 @@ def summarize_diloco(h: int, rounds: int, cfg: NodeConfig, logs: list[dict[str, 
 
 
 # --- report -----------------------------------------------------------------------------------
-
-def pair(values: list[Any], fmt: str = "{:,}") -> str:
-    return fmt.format(values[0]) if len(set(values)) == 1 else " / ".join(fmt.format(v) for v in values)
-
 
 def markdown(results: list[dict[str, Any]]) -> str:
     ddp = results[0]
@@ -411,13 +251,8 @@ def notes(results: list[dict[str, Any]], cfg: NodeConfig) -> str:
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is missing (pip install -e '.[bench]'); skipping the plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for res in results:
@@ -437,8 +272,6 @@ def plot(results: list[dict[str, Any]], path: Path) -> bool:
 
 def write_results(results: list[dict[str, Any]], args: argparse.Namespace, cfg: NodeConfig, out: Path,
                   total_seconds: float) -> str:
-    import hivemind
-
     out.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": NAME, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -447,8 +280,7 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace, cfg: 
         "config": cfg.model_dump(include={"model", "seq_len", "batch_size", "eval_batches", "seed", "inner_lr",
                                           "warmup_steps", "weight_decay", "grad_clip", "outer_lr",
                                           "outer_momentum", "matchmaking_time"}),
-        "machine": {"nproc": os.cpu_count(), "torch": torch.__version__, "hivemind": hivemind.__version__,
-                    "python": platform.python_version(), "platform": platform.platform()},
+        "machine": machine_info(),
         "results": results,
     }
     (out / f"{NAME}.json").write_text(json.dumps(payload, indent=1) + "\n")

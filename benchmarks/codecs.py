@@ -1,0 +1,443 @@
+"""Every pseudo-gradient codec side by side against `none`, at an equal number of tokens, in one run.
+
+    .venv/bin/python benchmarks/codecs.py            # ~11 min on 2 CPU cores
+    .venv/bin/python benchmarks/codecs.py --quick    # smoke test, ~2 min, results in a temp folder
+
+(a) Throughput, in this process on one core (torch.set_num_threads(1)): a realistic pseudo-gradient
+    Δ = φ − θ after 20 AdamW steps of the node's model (the package's build_model, ByteDataset and
+    InnerTrainer with the node's default hyperparameters), encoded and decoded with
+    `diloco_node.codec.make_codec` and the codec options a node would use (NodeConfig defaults).
+    MB/s are of fp32 input (4 bytes per parameter). A fresh codec per repetition, so top-k's error
+    feedback always starts empty, as in a node's first round.
+(b) Training: for each codec, 2 nodes of the real CLI (`diloco-node join --compression <codec>`) on
+    loopback, the same H and number of rounds, `--min-peers 2 --threads 1`, no checkpoints, a run id
+    of its own. Everything is read from the nodes' log lines: bytes per parameter per round
+    (`payload` = the encoded pseudo-gradient with its wire header; `sent` = all a node put on the
+    swarm in the round, i.e. payload plus the exchange protocol's request/length overhead), eval loss
+    after every round, and `codec_seconds` (encoding ours, decoding ours and the peer's) against the
+    round's `seconds`.
+
+A node's data order is derived from its random peer id, so two runs of the same codec differ a
+little; `--none-runs 2` measures that run-to-run noise (a second `none` run), which bounds what an
+eval-loss gap of a fraction of a percent can mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import RESULTS_DIR, WORLD, inner_config, machine_info, pair, pyplot, run_pair
+
+from diloco_node.codec import CODECS, make_codec
+from diloco_node.config import NodeConfig
+from diloco_node.outer.diloco import pseudo_gradient
+from diloco_node.train.data import ByteDataset, load_corpus
+from diloco_node.train.inner import InnerTrainer
+from diloco_node.train.model import build_model
+
+NAME = "codecs"
+# codec → (max payload bytes per parameter per round, max eval-loss gap to `none` in %)
+TARGETS: dict[str, tuple[float, float]] = {"int8": (1.05, 0.5), "int4": (0.55, 1.0), "topk": (0.1, 2.0)}
+CODEC_SHARE_TARGET = 5.0  # % of round time spent encoding + decoding, every codec
+SAMPLE_STEPS = 20  # AdamW steps behind the throughput benchmark's pseudo-gradient
+
+
+# --- (a) throughput ---------------------------------------------------------------------------
+
+def sample_pseudo_gradient(cfg: NodeConfig, steps: int) -> torch.Tensor:
+    """Δ = φ − θ after `steps` inner AdamW steps from the initial model, flattened (fp32)."""
+    dataset = ByteDataset(load_corpus(cfg.data), cfg.seq_len)
+    model = build_model(cfg.model, cfg.seed)
+    outer = [p.detach().clone().float() for p in model.parameters()]
+    trainer = InnerTrainer(model, inner_config(cfg, 0))
+    for step in range(steps):
+        trainer.train_step(*dataset.train_batch(cfg.batch_size, cfg.seed, step))
+    return torch.cat([d.reshape(-1) for d in pseudo_gradient(outer, list(model.parameters()))]).contiguous()
+
+
+def measure_codec(name: str, flat: torch.Tensor, min_seconds: float, min_reps: int = 5) -> dict[str, Any]:
+    codec_cfg = NodeConfig(compression=name).codec_config()
+    numel = flat.numel()
+    payload = make_codec(codec_cfg).encode(flat)  # warm-up, and the numbers of one round trip
+    decoded = make_codec(codec_cfg).decode(payload, numel)
+    rel_error = float((decoded - flat).norm() / flat.norm())
+    encode_s, decode_s = [], []
+    while sum(encode_s) + sum(decode_s) < min_seconds or len(encode_s) < min_reps:
+        codec = make_codec(codec_cfg)
+        started = time.perf_counter()
+        payload = codec.encode(flat)
+        encoded = time.perf_counter()
+        codec.decode(payload, numel)
+        encode_s.append(encoded - started)
+        decode_s.append(time.perf_counter() - encoded)
+    enc, dec, mb = statistics.median(encode_s), statistics.median(decode_s), 4 * numel / 1e6
+    return {"codec": name, "reps": len(encode_s), "encode_seconds": enc, "decode_seconds": dec,
+            "encode_mb_s": mb / enc, "decode_mb_s": mb / dec, "roundtrip_mb_s": mb / (enc + dec),
+            "payload_bytes": len(payload), "bytes_per_param": len(payload) / numel,
+            "relative_l2_error": rel_error}
+
+
+def topk_energy(flat: torch.Tensor, chunk: int, k: int) -> float:
+    """Share of |Δ|² in the k largest |values| of each chunk: what top-k can send in one round."""
+    rows = torch.nn.functional.pad(flat, (0, -flat.numel() % chunk)).view(-1, chunk)
+    return float(rows.abs().topk(k, dim=1).values.square().sum() / rows.square().sum())
+
+
+def run_throughput(cfg: NodeConfig, codecs: list[str], min_seconds: float) -> dict[str, Any]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        started = time.monotonic()
+        flat = sample_pseudo_gradient(cfg, SAMPLE_STEPS)
+        per_codec = {name: measure_codec(name, flat, min_seconds) for name in codecs}
+    finally:
+        torch.set_num_threads(threads)
+    return {"sample": {"steps": SAMPLE_STEPS, "numel": flat.numel(), "l2_norm": float(flat.norm()),
+                       "abs_max": float(flat.abs().max()), "abs_mean": float(flat.abs().mean()),
+                       "topk_energy_fraction": topk_energy(flat, cfg.topk_chunk, cfg.topk_k)},
+            "threads": 1, "seconds": time.monotonic() - started, "codecs": per_codec}
+
+
+# --- (b) training through the real CLI --------------------------------------------------------
+
+def run_codec(label: str, codec: str, h: int, rounds: int, cfg: NodeConfig, work: Path,
+              timeout: float) -> dict[str, Any]:
+    run_id = f"bench-codec-{label}-{os.getpid()}-{int(time.time())}"
+    logs, wall, lo_node = run_pair(label, h, rounds, run_id, work, timeout, checkpoint_dirs=("", ""),
+                                   extra=["--compression", codec])
+    return summarize(label, codec, h, rounds, cfg, logs, wall, lo_node)
+
+
+def summarize(label: str, codec: str, h: int, rounds: int, cfg: NodeConfig, logs: list[dict[str, Any]],
+              wall: float, lo_node: int | None) -> dict[str, Any]:
+    params = logs[0]["joined"]["parameters"]
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    exchanged = [r for log in logs for r in log["rounds"] if r["group_size"] > 1]
+    if any("payload" not in r for log in logs for r in log["rounds"]):
+        raise RuntimeError("a round line has no payload= / codec_seconds=; did the log format change?")
+    final = [log["rounds"][-1] for log in logs]
+    # The joiner downloads φ and the outer momentum once; the node that served them counts them in
+    # its first round's `sent`. The joiner's own `sent` is pseudo-gradient traffic alone: plot that.
+    joiner = next((i for i, log in enumerate(logs) if log["synced_round"] is not None),
+                  min(range(WORLD), key=lambda i: sum(r["sent"] for r in logs[i]["rounds"])))
+    curves = []
+    for log in logs:
+        cumulative, curve = 0, []
+        for r in log["rounds"]:
+            cumulative += r["sent"]
+            curve.append({"round": r["round"], "bytes_sent": cumulative, "eval_loss": r["eval_loss"]})
+        curves.append(curve)
+    return {
+        "label": label, "codec": codec, "H": h, "rounds": rounds, "parameters": params, "logs": logs,
+        "rounds_per_node": [len(log["rounds"]) for log in logs],
+        "tokens_per_node": [len(log["rounds"]) * h * tokens_per_step for log in logs],
+        "exchanges_per_node": [sum(1 for r in log["rounds"] if r["group_size"] > 1) for log in logs],
+        "initial_eval_loss": logs[0]["joined"]["eval_loss"],
+        "final_eval_loss": final[0]["eval_loss"], "final_eval_loss_per_node": [f["eval_loss"] for f in final],
+        "replicas_identical": len({f["digest"] for f in final}) == 1,
+        # The median round: leaves out the one-off state download at join.
+        "payload_bytes_per_param": statistics.median([r["payload"] for r in exchanged] or [0]) / params,
+        "sent_bytes_per_param": statistics.median([r["sent"] for r in exchanged] or [0]) / params,
+        "overhead_bytes_per_round": statistics.median([r["sent"] - r["payload"] for r in exchanged] or [0]),
+        "bytes_sent_per_node": [sum(r["sent"] for r in log["rounds"]) for log in logs],
+        "payload_bytes_per_node": [sum(r["payload"] for r in log["rounds"]) for log in logs],
+        "codec_seconds": sum(r["codec_seconds"] for log in logs for r in log["rounds"]),
+        "round_seconds": sum(r["seconds"] for log in logs for r in log["rounds"]),
+        "codec_share_percent": 100 * sum(r["codec_seconds"] for log in logs for r in log["rounds"])
+        / max(1e-9, sum(r["seconds"] for log in logs for r in log["rounds"])),
+        "median_round_seconds": statistics.median(r["seconds"] for log in logs for r in log["rounds"]),
+        "curve_node": joiner + 1, "curves": curves,
+        "lo_bytes_per_node_upper_bound": lo_node, "wall_seconds": wall,
+        "warnings": sum(len(log["warnings"]) for log in logs),
+    }
+
+
+# --- report -----------------------------------------------------------------------------------
+
+def gap_percent(res: dict[str, Any], base: dict[str, Any]) -> float:
+    return 100 * (res["final_eval_loss"] - base["final_eval_loss"]) / base["final_eval_loss"]
+
+
+def format_raw_length(name: str, cfg: NodeConfig) -> str:
+    """The codec's body size in bytes per parameter before zstd, as the format defines it."""
+    if name == "none":
+        return "4"
+    if name in ("fp16", "bf16"):
+        return "2"
+    if name == "int8":
+        return f"1 + 2/{cfg.block_size} = {1 + 2 / cfg.block_size:.3f}"
+    if name == "int4":
+        return f"0.5 + 2/{cfg.block_size} = {0.5 + 2 / cfg.block_size:.3f}"
+    return f"(2 + 2·{cfg.topk_k})/{cfg.topk_chunk} = {(2 + 2 * cfg.topk_k) / cfg.topk_chunk:.3f}"
+
+
+def check_targets(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per target: what, measured, pass, and for a miss why and what would reach it."""
+    results = {res["label"]: res for res in payload["results"]}
+    base, cfg, noise = results["none"], NodeConfig(), payload.get("noise_percent")
+    throughput = payload["throughput"]["codecs"]
+    rows = []
+    for name, (max_bpp, max_gap) in TARGETS.items():
+        if name not in results:
+            continue
+        res = results[name]
+        bpp = res["payload_bytes_per_param"]
+        why = ""
+        if bpp > max_bpp:
+            why = (f"the format alone is {format_raw_length(name, cfg)} B/param before zstd and zstd left "
+                   f"{bpp:.3f}; " + ("a larger --block-size (fewer scales) or zstd on this codec would lower it"
+                                     if name != "topk" else "a smaller --topk-k or a larger --topk-chunk "
+                                     "(fewer kept values / scales per parameter) would lower it"))
+        rows.append({"codec": name, "target": f"≤ {max_bpp} B/param per round (payload, median round)",
+                     "measured": f"{bpp:.3f}", "pass": bpp <= max_bpp, "why": why})
+        gap = gap_percent(res, base)
+        why = ""
+        if gap > max_gap:
+            err = throughput[name]["relative_l2_error"] if name in throughput else float("nan")
+            if noise is not None and gap <= max_gap + noise:
+                why = (f"the gap is within the run-to-run noise ({noise:.2f} % between two `none` runs), so this "
+                       "run cannot tell; more rounds or averaging several runs per codec would settle it")
+            elif name == "topk":
+                sample = payload["throughput"]["sample"]
+                why = (f"AdamW's pseudo-gradient is spread almost evenly (max |Δ| = "
+                       f"{sample['abs_max'] / sample['abs_mean']:.1f}x the mean |Δ|), so the {cfg.topk_k} largest of "
+                       f"{cfg.topk_chunk} values per chunk carry only {100 * sample['topk_energy_fraction']:.0f} % "
+                       f"of its energy (one round trip: rel. L2 error {err:.2f}); error feedback sends the rest "
+                       "rounds later, so φ trails `none`; a larger --topk-k (more bytes per round) or a longer run, "
+                       "over which the lag amortizes, would narrow the gap")
+            else:
+                why = (f"quantization error (rel. L2 error {err:.3f} per round trip) is not fed back; error "
+                       "feedback as top-k has, or a smaller --block-size, would reduce it")
+            if noise is None:
+                why += "; run with --none-runs 2 to see how much of it is run-to-run noise"
+        rows.append({"codec": name, "target": f"eval loss within {max_gap} % of none", "measured": f"{gap:+.2f} %",
+                     "pass": gap <= max_gap, "why": why})
+    for res in payload["results"]:
+        if res["label"] != res["codec"]:
+            continue  # the noise run repeats `none`
+        share = res["codec_share_percent"]
+        why = ""
+        if share > CODEC_SHARE_TARGET:
+            per_round = res["codec_seconds"] / max(1, sum(res["rounds_per_node"]))
+            why = (f"{per_round * 1000:.0f} ms of codec work per round against a {res['median_round_seconds']:.1f} s "
+                   f"round (H={res['H']} inner steps of a small model); the share falls as 1/H, and a faster "
+                   "encoder (fewer passes over Δ, zstd off where it gains little) would cut it")
+        rows.append({"codec": res["codec"], "target": f"codec time ≤ {CODEC_SHARE_TARGET:g} % of the round",
+                     "measured": f"{share:.2f} %", "pass": share <= CODEC_SHARE_TARGET, "why": why})
+    return rows
+
+
+def markdown(payload: dict[str, Any]) -> str:
+    results = payload["results"]
+    base = next(res for res in results if res["label"] == "none")
+    throughput = payload["throughput"]["codecs"]
+    rows = ["| codec | payload B/param/round | sent B/param/round | less traffic than none | bytes sent per node | "
+            "final eval loss | gap vs none | enc+dec MB/s/core | codec share of round | rel. L2 error |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        tp = throughput.get(res["codec"], {})
+        ratio = base["sent_bytes_per_param"] / res["sent_bytes_per_param"] if res["sent_bytes_per_param"] else 0
+        rows.append(
+            f"| {res['label']} | {res['payload_bytes_per_param']:.4f} | {res['sent_bytes_per_param']:.4f} | "
+            f"{ratio:.1f}x | {pair(res['bytes_sent_per_node'])} | {res['final_eval_loss']:.4f} | "
+            f"{gap_percent(res, base):+.2f} % | {tp.get('roundtrip_mb_s', float('nan')):.0f} | "
+            f"{res['codec_share_percent']:.2f} % | {tp.get('relative_l2_error', float('nan')):.4f} |")
+    return "\n".join(rows)
+
+
+def targets_markdown(checks: list[dict[str, Any]]) -> str:
+    rows = ["| codec | target | measured | result |", "|---|---|---|---|"]
+    rows += [f"| {c['codec']} | {c['target']} | {c['measured']} | {'pass' if c['pass'] else '**miss**'} |"
+             for c in checks]
+    misses = [f"- **{c['codec']}, {c['target']}** missed ({c['measured']}): {c['why']}." for c in checks
+              if not c["pass"]]
+    return "\n".join(rows) + ("\n\n" + "\n".join(misses) if misses else "\n\nEvery target is met.")
+
+
+def notes(payload: dict[str, Any]) -> str:
+    cfg, config = NodeConfig(), payload["config"]
+    results, tp = payload["results"], payload["throughput"]
+    first = results[0]
+    lines = [
+        f"Model `{cfg.model}` ({first['parameters']:,} parameters), {WORLD} nodes of the real CLI on loopback, "
+        f"H = {config['H']} inner steps x {config['rounds']} rounds, batch {cfg.batch_size} x seq {cfg.seq_len} "
+        f"bytes, embedded corpus; tokens per node {pair(sorted({t for r in results for t in r['tokens_per_node']}))}"
+        f" for every codec (from the logs). Codec options: block {cfg.block_size}, top-k {cfg.topk_k} of "
+        f"{cfg.topk_chunk} with error feedback β = {cfg.ef_decay}, zstd `{cfg.zstd}` (level {cfg.zstd_level}).",
+        "B/param/round: the median round over both nodes (leaves out the φ + momentum a joiner downloads once). "
+        "`payload` is the encoded pseudo-gradient with its wire header; `sent` adds the exchange's request and "
+        f"length framing (median {statistics.median(r['overhead_bytes_per_round'] for r in results):.0f} B per "
+        "round). Bytes sent per node include node 1 serving the join-time state (~8 B/param) once.",
+        f"Throughput: one core, median of repetitions, on Δ after {tp['sample']['steps']} AdamW steps of the "
+        f"initial model ({tp['sample']['numel']:,} fp32 values, |Δ|₂ = {tp['sample']['l2_norm']:.3g}); "
+        "MB/s of fp32 input for one encode plus one decode. A node does one encode and M decodes per round "
+        "(its own payload and each peer's). Rel. L2 error: |D(C(Δ)) − Δ| / |Δ| for one round trip (top-k: its "
+        "first round, before error feedback has anything to return).",
+        "Codec share of round: Σ codec_seconds / Σ round seconds over both nodes' logs; a round here also waits "
+        f"matchmaking_time ({cfg.matchmaking_time:g} s) for its group, so the share against compute alone is higher.",
+    ]
+    if payload.get("noise_percent") is not None:
+        lines.append(f"Run-to-run noise: two `none` runs differ by {payload['noise_percent']:.2f} % in final eval "
+                     "loss (each node's data order comes from its random peer id).")
+    else:
+        lines.append("A node's data order comes from its random peer id, so every run differs a little; "
+                     "`--none-runs 2` measures that noise.")
+    for res in results:
+        tpc = tp["codecs"].get(res["codec"], {})
+        lines.append(
+            f"{res['label']}: rounds per node {pair(res['rounds_per_node'])}, exchanges per node "
+            f"{pair(res['exchanges_per_node'])}, final φ bit-identical on both nodes: {res['replicas_identical']}, "
+            f"node warnings: {res['warnings']}, median round {res['median_round_seconds']:.1f} s, wall "
+            f"{res['wall_seconds']:.0f} s; encode {tpc.get('encode_mb_s', float('nan')):.0f} / decode "
+            f"{tpc.get('decode_mb_s', float('nan')):.0f} MB/s.")
+    return "\n".join(f"- {line}" for line in lines)
+
+
+def plot(payload: dict[str, Any], path: Path) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    for res in payload["results"]:
+        curve = res["curves"][res["curve_node"] - 1]
+        style = {"linestyle": "--"} if res["label"] != res["codec"] else {}
+        line, = left.plot([p["bytes_sent"] for p in curve], [p["eval_loss"] for p in curve], marker="o",
+                          markersize=3, label=res["label"], **style)
+        right.plot([0] + [p["round"] for p in curve], [res["initial_eval_loss"]] + [p["eval_loss"] for p in curve],
+                   marker="o", markersize=3, color=line.get_color(), label=res["label"], **style)
+    left.set_xscale("log")
+    left.set_xlabel("cumulative bytes sent per node (log scale; the joiner's log, no join-time state)")
+    left.set_ylabel("held-out eval loss (nats/byte)")
+    left.set_title("eval loss vs bytes on the wire")
+    right.set_xlabel(f"outer round (H = {payload['config']['H']} inner steps each; equal tokens per round)")
+    right.set_title("eval loss vs round")
+    for ax in (left, right):
+        ax.grid(alpha=0.3, which="both")
+    right.xaxis.get_major_locator().set_params(integer=True)
+    left.legend(title="codec")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_report(payload: dict[str, Any], out: Path) -> str:
+    """The markdown (table, targets, notes) and the plot, from the JSON's numbers alone."""
+    machine = payload["machine"]
+    table = markdown(payload)
+    checks = check_targets(payload)
+    (out / f"{NAME}.md").write_text(
+        f"# Pseudo-gradient codecs side by side ({payload['date']}, {machine['nproc']} CPU cores, "
+        f"torch {machine['torch']})\n\n{table}\n\n## Targets\n\n{targets_markdown(checks)}\n\n## Notes\n\n"
+        f"{notes(payload)}\n\nTotal benchmark time: {payload['total_seconds']:.0f} s. "
+        f"Reproduce: `.venv/bin/python benchmarks/{NAME}.py`. Plot: `{NAME}.png`.\n")
+    plot(payload, out / f"{NAME}.png")
+    return table + "\n\n" + targets_markdown(checks)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--inner-steps", type=int, help="H, inner steps per round (default 20; --quick 5)")
+    parser.add_argument("--rounds", type=int, help="outer rounds per codec (default 15; --quick 2)")
+    parser.add_argument("--codecs", type=str, default=",".join(CODECS),
+                        help="comma-separated codecs to compare; `none` is always run (default: all)")
+    parser.add_argument("--none-runs", type=int, choices=(1, 2), default=1,
+                        help="2 = run `none` twice to measure run-to-run noise (default 1)")
+    parser.add_argument("--throughput-seconds", type=float, help="time spent per codec on the throughput "
+                        "measurement (default 2; --quick 0.3)")
+    parser.add_argument("--quick", action="store_true", help="small smoke run (H=5, 2 rounds), ~2 min")
+    parser.add_argument("--out-dir", type=Path, help=f"results folder (default {RESULTS_DIR}; "
+                        "--quick: a fresh temp folder)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per codec run")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the nodes' logs")
+    parser.add_argument("--report-only", action="store_true", help="rewrite the markdown and plot from the "
+                        "JSON in --out-dir without running anything")
+    args = parser.parse_args()
+    args.inner_steps = args.inner_steps or (5 if args.quick else 20)
+    args.rounds = args.rounds or (2 if args.quick else 15)
+    args.throughput_seconds = args.throughput_seconds or (0.3 if args.quick else 2.0)
+    codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
+    unknown = [c for c in codecs if c not in CODECS]
+    if unknown:
+        parser.error(f"unknown codec(s) {', '.join(unknown)} (known: {', '.join(CODECS)})")
+    args.codecs = ["none"] + [c for c in CODECS if c in codecs and c != "none"]
+    if args.out_dir is None:
+        args.out_dir = Path(tempfile.mkdtemp(prefix=f"{NAME}_quick_")) if args.quick else RESULTS_DIR
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.report_only:
+        print(write_report(json.loads((args.out_dir / f"{NAME}.json").read_text()), args.out_dir))
+        return
+    cfg = NodeConfig()
+    started = time.monotonic()
+    print(f"throughput: {', '.join(args.codecs)} on one core ...", flush=True)
+    throughput = run_throughput(cfg, args.codecs, args.throughput_seconds)
+    for name, tp in throughput["codecs"].items():
+        print(f"  {name:5s} encode+decode {tp['roundtrip_mb_s']:7.0f} MB/s  {tp['bytes_per_param']:.4f} B/param",
+              flush=True)
+    runs = [(c, c) for c in args.codecs] + ([("none", "none#2")] if args.none_runs == 2 else [])
+    work = Path(tempfile.mkdtemp(prefix=f"{NAME}_work_"))
+    keep, results = args.keep_logs, []
+    try:
+        for codec, label in runs:
+            print(f"{label}: {WORLD} nodes, H={args.inner_steps}, {args.rounds} rounds ...", flush=True)
+            res = run_codec(label.replace("#", "-"), codec, args.inner_steps, args.rounds, cfg,
+                            work / label.replace("#", "-"), args.timeout)
+            res["label"] = label
+            results.append(res)
+            print(f"  eval loss {res['final_eval_loss']:.4f}, {res['payload_bytes_per_param']:.4f} B/param, "
+                  f"codec {res['codec_share_percent']:.2f} % of round, {res['wall_seconds']:.0f}s", flush=True)
+    except BaseException:
+        keep = True  # the logs are what explains a failure
+        raise
+    finally:
+        if keep:
+            print(f"node logs kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    for res in results:
+        for log in res["logs"]:  # raw per-round numbers stay in the JSON; the full log lines do not
+            log["warnings"] = log["warnings"][:20]
+    repeat = next((r for r in results if r["label"] == "none#2"), None)
+    noise = abs(gap_percent(repeat, results[0])) if repeat else None
+    tokens = {t for res in results for t in res["tokens_per_node"]}
+    if len(tokens) != 1:
+        print(f"warning: tokens per node differ between runs: {sorted(tokens)}", file=sys.stderr)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "benchmark": NAME, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "total_seconds": time.monotonic() - started,
+        "config": {"H": args.inner_steps, "rounds": args.rounds, "nodes": WORLD, "equal_tokens": len(tokens) == 1,
+                   **cfg.model_dump(include={"model", "seq_len", "batch_size", "eval_batches", "seed", "inner_lr",
+                                             "warmup_steps", "weight_decay", "grad_clip", "outer_lr",
+                                             "outer_momentum", "matchmaking_time", "block_size", "topk_chunk",
+                                             "topk_k", "ef_decay", "zstd", "zstd_level"})},
+        "targets": {"codecs": {k: {"max_bytes_per_param": v[0], "max_eval_loss_gap_percent": v[1]}
+                               for k, v in TARGETS.items()},
+                    "max_codec_share_percent": CODEC_SHARE_TARGET},
+        "machine": machine_info(), "throughput": throughput, "noise_percent": noise, "results": results,
+    }
+    payload["checks"] = check_targets(payload)
+    (args.out_dir / f"{NAME}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    report = write_report(payload, args.out_dir)
+    print(f"\nresults in {args.out_dir}\n\n{report}\n\ntotal {time.monotonic() - started:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

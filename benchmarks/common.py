@@ -1,0 +1,234 @@
+"""Helpers shared by the benchmarks: real `diloco-node join` subprocesses, their log lines, machine info.
+
+The benchmarks drive the real CLI on loopback and read what the nodes log; nothing here imports the
+node's internals. Run the benchmarks as scripts (`.venv/bin/python benchmarks/<name>.py`): the
+script's folder is then on sys.path, so `from common import ...` finds this file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diloco_node.config import NodeConfig
+from diloco_node.train.inner import InnerConfig
+
+WORLD = 2  # workers / nodes per configuration
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+JOINED_RE = re.compile(r"joined run=\S+ round=(\d+) eval_loss=(\S+) parameters=(\d+) digest=(\w+)")
+ROUND_RE = re.compile(r"round=(\d+) loss=(\S+) eval_loss=(\S+) group_size=(\d+) sent=(\d+) received=(\d+) "
+                      r"seconds=(\S+) .*digest=(\w+)")
+# On the same round line, where the node logs its codec's numbers.
+CODEC_RE = re.compile(r" payload=(\d+) bytes_per_param=(\S+) codec_seconds=(\S+) ")
+SYNCED_RE = re.compile(r"synced state from peers round=(\d+)")
+WARNING_RE = re.compile(r" WARN(ING)? diloco_node")  # hivemind's log setup renames WARNING to WARN
+
+
+def read_lo_bytes() -> int | None:
+    """Transmit byte counter of the loopback interface (machine-wide), or None where unavailable."""
+    try:
+        for line in Path("/proc/net/dev").read_text().splitlines():
+            name, sep, counters = line.partition(":")
+            if sep and name.strip() == "lo":
+                return int(counters.split()[8])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def lo_per_node(before: int | None, after: int | None) -> int | None:
+    return None if before is None or after is None else (after - before) // WORLD
+
+
+def inner_config(cfg: NodeConfig, total_steps: int) -> InnerConfig:
+    """What Node builds for a run of `total_steps` = max_outer_steps * inner_steps."""
+    return InnerConfig(lr=cfg.inner_lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
+                       total_steps=total_steps, grad_clip=cfg.grad_clip)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class NodeProcess:
+    """A `diloco-node join` subprocess whose stdout/stderr lines are kept, logged and awaitable."""
+
+    def __init__(self, name: str, args: list[str], log_dir: Path):
+        self.name = name
+        self.lines: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        self._changed = threading.Condition()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}  # only our flags count
+        env["PYTHONUNBUFFERED"] = "1"
+        # A session of its own, so the node's hivemind helpers (DHT, averager, p2pd) can be ended with it.
+        self.proc = subprocess.Popen([node_executable(), "join", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        for stream in ("stdout", "stderr"):
+            log = open(log_dir / f"{name}.{stream}.log", "w")  # noqa: SIM115 - closed by the reader
+            threading.Thread(target=self._read, args=(stream, log), daemon=True).start()
+
+    def _read(self, stream: str, log: Any) -> None:
+        with log:
+            for line in getattr(self.proc, stream):
+                log.write(line)
+                log.flush()
+                with self._changed:
+                    self.lines[stream].append(line.rstrip("\n"))
+                    self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    def wait_for(self, stream: str, prefix: str, timeout: float) -> str:
+        """The rest of the first `stream` line containing `prefix`; raises if the node exits first."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                for line in self.lines[stream]:
+                    if prefix in line:
+                        return line.split(prefix, 1)[1].strip()
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited (rc={self.proc.returncode}) before '{prefix}'"
+                                       f"\n{self.tail()}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name}: no '{prefix}' within {timeout:.0f}s\n{self.tail()}")
+                self._changed.wait(timeout=1.0)
+
+    def tail(self, n: int = 15) -> str:
+        return "\n".join(f"  {self.name}: {line}" for line in self.lines["stderr"][-n:])
+
+    def signal(self, signum: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signum)
+
+    def stop(self) -> None:
+        """SIGTERM (the node checkpoints and leaves), then SIGKILL of its session if it hangs."""
+        if self.proc.poll() is None:
+            self.signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # leftovers of this node's own session only
+        self.proc.wait()
+
+
+def node_executable() -> str:
+    beside = Path(sys.executable).parent / "diloco-node"
+    found = str(beside) if beside.exists() else shutil.which("diloco-node")
+    if not found:
+        raise SystemExit("diloco-node is not installed (run `make bench`, or pip install -e . into the venv)")
+    return found
+
+
+def node_args(h: int, rounds: int, run_id: str, checkpoint_dir: Path | str, extra: Sequence[str] = ()) -> list[str]:
+    """`join` flags of a benchmark node: loopback, one torch thread, waits for all WORLD nodes."""
+    return ["--listen", "/ip4/127.0.0.1/tcp/0", "--status", "127.0.0.1:0", "--threads", "1",
+            "--max-outer-steps", str(rounds), "--inner-steps", str(h), "--run-id", run_id,
+            "--checkpoint-dir", str(checkpoint_dir), "--min-peers", str(WORLD), *extra]
+
+
+def start_pair(h: int, rounds: int, run_id: str, work: Path, timeout: float,
+               checkpoint_dirs: Sequence[Path | str] | None = None, extra: Sequence[str] = ()) -> list[NodeProcess]:
+    """Node 1 without --peer, then node 2 pointed at the address node 1 prints.
+
+    Checkpoints go to work/ck1 and work/ck2 unless `checkpoint_dirs` says otherwise ('' = none).
+    """
+    ck1, ck2 = checkpoint_dirs if checkpoint_dirs is not None else (work / "ck1", work / "ck2")
+    first = NodeProcess("node1", node_args(h, rounds, run_id, ck1, extra), work)
+    try:
+        address = first.wait_for("stdout", "peer address:", timeout)
+        second = NodeProcess("node2", node_args(h, rounds, run_id, ck2, extra) + ["--peer", address], work)
+    except BaseException:
+        first.stop()
+        raise
+    return [first, second]
+
+
+def run_pair(label: str, h: int, rounds: int, run_id: str, work: Path, timeout: float,
+             checkpoint_dirs: Sequence[Path | str] | None = None,
+             extra: Sequence[str] = ()) -> tuple[list[dict[str, Any]], float, int | None]:
+    """Run a 2-node swarm to its last round: (parsed logs per node, wall seconds, lo bytes per node)."""
+    work.mkdir(parents=True)
+    lo_before, started = read_lo_bytes(), time.monotonic()
+    nodes = start_pair(h, rounds, run_id, work, timeout, checkpoint_dirs, extra)
+    try:
+        deadline = started + timeout
+        for node in nodes:
+            try:
+                node.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"{label}: {node.name} did not finish within {timeout:.0f}s"
+                                   f"\n{node.tail()}") from None
+    finally:
+        for node in nodes:
+            node.stop()
+    wall, lo_after = time.monotonic() - started, read_lo_bytes()
+    for node in nodes:
+        if node.proc.returncode != 0:
+            raise RuntimeError(f"{label}: {node.name} exited with {node.proc.returncode}\n{node.tail()}")
+    return [parse_node_log(node.lines["stderr"]) for node in nodes], wall, lo_per_node(lo_before, lo_after)
+
+
+def parse_node_log(lines: list[str]) -> dict[str, Any]:
+    parsed: dict[str, Any] = {"rounds": [], "joined": None, "synced_round": None, "warnings": []}
+    for line in lines:
+        if match := ROUND_RE.search(line):
+            r, loss, ev, group, sent, received, seconds, digest = match.groups()
+            entry: dict[str, Any] = {"round": int(r), "loss": float(loss), "eval_loss": float(ev),
+                                     "group_size": int(group), "sent": int(sent), "received": int(received),
+                                     "seconds": float(seconds), "digest": digest}
+            if codec := CODEC_RE.search(line):
+                entry.update(payload=int(codec[1]), bytes_per_param=float(codec[2]),
+                             codec_seconds=float(codec[3]))
+            parsed["rounds"].append(entry)
+        elif match := JOINED_RE.search(line):
+            parsed["joined"] = {"round": int(match[1]), "eval_loss": float(match[2]),
+                                "parameters": int(match[3]), "digest": match[4]}
+        elif match := SYNCED_RE.search(line):
+            parsed["synced_round"] = int(match[1])
+        elif WARNING_RE.search(line):
+            parsed["warnings"].append(line)
+    if parsed["joined"] is None or not parsed["rounds"]:
+        raise RuntimeError("a node log has no 'joined' or no 'round=' lines; did the log format change?")
+    return parsed
+
+
+def pair(values: list[Any], fmt: str = "{:,}") -> str:
+    """One value when the nodes agree, else 'node1 / node2'."""
+    return fmt.format(values[0]) if len(set(values)) == 1 else " / ".join(fmt.format(v) for v in values)
+
+
+def machine_info() -> dict[str, Any]:
+    import hivemind
+
+    return {"nproc": os.cpu_count(), "torch": torch.__version__, "hivemind": hivemind.__version__,
+            "python": platform.python_version(), "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine()}
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, or None (with a note) where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is missing (pip install -e '.[bench]'); skipping the plot", file=sys.stderr)
+        return None
+    return plt
