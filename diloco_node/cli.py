@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 import click
 from click.core import ParameterSource
 
-from diloco_node.config import ConfigError, NodeConfig, load_config
+from diloco_node.config import DEFAULT_STATUS_PORT, ConfigError, NodeConfig, load_config
 
 EXIT_BAD_INPUT = 2
 
@@ -117,6 +117,53 @@ def demo(nodes: int, rounds: int, inner_steps: int, model: str) -> None:
     from diloco_node.demo import run_demo
 
     sys.exit(run_demo(nodes=nodes, rounds=rounds, inner_steps=inner_steps, model=model))
+
+
+def _fetch_json(base_url: str, path: str) -> dict[str, Any]:
+    """GET base_url + path as a JSON object, or fail() with one line saying what went wrong."""
+    import http.client
+    import urllib.error
+    import urllib.request
+
+    url = base_url.rstrip("/") + path
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            body = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        fail(f"{url} answered HTTP {exc.code} {exc.reason}")
+    except urllib.error.URLError as exc:
+        fail(f"cannot reach {url}: {exc.reason}")
+    except (OSError, http.client.HTTPException) as exc:
+        fail(f"cannot read {url}: {exc or type(exc).__name__}")
+    except ValueError:
+        fail(f"{url} did not answer JSON; is this a diloco-node status address?")
+    if not isinstance(body, dict):
+        fail(f"{url} answered JSON that is not an object; is this a diloco-node status address?")
+    return body
+
+
+@main.command()
+@click.argument("url", default=f"http://127.0.0.1:{DEFAULT_STATUS_PORT}")
+def status(url: str) -> None:
+    """Print a running node's state and the swarm it sees, from its status server.
+
+    Example: diloco-node status http://127.0.0.1:7781
+    """
+    import time
+    import urllib.parse
+
+    from diloco_node.status_view import render
+
+    try:
+        parts = urllib.parse.urlsplit(url)
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # e.g. an unclosed IPv6 bracket or a port that is not a number
+        valid = False
+    if not valid:
+        fail(f"'{url}' is not an http(s) URL like http://127.0.0.1:{DEFAULT_STATUS_PORT}")
+    node_status = _fetch_json(url, "/api/status")
+    peers = _fetch_json(url, "/api/peers")
+    click.echo(render(node_status, peers, now=time.time()))
 
 
 if __name__ == "__main__":

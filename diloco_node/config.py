@@ -35,6 +35,7 @@ class NodeConfig(BaseModel):
     listen: list[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"],
                               description="multiaddr to listen on for peers (repeatable)")
     announce: list[str] = Field(default_factory=list, description="public multiaddr to announce to peers (repeatable)")
+    label: str = Field("", max_length=64, description="a public name for this node in the swarm table (e.g. a region)")
     status: str = Field(f"127.0.0.1:{DEFAULT_STATUS_PORT}",
                         description="HOST:PORT of the status server (port 0 picks a free one)")
     min_peers: int = Field(1, ge=1, description="nodes (this one included) to wait for before the first round")

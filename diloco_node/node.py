@@ -14,6 +14,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,7 +26,9 @@ from diloco_node.outer.diloco import OuterOptimizer, pseudo_gradient
 from diloco_node.swarm.member import AverageResult, SwarmMember, SwarmSettings
 from diloco_node.telemetry.meter import Telemetry
 from diloco_node.telemetry.server import StatusServer
+from diloco_node.telemetry.swarm_table import swarm_row
 from diloco_node.train.data import ByteDataset, load_corpus
+from diloco_node.train.device import resolve_device
 from diloco_node.train.inner import InnerConfig, InnerTrainer, evaluate
 from diloco_node.train.model import build_model, count_parameters
 
@@ -34,16 +37,10 @@ logger = logging.getLogger(__name__)
 STATE_DOWNLOAD_TIMEOUT = 60.0
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise DeviceError(f"device '{name}' requested but no CUDA device is available")
-    return torch.device(name)
-
-
-class DeviceError(RuntimeError):
-    """The requested accelerator is not there."""
+@dataclass(frozen=True)
+class RoundTiming:
+    compute: float  # seconds of inner steps
+    wait: float  # seconds from the end of the inner phase until the outer step (barrier + exchange)
 
 
 def digest(tensors: list[torch.Tensor]) -> str:
@@ -73,6 +70,7 @@ class Node:
             total_steps=total, grad_clip=cfg.grad_clip))
         self.codec = make_codec(cfg.codec_config())
         self.round = 0
+        self.compute_seconds = self.wait_seconds = 0.0  # since start, for utilization
         self.data_position = 0
         self.stream_seed = cfg.seed
         self.lock = threading.Lock()  # guards φ, outer state and round against state-sharing reads
@@ -181,6 +179,7 @@ class Node:
         losses = self._inner_phase()
         if losses is None:
             return  # stop requested mid-round: the checkpoint keeps the round's start
+        computed = time.monotonic()
         tokens = len(losses) * self.cfg.batch_size * self.cfg.seq_len
         self._announce(ready=True)
         verdict = self.swarm.presence.wait_for_round(self.round, self.cfg.round_timeout, self.stop_requested)
@@ -203,14 +202,15 @@ class Node:
             result = self.swarm.average(delta, tokens=float(tokens), round_=self.round)
             if len(result.group) == 1:
                 logger.warning("round=%d no peer averaged with us; applying our own pseudo-gradient", self.round)
+        exchanged = time.monotonic()
         with self.lock:
             self.outer.step(delta)
             self.round += 1
         if diverged:
             self._sync_from_peers()
+        self._finish_round(losses, result, RoundTiming(computed - started, exchanged - computed))
         self._announce(ready=False)
         self.swarm.share_state(self.round)
-        self._finish_round(losses, result, time.monotonic() - started)
 
     def _announce(self, ready: bool) -> None:
         """Tell the run where we are: training `round` (ready=False) or done with its inner phase."""
@@ -228,26 +228,53 @@ class Node:
             self.telemetry.update(inner_step=self.inner.step, loss=losses[-1])
         return losses
 
-    def _finish_round(self, losses: list[float], result: AverageResult, seconds: float) -> None:
+    def _finish_round(self, losses: list[float], result: AverageResult, timing: RoundTiming) -> None:
+        """Everything the round leaves behind: telemetry, the swarm table, the log line, a checkpoint."""
         assert self.swarm is not None
-        eval_loss, loss = self._evaluate(), sum(losses) / len(losses)
         before = self.telemetry.snapshot()
         sent, received = self.swarm.traffic()
-        round_sent, round_received = sent - before["bytes_sent"], received - before["bytes_received"]
-        numel = before["parameters"]
+        self.compute_seconds += timing.compute
+        self.wait_seconds += timing.wait
+        numel, payload = before["parameters"], result.payload_bytes
+        stats = {
+            "round": self.round, "time": time.time(), "loss": sum(losses) / len(losses),
+            "eval_loss": self._evaluate(), "group_size": len(result.group),
+            "bytes_sent": sent - before["bytes_sent"], "bytes_received": received - before["bytes_received"],
+            "bytes_sent_total": sent, "bytes_received_total": received, "payload_bytes": payload,
+            "raw_bytes": 4 * numel, "compression_ratio": 4 * numel / payload if payload else None,
+            "bytes_per_param": payload / numel, "codec_seconds": round(result.codec_seconds, 4),
+            "compute_seconds": round(timing.compute, 3), "wait_seconds": round(timing.wait, 3),
+            "utilization": timing.compute / (timing.compute + timing.wait),
+            "round_seconds": round(timing.compute + timing.wait, 3)}
+        self.telemetry.record_round(stats)
+        utilization = self.compute_seconds / (self.compute_seconds + self.wait_seconds)
         self.telemetry.update(
-            outer_step=self.round, loss=loss, eval_loss=eval_loss, group_size=len(result.group),
-            group=list(result.group), peers=len(self.swarm.presence.compatible_peers()),
-            model_digest=self.model_digest(), bytes_sent=sent, bytes_received=received,
-            last_round_bytes_sent=round_sent, last_round_bytes_received=round_received, round_seconds=round(seconds, 3),
-            payload_bytes=result.payload_bytes, raw_bytes=4 * numel, bytes_per_param=result.payload_bytes / numel,
-            codec_seconds=round(result.codec_seconds, 4))
+            outer_step=self.round, loss=stats["loss"], eval_loss=stats["eval_loss"], group_size=len(result.group),
+            group=list(result.group), model_digest=self.model_digest(), bytes_sent=sent, bytes_received=received,
+            last_round_bytes_sent=stats["bytes_sent"], last_round_bytes_received=stats["bytes_received"],
+            round_seconds=stats["round_seconds"], payload_bytes=payload, raw_bytes=stats["raw_bytes"],
+            bytes_per_param=stats["bytes_per_param"], compression_ratio=stats["compression_ratio"],
+            codec_seconds=stats["codec_seconds"], compute_seconds=round(self.compute_seconds, 3),
+            wait_seconds=round(self.wait_seconds, 3), utilization=utilization)
+        self.swarm.presence.publish_stats(
+            label=self.cfg.label, rounds=self.round, bytes_sent=sent, bytes_received=received,
+            last_round_bytes_sent=stats["bytes_sent"], last_round_bytes_received=stats["bytes_received"],
+            last_exchange_seconds=round(timing.wait, 3), utilization=utilization, time=stats["time"])
+        self._refresh_swarm_table()
         logger.info("round=%d loss=%.4f eval_loss=%.4f group_size=%d sent=%d received=%d seconds=%.1f "
-                    "payload=%d bytes_per_param=%.4f codec_seconds=%.3f digest=%s",
-                    self.round, loss, eval_loss, len(result.group), round_sent, round_received, seconds,
-                    result.payload_bytes, result.payload_bytes / numel, result.codec_seconds, self.model_digest())
+                    "payload=%d bytes_per_param=%.4f codec_seconds=%.3f utilization=%.3f digest=%s",
+                    self.round, stats["loss"], stats["eval_loss"], len(result.group), stats["bytes_sent"],
+                    stats["bytes_received"], stats["round_seconds"], payload, stats["bytes_per_param"],
+                    result.codec_seconds, stats["utilization"], self.model_digest())
         if self.store and self.cfg.checkpoint_every and self.round % self.cfg.checkpoint_every == 0:
             self.save_checkpoint()
+
+    def _refresh_swarm_table(self) -> None:
+        assert self.swarm is not None
+        peers = self.swarm.presence.compatible_peers()
+        self.telemetry.update(peers=len(peers))
+        self.telemetry.set_peers([swarm_row(record, record.peer_id == self.swarm.peer_id)
+                                  for record in peers.values()])
 
     def _load_outer_into_model(self) -> None:
         with torch.no_grad(), self.lock:

@@ -9,11 +9,12 @@ import torch
 
 from diloco_node.checkpoint import CheckpointError
 from diloco_node.config import NodeConfig
-from diloco_node.node import DeviceError, Node
+from diloco_node.node import Node
 from diloco_node.swarm.member import SwarmError
 from diloco_node.swarm.presence import IncompatibleRun
 from diloco_node.telemetry.server import StatusServerError
 from diloco_node.train.data import DataError
+from diloco_node.train.device import DeviceError
 
 logger = logging.getLogger(__name__)
 

@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 HEADER_LEN = 8
 MAX_REQUEST_BYTES = 256
+FETCH_ATTEMPTS = 3
 KEPT_ROUNDS = 2  # a slow peer may still fetch the previous round while we offer the next
 
 
@@ -90,20 +91,35 @@ class PayloadExchange:
         return dict(zip(peers, results, strict=True))
 
     async def _fetch(self, peer: str, round_: int, timeout: float) -> bytes | None:
-        try:
-            _, reader, writer = await asyncio.wait_for(
-                self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._handler_name), timeout)
+        """One peer's payload; a stream cut short is retried, since one lost payload splits φ."""
+        deadline = self._loop.time() + timeout
+        for attempt in range(1, FETCH_ATTEMPTS + 1):
             try:
-                request = json.dumps({"round": round_}).encode()
-                await _send(writer, request)
-                payload = await _receive(reader, self._max_payload, timeout)
-            finally:
-                writer.close()
-            self._count(sent=HEADER_LEN + len(request), received=HEADER_LEN + len(payload))
-            return payload or None
-        except Exception as exc:  # any network or peer failure only drops this peer's contribution
-            logger.warning("round=%d could not fetch payload from peer=%s: %s", round_, peer, type(exc).__name__)
-            return None
+                return await self._fetch_once(peer, round_, max(deadline - self._loop.time(), 1.0))
+            except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                if attempt == FETCH_ATTEMPTS or self._loop.time() >= deadline:
+                    return self._failed(peer, round_, exc)
+                logger.info("round=%d retrying fetch from peer=%s after %s", round_, peer, type(exc).__name__)
+                await asyncio.sleep(0.2 * attempt)
+            except Exception as exc:  # any other network or peer failure only drops this peer's contribution
+                return self._failed(peer, round_, exc)
+        return None
+
+    @staticmethod
+    def _failed(peer: str, round_: int, exc: Exception) -> None:
+        logger.warning("round=%d could not fetch payload from peer=%s: %s", round_, peer, type(exc).__name__)
+
+    async def _fetch_once(self, peer: str, round_: int, timeout: float) -> bytes | None:
+        _, reader, writer = await asyncio.wait_for(
+            self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._handler_name), timeout)
+        try:
+            request = json.dumps({"round": round_}).encode()
+            await _send(writer, request)
+            payload = await _receive(reader, self._max_payload, timeout)
+        finally:
+            writer.close()
+        self._count(sent=HEADER_LEN + len(request), received=HEADER_LEN + len(payload))
+        return payload or None
 
     def close(self) -> None:
         try:

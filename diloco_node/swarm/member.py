@@ -28,6 +28,7 @@ from hivemind.utils import get_dht_time
 
 from diloco_node.codec import Codec, CodecError, max_payload_bytes
 from diloco_node.outer.aggregate import Contribution, robust_weighted_mean
+from diloco_node.swarm import records
 from diloco_node.swarm.exchange import PayloadExchange
 from diloco_node.swarm.presence import Presence
 
@@ -223,7 +224,8 @@ def _start_dht(settings: SwarmSettings) -> DHT:
     while True:
         try:
             return DHT(initial_peers=list(settings.initial_peers), host_maddrs=list(settings.listen),
-                       announce_maddrs=list(settings.announce) or None, start=True, startup_timeout=30)
+                       announce_maddrs=list(settings.announce) or None, start=True, startup_timeout=30,
+                       record_validators=records.validators(settings.run_id))
         except Exception as exc:  # hivemind reports p2pd and bootstrap failures as generic errors
             message = _explain_start_failure(settings, exc)
             if attempt == BOOTSTRAP_ATTEMPTS or not message.startswith("cannot reach"):

@@ -30,6 +30,7 @@ class Presence:
         self.fingerprint, self.config = fingerprint, config
         self._dht_lock = threading.Lock()  # hivemind's DHT pipe is not safe to share between threads
         self._record = NodeRecord(peer_id, fingerprint, config, 0, -1, "")
+        self._stats: dict[str, Any] = {}
         self._refused: set[str] = set()
         self._live: dict[str, NodeRecord] = {}
         self._stop = threading.Event()
@@ -46,9 +47,14 @@ class Presence:
         self._heartbeat.start()
 
     def announce(self, round_: int, ready_round: int, digest: str) -> None:
-        self._record = NodeRecord(self.peer_id, self.fingerprint, self.config, round_, ready_round, digest)
+        self._record = NodeRecord(self.peer_id, self.fingerprint, self.config, round_, ready_round, digest,
+                                  self._stats)
         with self._dht_lock:
             records.publish(self._dht, self.run_id, self._record)
+
+    def publish_stats(self, **stats: Any) -> None:
+        """Stats for the swarm table (see records.NodeStats); they go out with the next announcement."""
+        self._stats = {**self._stats, **stats}
 
     def compatible_peers(self, refresh: bool = False) -> dict[str, NodeRecord]:
         """Live nodes of this run with our config, ourselves included (as of the last heartbeat)."""
@@ -112,7 +118,7 @@ class Presence:
         with self._dht_lock:
             found = records.fetch(self._dht, self.run_id)
         self._live = {p: r for p, r in found.items() if r.fingerprint == self.fingerprint}
-        self._live.setdefault(self.peer_id, self._record)
+        self._live[self.peer_id] = self._record  # our latest, not the DHT's copy of an older one
         for peer, record in found.items():
             if record.fingerprint != self.fingerprint and peer not in self._refused:
                 self._refused.add(peer)

@@ -1,23 +1,67 @@
-"""Presence records: who is in the run, with which config, and how far each node has got.
+"""Presence records: who is in the run, with which config, how far each node has got, and its stats.
 
-Every node keeps one record under the DHT key `<run_id>_nodes`, subkey = its peer id, refreshed by
-a heartbeat so that a crashed node's record expires on its own. Records are plain dicts checked on
-read: anything malformed is ignored, so a peer that writes nonsense cannot break the barrier.
+Every node keeps one record under the DHT key `<run_id>_nodes`, refreshed by a heartbeat so that a
+crashed node's record expires on its own. The subkey carries the node's public key, so hivemind's
+RSASignatureValidator signs the record and nobody else can overwrite it; the same pydantic schema
+is enforced by the DHT on store (SchemaValidator) and by us on read, so a peer that writes nonsense
+is ignored and cannot break the barrier or the dashboard.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import pydantic.v1 as pydantic  # hivemind's SchemaValidator speaks pydantic v1
 from hivemind import DHT
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
 logger = logging.getLogger(__name__)
 
 RECORD_TTL = 15.0  # seconds; a node silent for this long is treated as gone
+NodeCount = pydantic.conint(strict=True, ge=0)
+Seconds = pydantic.confloat(strict=True, ge=0)
+
+
+class NodeStats(pydantic.BaseModel):
+    """What the swarm table shows about a node; published with its presence every heartbeat."""
+
+    label: pydantic.constr(strict=True, max_length=64) = ""  # type: ignore[valid-type]
+    rounds: NodeCount = 0  # type: ignore[valid-type]
+    bytes_sent: NodeCount = 0  # type: ignore[valid-type]
+    bytes_received: NodeCount = 0  # type: ignore[valid-type]
+    last_round_bytes_sent: NodeCount = 0  # type: ignore[valid-type]
+    last_round_bytes_received: NodeCount = 0  # type: ignore[valid-type]
+    last_exchange_seconds: Seconds = 0.0  # type: ignore[valid-type]
+    utilization: pydantic.confloat(strict=True, ge=0, le=1) | None = None  # type: ignore[valid-type]
+    time: Seconds = 0.0  # type: ignore[valid-type]  # unix time of the last update
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
+class NodeValue(pydantic.BaseModel):
+    peer_id: pydantic.StrictStr
+    fingerprint: pydantic.StrictStr
+    config: dict[pydantic.StrictStr, Any]
+    round: pydantic.StrictInt
+    ready_round: pydantic.StrictInt
+    digest: pydantic.StrictStr
+    left: pydantic.StrictBool = False
+    stats: NodeStats = NodeStats()
+
+
+class RunRecords(pydantic.BaseModel):
+    nodes: dict[BytesWithPublicKey, NodeValue]  # type: ignore[valid-type]
+
+
+def validators(run_id: str) -> list[Any]:
+    """The DHT record validators every node of a run installs (schema first, then signatures)."""
+    return [SchemaValidator(RunRecords, allow_extra_keys=True, prefix=run_id), RSASignatureValidator()]
 
 
 @dataclass(frozen=True)
@@ -28,29 +72,37 @@ class NodeRecord:
     round: int  # the round the node is training or averaging
     ready_round: int  # the last round whose inner phase it finished (-1: none yet)
     digest: str  # hash of the node's φ at the start of `round`
+    stats: dict[str, Any] = field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"fingerprint": self.fingerprint, "config": self.config,
-                "round": self.round, "ready_round": self.ready_round, "digest": self.digest}
+        return {"peer_id": self.peer_id, "fingerprint": self.fingerprint, "config": self.config,
+                "round": self.round, "ready_round": self.ready_round, "digest": self.digest, "left": False,
+                # every field spelled out: the DHT's SchemaValidator refuses values that need defaults filled in
+                "stats": NodeStats(**self.stats).dict()}
 
     @classmethod
-    def from_wire(cls, peer_id: str, value: Any) -> NodeRecord | None:
-        if not isinstance(value, dict) or value.get("left"):
+    def from_wire(cls, value: Any) -> NodeRecord | None:
+        try:
+            parsed = NodeValue.parse_obj(value)
+        except (pydantic.ValidationError, TypeError):
             return None
-        fingerprint, config = value.get("fingerprint"), value.get("config")
-        round_, ready, digest = value.get("round"), value.get("ready_round"), value.get("digest")
-        if not (isinstance(fingerprint, str) and isinstance(config, dict) and isinstance(digest, str)
-                and isinstance(round_, int) and isinstance(ready, int)):
+        if parsed.left:
             return None
-        return cls(peer_id, fingerprint, config, round_, ready, digest)
+        return cls(parsed.peer_id, parsed.fingerprint, parsed.config, parsed.round, parsed.ready_round,
+                   parsed.digest, parsed.stats.dict())
 
 
 def records_key(run_id: str) -> str:
     return f"{run_id}_nodes"
 
 
+def owned_subkey(peer_id: str) -> bytes:
+    """Our peer id followed by our public key: the key makes hivemind sign the record."""
+    return peer_id.encode() + RSASignatureValidator().local_public_key
+
+
 def publish(dht: DHT, run_id: str, record: NodeRecord) -> None:
-    dht.store(records_key(run_id), subkey=record.peer_id, value=record.to_wire(),
+    dht.store(records_key(run_id), subkey=owned_subkey(record.peer_id), value=record.to_wire(),
               expiration_time=get_dht_time() + RECORD_TTL)
 
 
@@ -60,7 +112,7 @@ def withdraw(dht: DHT, run_id: str, record: NodeRecord) -> None:
     The DHT keeps the value with the latest expiration, so the marker must outlive the record it
     replaces; readers skip it like an expired record.
     """
-    dht.store(records_key(run_id), subkey=record.peer_id, value={**record.to_wire(), "left": True},
+    dht.store(records_key(run_id), subkey=owned_subkey(record.peer_id), value={**record.to_wire(), "left": True},
               expiration_time=get_dht_time() + RECORD_TTL + 1)
 
 
@@ -71,10 +123,11 @@ def fetch(dht: DHT, run_id: str) -> dict[str, NodeRecord]:
         return {}
     records = {}
     for subkey, item in found.value.items():
-        if isinstance(subkey, str) and isinstance(item, ValueWithExpiration):
-            record = NodeRecord.from_wire(subkey, item.value)
-            if record is not None and item.expiration_time > get_dht_time():
-                records[subkey] = record
+        if isinstance(subkey, bytes) and isinstance(item, ValueWithExpiration):
+            record = NodeRecord.from_wire(item.value)
+            # the signed subkey must name the peer the record claims to be
+            if record and subkey.startswith(record.peer_id.encode()) and item.expiration_time > get_dht_time():
+                records[record.peer_id] = record
     return records
 
 

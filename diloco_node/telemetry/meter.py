@@ -13,6 +13,9 @@ from collections import deque
 from typing import Any
 
 HISTORY_LIMIT = 2000  # rounds kept for the charts; older ones drop off the front
+# Round-time histogram bounds (seconds). Counted over every round since start, not just the kept
+# history, so Prometheus never sees its buckets shrink.
+ROUND_SECONDS_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
 
 
 class Telemetry:
@@ -21,6 +24,8 @@ class Telemetry:
         self._values: dict[str, Any] = {"started_at": time.time(), "bytes_sent": 0, "bytes_received": 0, **initial}
         self._history: deque[dict[str, Any]] = deque(maxlen=HISTORY_LIMIT)
         self._peers: list[dict[str, Any]] = []
+        self._round_buckets = [0] * len(ROUND_SECONDS_BUCKETS)
+        self._round_count, self._round_sum = 0, 0.0
 
     def update(self, **values: Any) -> None:
         with self._lock:
@@ -34,6 +39,18 @@ class Telemetry:
         """One finished round: the point behind every chart (see README, /api/history)."""
         with self._lock:
             self._history.append(dict(stats))
+            seconds = stats.get("round_seconds")
+            if seconds is not None:
+                self._round_count += 1
+                self._round_sum += seconds
+                for index, bound in enumerate(ROUND_SECONDS_BUCKETS):
+                    self._round_buckets[index] += seconds <= bound
+
+    def round_seconds_histogram(self) -> tuple[list[tuple[float, int]], int, float]:
+        """(cumulative (bound, count) pairs, count, sum) over all rounds since start."""
+        with self._lock:
+            buckets = list(zip(ROUND_SECONDS_BUCKETS, self._round_buckets, strict=True))
+            return buckets, self._round_count, self._round_sum
 
     def history(self) -> list[dict[str, Any]]:
         with self._lock:

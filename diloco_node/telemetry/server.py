@@ -1,4 +1,8 @@
-"""The status server: aiohttp on its own thread and event loop, reading Telemetry snapshots."""
+"""The status server: aiohttp on its own thread and event loop, reading Telemetry snapshots.
+
+Read-only by construction (GET routes only) and bound to 127.0.0.1 unless the operator says
+otherwise; responses carry training state and public peer ids, never paths or keys.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,14 @@ import asyncio
 import logging
 import threading
 import time
+from pathlib import Path
 
 from aiohttp import web
 
+from diloco_node.telemetry import metrics
 from diloco_node.telemetry.meter import Telemetry
+
+STATIC_DIR = Path(__file__).parent / "static"
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +38,35 @@ async def api_status(request: web.Request) -> web.Response:
     return web.json_response(snapshot)
 
 
+async def api_history(request: web.Request) -> web.Response:
+    telemetry = request.app[TELEMETRY_KEY]
+    return web.json_response({"run_id": telemetry.snapshot().get("run_id"), "rounds": telemetry.history()})
+
+
+async def api_peers(request: web.Request) -> web.Response:
+    telemetry = request.app[TELEMETRY_KEY]
+    return web.json_response({"run_id": telemetry.snapshot().get("run_id"), "peers": telemetry.peers()})
+
+
+async def prometheus_metrics(request: web.Request) -> web.Response:
+    body = metrics.render(request.app[TELEMETRY_KEY])
+    return web.Response(body=body, headers={"Content-Type": metrics.CONTENT_TYPE})
+
+
+async def dashboard(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(STATIC_DIR / "index.html")
+
+
 def build_app(telemetry: Telemetry) -> web.Application:
     app = web.Application()
     app[TELEMETRY_KEY] = telemetry
+    app.router.add_get("/", dashboard)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/api/status", api_status)
+    app.router.add_get("/api/history", api_history)
+    app.router.add_get("/api/peers", api_peers)
+    app.router.add_get("/metrics", prometheus_metrics)
+    app.router.add_static("/static/", STATIC_DIR, follow_symlinks=False)
     return app
 
 

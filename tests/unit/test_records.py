@@ -10,17 +10,25 @@ def record(peer: str, round_: int, digest: str) -> NodeRecord:
 
 
 def test_round_trip_through_the_wire() -> None:
-    original = NodeRecord("peer", "fp", {"model": "tiny"}, 3, 2, "abc")
-    assert NodeRecord.from_wire("peer", original.to_wire()) == original
+    original = NodeRecord("peer", "fp", {"model": "tiny"}, 3, 2, "abc", {"label": "eu", "rounds": 3})
+    parsed = NodeRecord.from_wire(original.to_wire())
+    assert parsed is not None
+    assert (parsed.peer_id, parsed.round, parsed.digest) == ("peer", 3, "abc")
+    assert parsed.stats["label"] == "eu" and parsed.stats["rounds"] == 3 and parsed.stats["bytes_sent"] == 0
 
 
 def test_malformed_or_left_records_are_ignored() -> None:
     good = NodeRecord("p", "fp", {}, 1, 0, "d").to_wire()
-    assert NodeRecord.from_wire("p", "nonsense") is None
-    assert NodeRecord.from_wire("p", {**good, "round": "1"}) is None
-    assert NodeRecord.from_wire("p", {**good, "digest": None}) is None
-    assert NodeRecord.from_wire("p", {k: v for k, v in good.items() if k != "config"}) is None
-    assert NodeRecord.from_wire("p", {**good, "left": True}) is None
+    assert NodeRecord.from_wire(good) is not None
+    assert NodeRecord.from_wire("nonsense") is None
+    assert NodeRecord.from_wire({**good, "round": "1"}) is None
+    assert NodeRecord.from_wire({**good, "digest": None}) is None
+    assert NodeRecord.from_wire({k: v for k, v in good.items() if k != "config"}) is None
+    assert NodeRecord.from_wire({**good, "left": True}) is None
+    assert NodeRecord.from_wire({**good, "stats": {"rounds": -1}}) is None
+    assert NodeRecord.from_wire({**good, "stats": {"label": "x" * 65}}) is None
+    assert NodeRecord.from_wire({**good, "stats": {"bytes_sent": 1.5}}) is None
+    assert NodeRecord.from_wire({**good, "stats": {"secret": "x"}}) is None
 
 
 def test_majority_digest_is_canonical() -> None:

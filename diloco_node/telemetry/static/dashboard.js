@@ -1,0 +1,192 @@
+// The bandwidth dashboard: polls the node's JSON API every 2 s and redraws the header, the charts
+// and the swarm table. Every value may be missing or null (a node that has not finished a round
+// has no loss yet), and every string from the API is untrusted (a peer picks its own label), so
+// text only ever goes in through textContent / setAttribute, never innerHTML.
+
+import { drawChart } from "./charts.js";
+
+const POLL_MS = 2000;
+const SENT = "#2563eb", RECEIVED = "#e07b24", THIRD = "#2e9e5b";
+
+const finite = (v) => typeof v === "number" && Number.isFinite(v);
+const show = (v, fallback = "–") => (v === null || v === undefined || v === "" ? fallback : String(v));
+
+function scaled(v) {  // decimal units, as network people count: 1 kB = 1000 B
+  const units = ["B", "kB", "MB", "GB", "TB"];
+  let i = 0;
+  while (Math.abs(v) >= 1000 && i < units.length - 1) { v /= 1000; i += 1; }
+  return [v, units[i]];
+}
+function bytes(v) {
+  if (!finite(v)) return "–";
+  const [n, unit] = scaled(v);
+  return `${unit === "B" ? Math.round(n) : n.toFixed(Math.abs(n) < 10 ? 2 : 1)} ${unit}`;
+}
+function bytesAxis(v) {  // tick labels: no trailing zeros, so 1.5 MB sits next to 2 MB
+  const [n, unit] = scaled(v);
+  return `${+n.toFixed(2)} ${unit}`;
+}
+const rate = (v) => `${bytesAxis(v)}/s`;
+const mbit = (bps) => (finite(bps) ? `${(bps / 1e6).toFixed(2)} Mbit/s` : "–");
+const percent = (f) => (finite(f) ? `${(f * 100).toFixed(1)}%` : "–");
+const fixed = (v, digits) => (finite(v) ? v.toFixed(digits) : "–");
+const shortId = (id) => (typeof id === "string" && id.length > 14 ? `${id.slice(0, 6)}…${id.slice(-6)}` : show(id));
+
+function duration(seconds) {
+  if (!finite(seconds)) return "–";
+  if (seconds < 60) return `${Math.round(seconds)}s`;
+  if (seconds < 3600) return `${Math.floor(seconds / 60)}m ${Math.round(seconds % 60)}s`;
+  return `${Math.floor(seconds / 3600)}h ${Math.floor((seconds % 3600) / 60)}m`;
+}
+
+function ago(unixSeconds) {  // never negative: two machines' clocks may disagree a little
+  return finite(unixSeconds) ? `${Math.max(0, Math.round(Date.now() / 1000 - unixSeconds))}s ago` : "–";
+}
+
+function setText(id, value) { document.getElementById(id).textContent = value; }
+
+// --- header and cards -----------------------------------------------------------------------
+
+function renderStatus(s) {
+  setText("run-id", show(s.run_id));
+  setText("peer-id", shortId(s.peer_id));
+  document.getElementById("peer-id").title = show(s.peer_id, "");
+  setText("label", show(s.label));
+  setText("round", show(s.outer_step));
+  setText("peers", show(s.peers));
+  setText("total-sent", bytes(s.bytes_sent));
+  setText("total-received", bytes(s.bytes_received));
+  setText("compression", show(s.compression));
+  setText("bytes-per-param", finite(s.bytes_per_param) ? `${s.bytes_per_param.toFixed(3)} B/param` : "");
+  setText("loss", `${fixed(s.loss, 3)} / ${fixed(s.eval_loss, 3)}`);
+  setText("utilization", percent(s.utilization));
+  setText("model", show(s.model));
+  setText("parameters", finite(s.parameters) ? `${(s.parameters / 1e6).toFixed(2)} M parameters` : "");
+  setText("uptime", duration(s.uptime_seconds));
+  document.title = `diloco-node · ${show(s.run_id)} · round ${show(s.outer_step)}`;
+}
+
+// --- charts -----------------------------------------------------------------------------------
+
+function series(rounds, label, color, value) {
+  return { label, color, points: rounds.map((r) => [r.round, value(r)]) };
+}
+
+const perSecond = (amount, r) => (finite(amount) && finite(r.round_seconds) && r.round_seconds > 0
+  ? amount / r.round_seconds : null);
+
+const CHARTS = {
+  bytes: (rounds) => ({
+    kind: "bar", xLabel: "round", yLabel: "bytes", format: bytesAxis, yMin: 0,
+    series: [series(rounds, "sent", SENT, (r) => r.bytes_sent),
+             series(rounds, "received", RECEIVED, (r) => r.bytes_received)],
+  }),
+  rate: (rounds) => ({
+    kind: "line", xLabel: "round", yLabel: "bytes / s", format: rate, yMin: 0,
+    series: [series(rounds, "send", SENT, (r) => perSecond(r.bytes_sent, r)),
+             series(rounds, "receive", RECEIVED, (r) => perSecond(r.bytes_received, r))],
+  }),
+  compression: (rounds) => ({
+    kind: "line", xLabel: "round", yLabel: "raw / payload (×)", format: (v) => `${+v.toFixed(2)}×`, yMin: 0,
+    series: [series(rounds, "compression ratio", THIRD, (r) => r.compression_ratio)],
+  }),
+  loss: (rounds) => ({
+    kind: "line", xLabel: "round", yLabel: "loss (nats)", format: (v) => v.toFixed(2),
+    series: [series(rounds, "train loss", SENT, (r) => r.loss),
+             series(rounds, "eval loss", RECEIVED, (r) => r.eval_loss)],
+  }),
+  utilization: (rounds) => ({
+    kind: "line", xLabel: "round", yLabel: "compute (%)", format: (v) => `${+v.toFixed(1)}%`, yMin: 0, yMax: 100,
+    series: [series(rounds, "utilization", THIRD, (r) => (finite(r.utilization) ? r.utilization * 100 : null))],
+  }),
+  "round-time": (rounds) => ({
+    kind: "line", xLabel: "round", yLabel: "seconds", format: (v) => `${+v.toFixed(2)}s`, yMin: 0,
+    series: [series(rounds, "round", SENT, (r) => r.round_seconds),
+             series(rounds, "compute", THIRD, (r) => r.compute_seconds),
+             series(rounds, "waiting", RECEIVED, (r) => r.wait_seconds)],
+  }),
+};
+
+let lastRounds = [];
+
+function renderCharts(rounds) {
+  lastRounds = rounds;
+  for (const canvas of document.querySelectorAll("canvas[data-chart]")) {
+    const spec = CHARTS[canvas.dataset.chart];
+    if (spec) drawChart(canvas, spec(rounds));
+  }
+}
+
+// --- swarm table ------------------------------------------------------------------------------
+
+function cell(row, text, { numeric = false, column, value, title } = {}) {
+  const td = row.insertCell();
+  td.textContent = text;
+  if (numeric) td.className = "num";
+  if (column) td.dataset.col = column;
+  if (finite(value)) td.dataset.value = String(value);
+  if (title) td.title = title;
+  return td;
+}
+
+function renderPeers(peers) {
+  const body = document.querySelector("#swarm-table tbody");
+  const ordered = [...peers].sort((a, b) => Number(Boolean(b.is_self)) - Number(Boolean(a.is_self)));
+  body.replaceChildren();
+  for (const p of ordered) {
+    const row = body.insertRow();
+    row.dataset.peerId = show(p.peer_id, "");
+    if (p.is_self) row.className = "self";
+    const id = cell(row, shortId(p.peer_id), { column: "peer_id", title: show(p.peer_id, "") });
+    id.classList.add("mono");
+    if (p.is_self) {
+      const badge = document.createElement("span");
+      badge.className = "badge";
+      badge.textContent = "this node";
+      id.append(badge);
+    }
+    cell(row, show(p.label), { column: "label" });
+    cell(row, show(p.rounds), { numeric: true, column: "rounds", value: p.rounds });
+    cell(row, bytes(p.bytes_sent), { numeric: true, column: "bytes_sent", value: p.bytes_sent });
+    cell(row, bytes(p.bytes_received), { numeric: true, column: "bytes_received", value: p.bytes_received });
+    cell(row, mbit(p.bandwidth_bps), { numeric: true, column: "bandwidth", value: p.bandwidth_bps });
+    cell(row, percent(p.utilization), { numeric: true, column: "utilization", value: p.utilization });
+    cell(row, ago(p.last_seen), { numeric: true, column: "last_seen", value: p.last_seen });
+  }
+  setText("swarm-count", ordered.length ? `(${ordered.length} nodes)` : "");
+  document.getElementById("swarm-empty").hidden = ordered.length > 0;
+}
+
+// --- polling ----------------------------------------------------------------------------------
+
+async function getJson(path) {
+  const response = await fetch(path, { cache: "no-store" });
+  if (!response.ok) throw new Error(`${path}: HTTP ${response.status}`);
+  return response.json();
+}
+
+function setConnection(state, text) {
+  const el = document.getElementById("connection");
+  el.dataset.state = state;
+  el.textContent = text;
+}
+
+async function refresh() {
+  const [status, history, peers] = await Promise.allSettled(
+    [getJson("/api/status"), getJson("/api/history"), getJson("/api/peers")]);
+  if (status.status === "fulfilled") renderStatus(status.value ?? {});
+  if (history.status === "fulfilled") renderCharts(Array.isArray(history.value?.rounds) ? history.value.rounds : []);
+  if (peers.status === "fulfilled") renderPeers(Array.isArray(peers.value?.peers) ? peers.value.peers : []);
+  const failed = [status, history, peers].filter((r) => r.status === "rejected");
+  if (failed.length === 3) setConnection("lost", "node unreachable — retrying");
+  else setConnection("live", `live · updated ${new Date().toLocaleTimeString()}`);
+  document.body.dataset.refreshes = String(Number(document.body.dataset.refreshes || 0) + 1);
+}
+
+async function poll() {
+  try { await refresh(); } catch (error) { setConnection("lost", "update failed — retrying"); console.error(error); }
+  setTimeout(poll, POLL_MS);
+}
+
+window.addEventListener("resize", () => renderCharts(lastRounds));
+poll();

@@ -1,0 +1,124 @@
+"""The dashboard in a real browser: Debian's chromium, headless, against a real two-node swarm.
+
+Chromium runs the page's scripts (fetches, canvas drawing) for a few seconds of virtual time and
+dumps the resulting DOM; the test reads what the page shows from stable ids and data attributes.
+A screenshot goes to test-artifacts/dashboard.png for humans.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from tests.integration.nodes import FAST, NodeProcess
+
+pytestmark = pytest.mark.integration
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+CHARTS = ("bytes", "rate", "compression", "loss", "utilization", "round-time")
+BROWSER_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run",
+                 "--disable-component-update", "--disable-sync", "--virtual-time-budget=8000"]
+
+
+def find_chromium() -> str:
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    if binary:
+        return binary
+    message = "chromium not found: install Debian's `chromium` package (apt-get install -y chromium)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{message}; CI must run the browser test")
+    pytest.skip(f"!!! BROWSER TEST SKIPPED: {message} !!!")
+
+
+def run_chromium(binary: str, profile: Path, *args: str) -> str:
+    result = subprocess.run([binary, *BROWSER_FLAGS, f"--user-data-dir={profile}", *args],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"chromium failed ({result.returncode}):\n{result.stderr[-2000:]}"
+    return result.stdout
+
+
+class Page(HTMLParser):
+    """The parts of the dumped DOM the test looks at: texts by id, canvases, swarm table rows."""
+
+    def __init__(self, html: str):
+        super().__init__()
+        self.text_by_id: dict[str, str] = {}
+        self.canvas_points: dict[str, int] = {}
+        self.rows: list[dict[str, str]] = []  # per row: its data-peer-id as "row", and each cell's data-value by column
+        self._open: list[str | None] = []  # ids of the open elements, to collect text by id
+        self._in_tbody = False
+        self.feed(html)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = {key: value or "" for key, value in attrs}
+        if tag == "canvas" and "data-chart" in a:
+            self.canvas_points[a["data-chart"]] = int(a.get("data-points") or 0)
+        elif tag == "tbody":
+            self._in_tbody = True
+        elif tag == "tr" and self._in_tbody:
+            self.rows.append({"row": a.get("data-peer-id", "")})
+        elif tag == "td" and self._in_tbody and self.rows and "data-col" in a:
+            self.rows[-1][a["data-col"]] = a.get("data-value", "")
+        if tag not in {"canvas", "meta", "link", "br", "img", "input"}:
+            self._open.append(a.get("id"))
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "tbody":
+            self._in_tbody = False
+        if tag not in {"canvas", "meta", "link", "br", "img", "input"} and self._open:
+            self._open.pop()
+
+    def handle_data(self, data: str) -> None:
+        for element_id in filter(None, self._open):
+            self.text_by_id[element_id] = self.text_by_id.get(element_id, "") + data
+
+
+@pytest.fixture
+def swarm(tmp_path: Path) -> Iterator[list[NodeProcess]]:
+    options = [*FAST, "--run-id", "browser-test", "--min-peers", "2", "--inner-steps", "5", "--checkpoint-dir", ""]
+    first = NodeProcess("a", options, tmp_path).start()
+    nodes = [first]
+    try:
+        nodes.append(NodeProcess("b", [*options, "--peer", first.wait_for_address()], tmp_path).start())
+        for node in nodes:
+            node.wait_for_round(3)
+        yield nodes
+    finally:
+        for node in nodes:
+            node.kill()
+
+
+def peer_id(node: NodeProcess) -> str:
+    assert node.address, f"{node.name} printed no peer address"
+    match = re.search(r"/p2p/(\w+)$", node.address)
+    assert match, node.address
+    return match[1]
+
+
+def test_dashboard_shows_the_swarm(swarm: list[NodeProcess], tmp_path: Path) -> None:
+    binary = find_chromium()
+    url = swarm[0].status_url
+    assert url, "the first node printed no status URL"
+    ARTIFACTS.mkdir(exist_ok=True)
+    screenshot = ARTIFACTS / "dashboard.png"
+    run_chromium(binary, tmp_path / "profile-shot", f"--screenshot={screenshot}", "--window-size=1400,1000", f"{url}/")
+    assert screenshot.stat().st_size > 0
+    page = Page(run_chromium(binary, tmp_path / "profile-dom", "--dump-dom", f"{url}/"))
+
+    assert page.text_by_id.get("run-id") == "browser-test"
+    assert page.text_by_id.get("connection", "").startswith("live"), page.text_by_id.get("connection")
+    ids = {peer_id(node) for node in swarm}
+    assert {row["row"] for row in page.rows} == ids, page.rows
+    assert len(page.rows) == 2
+    for row in page.rows:
+        assert float(row.get("bytes_sent") or 0) > 0, row
+        assert float(row.get("bytes_received") or 0) > 0, row
+    for chart in CHARTS:
+        assert page.canvas_points.get(chart, 0) >= 2, f"chart {chart!r}: {page.canvas_points}"
