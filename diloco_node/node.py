@@ -210,6 +210,7 @@ class Node:
             self._sync_from_peers()
         self._finish_round(losses, result, RoundTiming(computed - started, exchanged - computed))
         self._announce(ready=False)
+        self._refresh_swarm_table()  # after announcing, so our own row carries this round's stats
         self.swarm.share_state(self.round)
 
     def _announce(self, ready: bool) -> None:
@@ -260,7 +261,6 @@ class Node:
             label=self.cfg.label, rounds=self.round, bytes_sent=sent, bytes_received=received,
             last_round_bytes_sent=stats["bytes_sent"], last_round_bytes_received=stats["bytes_received"],
             last_exchange_seconds=round(timing.wait, 3), utilization=utilization, time=stats["time"])
-        self._refresh_swarm_table()
         logger.info("round=%d loss=%.4f eval_loss=%.4f group_size=%d sent=%d received=%d seconds=%.1f "
                     "payload=%d bytes_per_param=%.4f codec_seconds=%.3f utilization=%.3f digest=%s",
                     self.round, stats["loss"], stats["eval_loss"], len(result.group), stats["bytes_sent"],
