@@ -1,6 +1,6 @@
 """Every pseudo-gradient codec side by side against `none`, at an equal number of tokens, in one run.
 
-    .venv/bin/python benchmarks/codecs.py            # ~11 min on 2 CPU cores
+    .venv/bin/python benchmarks/codecs.py            # ~12 min on 2 CPU cores
     .venv/bin/python benchmarks/codecs.py --quick    # smoke test, ~2 min, results in a temp folder
 
 (a) Throughput, in this process on one core (torch.set_num_threads(1)): a realistic pseudo-gradient
@@ -18,8 +18,8 @@
     round's `seconds`.
 
 A node's data order is derived from its random peer id, so two runs of the same codec differ a
-little; `--none-runs 2` measures that run-to-run noise (a second `none` run), which bounds what an
-eval-loss gap of a fraction of a percent can mean.
+little; a second `none` run (`--none-runs 2`, the default) measures that run-to-run noise, which
+bounds what an eval-loss gap of a fraction of a percent can mean.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import RESULTS_DIR, WORLD, inner_config, machine_info, pair, pyplot, run_pair
+from common import RESULTS_DIR, WORLD, StartupStalled, inner_config, machine_info, pair, pyplot, run_pair
 
 from diloco_node.codec import CODECS, make_codec
 from diloco_node.config import NodeConfig
@@ -51,6 +51,8 @@ NAME = "codecs"
 TARGETS: dict[str, tuple[float, float]] = {"int8": (1.05, 0.5), "int4": (0.55, 1.0), "topk": (0.1, 2.0)}
 CODEC_SHARE_TARGET = 5.0  # % of round time spent encoding + decoding, every codec
 SAMPLE_STEPS = 20  # AdamW steps behind the throughput benchmark's pseudo-gradient
+JOIN_TIMEOUT = 90.0  # seconds for both nodes to join; they normally take 8-20 s on 2 cores
+START_ATTEMPTS = 2  # a pair that never joins is stopped and started again, once
 
 
 # --- (a) throughput ---------------------------------------------------------------------------
@@ -113,10 +115,27 @@ def run_throughput(cfg: NodeConfig, codecs: list[str], min_seconds: float) -> di
 
 def run_codec(label: str, codec: str, h: int, rounds: int, cfg: NodeConfig, work: Path,
               timeout: float) -> dict[str, Any]:
-    run_id = f"bench-codec-{label}-{os.getpid()}-{int(time.time())}"
-    logs, wall, lo_node = run_pair(label, h, rounds, run_id, work, timeout, checkpoint_dirs=("", ""),
-                                   extra=["--compression", codec])
-    return summarize(label, codec, h, rounds, cfg, logs, wall, lo_node)
+    """One 2-node run; a pair that stalls before joining is recorded and started once more."""
+    stalled = []
+    for attempt in range(1, START_ATTEMPTS + 1):
+        run_id = f"bench-codec-{label}-{os.getpid()}-{int(time.time())}"
+        try:
+            logs, wall, lo_node = run_pair(label, h, rounds, run_id, work / f"attempt{attempt}", timeout,
+                                           checkpoint_dirs=("", ""), extra=["--compression", codec],
+                                           join_timeout=JOIN_TIMEOUT)
+        except StartupStalled as exc:
+            print(f"  {label}: the nodes did not join within {JOIN_TIMEOUT:.0f}s (attempt {attempt}); "
+                  f"logs in {work / f'attempt{attempt}'}", file=sys.stderr, flush=True)
+            stalled.append({"attempt": attempt, "run_id": run_id, "error": str(exc).splitlines()[0],
+                            "stdout": {p.stem.split(".")[0]: p.read_text().splitlines()[-3:]
+                                       for p in sorted((work / f"attempt{attempt}").glob("*.stdout.log"))}})
+            if attempt == START_ATTEMPTS:
+                raise
+            continue
+        result = summarize(label, codec, h, rounds, cfg, logs, wall, lo_node)
+        result["stalled_starts"] = stalled
+        return result
+    raise AssertionError("unreachable")
 
 
 def summarize(label: str, codec: str, h: int, rounds: int, cfg: NodeConfig, logs: list[dict[str, Any]],
@@ -350,11 +369,11 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--inner-steps", type=int, help="H, inner steps per round (default 20; --quick 5)")
-    parser.add_argument("--rounds", type=int, help="outer rounds per codec (default 15; --quick 2)")
+    parser.add_argument("--rounds", type=int, help="outer rounds per codec (default 14; --quick 2)")
     parser.add_argument("--codecs", type=str, default=",".join(CODECS),
                         help="comma-separated codecs to compare; `none` is always run (default: all)")
-    parser.add_argument("--none-runs", type=int, choices=(1, 2), default=1,
-                        help="2 = run `none` twice to measure run-to-run noise (default 1)")
+    parser.add_argument("--none-runs", type=int, choices=(1, 2),
+                        help="2 = run `none` a second time to measure run-to-run noise (default 2; --quick 1)")
     parser.add_argument("--throughput-seconds", type=float, help="time spent per codec on the throughput "
                         "measurement (default 2; --quick 0.3)")
     parser.add_argument("--quick", action="store_true", help="small smoke run (H=5, 2 rounds), ~2 min")
@@ -366,7 +385,8 @@ def parse_args() -> argparse.Namespace:
                         "JSON in --out-dir without running anything")
     args = parser.parse_args()
     args.inner_steps = args.inner_steps or (5 if args.quick else 20)
-    args.rounds = args.rounds or (2 if args.quick else 15)
+    args.rounds = args.rounds or (2 if args.quick else 14)
+    args.none_runs = args.none_runs or (1 if args.quick else 2)
     args.throughput_seconds = args.throughput_seconds or (0.3 if args.quick else 2.0)
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
     unknown = [c for c in codecs if c not in CODECS]
@@ -400,6 +420,7 @@ def main() -> None:
                             work / label.replace("#", "-"), args.timeout)
             res["label"] = label
             results.append(res)
+            keep = keep or bool(res["stalled_starts"])  # their logs are the evidence
             print(f"  eval loss {res['final_eval_loss']:.4f}, {res['payload_bytes_per_param']:.4f} B/param, "
                   f"codec {res['codec_share_percent']:.2f} % of round, {res['wall_seconds']:.0f}s", flush=True)
     except BaseException:

@@ -159,14 +159,28 @@ def start_pair(h: int, rounds: int, run_id: str, work: Path, timeout: float,
     return [first, second]
 
 
+class StartupStalled(TimeoutError):
+    """The nodes of a pair did not both log `joined run=` in time (e.g. they never saw each other)."""
+
+
 def run_pair(label: str, h: int, rounds: int, run_id: str, work: Path, timeout: float,
-             checkpoint_dirs: Sequence[Path | str] | None = None,
-             extra: Sequence[str] = ()) -> tuple[list[dict[str, Any]], float, int | None]:
-    """Run a 2-node swarm to its last round: (parsed logs per node, wall seconds, lo bytes per node)."""
+             checkpoint_dirs: Sequence[Path | str] | None = None, extra: Sequence[str] = (),
+             join_timeout: float | None = None) -> tuple[list[dict[str, Any]], float, int | None]:
+    """Run a 2-node swarm to its last round: (parsed logs per node, wall seconds, lo bytes per node).
+
+    With `join_timeout`, raises StartupStalled when the nodes have not both joined the run (logged
+    `joined run=`, i.e. found each other under --min-peers) within that many seconds.
+    """
     work.mkdir(parents=True)
     lo_before, started = read_lo_bytes(), time.monotonic()
     nodes = start_pair(h, rounds, run_id, work, timeout, checkpoint_dirs, extra)
     try:
+        if join_timeout is not None:
+            for node in nodes:
+                try:
+                    node.wait_for("stderr", "joined run=", max(1.0, started + join_timeout - time.monotonic()))
+                except TimeoutError as exc:
+                    raise StartupStalled(f"{label}: {exc}") from None
         deadline = started + timeout
         for node in nodes:
             try:

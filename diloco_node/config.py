@@ -63,6 +63,10 @@ class NodeConfig(BaseModel):
     # --- outer optimizer (Nesterov SGD on pseudo-gradients) ---
     outer_lr: float = Field(0.7, gt=0, description="outer learning rate")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer Nesterov momentum")
+    sync: str = Field("blocking", pattern=r"^(blocking|delayed|eager)$",
+                      description="when the exchange runs: blocking, delayed or eager (overlaps the next round)")
+    sync_timeout: float = Field(120.0, gt=0, description="delayed/eager: seconds to wait for the previous "
+                                "round's exchange before abandoning it")
     max_outer_steps: int = Field(0, ge=0, description="stop after this many rounds (0 = run forever)")
 
     # --- pseudo-gradient compression (DESIGN §3, codecs) ---
@@ -154,7 +158,7 @@ class NodeConfig(BaseModel):
         return {
             "model": self.model, "n_layer": arch.n_layer, "d_model": arch.d_model, "n_head": arch.n_head,
             "vocab_size": arch.vocab_size, "max_seq_len": arch.max_seq_len,
-            "algorithm": "diloco", "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
+            "algorithm": "diloco", "sync": self.sync, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
             **self.codec_fingerprint(),
         }
 

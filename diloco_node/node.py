@@ -7,6 +7,7 @@ goes wrong inside a round is logged and the round goes on with whoever made it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import signal
@@ -22,8 +23,10 @@ import torch
 from diloco_node.checkpoint import CheckpointError, CheckpointStore
 from diloco_node.codec import make_codec
 from diloco_node.config import NodeConfig
+from diloco_node.outer.aggregate import Contribution
 from diloco_node.outer.diloco import OuterOptimizer, pseudo_gradient
-from diloco_node.swarm.member import AverageResult, SwarmMember, SwarmSettings
+from diloco_node.outer.sync import BackgroundExchange, Exchanged, overlapped_step
+from diloco_node.swarm.member import AverageResult, OwnContribution, SwarmMember, SwarmSettings
 from diloco_node.telemetry.meter import Telemetry
 from diloco_node.telemetry.server import StatusServer
 from diloco_node.telemetry.swarm_table import swarm_row
@@ -35,6 +38,13 @@ from diloco_node.train.model import build_model, count_parameters
 logger = logging.getLogger(__name__)
 
 STATE_DOWNLOAD_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True)
+class ExchangeOutcome:
+    verdict: str  # the barrier's: together, timeout, alone, behind, stopped; or lost (no exchange)
+    result: AverageResult | None
+    own: OwnContribution | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,8 @@ class Node:
         # optimizer; only θ lives on the accelerator.
         self.outer_params = [p.detach().cpu().clone().float() for p in self.model.parameters()]
         self.outer = OuterOptimizer(self.outer_params, cfg.outer_lr, cfg.outer_momentum)
+        self.numel = sum(p.numel() for p in self.outer_params)
+        self.background: BackgroundExchange[ExchangeOutcome] = BackgroundExchange(cfg.sync_timeout)
         total = cfg.max_outer_steps * cfg.inner_steps
         self.inner = InnerTrainer(self.model, InnerConfig(
             lr=cfg.inner_lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
@@ -180,38 +192,71 @@ class Node:
         if losses is None:
             return  # stop requested mid-round: the checkpoint keeps the round's start
         computed = time.monotonic()
-        tokens = len(losses) * self.cfg.batch_size * self.cfg.seq_len
+        tokens = float(len(losses) * self.cfg.batch_size * self.cfg.seq_len)
         self._announce(ready=True)
-        verdict = self.swarm.presence.wait_for_round(self.round, self.cfg.round_timeout, self.stop_requested)
-        if verdict == "stopped":
+        delta = torch.cat([d.reshape(-1) for d in pseudo_gradient(
+            self.outer_params, [p.detach().cpu() for p in self.model.parameters()])])
+        own = self.swarm.contribute(delta, self.round)
+        if self.cfg.sync == "blocking":
+            outcome = self._exchange(self.round, own, tokens)
+            step = outcome.result.mean if outcome.result else None
+        else:
+            outcome = self.background.collect(self.round - 1) or ExchangeOutcome("lost", None)
+            self.background.start(self.round, functools.partial(self._exchange, self.round, own, tokens))
+            step = self._overlapped_step(outcome, own)
+        if outcome.verdict == "stopped":
             return
-        if verdict == "behind":
+        if outcome.verdict == "behind":
             logger.warning("round=%d peers moved on without us; re-syncing instead of sending stale work",
                            self.round)
             self._sync_from_peers()
             self._announce(ready=False)
             return
-        diverged = self.swarm.presence.diverged(self.round, self.model_digest())
-        if diverged:
-            # Our Δ is still a fine direction to contribute; our φ is what must be replaced.
+        diverged = self.cfg.sync == "blocking" and self.swarm.presence.diverged(self.round, self.model_digest())
+        if diverged:  # our Δ was still a fine direction to contribute; our φ is what must be replaced
             logger.warning("round=%d our φ differs from the swarm's; re-syncing after this round", self.round)
             self.swarm.stop_sharing()
-        delta = pseudo_gradient(self.outer_params, [p.detach().cpu() for p in self.model.parameters()])
-        result = AverageResult((self.swarm.peer_id,), 0, 0.0)
-        if verdict != "alone":
-            result = self.swarm.average(delta, tokens=float(tokens), round_=self.round)
-            if len(result.group) == 1:
-                logger.warning("round=%d no peer averaged with us; applying our own pseudo-gradient", self.round)
         exchanged = time.monotonic()
         with self.lock:
-            self.outer.step(delta)
+            if step is not None:
+                self.outer.step(self._unflatten(step))
             self.round += 1
         if diverged:
             self._sync_from_peers()
-        self._finish_round(losses, result, RoundTiming(computed - started, exchanged - computed))
+        self._finish_round(losses, outcome.result, own, RoundTiming(computed - started, exchanged - computed))
         self._announce(ready=False)
         self._refresh_swarm_table()  # after announcing, so our own row carries this round's stats
         self.swarm.share_state(self.round)
+
+    def _exchange(self, round_: int, own: OwnContribution, tokens: float) -> ExchangeOutcome:
+        """Barrier, then the group's mean; on the main thread (blocking) or the exchange thread."""
+        assert self.swarm is not None
+        verdict = self.swarm.presence.wait_for_round(round_, self.cfg.round_timeout, self.stop_requested)
+        if verdict in ("stopped", "behind"):
+            return ExchangeOutcome(verdict, None)
+        if verdict == "alone":
+            contributions = [Contribution(self.swarm.peer_id, tokens, own.decoded)] if own.decoded is not None else []
+            result = self.swarm.result_of(contributions, own, tokens, own.codec_seconds)
+        else:
+            result = self.swarm.average(own, tokens, round_)
+            if len(result.group) <= 1:
+                logger.warning("round=%d no peer averaged with us; applying our own pseudo-gradient", round_)
+        self.swarm.presence.mark_exchanged(round_)
+        return ExchangeOutcome(verdict, result, own)
+
+    def _overlapped_step(self, previous: ExchangeOutcome, own: OwnContribution) -> torch.Tensor | None:
+        """What delayed / eager apply now, given the previous round's exchange (see outer/sync.py)."""
+        finished = None
+        if previous.result is not None and previous.own is not None and previous.own.decoded is not None:
+            finished = Exchanged(self.round - 1, previous.result.mean, previous.own.decoded,
+                                 previous.result.own_share)
+        assert self.swarm is not None
+        fresh = own.decoded if own.decoded is not None else torch.zeros(self.numel)
+        return overlapped_step(self.cfg.sync, finished, fresh, len(self.swarm.presence.compatible_peers()) or 1)
+
+    def _unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [piece.view_as(p) for piece, p in zip(flat.split([p.numel() for p in self.outer_params]),
+                                                       self.outer_params, strict=True)]
 
     def _announce(self, ready: bool) -> None:
         """Tell the run where we are: training `round` (ready=False) or done with its inner phase."""
@@ -229,29 +274,36 @@ class Node:
             self.telemetry.update(inner_step=self.inner.step, loss=losses[-1])
         return losses
 
-    def _finish_round(self, losses: list[float], result: AverageResult, timing: RoundTiming) -> None:
-        """Everything the round leaves behind: telemetry, the swarm table, the log line, a checkpoint."""
+    def _finish_round(self, losses: list[float], result: AverageResult | None, own: OwnContribution,
+                      timing: RoundTiming) -> None:
+        """Everything the round leaves behind: telemetry, the swarm table, the log line, a checkpoint.
+
+        `result` is the exchange this round's outer step used: this round's when blocking, the
+        previous round's when delayed or eager (None when there was none).
+        """
         assert self.swarm is not None
+        group = result.group if result else ()
+        codec_seconds = result.codec_seconds if result else own.codec_seconds
         before = self.telemetry.snapshot()
         sent, received = self.swarm.traffic()
         self.compute_seconds += timing.compute
         self.wait_seconds += timing.wait
-        numel, payload = before["parameters"], result.payload_bytes
+        numel, payload = before["parameters"], own.payload_bytes
         stats = {
             "round": self.round, "time": time.time(), "loss": sum(losses) / len(losses),
-            "eval_loss": self._evaluate(), "group_size": len(result.group),
+            "eval_loss": self._evaluate(), "group_size": len(group),
             "bytes_sent": sent - before["bytes_sent"], "bytes_received": received - before["bytes_received"],
             "bytes_sent_total": sent, "bytes_received_total": received, "payload_bytes": payload,
             "raw_bytes": 4 * numel, "compression_ratio": 4 * numel / payload if payload else None,
-            "bytes_per_param": payload / numel, "codec_seconds": round(result.codec_seconds, 4),
+            "bytes_per_param": payload / numel, "codec_seconds": round(codec_seconds, 4),
             "compute_seconds": round(timing.compute, 3), "wait_seconds": round(timing.wait, 3),
             "utilization": timing.compute / (timing.compute + timing.wait),
             "round_seconds": round(timing.compute + timing.wait, 3)}
         self.telemetry.record_round(stats)
         utilization = self.compute_seconds / (self.compute_seconds + self.wait_seconds)
         self.telemetry.update(
-            outer_step=self.round, loss=stats["loss"], eval_loss=stats["eval_loss"], group_size=len(result.group),
-            group=list(result.group), model_digest=self.model_digest(), bytes_sent=sent, bytes_received=received,
+            outer_step=self.round, loss=stats["loss"], eval_loss=stats["eval_loss"], group_size=len(group),
+            group=list(group), model_digest=self.model_digest(), bytes_sent=sent, bytes_received=received,
             last_round_bytes_sent=stats["bytes_sent"], last_round_bytes_received=stats["bytes_received"],
             round_seconds=stats["round_seconds"], payload_bytes=payload, raw_bytes=stats["raw_bytes"],
             bytes_per_param=stats["bytes_per_param"], compression_ratio=stats["compression_ratio"],
@@ -263,9 +315,9 @@ class Node:
             last_exchange_seconds=round(timing.wait, 3), utilization=utilization, time=stats["time"])
         logger.info("round=%d loss=%.4f eval_loss=%.4f group_size=%d sent=%d received=%d seconds=%.1f "
                     "payload=%d bytes_per_param=%.4f codec_seconds=%.3f utilization=%.3f digest=%s",
-                    self.round, stats["loss"], stats["eval_loss"], len(result.group), stats["bytes_sent"],
+                    self.round, stats["loss"], stats["eval_loss"], len(group), stats["bytes_sent"],
                     stats["bytes_received"], stats["round_seconds"], payload, stats["bytes_per_param"],
-                    result.codec_seconds, stats["utilization"], self.model_digest())
+                    codec_seconds, stats["utilization"], self.model_digest())
         if self.store and self.cfg.checkpoint_every and self.round % self.cfg.checkpoint_every == 0:
             self.save_checkpoint()
 
@@ -311,6 +363,7 @@ class Node:
 
     def abort(self) -> None:
         """Release what a failed start-up acquired, saving nothing."""
+        self.background.close()
         if self.store:
             self.store.close()
         if self.swarm:
@@ -318,6 +371,8 @@ class Node:
         self.server.stop()
 
     def shutdown(self) -> None:
+        self.stop_requested.set()  # an exchange still waiting on peers gives up
+        self.background.close()
         if self.store:
             self.save_checkpoint()
             self.store.close()

@@ -57,9 +57,18 @@ class SwarmSettings:
 
 
 @dataclass(frozen=True)
+class OwnContribution:
+    decoded: torch.Tensor | None  # flat Δ as peers decode it; None when ours was not sendable
+    payload_bytes: int  # our encoded pseudo-gradient on the wire (one copy)
+    codec_seconds: float
+
+
+@dataclass(frozen=True)
 class AverageResult:
     group: tuple[str, ...]  # peer ids whose contributions made the mean, ourselves included
-    payload_bytes: int  # our encoded pseudo-gradient on the wire (one copy)
+    mean: torch.Tensor  # flat Δ̄
+    own_share: float  # our token weight in the mean (1/M for equal tokens)
+    payload_bytes: int
     codec_seconds: float  # encoding ours and decoding everyone's
 
 
@@ -99,6 +108,9 @@ class SwarmMember:
         self._exchange = PayloadExchange(self._dht, namespace, max_payload_bytes(self._numel))
         self._state_bytes = [0, 0]  # sent, received: state shared with / downloaded from joiners
         self._state_bytes_lock = threading.Lock()
+        # hivemind's averager talks to its process over a pipe that is not safe to share between
+        # threads; the exchange may run on a background thread (sync modes), so every call is locked.
+        self._averager_lock = threading.Lock()
 
     # --- membership -------------------------------------------------------------------------
 
@@ -107,17 +119,21 @@ class SwarmMember:
 
     def share_state(self, round_: int) -> None:
         """Let others download our state; a higher round makes us the preferred source."""
-        self._averager.state_sharing_priority = float(round_)
-        self._averager.allow_state_sharing = True
+        with self._averager_lock:
+            self._averager.state_sharing_priority = float(round_)
+            self._averager.allow_state_sharing = True
 
     def stop_sharing(self) -> None:
         """A node whose φ is known to be off must not hand it to joiners."""
-        self._averager.allow_state_sharing = False
+        with self._averager_lock:
+            self._averager.allow_state_sharing = False
 
     def download_state(self, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         if len(self.presence.compatible_peers()) <= 1:
             return None  # nobody else is here: we start the run
-        received = self._averager.load_state_from_peers(timeout=timeout)
+        with self._averager_lock:
+            future = self._averager.load_state_from_peers(wait=False, timeout=timeout)
+        received = future.result(timeout=timeout)
         if received is not None:
             self._count_state(received=_tensor_bytes(received[1]))
         return received
@@ -133,25 +149,28 @@ class SwarmMember:
 
     # --- rounds -------------------------------------------------------------------------------
 
-    def average(self, pseudo_gradient: Sequence[torch.Tensor], tokens: float, round_: int) -> AverageResult:
-        """Replace `pseudo_gradient` in place by the robust token-weighted mean over this round's group.
+    def contribute(self, pseudo_gradient: torch.Tensor, round_: int) -> OwnContribution:
+        """Encode our flat Δ and offer it to the round's group; returns what peers will decode.
 
         Our own contribution is what peers decode from our payload, not the exact Δ: every node
         then averages the same values, and top-k's error feedback keeps what was not sent.
         """
         started = time.perf_counter()
-        flat = torch.cat([t.detach().reshape(-1).float() for t in pseudo_gradient])
-        contributions = []
         try:
-            payload = self._codec.encode(flat)
-            contributions.append(Contribution(self.peer_id, tokens, self._codec.decode(payload, self._numel)))
+            payload = self._codec.encode(pseudo_gradient)
+            decoded: torch.Tensor | None = self._codec.decode(payload, self._numel)
             self._exchange.offer(round_, payload)
         except CodecError as exc:  # our inner phase blew up (NaN/inf): send nothing, take the others'
             logger.warning("round=%d not contributing: %s", round_, exc)
-            payload = b""
-        codec_seconds = time.perf_counter() - started
+            payload, decoded = b"", None
+        return OwnContribution(decoded, len(payload), time.perf_counter() - started)
+
+    def average(self, own: OwnContribution, tokens: float, round_: int) -> AverageResult:
+        """The robust token-weighted mean over the group that forms for `round_` (safe off the main thread)."""
+        contributions = [Contribution(self.peer_id, tokens, own.decoded)] if own.decoded is not None else []
         group_tokens = self._form_group(round_, tokens)
         others = sorted(peer for peer in group_tokens if peer != self.peer_id)
+        codec_seconds = own.codec_seconds
         for peer, received in self._exchange.fetch_all(others, round_, self.settings.round_timeout).items():
             if received is None:
                 continue
@@ -161,20 +180,27 @@ class SwarmMember:
             except CodecError as exc:
                 logger.warning("round=%d dropped payload from peer=%s: %s", round_, peer, exc)
             codec_seconds += time.perf_counter() - started
-        mean = robust_weighted_mean(contributions) if contributions else torch.zeros_like(flat)
-        offset = 0
-        for tensor in pseudo_gradient:
-            tensor.copy_(mean[offset:offset + tensor.numel()].view_as(tensor))
-            offset += tensor.numel()
-        return AverageResult(tuple(sorted(c.peer_id for c in contributions)), len(payload), codec_seconds)
+        return self.result_of(contributions, own, tokens, codec_seconds)
+
+    def result_of(self, contributions: list[Contribution], own: OwnContribution, tokens: float,
+                  codec_seconds: float = 0.0) -> AverageResult:
+        """The mean over `contributions` (just ours when we average alone)."""
+        if not contributions:
+            return AverageResult((), torch.zeros(self._numel), 0.0, own.payload_bytes, codec_seconds)
+        mean = robust_weighted_mean(contributions)
+        share = tokens / sum(c.tokens for c in contributions) if own.decoded is not None else 0.0
+        return AverageResult(tuple(sorted(c.peer_id for c in contributions)), mean, share,
+                             own.payload_bytes, codec_seconds)
 
     def _form_group(self, round_: int, tokens: float) -> dict[str, float]:
         """Matchmake with the peers averaging `round_`; returns peer id → tokens, ourselves included."""
-        self._averager.set_group_bits(format(round_ % 2**ROUND_BITS, f"0{ROUND_BITS}b"))
         try:
-            gathered = self._averager.step(
-                gather={"round": round_, "tokens": tokens}, timeout=self.settings.round_timeout,
-                scheduled_time=get_dht_time() + self.settings.matchmaking_time)
+            with self._averager_lock:
+                self._averager.set_group_bits(format(round_ % 2**ROUND_BITS, f"0{ROUND_BITS}b"))
+                control = self._averager.step(
+                    gather={"round": round_, "tokens": tokens}, timeout=self.settings.round_timeout,
+                    scheduled_time=get_dht_time() + self.settings.matchmaking_time, wait=False)
+            gathered = control.result()
         except Exception as exc:  # hivemind surfaces timeouts and peer failures as assorted types
             logger.warning("round=%d no group formed (%s)", round_, type(exc).__name__)
             gathered = None

@@ -5,6 +5,7 @@ Also the round barrier built on it, and the refusal of peers whose config differ
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -48,7 +49,15 @@ class Presence:
 
     def announce(self, round_: int, ready_round: int, digest: str) -> None:
         self._record = NodeRecord(self.peer_id, self.fingerprint, self.config, round_, ready_round, digest,
-                                  self._stats)
+                                  self._stats, self._record.exchanged_round)
+        self._publish()
+
+    def mark_exchanged(self, round_: int) -> None:
+        """Our exchange of `round_` is over: a node still waiting to exchange it is behind."""
+        self._record = dataclasses.replace(self._record, exchanged_round=round_)
+        self._publish()
+
+    def _publish(self) -> None:
         with self._dht_lock:
             records.publish(self._dht, self.run_id, self._record)
 
@@ -80,8 +89,8 @@ class Presence:
         while True:
             others = {p: r for p, r in self._fetch().items()
                       if p != self.peer_id and r.fingerprint == self.fingerprint}
-            if any(r.round > round_ for r in others.values()):
-                return "behind"  # they already averaged this round without us
+            if any(r.exchanged_round >= round_ for r in others.values()):
+                return "behind"  # they already exchanged this round without us
             if not others:
                 return "alone"
             if all(r.ready_round >= round_ for r in others.values()):

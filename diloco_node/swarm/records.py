@@ -50,6 +50,7 @@ class NodeValue(pydantic.BaseModel):
     config: dict[pydantic.StrictStr, Any]
     round: pydantic.StrictInt
     ready_round: pydantic.StrictInt
+    exchanged_round: pydantic.StrictInt
     digest: pydantic.StrictStr
     left: pydantic.StrictBool = False
     stats: NodeStats = NodeStats()
@@ -73,10 +74,12 @@ class NodeRecord:
     ready_round: int  # the last round whose inner phase it finished (-1: none yet)
     digest: str  # hash of the node's φ at the start of `round`
     stats: dict[str, Any] = field(default_factory=dict)
+    exchanged_round: int = -1  # the last round whose exchange this node completed
 
     def to_wire(self) -> dict[str, Any]:
         return {"peer_id": self.peer_id, "fingerprint": self.fingerprint, "config": self.config,
-                "round": self.round, "ready_round": self.ready_round, "digest": self.digest, "left": False,
+                "round": self.round, "ready_round": self.ready_round, "exchanged_round": self.exchanged_round,
+                "digest": self.digest, "left": False,
                 # every field spelled out: the DHT's SchemaValidator refuses values that need defaults filled in
                 "stats": NodeStats(**self.stats).dict()}
 
@@ -89,7 +92,7 @@ class NodeRecord:
         if parsed.left:
             return None
         return cls(parsed.peer_id, parsed.fingerprint, parsed.config, parsed.round, parsed.ready_round,
-                   parsed.digest, parsed.stats.dict())
+                   parsed.digest, parsed.stats.dict(), parsed.exchanged_round)
 
 
 def records_key(run_id: str) -> str:

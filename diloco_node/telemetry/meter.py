@@ -15,7 +15,7 @@ from typing import Any
 HISTORY_LIMIT = 2000  # rounds kept for the charts; older ones drop off the front
 # Round-time histogram bounds (seconds). Counted over every round since start, not just the kept
 # history, so Prometheus never sees its buckets shrink.
-ROUND_SECONDS_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
+ROUND_SECONDS_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
 
 class Telemetry:

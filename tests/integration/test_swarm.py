@@ -135,3 +135,18 @@ def test_two_nodes_complete_rounds_with_every_codec(spawn: NodeFactory, codec: s
     assert first.rounds[2].group_size == 2
     for node in (first, second):
         assert node.wait_exit() == 0
+
+
+@pytest.mark.parametrize("sync", ["delayed", "eager"])
+def test_overlapped_sync_modes_train_and_exchange(spawn: NodeFactory, sync: str) -> None:
+    options = ("--inner-steps", "10", "--max-outer-steps", "4", "--min-peers", "2", "--sync", sync)
+    first = spawn("a", *options, run_id=f"sync-{sync}", checkpoint=False)
+    second = spawn("b", *options, run_id=f"sync-{sync}", peer=first, checkpoint=False)
+    for node in (first, second):
+        node.wait_for_round(4)
+        # from round 2 on, each outer step used the previous round's exchange with the peer
+        assert [node.rounds[r].group_size for r in (2, 3, 4)] == [2, 2, 2], node.log_text()
+        # eager's loss is not asserted here: at this tiny H it spikes (see the open overlap issue)
+        if sync == "delayed":
+            assert node.rounds[4].eval_loss < (node.joined_eval_loss or 0) - 0.5
+        assert node.wait_exit() == 0
