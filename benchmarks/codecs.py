@@ -323,6 +323,29 @@ def notes(payload: dict[str, Any]) -> str:
     return "\n".join(f"- {line}" for line in lines)
 
 
+def problems(payload: dict[str, Any]) -> str:
+    """What the nodes did that a healthy run would not: stalls, warnings, split φ, lonely rounds."""
+    lines = []
+    for res in payload["results"]:
+        label = res["label"]
+        for stall in res.get("stalled_starts", []):
+            last = "; ".join(f"{node} '{(out or ['(nothing)'])[-1]}'" for node, out in stall["stdout"].items())
+            lines.append(f"{label}: start attempt {stall['attempt']} stalled, no `joined` line within "
+                         f"{JOIN_TIMEOUT:.0f} s; last stdout lines: {last} (the pair was stopped and started "
+                         "again).")
+        if not res["replicas_identical"]:
+            lines.append(f"{label}: the two nodes ended with different φ (digests differ).")
+        if any(n != res["rounds"] for n in res["rounds_per_node"]):
+            lines.append(f"{label}: rounds logged per node {pair(res['rounds_per_node'])}, not {res['rounds']}.")
+        if any(n != len(log["rounds"]) for n, log in zip(res["exchanges_per_node"], res["logs"], strict=True)):
+            lines.append(f"{label}: some rounds averaged alone (exchanges per node {pair(res['exchanges_per_node'])}).")
+        if res["warnings"]:
+            first = next(w for log in res["logs"] for w in log["warnings"])
+            lines.append(f"{label}: {res['warnings']} warning(s), first: `{first.split(' WARN', 1)[-1].strip()}`")
+    return "\n".join(f"- {line}" for line in lines) if lines else "None seen: every pair joined, every round " \
+        "averaged with the peer, no warnings, and both nodes ended with bit-identical φ for every codec."
+
+
 def plot(payload: dict[str, Any], path: Path) -> bool:
     plt = pyplot()
     if plt is None:
@@ -358,8 +381,9 @@ def write_report(payload: dict[str, Any], out: Path) -> str:
     checks = check_targets(payload)
     (out / f"{NAME}.md").write_text(
         f"# Pseudo-gradient codecs side by side ({payload['date']}, {machine['nproc']} CPU cores, "
-        f"torch {machine['torch']})\n\n{table}\n\n## Targets\n\n{targets_markdown(checks)}\n\n## Notes\n\n"
-        f"{notes(payload)}\n\nTotal benchmark time: {payload['total_seconds']:.0f} s. "
+        f"torch {machine['torch']})\n\n{table}\n\n## Targets\n\n{targets_markdown(checks)}\n\n## Node problems\n\n"
+        f"{problems(payload)}\n\n## Notes\n\n{notes(payload)}\n\n"
+        f"Total benchmark time: {payload['total_seconds']:.0f} s. "
         f"Reproduce: `.venv/bin/python benchmarks/{NAME}.py`. Plot: `{NAME}.png`.\n")
     plot(payload, out / f"{NAME}.png")
     return table + "\n\n" + targets_markdown(checks)

@@ -1,11 +1,13 @@
 """The wire format of one pseudo-gradient payload, validated before anything is allocated.
 
     magic "DLCP" | version u8 | codec u8 | dtype u8 | flags u8 | numel u64 |
-    param_a u32 | param_b u32 | body length u64 | raw length u64 | crc32 of body u32 | body
+    param_a u32 | param_b u32 | body length u64 | raw length u64 | crc32 u32 | body
 
 All little-endian (so are the bodies: every supported host is). `param_a`/`param_b` are the codec
 parameters a receiver needs (block size; top-k chunk and k; 0 where unused). The body is the raw
-codec output, or its zstd frame when flag ZSTD is set; the checksum covers the body as sent.
+codec output, or its zstd frame when flag ZSTD is set; the checksum covers every header field
+before it and the body as sent, so a flipped header bit (an unused parameter included) cannot
+decode into something else.
 
 Version 2 adds codecs, flags and codec parameters to version 1 (fp32 only); version 1 payloads are
 refused. Decoding checks every header field against what the receiver expects (the model's
@@ -20,7 +22,7 @@ import struct
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -67,6 +69,17 @@ def max_payload_bytes(numel: int) -> int:
     return HEADER.size + max_raw_bytes(numel)
 
 
+def _checksum(header: bytes | bytearray | memoryview, body: bytes | bytearray | memoryview) -> int:
+    """crc32 over the header (its own checksum field zeroed) and the body."""
+    zeroed = bytes(header[: HEADER.size - 4]) + b"\0\0\0\0"
+    return zlib.crc32(body, zlib.crc32(zeroed))
+
+
+def seal(fields: tuple[Any, ...], body: bytes) -> bytes:
+    """Header from its fields (all but the checksum) + the checksum + the body."""
+    return HEADER.pack(*fields, _checksum(HEADER.pack(*fields, 0), body)) + body
+
+
 def pack(codec: int, dtype: int, numel: int, params: tuple[int, int], raw: bytes, zstd_level: int | None) -> bytes:
     """Header + body; the body is zstd-compressed when a level is given and that makes it smaller."""
     from diloco_node.codec import entropy  # entropy imports CodecError from here
@@ -76,8 +89,7 @@ def pack(codec: int, dtype: int, numel: int, params: tuple[int, int], raw: bytes
         packed = entropy.compress(raw, zstd_level)
         if len(packed) < len(raw):  # incompressible bodies travel raw: zstd only where it pays
             flags, body = FLAG_ZSTD, packed
-    header = HEADER.pack(MAGIC, VERSION, codec, dtype, flags, numel, *params, len(body), len(raw), zlib.crc32(body))
-    return header + body
+    return seal((MAGIC, VERSION, codec, dtype, flags, numel, *params, len(body), len(raw)), body)
 
 
 def read_header(payload: bytes | bytearray | memoryview) -> Header:
@@ -113,7 +125,7 @@ def unpack(
     if len(payload) != HEADER.size + header.body_length:
         raise CodecError(f"payload body is {len(payload) - HEADER.size} bytes, its header says {header.body_length}")
     body = memoryview(payload)[HEADER.size:]
-    if zlib.crc32(body) != header.checksum:
+    if _checksum(payload[: HEADER.size], body) != header.checksum:
         raise CodecError("payload checksum mismatch")
     # bytearray: torch.frombuffer wants a writable buffer, and the result must not alias `payload`
     raw = bytearray(entropy.decompress(body, header.raw_length) if zstd else body)
