@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 MAGIC = b"DLCP"
 VERSION = 2
@@ -130,20 +130,3 @@ def unpack(
     # bytearray: torch.frombuffer wants a writable buffer, and the result must not alias `payload`
     raw = bytearray(entropy.decompress(body, header.raw_length) if zstd else body)
     return header, raw
-
-
-# --- version-1 style helpers, kept for existing callers: the `none` codec with default settings ---
-
-
-def encode(flat: torch.Tensor) -> bytes:
-    """fp32 vector → payload of the `none` codec."""
-    from diloco_node.codec.codecs import CodecConfig, make_codec
-
-    return make_codec(CodecConfig()).encode(flat)
-
-
-def decode(payload: bytes, expected_numel: int) -> torch.Tensor:
-    """`none` codec payload → fp32 vector of `expected_numel` finite values, or CodecError."""
-    from diloco_node.codec.codecs import CodecConfig, make_codec
-
-    return make_codec(CodecConfig()).decode(payload, expected_numel)

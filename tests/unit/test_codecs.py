@@ -169,11 +169,6 @@ def test_bad_config_fails_at_construction(cfg: CodecConfig) -> None:
         make_codec(cfg)
 
 
-def test_wire_helpers_still_speak_the_none_codec() -> None:
-    x = heavy_tailed(100)
-    assert torch.equal(wire.decode(wire.encode(x), 100), x)
-
-
 # --- header validation: every field ------------------------------------------------------------
 
 FIELDS = ("magic", "version", "codec", "dtype", "flags", "numel", "param_a", "param_b", "body_len", "raw_len", "crc")
