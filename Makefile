@@ -25,6 +25,7 @@ lint: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/diloco_vs_ddp.py
+	$(PY) benchmarks/codecs.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

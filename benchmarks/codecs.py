@@ -150,6 +150,7 @@ def summarize(label: str, codec: str, h: int, rounds: int, cfg: NodeConfig, logs
     # its first round's `sent`. The joiner's own `sent` is pseudo-gradient traffic alone: plot that.
     joiner = next((i for i, log in enumerate(logs) if log["synced_round"] is not None),
                   min(range(WORLD), key=lambda i: sum(r["sent"] for r in logs[i]["rounds"])))
+    joiner_exchanges = max(1, sum(1 for r in logs[joiner]["rounds"] if r["group_size"] > 1))
     curves = []
     for log in logs:
         cumulative, curve = 0, []
@@ -167,7 +168,12 @@ def summarize(label: str, codec: str, h: int, rounds: int, cfg: NodeConfig, logs
         "replicas_identical": len({f["digest"] for f in final}) == 1,
         # The median round: leaves out the one-off state download at join.
         "payload_bytes_per_param": statistics.median([r["payload"] for r in exchanged] or [0]) / params,
-        "sent_bytes_per_param": statistics.median([r["sent"] for r in exchanged] or [0]) / params,
+        # The median payload plus the joiner's mean protocol overhead per exchange, from its totals, which
+        # a payload counted a round late (see problems()) does not disturb; the joiner serves no state.
+        "sent_bytes_per_param": (statistics.median([r["payload"] for r in exchanged] or [0])
+                                 + (sum(r["sent"] for r in logs[joiner]["rounds"])
+                                    - sum(r["payload"] for r in logs[joiner]["rounds"])) / joiner_exchanges) / params,
+        "sent_bytes_per_param_mean": sum(r["sent"] for r in logs[joiner]["rounds"]) / joiner_exchanges / params,
         "overhead_bytes_per_round": statistics.median([r["sent"] - r["payload"] for r in exchanged] or [0]),
         "bytes_sent_per_node": [sum(r["sent"] for r in log["rounds"]) for log in logs],
         "payload_bytes_per_node": [sum(r["payload"] for r in log["rounds"]) for log in logs],
@@ -186,6 +192,17 @@ def summarize(label: str, codec: str, h: int, rounds: int, cfg: NodeConfig, logs
 
 def gap_percent(res: dict[str, Any], base: dict[str, Any]) -> float:
     return 100 * (res["final_eval_loss"] - base["final_eval_loss"]) / base["final_eval_loss"]
+
+
+def gap_trend(res: dict[str, Any], base: dict[str, Any]) -> tuple[float, str]:
+    """The eval-loss gap at the middle round, and whether it narrowed from there to the end."""
+    mid = max(1, res["rounds"] // 2)
+    ours = {r["round"]: r["eval_loss"] for r in res["logs"][0]["rounds"]}
+    theirs = {r["round"]: r["eval_loss"] for r in base["logs"][0]["rounds"]}
+    if mid not in ours or mid not in theirs:
+        return float("nan"), "trend unknown"
+    gap_mid = 100 * (ours[mid] - theirs[mid]) / theirs[mid]
+    return gap_mid, "narrowing" if gap_percent(res, base) < gap_mid - 0.5 else "not narrowing"
 
 
 def format_raw_length(name: str, cfg: NodeConfig) -> str:
@@ -229,12 +246,17 @@ def check_targets(payload: dict[str, Any]) -> list[dict[str, Any]]:
                        "run cannot tell; more rounds or averaging several runs per codec would settle it")
             elif name == "topk":
                 sample = payload["throughput"]["sample"]
+                mid, trend = gap_trend(res, base)
+                k_max = int((max_bpp * cfg.topk_chunk - 2) // 2)
                 why = (f"AdamW's pseudo-gradient is spread almost evenly (max |Δ| = "
                        f"{sample['abs_max'] / sample['abs_mean']:.1f}x the mean |Δ|), so the {cfg.topk_k} largest of "
                        f"{cfg.topk_chunk} values per chunk carry only {100 * sample['topk_energy_fraction']:.0f} % "
                        f"of its energy (one round trip: rel. L2 error {err:.2f}); error feedback sends the rest "
-                       "rounds later, so φ trails `none`; a larger --topk-k (more bytes per round) or a longer run, "
-                       "over which the lag amortizes, would narrow the gap")
+                       f"rounds late, so φ trails `none` ({trend}: {mid:+.1f} % at round {res['rounds'] // 2}, "
+                       f"{gap:+.1f} % at the end). Within {max_bpp} B/param, --topk-k {k_max} "
+                       f"({(2 + 2 * k_max) / cfg.topk_chunk:.3f} B/param before zstd) and a longer run are the "
+                       "cheap things to try; if they do not close it, the codec needs more signal per byte than "
+                       "top-k of an evenly spread Δ gives (e.g. sign or low-rank compression)")
             else:
                 why = (f"quantization error (rel. L2 error {err:.3f} per round trip) is not fed back; error "
                        "feedback as top-k has, or a smaller --block-size, would reduce it")
@@ -294,10 +316,11 @@ def notes(payload: dict[str, Any]) -> str:
         f"bytes, embedded corpus; tokens per node {pair(sorted({t for r in results for t in r['tokens_per_node']}))}"
         f" for every codec (from the logs). Codec options: block {cfg.block_size}, top-k {cfg.topk_k} of "
         f"{cfg.topk_chunk} with error feedback β = {cfg.ef_decay}, zstd `{cfg.zstd}` (level {cfg.zstd_level}).",
-        "B/param/round: the median round over both nodes (leaves out the φ + momentum a joiner downloads once). "
-        "`payload` is the encoded pseudo-gradient with its wire header; `sent` adds the exchange's request and "
-        f"length framing (median {statistics.median(r['overhead_bytes_per_round'] for r in results):.0f} B per "
-        "round). Bytes sent per node include node 1 serving the join-time state (~8 B/param) once.",
+        "payload B/param/round: the encoded pseudo-gradient with its wire header, the median round over both "
+        "nodes. sent B/param/round: that plus the exchange's request and length framing, i.e. (Σ sent − Σ payload) "
+        "/ exchanges of the joining node, which serves no state (median "
+        f"{statistics.median(r['overhead_bytes_per_round'] for r in results):.0f} B per round). Bytes sent per "
+        "node also count the φ + outer momentum (8 B/param) node 1 serves node 2 once at join.",
         f"Throughput: one core, median of repetitions, on Δ after {tp['sample']['steps']} AdamW steps of the "
         f"initial model ({tp['sample']['numel']:,} fp32 values, |Δ|₂ = {tp['sample']['l2_norm']:.3g}); "
         "MB/s of fp32 input for one encode plus one decode. A node does one encode and M decodes per round "
@@ -309,6 +332,11 @@ def notes(payload: dict[str, Any]) -> str:
     if payload.get("noise_percent") is not None:
         lines.append(f"Run-to-run noise: two `none` runs differ by {payload['noise_percent']:.2f} % in final eval "
                      "loss (each node's data order comes from its random peer id).")
+    fp16 = next((r for r in results if r["label"] == "fp16"), None)
+    if fp16 is not None and "fp16" in tp["codecs"]:
+        lines.append(f"fp16 is practically lossless (round-trip error {tp['codecs']['fp16']['relative_l2_error']:.4f})"
+                     f" and lands at {gap_percent(fp16, results[0]):+.2f} % from `none`: another reading of the "
+                     "run-to-run noise; eval-loss gaps of that size do not separate codecs.")
     else:
         lines.append("A node's data order comes from its random peer id, so every run differs a little; "
                      "`--none-runs 2` measures that noise.")
@@ -339,6 +367,11 @@ def problems(payload: dict[str, Any]) -> str:
             lines.append(f"{label}: rounds logged per node {pair(res['rounds_per_node'])}, not {res['rounds']}.")
         if any(n != len(log["rounds"]) for n, log in zip(res["exchanges_per_node"], res["logs"], strict=True)):
             lines.append(f"{label}: some rounds averaged alone (exchanges per node {pair(res['exchanges_per_node'])}).")
+        late = sum(1 for log in res["logs"] for r in log["rounds"] if r["group_size"] > 1 and r["sent"] < r["payload"])
+        if late:
+            lines.append(f"{label}: in {late} round(s) a node logged `sent` smaller than its own payload: the peer "
+                         "fetched the payload after the node wrote its round line, so those bytes appear in the next "
+                         "round's `sent` (totals are right; per-round `sent` is not).")
         if res["warnings"]:
             first = next(w for log in res["logs"] for w in log["warnings"])
             lines.append(f"{label}: {res['warnings']} warning(s), first: `{first.split(' WARN', 1)[-1].strip()}`")
@@ -389,11 +422,27 @@ def write_report(payload: dict[str, Any], out: Path) -> str:
     return table + "\n\n" + targets_markdown(checks)
 
 
+def rewrite_report(out: Path) -> str:
+    """--report-only: recompute every derived number from the raw logs in the JSON, rewrite all outputs."""
+    payload = json.loads((out / f"{NAME}.json").read_text())
+    cfg = NodeConfig()
+    for i, res in enumerate(payload["results"]):
+        fresh = summarize(res["label"], res["codec"], res["H"], res["rounds"], cfg, res["logs"],
+                          res["wall_seconds"], res["lo_bytes_per_node_upper_bound"])
+        payload["results"][i] = {**fresh, "stalled_starts": res.get("stalled_starts", [])}
+    results = payload["results"]
+    repeat = next((r for r in results if r["label"] == "none#2"), None)
+    payload["noise_percent"] = abs(gap_percent(repeat, results[0])) if repeat else None
+    payload["checks"] = check_targets(payload)
+    (out / f"{NAME}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    return write_report(payload, out)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--inner-steps", type=int, help="H, inner steps per round (default 20; --quick 5)")
-    parser.add_argument("--rounds", type=int, help="outer rounds per codec (default 14; --quick 2)")
+    parser.add_argument("--rounds", type=int, help="outer rounds per codec (default 12; --quick 2)")
     parser.add_argument("--codecs", type=str, default=",".join(CODECS),
                         help="comma-separated codecs to compare; `none` is always run (default: all)")
     parser.add_argument("--none-runs", type=int, choices=(1, 2),
@@ -409,7 +458,7 @@ def parse_args() -> argparse.Namespace:
                         "JSON in --out-dir without running anything")
     args = parser.parse_args()
     args.inner_steps = args.inner_steps or (5 if args.quick else 20)
-    args.rounds = args.rounds or (2 if args.quick else 14)
+    args.rounds = args.rounds or (2 if args.quick else 12)
     args.none_runs = args.none_runs or (1 if args.quick else 2)
     args.throughput_seconds = args.throughput_seconds or (0.3 if args.quick else 2.0)
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
@@ -425,7 +474,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.report_only:
-        print(write_report(json.loads((args.out_dir / f"{NAME}.json").read_text()), args.out_dir))
+        print(rewrite_report(args.out_dir))
         return
     cfg = NodeConfig()
     started = time.monotonic()

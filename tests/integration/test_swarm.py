@@ -85,9 +85,10 @@ def test_kill_9_does_not_stop_the_others(spawn: NodeFactory) -> None:
     first = spawn("a", "--inner-steps", "10", *timeouts, checkpoint=False)
     second = spawn("b", "--inner-steps", "10", *timeouts, peer=first, checkpoint=False)
     victim = spawn("c", "--inner-steps", "10", *timeouts, peer=first, checkpoint=False)
-    victim.wait_for_round(1)
-    victim.kill()
     survivors = [first, second]
+    for node in (victim, *survivors):
+        node.wait_for_round(1)
+    victim.kill()
     after = max(max(node.rounds) for node in survivors) + 3
     assert_same_digests(survivors, range(after - 1, after + 1))
     assert all(node.rounds[after].group_size == 2 for node in survivors)
