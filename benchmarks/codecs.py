@@ -151,12 +151,19 @@ def summarize(label: str, codec: str, h: int, rounds: int, cfg: NodeConfig, logs
     joiner = next((i for i, log in enumerate(logs) if log["synced_round"] is not None),
                   min(range(WORLD), key=lambda i: sum(r["sent"] for r in logs[i]["rounds"])))
     joiner_exchanges = max(1, sum(1 for r in logs[joiner]["rounds"] if r["group_size"] > 1))
+    # Per round, `payload` is attributed to the right round but `sent` sometimes is not (problems()): the
+    # curves count each round's payload plus the node's mean framing per round, which sums to the logged
+    # total for the joiner; `bytes_sent_logged` keeps the raw running sum of `sent`.
     curves = []
     for log in logs:
-        cumulative, curve = 0, []
+        exchanges = max(1, sum(1 for r in log["rounds"] if r["group_size"] > 1))
+        framing = (sum(r["sent"] for r in log["rounds"]) - sum(r["payload"] for r in log["rounds"])) / exchanges
+        cumulative, logged, curve = 0.0, 0, []
         for r in log["rounds"]:
-            cumulative += r["sent"]
-            curve.append({"round": r["round"], "bytes_sent": cumulative, "eval_loss": r["eval_loss"]})
+            cumulative += r["payload"] + (framing if r["group_size"] > 1 else 0)
+            logged += r["sent"]
+            curve.append({"round": r["round"], "bytes_sent": round(cumulative), "bytes_sent_logged": logged,
+                          "eval_loss": r["eval_loss"]})
         curves.append(curve)
     return {
         "label": label, "codec": codec, "H": h, "rounds": rounds, "parameters": params, "logs": logs,
@@ -194,15 +201,18 @@ def gap_percent(res: dict[str, Any], base: dict[str, Any]) -> float:
     return 100 * (res["final_eval_loss"] - base["final_eval_loss"]) / base["final_eval_loss"]
 
 
-def gap_trend(res: dict[str, Any], base: dict[str, Any]) -> tuple[float, str]:
-    """The eval-loss gap at the middle round, and whether it narrowed from there to the end."""
+def gap_trend(res: dict[str, Any], base: dict[str, Any]) -> tuple[float, str, int | None]:
+    """The eval-loss gap at the middle round, whether it narrowed from there to the end, and the
+    round after which the codec's eval loss stopped improving (None when it improved to the end)."""
     mid = max(1, res["rounds"] // 2)
     ours = {r["round"]: r["eval_loss"] for r in res["logs"][0]["rounds"]}
     theirs = {r["round"]: r["eval_loss"] for r in base["logs"][0]["rounds"]}
+    best = min(ours, key=lambda r: ours[r]) if ours else None
+    stalled = best if best is not None and best <= max(ours) - 3 else None
     if mid not in ours or mid not in theirs:
-        return float("nan"), "trend unknown"
+        return float("nan"), "trend unknown", stalled
     gap_mid = 100 * (ours[mid] - theirs[mid]) / theirs[mid]
-    return gap_mid, "narrowing" if gap_percent(res, base) < gap_mid - 0.5 else "not narrowing"
+    return gap_mid, "narrowing" if gap_percent(res, base) < gap_mid - 0.5 else "not narrowing", stalled
 
 
 def format_raw_length(name: str, cfg: NodeConfig) -> str:
@@ -246,17 +256,19 @@ def check_targets(payload: dict[str, Any]) -> list[dict[str, Any]]:
                        "run cannot tell; more rounds or averaging several runs per codec would settle it")
             elif name == "topk":
                 sample = payload["throughput"]["sample"]
-                mid, trend = gap_trend(res, base)
+                mid, trend, stalled = gap_trend(res, base)
+                longer = ("A longer run alone is unlikely to help: its eval loss has not improved since round "
+                          f"{stalled}, so" if stalled is not None else "A longer run may close part of it;")
                 k_max = int((max_bpp * cfg.topk_chunk - 2) // 2)
                 why = (f"AdamW's pseudo-gradient is spread almost evenly (max |Δ| = "
                        f"{sample['abs_max'] / sample['abs_mean']:.1f}x the mean |Δ|), so the {cfg.topk_k} largest of "
                        f"{cfg.topk_chunk} values per chunk carry only {100 * sample['topk_energy_fraction']:.0f} % "
                        f"of its energy (one round trip: rel. L2 error {err:.2f}); error feedback sends the rest "
                        f"rounds late, so φ trails `none` ({trend}: {mid:+.1f} % at round {res['rounds'] // 2}, "
-                       f"{gap:+.1f} % at the end). Within {max_bpp} B/param, --topk-k {k_max} "
-                       f"({(2 + 2 * k_max) / cfg.topk_chunk:.3f} B/param before zstd) and a longer run are the "
-                       "cheap things to try; if they do not close it, the codec needs more signal per byte than "
-                       "top-k of an evenly spread Δ gives (e.g. sign or low-rank compression)")
+                       f"{gap:+.1f} % at the end). {longer} within {max_bpp} B/param the cheap thing to try is "
+                       f"--topk-k {k_max} ({(2 + 2 * k_max) / cfg.topk_chunk:.3f} B/param before zstd); beyond "
+                       "that the codec needs more signal per byte than top-k of an evenly spread Δ gives (e.g. "
+                       "sign or low-rank compression)")
             else:
                 why = (f"quantization error (rel. L2 error {err:.3f} per round trip) is not fed back; error "
                        "feedback as top-k has, or a smaller --block-size, would reduce it")
@@ -392,7 +404,7 @@ def plot(payload: dict[str, Any], path: Path) -> bool:
         right.plot([0] + [p["round"] for p in curve], [res["initial_eval_loss"]] + [p["eval_loss"] for p in curve],
                    marker="o", markersize=3, color=line.get_color(), label=res["label"], **style)
     left.set_xscale("log")
-    left.set_xlabel("cumulative bytes sent per node (log scale; the joiner's log, no join-time state)")
+    left.set_xlabel("cumulative bytes sent per node (log scale; the joiner's payloads + framing, no join state)")
     left.set_ylabel("held-out eval loss (nats/byte)")
     left.set_title("eval loss vs bytes on the wire")
     right.set_xlabel(f"outer round (H = {payload['config']['H']} inner steps each; equal tokens per round)")

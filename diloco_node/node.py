@@ -98,6 +98,7 @@ class Node:
 
     def start(self) -> None:
         """Everything that can fail because of bad input happens here, before training starts."""
+        self._install_signal_handlers()  # Ctrl-C while waiting for peers is a clean stop too
         resumed = self._resume()
         self.say(f"status: {self.server.start()}")
         settings = SwarmSettings(
@@ -147,8 +148,10 @@ class Node:
         n = len(self.outer_params)
         shapes_match = len(tensors) == 2 * n and all(
             t.shape == p.shape for t, p in zip(tensors, self.outer_params + self.outer_params, strict=True))
-        if metadata.get("fingerprint") != self.cfg.fingerprint() or not shapes_match:
-            logger.warning("ignored state from a peer: incompatible model or config")
+        well_formed = (isinstance(metadata, dict) and isinstance(metadata.get("round"), int)
+                       and metadata["round"] >= 0 and metadata.get("fingerprint") == self.cfg.fingerprint())
+        if not (well_formed and shapes_match and all(torch.isfinite(t).all() for t in tensors)):
+            logger.warning("ignored state from a peer: malformed, non-finite or from another model/config")
             return False
         momentum = tensors[n:] if metadata.get("has_momentum") else None
         self._install_outer(int(metadata["round"]), tensors[:n], momentum)
@@ -175,7 +178,6 @@ class Node:
     # --- rounds -------------------------------------------------------------------------------
 
     def run(self) -> None:
-        self._install_signal_handlers()
         try:
             while not self.stop_requested.is_set():
                 if self.cfg.max_outer_steps and self.round >= self.cfg.max_outer_steps:
@@ -221,6 +223,9 @@ class Node:
             if step is not None:
                 self.outer.step(self._unflatten(step))
             self.round += 1
+        if self.cfg.sync == "blocking":
+            # only now: a joiner that sees this round exchanged must also find φ past it
+            self.swarm.presence.mark_exchanged(self.round - 1)
         if diverged:
             self._sync_from_peers()
         self._finish_round(losses, outcome.result, own, RoundTiming(computed - started, exchanged - computed))
@@ -241,7 +246,8 @@ class Node:
             result = self.swarm.average(own, tokens, round_)
             if len(result.group) <= 1:
                 logger.warning("round=%d no peer averaged with us; applying our own pseudo-gradient", round_)
-        self.swarm.presence.mark_exchanged(round_)
+        if self.cfg.sync != "blocking":  # blocking marks it once φ has taken the step (see run_round)
+            self.swarm.presence.mark_exchanged(round_)
         return ExchangeOutcome(verdict, result, own)
 
     def _overlapped_step(self, previous: ExchangeOutcome, own: OwnContribution) -> torch.Tensor | None:

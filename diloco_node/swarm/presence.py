@@ -19,6 +19,7 @@ from diloco_node.swarm.records import NodeRecord
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 3.0
+WAITING_LOG_SECONDS = 30.0
 
 
 class IncompatibleRun(RuntimeError):
@@ -73,9 +74,13 @@ class Presence:
 
     def wait_for_peers(self, count: int, stop: threading.Event) -> bool:
         """Block until `count` compatible nodes (ourselves included) are in the run; False if stopped."""
-        while len(self.compatible_peers(refresh=True)) < count:
+        started = time.monotonic()
+        while (present := len(self.compatible_peers(refresh=True))) < count:
             if stop.wait(0.5):
                 return False
+            if time.monotonic() - started > WAITING_LOG_SECONDS:
+                logger.info("still waiting for nodes present=%d wanted=%d", present, count)
+                started = time.monotonic()
         return True
 
     def wait_for_round(self, round_: int, timeout: float, stop: threading.Event) -> str:

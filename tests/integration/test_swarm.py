@@ -77,7 +77,9 @@ def test_late_joiner_reaches_the_same_digest(spawn: NodeFactory) -> None:
     late = spawn("late", "--inner-steps", "15", peer=second, checkpoint=False)
     joined = late.wait_joined()
     assert joined >= 2, "the late joiner should have downloaded the swarm's round, not started at 0"
-    assert_same_digests([first, second, late], range(joined + 1, joined + 3))
+    late.wait_until(lambda: len(late.rounds) >= 2, 120, "two rounds")
+    # normally joined + 1 and + 2; a joiner that caught the swarm mid-step re-syncs once first
+    assert_same_digests([first, second, late], range(min(late.rounds), min(late.rounds) + 2))
 
 
 def test_kill_9_does_not_stop_the_others(spawn: NodeFactory) -> None:
