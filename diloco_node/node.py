@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import signal
 import threading
 import time
@@ -30,6 +31,7 @@ from diloco_node.swarm.member import AverageResult, OwnContribution, SwarmMember
 from diloco_node.telemetry.meter import Telemetry
 from diloco_node.telemetry.server import StatusServer
 from diloco_node.telemetry.swarm_table import swarm_row
+from diloco_node.telemetry.wire import WireMeter
 from diloco_node.train.data import ByteDataset, load_corpus
 from diloco_node.train.device import resolve_device
 from diloco_node.train.inner import InnerConfig, InnerTrainer, evaluate
@@ -92,6 +94,10 @@ class Node:
                                    compression=cfg.compression,
                                    outer_step=0, inner_step=0, loss=None, eval_loss=None, peers=1, group_size=0)
         self.server = StatusServer(self.telemetry, *cfg.status_host_port)
+        self.wire_at_last_round = (0, 0)
+        self.wire = WireMeter(os.getpid(), on_sample=lambda sent, received: self.telemetry.update(
+            wire_bytes_sent=sent, wire_bytes_received=received))
+        self.telemetry.refresh_with(self.wire.refresh)
         self.swarm: SwarmMember | None = None
 
     # --- start-up -----------------------------------------------------------------------------
@@ -106,6 +112,7 @@ class Node:
             initial_peers=self.cfg.peer, listen=self.cfg.listen, announce=self.cfg.announce,
             matchmaking_time=self.cfg.matchmaking_time, round_timeout=self.cfg.round_timeout)
         self.swarm = SwarmMember(settings, self.outer_params, self._shared_state, self.codec)
+        self.wire.start()
         for address in self.swarm.visible_addresses():
             self.say(f"peer address: {address}")
         if not resumed:  # a fresh node gets its own data order, derived from its identity
@@ -292,6 +299,7 @@ class Node:
         codec_seconds = result.codec_seconds if result else own.codec_seconds
         before = self.telemetry.snapshot()
         sent, received = self.swarm.traffic()
+        wire = self._wire_this_round()
         self.compute_seconds += timing.compute
         self.wait_seconds += timing.wait
         numel, payload = before["parameters"], own.payload_bytes
@@ -299,7 +307,7 @@ class Node:
             "round": self.round, "time": time.time(), "loss": sum(losses) / len(losses),
             "eval_loss": self._evaluate(), "group_size": len(group),
             "bytes_sent": sent - before["bytes_sent"], "bytes_received": received - before["bytes_received"],
-            "bytes_sent_total": sent, "bytes_received_total": received, "payload_bytes": payload,
+            "bytes_sent_total": sent, "bytes_received_total": received, **wire, "payload_bytes": payload,
             "raw_bytes": 4 * numel, "compression_ratio": 4 * numel / payload if payload else None,
             "bytes_per_param": payload / numel, "codec_seconds": round(codec_seconds, 4),
             "compute_seconds": round(timing.compute, 3), "wait_seconds": round(timing.wait, 3),
@@ -318,6 +326,7 @@ class Node:
         self.swarm.presence.publish_stats(
             label=self.cfg.label, rounds=self.round, bytes_sent=sent, bytes_received=received,
             last_round_bytes_sent=stats["bytes_sent"], last_round_bytes_received=stats["bytes_received"],
+            wire_bytes_sent=wire.get("wire_sent_total"), wire_bytes_received=wire.get("wire_received_total"),
             last_exchange_seconds=round(timing.wait, 3), utilization=utilization, time=stats["time"])
         logger.info("round=%d loss=%.4f eval_loss=%.4f group_size=%d sent=%d received=%d seconds=%.1f "
                     "payload=%d bytes_per_param=%.4f codec_seconds=%.3f utilization=%.3f digest=%s",
@@ -326,6 +335,17 @@ class Node:
                     codec_seconds, stats["utilization"], self.model_digest())
         if self.store and self.cfg.checkpoint_every and self.round % self.cfg.checkpoint_every == 0:
             self.save_checkpoint()
+
+    def _wire_this_round(self) -> dict[str, int]:
+        """This round's and the cumulative link-layer bytes (see telemetry/wire.py); {} if unmeasured."""
+        self.wire.refresh(max_age=0)
+        totals = self.wire.totals()
+        if totals is None:
+            return {}
+        (sent, received), (last_sent, last_received) = totals, self.wire_at_last_round
+        self.wire_at_last_round = totals
+        return {"wire_sent": sent - last_sent, "wire_received": received - last_received,
+                "wire_sent_total": sent, "wire_received_total": received}
 
     def _refresh_swarm_table(self) -> None:
         assert self.swarm is not None
@@ -374,6 +394,7 @@ class Node:
             self.store.close()
         if self.swarm:
             self.swarm.leave()
+        self.wire.stop()
         self.server.stop()
 
     def shutdown(self) -> None:
@@ -384,5 +405,6 @@ class Node:
             self.store.close()
         if self.swarm:
             self.swarm.leave()
+        self.wire.stop()
         self.server.stop()
         logger.info("left the swarm at round=%d", self.round)

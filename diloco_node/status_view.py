@@ -68,6 +68,13 @@ def short_peer_id(peer_id: Any) -> str:
     return ident if len(ident) <= PEER_ID_CHARS else ident[:4] + ".." + ident[-(PEER_ID_CHARS - 6):]
 
 
+def _traffic(payload: Any, wire: Any) -> str:
+    """'1.5 MiB payload, 1.7 MiB on the wire', or just the payload where the node can't measure its wire."""
+    if _number(wire) is None:
+        return human_bytes(payload)
+    return f"{human_bytes(payload)} payload, {human_bytes(wire)} on the wire"
+
+
 def format_status(status: dict[str, Any]) -> str:
     """The node's own state as aligned 'key  value' lines."""
     compression = text(status.get("compression"))
@@ -82,8 +89,8 @@ def format_status(status: dict[str, Any]) -> str:
         ("address", text(maddrs[0]) if isinstance(maddrs, list) and maddrs else MISSING),
         ("round", f"{text(status.get('outer_step'))} (inner step {text(status.get('inner_step'))})"),
         ("loss", f"{decimal(status.get('loss'))} (eval {decimal(status.get('eval_loss'))})"),
-        ("sent", human_bytes(status.get("bytes_sent"))),
-        ("received", human_bytes(status.get("bytes_received"))),
+        ("sent", _traffic(status.get("bytes_sent"), status.get("wire_bytes_sent"))),
+        ("received", _traffic(status.get("bytes_received"), status.get("wire_bytes_received"))),
         ("compression", compression),
         ("utilization", percent(status.get("utilization"))),
         ("round time", MISSING if _number(status.get("round_seconds")) is None
@@ -98,14 +105,18 @@ PEER_COLUMNS = ("PEER", "LABEL", "ROUNDS", "SENT", "RECEIVED", "MBIT/S", "UTIL",
 _RIGHT_ALIGNED = {"ROUNDS", "SENT", "RECEIVED", "MBIT/S", "UTIL"}
 
 
+def _first_number(*values: Any) -> Any:
+    return next((value for value in values if _number(value) is not None), None)
+
+
 def _peer_row(peer: dict[str, Any], now: float) -> tuple[str, ...]:
     marker = " *" if peer.get("is_self") else ""
     return (
         short_peer_id(peer.get("peer_id")) + marker,
         text(peer.get("label")),
         text(peer.get("rounds")),
-        human_bytes(peer.get("bytes_sent")),
-        human_bytes(peer.get("bytes_received")),
+        human_bytes(_first_number(peer.get("wire_bytes_sent"), peer.get("bytes_sent"))),  # the link's cost
+        human_bytes(_first_number(peer.get("wire_bytes_received"), peer.get("bytes_received"))),
         mbit_per_s(peer.get("bandwidth_bps")),
         percent(peer.get("utilization")),
         ago(peer.get("last_seen"), now),

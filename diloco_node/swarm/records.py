@@ -36,6 +36,8 @@ class NodeStats(pydantic.BaseModel):
     bytes_received: NodeCount = 0  # type: ignore[valid-type]
     last_round_bytes_sent: NodeCount = 0  # type: ignore[valid-type]
     last_round_bytes_received: NodeCount = 0  # type: ignore[valid-type]
+    wire_bytes_sent: NodeCount | None = None  # type: ignore[valid-type]  # None: the node can't measure its wire
+    wire_bytes_received: NodeCount | None = None  # type: ignore[valid-type]
     last_exchange_seconds: Seconds = 0.0  # type: ignore[valid-type]
     utilization: pydantic.confloat(strict=True, ge=0, le=1) | None = None  # type: ignore[valid-type]
     time: Seconds = 0.0  # type: ignore[valid-type]  # unix time of the last update

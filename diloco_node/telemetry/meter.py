@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 HISTORY_LIMIT = 2000  # rounds kept for the charts; older ones drop off the front
@@ -26,12 +27,19 @@ class Telemetry:
         self._peers: list[dict[str, Any]] = []
         self._round_buckets = [0] * len(ROUND_SECONDS_BUCKETS)
         self._round_count, self._round_sum = 0, 0.0
+        self._refresh: Callable[[], None] | None = None
+
+    def refresh_with(self, refresh: Callable[[], None]) -> None:
+        """`refresh` brings live figures (wire bytes) up to date before a reader's fresh snapshot."""
+        self._refresh = refresh
 
     def update(self, **values: Any) -> None:
         with self._lock:
             self._values.update(values)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, fresh: bool = False) -> dict[str, Any]:
+        if fresh and self._refresh:
+            self._refresh()
         with self._lock:
             return dict(self._values)
 

@@ -23,15 +23,21 @@ class TelemetryCollector:
         self._telemetry = telemetry
 
     def collect(self) -> Iterator[Metric]:
-        state = self._telemetry.snapshot()
+        state = self._telemetry.snapshot(fresh=True)
         run = str(state.get("run_id", ""))
         counters = {
             "diloco_bytes_sent": ("payload and state bytes this node sent", state.get("bytes_sent")),
             "diloco_bytes_received": ("payload and state bytes this node received", state.get("bytes_received")),
             "diloco_outer_steps": ("outer rounds completed", state.get("outer_step")),
+            "diloco_wire_bytes_sent": ("link-layer bytes of all swarm traffic sent (headers and control included)",
+                                       state.get("wire_bytes_sent")),
+            "diloco_wire_bytes_received": ("link-layer bytes of all swarm traffic received",
+                                           state.get("wire_bytes_received")),
             "diloco_inner_steps": ("inner optimizer steps taken", state.get("inner_step")),
         }
         for name, (doc, value) in counters.items():
+            if value is None:  # not measured on this node (wire bytes without iproute2)
+                continue
             counter = CounterMetricFamily(name, doc, labels=["run"])
             counter.add_metric([run], float(value or 0))
             yield counter

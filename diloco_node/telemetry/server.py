@@ -33,7 +33,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def api_status(request: web.Request) -> web.Response:
-    snapshot = request.app[TELEMETRY_KEY].snapshot()
+    snapshot = await asyncio.to_thread(request.app[TELEMETRY_KEY].snapshot, fresh=True)
     snapshot["uptime_seconds"] = round(time.time() - snapshot.pop("started_at"), 1)
     return web.json_response(snapshot)
 
@@ -49,7 +49,7 @@ async def api_peers(request: web.Request) -> web.Response:
 
 
 async def prometheus_metrics(request: web.Request) -> web.Response:
-    body = metrics.render(request.app[TELEMETRY_KEY])
+    body = await asyncio.to_thread(metrics.render, request.app[TELEMETRY_KEY])
     return web.Response(body=body, headers={"Content-Type": metrics.CONTENT_TYPE})
 
 

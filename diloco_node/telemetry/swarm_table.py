@@ -14,6 +14,7 @@ def swarm_row(record: NodeRecord, is_self: bool) -> dict[str, Any]:
     seconds = stats.get("last_exchange_seconds") or 0.0
     return {"peer_id": record.peer_id, "label": stats.get("label", ""), "rounds": stats.get("rounds", 0),
             "bytes_sent": stats.get("bytes_sent", 0), "bytes_received": stats.get("bytes_received", 0),
+            "wire_bytes_sent": stats.get("wire_bytes_sent"), "wire_bytes_received": stats.get("wire_bytes_received"),
             "last_round_bytes_sent": stats.get("last_round_bytes_sent", 0),
             "last_round_bytes_received": stats.get("last_round_bytes_received", 0),
             "bandwidth_bps": 8 * moved / seconds if seconds > 0 else None,

@@ -106,10 +106,14 @@ class NodeProcess:
         self.wait_until(lambda: round_ in self.rounds, timeout, f"round {round_}")
         return self.rounds[round_]
 
-    def status(self) -> dict[str, Any]:
+    def get(self, path: str) -> Any:
+        """JSON from this node's status server, e.g. get("/api/history")."""
         assert self.status_url
-        with urllib.request.urlopen(f"{self.status_url}/api/status", timeout=10) as response:
+        with urllib.request.urlopen(f"{self.status_url}{path}", timeout=10) as response:
             return json.loads(response.read())
+
+    def status(self) -> dict[str, Any]:
+        return dict(self.get("/api/status"))
 
     def log_text(self) -> str:
         with self._changed:

@@ -66,6 +66,11 @@ def test_status_api_reports_the_run(spawn: NodeFactory) -> None:
         assert key in status, key
     assert status["run_id"] == "itest" and status["peers"] == 2 and status["group_size"] == 2
     assert status["bytes_sent"] > 0 and status["bytes_received"] > 0
+    # The wire (measured from the libp2p daemon's TCP counters) carries the payload and more.
+    assert status["wire_bytes_sent"] > status["bytes_sent"] > 0, status
+    assert status["wire_bytes_received"] > status["bytes_received"] > 0, status
+    history = second.get("/api/history")["rounds"]
+    assert all(r["wire_sent"] > 0 and r["wire_received"] > 0 for r in history), history
     assert second.address and status["peer_id"] in second.address
     assert status["outer_step"] >= round_ + 1
 

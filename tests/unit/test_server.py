@@ -24,7 +24,8 @@ from diloco_node.telemetry.server import build_app
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RUN = "test-run"
 CHECKPOINT_DIR = "/tmp/diloco-secret-checkpoints"
-COUNTERS = ("diloco_bytes_sent", "diloco_bytes_received", "diloco_outer_steps", "diloco_inner_steps")
+COUNTERS = ("diloco_bytes_sent", "diloco_bytes_received", "diloco_wire_bytes_sent", "diloco_wire_bytes_received",
+            "diloco_outer_steps", "diloco_inner_steps")
 GAUGES = ("diloco_loss", "diloco_eval_loss", "diloco_compute_utilization", "diloco_peers", "diloco_compression_ratio")
 
 
@@ -49,7 +50,8 @@ def filled_telemetry() -> Telemetry:
     telemetry = Telemetry(run_id=RUN, label="node-0")
     telemetry.update(peer_id=peer_row(0)["peer_id"], maddrs=["/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWPeer0000"],
                      outer_step=2, inner_step=80, loss=3.9, eval_loss=4.1, peers=2, group_size=2,
-                     bytes_sent=2_000_000, bytes_received=4_000_000, compression="int8", bytes_per_param=1.03,
+                     bytes_sent=2_000_000, bytes_received=4_000_000, wire_bytes_sent=2_150_000,
+                     wire_bytes_received=4_300_000, compression="int8", bytes_per_param=1.03,
                      compression_ratio=16.0, utilization=0.9, round_seconds=12.0)
     telemetry.record_round(round_stats(0, seconds=8.0))
     telemetry.record_round(round_stats(1, seconds=40.0))
@@ -161,6 +163,8 @@ def test_metrics_parse_back_with_run_label() -> None:
         assert families["diloco_round_seconds"].type == "histogram"
         assert value("diloco_bytes_sent_total") == 2_000_000
         assert value("diloco_bytes_received_total") == 4_000_000
+        assert value("diloco_wire_bytes_sent_total") == 2_150_000
+        assert value("diloco_wire_bytes_received_total") == 4_300_000
         assert value("diloco_outer_steps_total") == 2
         assert value("diloco_inner_steps_total") == 80
         assert value("diloco_loss") == 3.9 and value("diloco_eval_loss") == 4.1
@@ -176,6 +180,35 @@ def test_metrics_parse_back_with_run_label() -> None:
             assert all(s.labels.get("run") == RUN for s in family.samples), family.name
 
     serve(filled_telemetry(), check)
+
+
+def test_unmeasured_wire_bytes_are_left_out_not_reported_as_zero() -> None:
+    telemetry = Telemetry(run_id=RUN)  # a node without iproute2 never sets wire_bytes_*
+
+    async def check(client: TestClient) -> None:
+        names = {f.name for f in text_string_to_metric_families(await (await client.get("/metrics")).text())}
+        assert "diloco_bytes_sent" in names
+        assert not {"diloco_wire_bytes_sent", "diloco_wire_bytes_received"} & names
+
+    serve(telemetry, check)
+
+
+def test_status_and_metrics_refresh_live_figures_before_answering() -> None:
+    telemetry = Telemetry(run_id=RUN)
+    refreshes: list[int] = []
+
+    def refresh() -> None:  # what the wire meter does: sample now, publish the new totals
+        refreshes.append(1)
+        telemetry.update(wire_bytes_sent=100 * len(refreshes))
+
+    telemetry.refresh_with(refresh)
+
+    async def check(client: TestClient) -> None:
+        assert (await get_json(client, "/api/status"))["wire_bytes_sent"] == 100
+        await client.get("/metrics")
+        assert (await get_json(client, "/api/status"))["wire_bytes_sent"] == 300
+
+    serve(telemetry, check)
 
 
 def test_large_history_and_swarm_are_served_whole() -> None:

@@ -57,7 +57,10 @@ def test_status_block_shows_every_field() -> None:
     assert lines["run"] == "run-a"
     assert lines["peer id"] == "12D3KooWFull"
     assert lines["loss"] == "3.2123 (eval 3.5000)"
-    assert lines["sent"] == "5.0 MiB" and lines["received"] == "10.0 MiB"
+    assert lines["sent"] == "5.0 MiB" and lines["received"] == "10.0 MiB"  # no wire figures: payload alone
+    measured = status_view.format_status({"bytes_sent": 5 * 1024**2, "wire_bytes_sent": 6 * 1024**2})
+    sent = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in measured.splitlines())["sent"]
+    assert sent == "5.0 MiB payload, 6.0 MiB on the wire"
     assert lines["compression"] == "int8 (1.030 B/param)"
     assert lines["utilization"] == "95.0%"
     assert lines["round time"] == "12.3s"

@@ -7,6 +7,7 @@ import { drawChart } from "./charts.js";
 
 const POLL_MS = 2000;
 const SENT = "#2563eb", RECEIVED = "#e07b24", THIRD = "#2e9e5b";
+const WIRE_SENT = "#93b4f5", WIRE_RECEIVED = "#f2bf8f";  // lighter twins: the same traffic, headers and control included
 
 const finite = (v) => typeof v === "number" && Number.isFinite(v);
 const show = (v, fallback = "–") => (v === null || v === undefined || v === "" ? fallback : String(v));
@@ -54,8 +55,12 @@ function renderStatus(s) {
   setText("label", show(s.label));
   setText("round", show(s.outer_step));
   setText("peers", show(s.peers));
-  setText("total-sent", bytes(s.bytes_sent));
-  setText("total-received", bytes(s.bytes_received));
+  // The link's cost (wire bytes) leads when the node can measure it; payload bytes are what codecs save.
+  const measured = finite(s.wire_bytes_sent) && finite(s.wire_bytes_received);
+  setText("total-sent", bytes(measured ? s.wire_bytes_sent : s.bytes_sent));
+  setText("total-received", bytes(measured ? s.wire_bytes_received : s.bytes_received));
+  setText("total-sent-sub", measured ? `on the wire · payload ${bytes(s.bytes_sent)}` : "payload");
+  setText("total-received-sub", measured ? `on the wire · payload ${bytes(s.bytes_received)}` : "payload");
   setText("compression", show(s.compression));
   setText("bytes-per-param", finite(s.bytes_per_param) ? `${s.bytes_per_param.toFixed(3)} B/param` : "");
   setText("loss", `${fixed(s.loss, 3)} / ${fixed(s.eval_loss, 3)}`);
@@ -75,16 +80,26 @@ function series(rounds, label, color, value) {
 const perSecond = (amount, r) => (finite(amount) && finite(r.round_seconds) && r.round_seconds > 0
   ? amount / r.round_seconds : null);
 
+// Payload series ("sent", "received") and, for nodes that measure it, the same traffic on the wire
+// with headers and control messages ("wire out", "wire in"; see README, wire bytes).
+function wireSeries(rounds, value) {
+  if (!rounds.some((r) => finite(r.wire_sent))) return [];
+  return [series(rounds, "wire out", WIRE_SENT, (r) => value(r, r.wire_sent)),
+          series(rounds, "wire in", WIRE_RECEIVED, (r) => value(r, r.wire_received))];
+}
+
 const CHARTS = {
   bytes: (rounds) => ({
     kind: "bar", xLabel: "round", yLabel: "bytes", format: bytesAxis, yMin: 0,
     series: [series(rounds, "sent", SENT, (r) => r.bytes_sent),
-             series(rounds, "received", RECEIVED, (r) => r.bytes_received)],
+             series(rounds, "received", RECEIVED, (r) => r.bytes_received),
+             ...wireSeries(rounds, (r, amount) => amount)],
   }),
   rate: (rounds) => ({
     kind: "line", xLabel: "round", yLabel: "bytes / s", format: rate, yMin: 0,
     series: [series(rounds, "send", SENT, (r) => perSecond(r.bytes_sent, r)),
-             series(rounds, "receive", RECEIVED, (r) => perSecond(r.bytes_received, r))],
+             series(rounds, "receive", RECEIVED, (r) => perSecond(r.bytes_received, r)),
+             ...wireSeries(rounds, (r, amount) => perSecond(amount, r))],
   }),
   compression: (rounds) => ({
     kind: "line", xLabel: "round", yLabel: "raw / payload (×)", format: (v) => `${+v.toFixed(2)}×`, yMin: 0,
@@ -147,8 +162,12 @@ function renderPeers(peers) {
     }
     cell(row, show(p.label), { column: "label" });
     cell(row, show(p.rounds), { numeric: true, column: "rounds", value: p.rounds });
-    cell(row, bytes(p.bytes_sent), { numeric: true, column: "bytes_sent", value: p.bytes_sent });
-    cell(row, bytes(p.bytes_received), { numeric: true, column: "bytes_received", value: p.bytes_received });
+    for (const way of ["sent", "received"]) {  // wire bytes when the node measured them, else payload
+      const payload = p[`bytes_${way}`], wire = p[`wire_bytes_${way}`];
+      cell(row, bytes(finite(wire) ? wire : payload), {
+        numeric: true, column: `bytes_${way}`, value: payload,
+        title: finite(wire) ? `on the wire; payload ${bytes(payload)}` : "payload (wire not measured)" });
+    }
     cell(row, mbit(p.bandwidth_bps), { numeric: true, column: "bandwidth", value: p.bandwidth_bps });
     cell(row, percent(p.utilization), { numeric: true, column: "utilization", value: p.utilization });
     cell(row, ago(p.last_seen), { numeric: true, column: "last_seen", value: p.last_seen });
