@@ -20,12 +20,13 @@ test: $(VENV)/.installed
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check diloco_node tests
+	$(VENV)/bin/ruff check diloco_node tests benchmarks
 	$(VENV)/bin/mypy diloco_node --ignore-missing-imports
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/diloco_vs_ddp.py
 	$(PY) benchmarks/codecs.py
+	$(PY) benchmarks/wide_area.py  # network namespaces: needs root
 
 clean:
 	rm -rf $(VENV) build *.egg-info

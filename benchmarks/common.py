@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +33,9 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 JOINED_RE = re.compile(r"joined run=\S+ round=(\d+) eval_loss=(\S+) parameters=(\d+) digest=(\w+)")
 ROUND_RE = re.compile(r"round=(\d+) loss=(\S+) eval_loss=(\S+) group_size=(\d+) sent=(\d+) received=(\d+) "
                       r"seconds=(\S+) .*digest=(\w+)")
-# On the same round line, where the node logs its codec's numbers.
+# On the same round line, where the node logs its codec's numbers, utilization and transfer.
 CODEC_RE = re.compile(r" payload=(\d+) bytes_per_param=(\S+) codec_seconds=(\S+) ")
+TRANSFER_RE = re.compile(r" utilization=(\S+) transfer=(\d+)/(\S+)s ")
 SYNCED_RE = re.compile(r"synced state from peers round=(\d+)")
 WARNING_RE = re.compile(r" WARN(ING)? diloco_node")  # hivemind's log setup renames WARNING to WARN
 
@@ -70,14 +71,16 @@ def free_port() -> int:
 class NodeProcess:
     """A `diloco-node join` subprocess whose stdout/stderr lines are kept, logged and awaitable."""
 
-    def __init__(self, name: str, args: list[str], log_dir: Path):
+    def __init__(self, name: str, args: list[str], log_dir: Path,
+                 launcher: Callable[[list[str]], list[str]] = list):
+        """`launcher` wraps the command line, e.g. Island.command to run the node in a network namespace."""
         self.name = name
         self.lines: dict[str, list[str]] = {"stdout": [], "stderr": []}
         self._changed = threading.Condition()
         env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}  # only our flags count
         env["PYTHONUNBUFFERED"] = "1"
         # A session of its own, so the node's hivemind helpers (DHT, averager, p2pd) can be ended with it.
-        self.proc = subprocess.Popen([node_executable(), "join", *args], stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(launcher([node_executable(), "join", *args]), stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
         for stream in ("stdout", "stderr"):
             log = open(log_dir / f"{name}.{stream}.log", "w")  # noqa: SIM115 - closed by the reader
@@ -135,9 +138,10 @@ def node_executable() -> str:
     return found
 
 
-def node_args(h: int, rounds: int, run_id: str, checkpoint_dir: Path | str, extra: Sequence[str] = ()) -> list[str]:
-    """`join` flags of a benchmark node: loopback, one torch thread, waits for all WORLD nodes."""
-    return ["--listen", "/ip4/127.0.0.1/tcp/0", "--status", "127.0.0.1:0", "--threads", "1",
+def node_args(h: int, rounds: int, run_id: str, checkpoint_dir: Path | str, extra: Sequence[str] = (),
+              host: str = "127.0.0.1") -> list[str]:
+    """`join` flags of a benchmark node: listens on `host`, one torch thread, waits for all WORLD nodes."""
+    return ["--listen", f"/ip4/{host}/tcp/0", "--status", "127.0.0.1:0", "--threads", "1",
             "--max-outer-steps", str(rounds), "--inner-steps", str(h), "--run-id", run_id,
             "--checkpoint-dir", str(checkpoint_dir), "--min-peers", str(WORLD), *extra]
 
@@ -209,6 +213,9 @@ def parse_node_log(lines: list[str]) -> dict[str, Any]:
             if codec := CODEC_RE.search(line):
                 entry.update(payload=int(codec[1]), bytes_per_param=float(codec[2]),
                              codec_seconds=float(codec[3]))
+            if transfer := TRANSFER_RE.search(line):
+                entry.update(utilization=float(transfer[1]), transfer_bytes=int(transfer[2]),
+                             transfer_seconds=float(transfer[3]))
             parsed["rounds"].append(entry)
         elif match := JOINED_RE.search(line):
             parsed["joined"] = {"round": int(match[1]), "eval_loss": float(match[2]),

@@ -19,6 +19,10 @@ from diloco_node.swarm.addresses import check_multiaddr
 from diloco_node.train.model import PRESETS
 
 DEFAULT_STATUS_PORT = 7780
+DILOCO_MOMENTUM = 0.9  # DiLoCo's outer Nesterov momentum (DESIGN §3)
+# Under eager, half of each step (the others' Δ) lands a round late, which already carries momentum;
+# 0.6 kept eager within 1 % of blocking in benchmarks/wide_area.py, 0.9 did not (see README, sync modes).
+EAGER_MOMENTUM = 0.6
 
 
 class ConfigError(ValueError):
@@ -62,9 +66,13 @@ class NodeConfig(BaseModel):
 
     # --- outer optimizer (Nesterov SGD on pseudo-gradients) ---
     outer_lr: float = Field(0.7, gt=0, description="outer learning rate")
-    outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer Nesterov momentum")
+    outer_momentum: float = Field(DILOCO_MOMENTUM, ge=0, lt=1, description="outer Nesterov momentum "
+                                  f"({EAGER_MOMENTUM} when unset and --sync is eager: see README, sync modes)")
     sync: str = Field("blocking", pattern=r"^(blocking|delayed|eager)$",
                       description="when the exchange runs: blocking, delayed or eager (overlaps the next round)")
+    eager_proxy: str = Field("full", pattern=r"^(full|share)$",
+                             description="eager: weight of our fresh Δ in the proxy: full (it stands in for the "
+                             "group's mean until that arrives) or share (our token share, 1/M)")
     sync_timeout: float = Field(120.0, gt=0, description="delayed/eager: seconds to wait for the previous "
                                 "round's exchange before abandoning it")
     max_outer_steps: int = Field(0, ge=0, description="stop after this many rounds (0 = run forever)")
@@ -121,6 +129,14 @@ class NodeConfig(BaseModel):
             raise ValueError(f"status address '{value}' is not HOST:PORT")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _momentum_for_sync(cls, data: Any) -> Any:
+        """Unset momentum follows the sync mode: eager's stale half of each step already acts as momentum."""
+        if isinstance(data, dict) and data.get("outer_momentum") is None:
+            return {**data, "outer_momentum": EAGER_MOMENTUM if data.get("sync") == "eager" else DILOCO_MOMENTUM}
+        return data
+
     @model_validator(mode="after")
     def _fits_model(self) -> NodeConfig:
         limit = PRESETS[self.model].max_seq_len
@@ -159,7 +175,7 @@ class NodeConfig(BaseModel):
             "model": self.model, "n_layer": arch.n_layer, "d_model": arch.d_model, "n_head": arch.n_head,
             "vocab_size": arch.vocab_size, "max_seq_len": arch.max_seq_len,
             "algorithm": "diloco", "sync": self.sync, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
-            **self.codec_fingerprint(),
+            **({"eager_proxy": self.eager_proxy} if self.sync == "eager" else {}), **self.codec_fingerprint(),
         }
 
     def fingerprint(self) -> str:

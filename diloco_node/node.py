@@ -243,6 +243,14 @@ class Node:
     def _exchange(self, round_: int, own: OwnContribution, tokens: float) -> ExchangeOutcome:
         """Barrier, then the group's mean; on the main thread (blocking) or the exchange thread."""
         assert self.swarm is not None
+        self.telemetry.update(exchanging_round=round_)
+        try:
+            return self._exchange_now(round_, own, tokens)
+        finally:
+            self.telemetry.update(exchanging_round=None)
+
+    def _exchange_now(self, round_: int, own: OwnContribution, tokens: float) -> ExchangeOutcome:
+        assert self.swarm is not None
         verdict = self.swarm.presence.wait_for_round(round_, self.cfg.round_timeout, self.stop_requested)
         if verdict in ("stopped", "behind"):
             return ExchangeOutcome(verdict, None)
@@ -265,7 +273,8 @@ class Node:
                                  previous.result.own_share)
         assert self.swarm is not None
         fresh = own.decoded if own.decoded is not None else torch.zeros(self.numel)
-        return overlapped_step(self.cfg.sync, finished, fresh, len(self.swarm.presence.compatible_peers()) or 1)
+        return overlapped_step(self.cfg.sync, finished, fresh, len(self.swarm.presence.compatible_peers()) or 1,
+                               self.cfg.eager_proxy)
 
     def _unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [piece.view_as(p) for piece, p in zip(flat.split([p.numel() for p in self.outer_params]),
@@ -310,6 +319,8 @@ class Node:
             "bytes_sent_total": sent, "bytes_received_total": received, **wire, "payload_bytes": payload,
             "raw_bytes": 4 * numel, "compression_ratio": 4 * numel / payload if payload else None,
             "bytes_per_param": payload / numel, "codec_seconds": round(codec_seconds, 4),
+            "transfer_seconds": round(result.transfer_seconds, 3) if result else None,
+            "transfer_bytes": result.received_bytes if result else None,
             "compute_seconds": round(timing.compute, 3), "wait_seconds": round(timing.wait, 3),
             "utilization": timing.compute / (timing.compute + timing.wait),
             "round_seconds": round(timing.compute + timing.wait, 3)}
@@ -329,10 +340,11 @@ class Node:
             wire_bytes_sent=wire.get("wire_sent_total"), wire_bytes_received=wire.get("wire_received_total"),
             last_exchange_seconds=round(timing.wait, 3), utilization=utilization, time=stats["time"])
         logger.info("round=%d loss=%.4f eval_loss=%.4f group_size=%d sent=%d received=%d seconds=%.1f "
-                    "payload=%d bytes_per_param=%.4f codec_seconds=%.3f utilization=%.3f digest=%s",
-                    self.round, stats["loss"], stats["eval_loss"], len(group), stats["bytes_sent"],
+                    "payload=%d bytes_per_param=%.4f codec_seconds=%.3f utilization=%.3f transfer=%d/%.3fs "
+                    "digest=%s", self.round, stats["loss"], stats["eval_loss"], len(group), stats["bytes_sent"],
                     stats["bytes_received"], stats["round_seconds"], payload, stats["bytes_per_param"],
-                    codec_seconds, stats["utilization"], self.model_digest())
+                    codec_seconds, stats["utilization"], stats["transfer_bytes"] or 0,
+                    stats["transfer_seconds"] or 0.0, self.model_digest())
         if self.store and self.cfg.checkpoint_every and self.round % self.cfg.checkpoint_every == 0:
             self.save_checkpoint()
 

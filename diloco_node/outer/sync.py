@@ -3,9 +3,13 @@
 - blocking: exchange Δ_t now, wait, apply Δ̄_t.
 - delayed:  start exchanging Δ_t in the background; apply Δ̄_{t−1}, the previous round's result.
 - eager:    start exchanging Δ_t in the background; apply at once the proxy
-            Δ̃_t = Δ̄_{t−1} + s_{t−1}·(Δ_t − Δ_{t−1}), where s is our share of the previous mean
-            (1/M for equal tokens); round 0, or after a lost exchange: Δ̃_t = Δ_t / M_expected.
-  Every pseudo-gradient is applied exactly once: our own fresh, everyone else's one round late.
+            Δ̃_t = Δ̄_{t−1} + w·(Δ_t − Δ_{t−1}). With proxy "share" (DESIGN §3), w is our share of the
+            previous mean (1/M for equal tokens) and round 0, or a round after a lost exchange, applies
+            Δ_t / M_expected. With proxy "full", w = 1: our fresh Δ_t stands in for the whole group's
+            until Δ̄_t arrives, and the next round swaps it for the mean; round 0 applies Δ_t.
+  Either way every pseudo-gradient ends up applied exactly once, with its weight in the mean; "full"
+  only applies our part early at full size, which kept eager within 1 % of blocking where "share"
+  lagged (benchmarks/wide_area.py, README).
 
 Policy for a slow exchange: the node waits at most `wait_timeout` seconds for the previous round's
 exchange. If it is still running, it is abandoned — its result is discarded when it arrives, so no
@@ -40,19 +44,29 @@ class Exchanged:
     own_share: float  # our weight in `mean`
 
 
-def eager_proxy(previous: Exchanged | None, fresh: torch.Tensor, expected_group: int) -> torch.Tensor:
-    """Δ̃_t = Δ̄_{t−1} + s_{t−1}·(Δ_t − Δ_{t−1}); without a previous exchange Δ_t / M_expected."""
+EAGER_PROXIES = ("full", "share")
+
+
+def eager_proxy(previous: Exchanged | None, fresh: torch.Tensor, expected_group: int,
+                proxy: str = "share") -> torch.Tensor:
+    """Δ̃_t = Δ̄_{t−1} + w·(Δ_t − Δ_{t−1}), w = 1 ("full") or our share s_{t−1} ("share").
+
+    Without a previous exchange: Δ_t ("full") or Δ_t / M_expected ("share").
+    """
+    if proxy not in EAGER_PROXIES:
+        raise ValueError(f"unknown eager proxy '{proxy}'")
     if previous is None:
-        return fresh / expected_group
-    return previous.mean + (fresh - previous.own) * previous.own_share
+        return fresh if proxy == "full" else fresh / expected_group
+    weight = 1.0 if proxy == "full" else previous.own_share
+    return previous.mean + (fresh - previous.own) * weight
 
 
 def overlapped_step(mode: str, finished: Exchanged | None, fresh: torch.Tensor,
-                    expected_group: int) -> torch.Tensor | None:
+                    expected_group: int, proxy: str = "share") -> torch.Tensor | None:
     """What delayed / eager apply at the end of a round, given the previous round's exchange."""
     if mode == "delayed":
         return finished.mean if finished else None
-    return eager_proxy(finished, fresh, expected_group)
+    return eager_proxy(finished, fresh, expected_group, proxy)
 
 
 R = TypeVar("R")

@@ -12,6 +12,7 @@ same round can meet, and the run id + config fingerprint are part of the average
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -70,6 +71,8 @@ class AverageResult:
     own_share: float  # our token weight in the mean (1/M for equal tokens)
     payload_bytes: int
     codec_seconds: float  # encoding ours and decoding everyone's
+    transfer_seconds: float = 0.0  # fetching the others' payloads, once the group had formed
+    received_bytes: int = 0  # the others' payloads we fetched
 
 
 class _StateSharingAverager(DecentralizedAverager):
@@ -171,7 +174,11 @@ class SwarmMember:
         group_tokens = self._form_group(round_, tokens)
         others = sorted(peer for peer in group_tokens if peer != self.peer_id)
         codec_seconds = own.codec_seconds
-        for peer, received in self._exchange.fetch_all(others, round_, self.settings.round_timeout).items():
+        started = time.perf_counter()
+        fetched = self._exchange.fetch_all(others, round_, self.settings.round_timeout)
+        transfer_seconds = time.perf_counter() - started
+        received_bytes = sum(len(payload) for payload in fetched.values() if payload)
+        for peer, received in fetched.items():
             if received is None:
                 continue
             started = time.perf_counter()
@@ -180,7 +187,8 @@ class SwarmMember:
             except CodecError as exc:
                 logger.warning("round=%d dropped payload from peer=%s: %s", round_, peer, exc)
             codec_seconds += time.perf_counter() - started
-        return self.result_of(contributions, own, tokens, codec_seconds)
+        result = self.result_of(contributions, own, tokens, codec_seconds)
+        return dataclasses.replace(result, transfer_seconds=transfer_seconds, received_bytes=received_bytes)
 
     def result_of(self, contributions: list[Contribution], own: OwnContribution, tokens: float,
                   codec_seconds: float = 0.0) -> AverageResult:

@@ -115,7 +115,7 @@ class WireMeter:
         self._sampled_at = -float("inf")  # time.monotonic() of the last sample
         self._finished = [0, 0]  # sent, received by connections that have closed
         self._open: dict[tuple[str, str, int], Connection] = {}
-        self._ours: dict[int, bool] = {}  # pid → is it our daemon (a pid is not reused while we watch it)
+        self._ours: dict[int, bool] = {}  # pid → is it our daemon; pids that own no socket any more are forgotten
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="wire-meter", daemon=True)
 
@@ -156,7 +156,10 @@ class WireMeter:
             except (OSError, subprocess.SubprocessError) as error:
                 logger.debug("ss failed: %s", error)
                 return
-            self.absorb({key: value for key, value in parse_ss(output).items() if self._is_ours(key[2])})
+            connections = parse_ss(output)
+            self.absorb({key: value for key, value in connections.items() if self._is_ours(key[2])})
+            owners = {pid for _, _, pid in connections}
+            self._ours = {pid: ours for pid, ours in self._ours.items() if pid in owners}  # bounded by live pids
             self._sampled_at = time.monotonic()
 
     def absorb(self, current: dict[tuple[str, str, int], Connection]) -> None:

@@ -12,17 +12,12 @@ see telemetry/wire.py). Payload can never exceed the wire; the wire figure must 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import threading
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
 
-from tests.integration.nodes import FAST, NodeProcess
+from tests.network.island_nodes import IslandNode
+from tests.network.island_nodes import node_options as island_node_options
 from tests.network.islands import Island, Islands
 from tests.network.test_islands import need_netns
 
@@ -30,36 +25,9 @@ RATE_MBIT = 100.0
 ROUNDS = 4
 TOLERANCE = 0.10
 
-_STATUS = ("import sys, urllib.request; "
-           "print(urllib.request.urlopen(sys.argv[1] + '/api/status', timeout=10).read().decode())")
-
-
-@dataclass
-class IslandNode(NodeProcess):
-    """A `diloco-node join` process inside an island; its status server is on the island's loopback."""
-
-    island: Island | None = None
-
-    def start(self) -> IslandNode:
-        assert self.island is not None
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.process = self.island.run([sys.executable, "-m", "diloco_node", "join", *self.args],
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                       cwd=self.workdir)
-        threading.Thread(target=self._read_stdout, daemon=True).start()
-        threading.Thread(target=self._read_stderr, daemon=True).start()
-        return self
-
-    def status(self) -> dict[str, Any]:
-        assert self.island is not None and self.status_url
-        return json.loads(self.island.check_output([sys.executable, "-c", _STATUS, self.status_url]))
-
 
 def node_options(island: Island) -> list[str]:
-    options = list(FAST)
-    options[options.index("--listen") + 1] = f"/ip4/{island.address}/tcp/0"
-    return [*options, "--run-id", "wire-bytes", "--min-peers", "2", "--inner-steps", "5", "--checkpoint-dir", "",
-            "--max-outer-steps", "0", "--compression", "none"]
+    return [*island_node_options(island, "wire-bytes"), "--inner-steps", "5", "--compression", "none"]
 
 
 @dataclass(frozen=True)

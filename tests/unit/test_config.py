@@ -255,3 +255,16 @@ def test_bad_env_value_is_one_line_exit_2() -> None:
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "configs").glob("*.toml")), ids=lambda p: p.name)
 def test_shipped_configs_are_valid(path: Path) -> None:
     assert load_config(str(path), {}).model
+
+
+def test_unset_outer_momentum_follows_the_sync_mode(tmp_path: Path) -> None:
+    assert load_config(None, {}).outer_momentum == 0.9
+    assert load_config(None, {"sync": "eager"}).outer_momentum == 0.6
+    assert load_config(None, {"sync": "eager", "outer_momentum": 0.8}).outer_momentum == 0.8
+    path = tmp_path / "node.toml"
+    path.write_text('sync = "eager"\nouter_momentum = 0.95\n')
+    assert load_config(str(path), {}).outer_momentum == 0.95
+    assert load_config(str(path), {"sync": "blocking"}).outer_momentum == 0.95
+    # peers must agree on the proxy only where it is used
+    assert "eager_proxy" in load_config(None, {"sync": "eager"}).fingerprint_fields()
+    assert "eager_proxy" not in load_config(None, {}).fingerprint_fields()

@@ -55,6 +55,29 @@ def test_every_pseudo_gradient_is_applied_exactly_once() -> None:
     assert torch.allclose(sum(applied_b) + a[2] / 2, everything)
 
 
+def test_full_proxy_by_hand() -> None:
+    # round 0: our Δ_0 = 4 at full size; round 1: Δ̄_0 = (2 + 6)/2 = 4, ours was 2, fresh 10 → 4 + (10 − 2) = 12
+    assert torch.equal(eager_proxy(None, t(4.0, -2.0), expected_group=2, proxy="full"), t(4.0, -2.0))
+    previous = Exchanged(round=0, mean=t(4.0), own=t(2.0), own_share=0.5)
+    assert torch.equal(eager_proxy(previous, t(10.0), expected_group=2, proxy="full"), t(12.0))
+    with pytest.raises(ValueError, match="unknown eager proxy"):
+        eager_proxy(previous, t(10.0), expected_group=2, proxy="half")
+
+
+def test_full_proxy_applies_every_mean_exactly_once() -> None:
+    a = [t(1.0, 2.0), t(-3.0, 0.5), t(4.0, 4.0)]
+    b = [t(10.0, 20.0), t(30.0, -5.0), t(-40.0, 8.0)]
+    applied, previous = [], None
+    for round_, (mine, theirs) in enumerate(zip(a, b, strict=True)):
+        applied.append(eager_proxy(previous, mine, expected_group=2, proxy="full"))
+        previous = Exchanged(round_, (mine + theirs) / 2, mine, 0.5)
+    # node A, by hand: r0 a0; r1 (a0+b0)/2 − a0 + a1; r2 (a1+b1)/2 − a1 + a2
+    assert torch.equal(applied[1], (a[0] + b[0]) / 2 - a[0] + a[1])
+    # once round 2's mean arrives and replaces our stand-in a2, every round's mean was applied once
+    everything = sum((x + y) / 2 for x, y in zip(a, b, strict=True))
+    assert torch.allclose(sum(applied) + (a[2] + b[2]) / 2 - a[2], everything)
+
+
 def test_delayed_applies_the_previous_mean_only() -> None:
     # round 0: nothing yet; round 1: Δ̄_0 = (1 + 5)/2 = 3, whatever our fresh Δ_1 is
     assert overlapped_step("delayed", None, t(1.0), expected_group=2) is None
