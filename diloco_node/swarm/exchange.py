@@ -17,7 +17,8 @@ import asyncio
 import json
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
@@ -36,6 +37,9 @@ class PayloadExchange:
         self._max_payload = max_payload_bytes
         self._offers: dict[int, bytes] = {}
         self._offers_lock = threading.Lock()
+        # round → peers of its group that have not fetched our payload yet (see drain)
+        self._awaited: dict[int, set[str]] = {}
+        self._awaited_changed = threading.Condition(self._offers_lock)
         self._counter_lock = threading.Lock()
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -64,14 +68,42 @@ class PayloadExchange:
             self._offers[round_] = payload
             for old in [r for r in self._offers if r <= round_ - KEPT_ROUNDS]:
                 del self._offers[old]
+                self._awaited.pop(old, None)
 
-    async def _serve(self, _info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def expect(self, round_: int, peers: Sequence[str]) -> None:
+        """`peers` formed a group with us for `round_`: each will fetch our payload."""
+        with self._offers_lock:
+            if round_ in self._offers:
+                self._awaited[round_] = set(peers)
+
+    def drain(self, timeout: float, still_there: Callable[[str], bool]) -> bool:
+        """Wait until our group has fetched what we offered; True when nobody is left waiting.
+
+        A node that leaves right after its last round would otherwise take its payload with it
+        while a slower group member is still fetching it, and that member's φ would split off.
+        Peers that have left the run (`still_there` says no) are not waited for.
+        """
+        deadline = time.monotonic() + timeout
+        with self._awaited_changed:
+            while True:
+                waiting = {peer for peers in self._awaited.values() for peer in peers if still_there(peer)}
+                left = deadline - time.monotonic()
+                if not waiting or left <= 0:
+                    return not waiting
+                self._awaited_changed.wait(min(left, 1.0))
+
+    async def _serve(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             request = await _receive(reader, MAX_REQUEST_BYTES, timeout=10)
             round_ = json.loads(request)["round"]
             with self._offers_lock:
                 payload = self._offers.get(round_, b"") if isinstance(round_, int) else b""
             await _send(writer, payload)
+            # the fetcher closes its end once it has read everything: only then is it served
+            await asyncio.wait_for(reader.read(1), timeout=10)
+            with self._awaited_changed:
+                self._awaited.get(round_, set()).discard(str(info.peer_id))
+                self._awaited_changed.notify_all()
             self._count(sent=HEADER_LEN + len(payload), received=HEADER_LEN + len(request))
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError) as exc:
             logger.warning("payload request failed: %s", type(exc).__name__)

@@ -173,6 +173,8 @@ class SwarmMember:
         contributions = [Contribution(self.peer_id, tokens, own.decoded)] if own.decoded is not None else []
         group_tokens = self._form_group(round_, tokens)
         others = sorted(peer for peer in group_tokens if peer != self.peer_id)
+        if own.decoded is not None:
+            self._exchange.expect(round_, others)
         codec_seconds = own.codec_seconds
         started = time.perf_counter()
         fetched = self._exchange.fetch_all(others, round_, self.settings.round_timeout)
@@ -225,6 +227,8 @@ class SwarmMember:
     # --- lifecycle ----------------------------------------------------------------------------
 
     def leave(self) -> None:
+        if not self._exchange.drain(self.settings.round_timeout, lambda peer: peer in self.presence.compatible_peers()):
+            logger.warning("leaving before every group member fetched our last pseudo-gradient")
         self.presence.leave()
         self._exchange.close()
         self._averager.shutdown()

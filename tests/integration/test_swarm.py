@@ -38,7 +38,8 @@ def spawn(tmp_path: Path):
 def assert_same_digests(nodes: list[NodeProcess], rounds: range) -> None:
     for round_ in rounds:
         digests = {node.name: node.wait_for_round(round_).digest for node in nodes}
-        assert len(set(digests.values())) == 1, f"round {round_}: φ differs across nodes: {digests}"
+        logs = "\n".join(f"--- {node.name}:\n{node.log_text()}" for node in nodes)
+        assert len(set(digests.values())) == 1, f"round {round_}: φ differs across nodes: {digests}\n{logs}"
 
 
 def test_three_nodes_agree_every_round_and_learn(spawn: NodeFactory) -> None:
