@@ -36,7 +36,8 @@ def _option_for(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
     help_text = f"{field.description} [default: {default}; env {envvar}]"
     if is_list:
         return click.option(flag, name, multiple=True, envvar=envvar, help=help_text)
-    kind: type = field.annotation if field.annotation in (int, float) else str  # type: ignore[assignment]
+    numbers: dict[Any, type] = {int: int, float: float, int | None: int, float | None: float}
+    kind = numbers.get(field.annotation, str)
     return click.option(flag, name, type=kind, default=None, envvar=envvar, help=help_text)
 
 

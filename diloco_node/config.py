@@ -77,6 +77,15 @@ class NodeConfig(BaseModel):
                                 "round's exchange before abandoning it")
     max_outer_steps: int = Field(0, ge=0, description="stop after this many rounds (0 = run forever)")
 
+    # --- NoLoCo: gossip in small random groups instead of averaging over the swarm (DESIGN §3) ---
+    algorithm: str = Field("diloco", pattern=r"^(diloco|noloco)$",
+                           description="outer algorithm: diloco (group = everyone) or noloco (random small groups)")
+    group_size: int = Field(2, ge=2, le=64, description="noloco: most nodes in a group (n)")
+    noloco_alpha: float = Field(0.7, gt=0, description="noloco: α, weight of the group's mean progress")
+    noloco_beta: float = Field(0.5, ge=0, lt=1, description="noloco: β, momentum")
+    noloco_gamma: float | None = Field(None, ge=0, description="noloco: γ, pull towards the group's mean φ "
+                                       "(default: α)")
+
     # --- pseudo-gradient compression (DESIGN §3, codecs) ---
     compression: str = Field("none", description=f"pseudo-gradient codec: {', '.join(CODECS)}")
     block_size: int = Field(CodecConfig.block_size, gt=0, description="int8/int4: values per scale")
@@ -138,6 +147,18 @@ class NodeConfig(BaseModel):
         return data
 
     @model_validator(mode="after")
+    def _noloco_is_blocking(self) -> NodeConfig:
+        if self.algorithm == "noloco" and self.sync != "blocking":
+            raise ValueError(f"algorithm noloco runs with sync blocking only, not {self.sync} (its small groups "
+                             "already keep exchanges short)")
+        return self
+
+    @property
+    def consensus_weight(self) -> float:
+        """NoLoCo's γ: as set, else α (DESIGN §3)."""
+        return self.noloco_alpha if self.noloco_gamma is None else self.noloco_gamma
+
+    @model_validator(mode="after")
     def _fits_model(self) -> NodeConfig:
         limit = PRESETS[self.model].max_seq_len
         if self.seq_len > limit:
@@ -174,9 +195,15 @@ class NodeConfig(BaseModel):
         return {
             "model": self.model, "n_layer": arch.n_layer, "d_model": arch.d_model, "n_head": arch.n_head,
             "vocab_size": arch.vocab_size, "max_seq_len": arch.max_seq_len,
-            "algorithm": "diloco", "sync": self.sync, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
-            **({"eager_proxy": self.eager_proxy} if self.sync == "eager" else {}), **self.codec_fingerprint(),
+            "algorithm": self.algorithm, "sync": self.sync, **self._outer_fingerprint(), **self.codec_fingerprint(),
         }
+
+    def _outer_fingerprint(self) -> dict[str, Any]:
+        if self.algorithm == "noloco":
+            return {"noloco_alpha": self.noloco_alpha, "noloco_beta": self.noloco_beta,
+                    "noloco_gamma": self.consensus_weight}
+        return {"outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
+                **({"eager_proxy": self.eager_proxy} if self.sync == "eager" else {})}
 
     def fingerprint(self) -> str:
         canonical = json.dumps(self.fingerprint_fields(), sort_keys=True)

@@ -22,10 +22,11 @@ from typing import Any
 import torch
 
 from diloco_node.checkpoint import CheckpointError, CheckpointStore
-from diloco_node.codec import make_codec
+from diloco_node.codec import CodecConfig, make_codec
 from diloco_node.config import NodeConfig
 from diloco_node.outer.aggregate import Contribution
 from diloco_node.outer.diloco import OuterOptimizer, pseudo_gradient
+from diloco_node.outer.noloco import NoLoCoOptimizer, consensus_distance
 from diloco_node.outer.sync import BackgroundExchange, Exchanged, overlapped_step
 from diloco_node.swarm.member import AverageResult, OwnContribution, SwarmMember, SwarmSettings
 from diloco_node.telemetry.meter import Telemetry
@@ -75,7 +76,10 @@ class Node:
         # φ: the fp32 outer copy on the CPU, in canonical (name) order, exchanged and stepped by the outer
         # optimizer; only θ lives on the accelerator.
         self.outer_params = [p.detach().cpu().clone().float() for p in self.model.parameters()]
-        self.outer = OuterOptimizer(self.outer_params, cfg.outer_lr, cfg.outer_momentum)
+        self.gossip = cfg.algorithm == "noloco"
+        self.outer: OuterOptimizer | NoLoCoOptimizer = (
+            NoLoCoOptimizer(self.outer_params, cfg.noloco_alpha, cfg.noloco_beta, cfg.consensus_weight)
+            if self.gossip else OuterOptimizer(self.outer_params, cfg.outer_lr, cfg.outer_momentum))
         self.numel = sum(p.numel() for p in self.outer_params)
         self.background: BackgroundExchange[ExchangeOutcome] = BackgroundExchange(cfg.sync_timeout)
         total = cfg.max_outer_steps * cfg.inner_steps
@@ -83,6 +87,10 @@ class Node:
             lr=cfg.inner_lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
             total_steps=total, grad_clip=cfg.grad_clip))
         self.codec = make_codec(cfg.codec_config())
+        # NoLoCo's consensus term needs the group's φ itself: it has no error feedback to hide
+        # quantization, so it travels exactly (fp32) with codec none and as fp16 otherwise.
+        self.phi_codec = make_codec(CodecConfig(name="none" if cfg.compression == "none" else "fp16")) \
+            if self.gossip else None
         self.round = 0
         self.compute_seconds = self.wait_seconds = 0.0  # since start, for utilization
         self.data_position = 0
@@ -91,7 +99,7 @@ class Node:
         self.stop_requested = threading.Event()
         self.store = CheckpointStore(cfg.checkpoint_path) if cfg.checkpoint_path else None
         self.telemetry = Telemetry(run_id=cfg.run_id, model=cfg.model, parameters=count_parameters(self.model),
-                                   compression=cfg.compression,
+                                   compression=cfg.compression, algorithm=cfg.algorithm,
                                    outer_step=0, inner_step=0, loss=None, eval_loss=None, peers=1, group_size=0)
         self.server = StatusServer(self.telemetry, *cfg.status_host_port)
         self.wire_at_last_round = (0, 0)
@@ -110,8 +118,9 @@ class Node:
         settings = SwarmSettings(
             run_id=self.cfg.run_id, fingerprint=self.cfg.fingerprint(), config=self.cfg.fingerprint_fields(),
             initial_peers=self.cfg.peer, listen=self.cfg.listen, announce=self.cfg.announce,
-            matchmaking_time=self.cfg.matchmaking_time, round_timeout=self.cfg.round_timeout)
-        self.swarm = SwarmMember(settings, self.outer_params, self._shared_state, self.codec)
+            matchmaking_time=self.cfg.matchmaking_time, round_timeout=self.cfg.round_timeout,
+            group_size=self.cfg.group_size if self.gossip else None)
+        self.swarm = SwarmMember(settings, self.outer_params, self._shared_state, self.codec, self.phi_codec)
         self.wire.start()
         for address in self.swarm.visible_addresses():
             self.say(f"peer address: {address}")
@@ -205,8 +214,11 @@ class Node:
         self._announce(ready=True)
         delta = torch.cat([d.reshape(-1) for d in pseudo_gradient(
             self.outer_params, [p.detach().cpu() for p in self.model.parameters()])])
-        own = self.swarm.contribute(delta, self.round)
-        if self.cfg.sync == "blocking":
+        own = self.swarm.contribute(delta, self.round, self._flat_phi() if self.gossip else None)
+        if self.gossip:
+            outcome = self._gossip(self.round, own, tokens)
+            step = outcome.result.mean if outcome.result else None
+        elif self.cfg.sync == "blocking":
             outcome = self._exchange(self.round, own, tokens)
             step = outcome.result.mean if outcome.result else None
         else:
@@ -221,13 +233,19 @@ class Node:
             self._sync_from_peers()
             self._announce(ready=False)
             return
-        diverged = self.cfg.sync == "blocking" and self.swarm.presence.diverged(self.round, self.model_digest())
+        diverged = (not self.gossip and self.cfg.sync == "blocking"
+                    and self.swarm.presence.diverged(self.round, self.model_digest()))
         if diverged:  # our Δ was still a fine direction to contribute; our φ is what must be replaced
             logger.warning("round=%d our φ differs from the swarm's; re-syncing after this round", self.round)
             self.swarm.stop_sharing()
         exchanged = time.monotonic()
         with self.lock:
-            if step is not None:
+            if isinstance(self.outer, NoLoCoOptimizer):
+                if step is not None and outcome.result and outcome.result.mean_phi is not None:
+                    mean_phi = outcome.result.mean_phi
+                    self.telemetry.update(consensus_distance=consensus_distance(self._flat_phi(), mean_phi))
+                    self.outer.step(self._unflatten(step), self._unflatten(mean_phi))
+            elif step is not None:
                 self.outer.step(self._unflatten(step))
             self.round += 1
         if self.cfg.sync == "blocking":
@@ -239,6 +257,21 @@ class Node:
         self._announce(ready=False)
         self._refresh_swarm_table()  # after announcing, so our own row carries this round's stats
         self.swarm.share_state(self.round)
+
+    def _gossip(self, round_: int, own: OwnContribution, tokens: float) -> ExchangeOutcome:
+        """NoLoCo: average with whichever small group forms now; nobody waits for the whole swarm."""
+        assert self.swarm is not None
+        if self.swarm.presence.all_past(round_):
+            return ExchangeOutcome("behind", None)  # nobody is left to meet in this round
+        self.telemetry.update(exchanging_round=round_)
+        try:
+            result = self.swarm.average(own, tokens, round_)
+        finally:
+            self.telemetry.update(exchanging_round=None)
+        return ExchangeOutcome("together" if len(result.group) > 1 else "alone", result, own)
+
+    def _flat_phi(self) -> torch.Tensor:
+        return torch.cat([p.reshape(-1) for p in self.outer_params])
 
     def _exchange(self, round_: int, own: OwnContribution, tokens: float) -> ExchangeOutcome:
         """Barrier, then the group's mean; on the main thread (blocking) or the exchange thread."""
@@ -324,6 +357,8 @@ class Node:
             "compute_seconds": round(timing.compute, 3), "wait_seconds": round(timing.wait, 3),
             "utilization": timing.compute / (timing.compute + timing.wait),
             "round_seconds": round(timing.compute + timing.wait, 3)}
+        if self.gossip:
+            stats.update(group=list(group), consensus_distance=before.get("consensus_distance"))
         self.telemetry.record_round(stats)
         utilization = self.compute_seconds / (self.compute_seconds + self.wait_seconds)
         self.telemetry.update(
@@ -341,12 +376,21 @@ class Node:
             last_exchange_seconds=round(timing.wait, 3), utilization=utilization, time=stats["time"])
         logger.info("round=%d loss=%.4f eval_loss=%.4f group_size=%d sent=%d received=%d seconds=%.1f "
                     "payload=%d bytes_per_param=%.4f codec_seconds=%.3f utilization=%.3f transfer=%d/%.3fs "
-                    "digest=%s", self.round, stats["loss"], stats["eval_loss"], len(group), stats["bytes_sent"],
+                    "digest=%s%s", self.round, stats["loss"], stats["eval_loss"], len(group), stats["bytes_sent"],
                     stats["bytes_received"], stats["round_seconds"], payload, stats["bytes_per_param"],
                     codec_seconds, stats["utilization"], stats["transfer_bytes"] or 0,
-                    stats["transfer_seconds"] or 0.0, self.model_digest())
+                    stats["transfer_seconds"] or 0.0, self.model_digest(), self._gossip_summary(stats))
         if self.store and self.cfg.checkpoint_every and self.round % self.cfg.checkpoint_every == 0:
             self.save_checkpoint()
+
+    @staticmethod
+    def _gossip_summary(stats: dict[str, Any]) -> str:
+        """NoLoCo's part of the round line: how far φ was from the group's, and who the group was."""
+        if "group" not in stats:
+            return ""
+        distance = stats["consensus_distance"]
+        return (f" consensus_distance={'-' if distance is None else f'{distance:.3e}'}"
+                f" group={','.join(stats['group']) or '-'}")
 
     def _wire_this_round(self) -> dict[str, int]:
         """This round's and the cumulative link-layer bytes (see telemetry/wire.py); {} if unmeasured."""

@@ -6,6 +6,6 @@
 """
 
 from diloco_node.codec.codecs import CODECS, Codec, CodecConfig, make_codec
-from diloco_node.codec.wire import CodecError, max_payload_bytes
+from diloco_node.codec.wire import CodecError, max_payload_bytes, split_first
 
-__all__ = ["CODECS", "Codec", "CodecConfig", "CodecError", "make_codec", "max_payload_bytes"]
+__all__ = ["CODECS", "Codec", "CodecConfig", "CodecError", "make_codec", "max_payload_bytes", "split_first"]

@@ -103,6 +103,18 @@ def read_header(payload: bytes | bytearray | memoryview) -> Header:
     return Header(*fields)
 
 
+def split_first(payload: bytes | bytearray | memoryview) -> tuple[bytes, bytes]:
+    """Split payloads sent back to back (NoLoCo sends Δ then φ) into the first and the rest.
+
+    Only the first header's body length is trusted here; each part is fully validated when decoded.
+    """
+    header = read_header(payload)
+    end = HEADER.size + header.body_length
+    if end >= len(payload):
+        raise CodecError(f"payload of {len(payload)} bytes lacks the part after its first {end}")
+    return bytes(payload[:end]), bytes(payload[end:])
+
+
 def unpack(
     payload: bytes | bytearray | memoryview, expected_numel: int, codec: int, dtype: int, raw_length: RawLength
 ) -> tuple[Header, bytearray]:

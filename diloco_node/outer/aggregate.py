@@ -42,3 +42,12 @@ def robust_weighted_mean(contributions: list[Contribution]) -> torch.Tensor:
             scale *= float(limit / norm)
         total += contribution.pseudo_gradient * scale
     return total
+
+
+def weighted_mean(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """Σ w_i x_i / Σ w_i in the given order (callers pass peer order, so every node gets the same bits)."""
+    total = torch.zeros_like(tensors[0])
+    weight_sum = sum(weights)
+    for tensor, weight in zip(tensors, weights, strict=True):
+        total += tensor * (weight / weight_sum)
+    return total

@@ -27,10 +27,11 @@ from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.utils import get_dht_time
 
-from diloco_node.codec import Codec, CodecError, max_payload_bytes
-from diloco_node.outer.aggregate import Contribution, robust_weighted_mean
+from diloco_node.codec import Codec, CodecError, max_payload_bytes, split_first
+from diloco_node.outer.aggregate import Contribution, robust_weighted_mean, weighted_mean
 from diloco_node.swarm import records
 from diloco_node.swarm.exchange import PayloadExchange
+from diloco_node.swarm.groups import group_key, random_groups
 from diloco_node.swarm.presence import Presence
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class SwarmSettings:
     announce: Sequence[str]
     matchmaking_time: float
     round_timeout: float
+    group_size: int | None = None  # NoLoCo: at most this many per group; None: one group for everyone
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class OwnContribution:
     decoded: torch.Tensor | None  # flat Δ as peers decode it; None when ours was not sendable
     payload_bytes: int  # our encoded pseudo-gradient on the wire (one copy)
     codec_seconds: float
+    decoded_phi: torch.Tensor | None = None  # NoLoCo: our flat φ as peers decode it
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class AverageResult:
     codec_seconds: float  # encoding ours and decoding everyone's
     transfer_seconds: float = 0.0  # fetching the others' payloads, once the group had formed
     received_bytes: int = 0  # the others' payloads we fetched
+    mean_phi: torch.Tensor | None = None  # NoLoCo: the group's mean φ
 
 
 class _StateSharingAverager(DecentralizedAverager):
@@ -94,7 +98,8 @@ def _tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
 
 class SwarmMember:
     def __init__(self, settings: SwarmSettings, template: Sequence[torch.Tensor], state_provider: StateProvider,
-                 codec: Codec):
+                 codec: Codec, phi_codec: Codec | None = None):
+        """`phi_codec`, given for NoLoCo, encodes the φ that travels after each Δ (its consensus term)."""
         self.settings = settings
         self._dht = _start_dht(settings)
         self.peer_id = str(self._dht.peer_id)
@@ -104,11 +109,13 @@ class SwarmMember:
         self._averager = _StateSharingAverager(
             [torch.zeros(1)], self._dht, start=True, prefix=namespace,
             min_matchmaking_time=settings.matchmaking_time, request_timeout=min(3.0, settings.matchmaking_time / 2),
-            next_chunk_timeout=10.0, allreduce_timeout=settings.round_timeout, allow_state_sharing=False)
+            next_chunk_timeout=10.0, allreduce_timeout=settings.round_timeout, allow_state_sharing=False,
+            target_group_size=settings.group_size)
         self._averager.state_provider = state_provider
         self._averager.on_state_served = lambda n: self._count_state(sent=n)
-        self._codec = codec
-        self._exchange = PayloadExchange(self._dht, namespace, max_payload_bytes(self._numel))
+        self._codec, self._phi_codec = codec, phi_codec
+        parts = 2 if phi_codec else 1
+        self._exchange = PayloadExchange(self._dht, namespace, parts * max_payload_bytes(self._numel))
         self._state_bytes = [0, 0]  # sent, received: state shared with / downloaded from joiners
         self._state_bytes_lock = threading.Lock()
         # hivemind's averager talks to its process over a pipe that is not safe to share between
@@ -152,25 +159,33 @@ class SwarmMember:
 
     # --- rounds -------------------------------------------------------------------------------
 
-    def contribute(self, pseudo_gradient: torch.Tensor, round_: int) -> OwnContribution:
-        """Encode our flat Δ and offer it to the round's group; returns what peers will decode.
+    def contribute(self, pseudo_gradient: torch.Tensor, round_: int,
+                   phi: torch.Tensor | None = None) -> OwnContribution:
+        """Encode our flat Δ (and, for NoLoCo, our flat φ after it) and offer it to the round's group.
 
         Our own contribution is what peers decode from our payload, not the exact Δ: every node
         then averages the same values, and top-k's error feedback keeps what was not sent.
         """
         started = time.perf_counter()
+        decoded_phi = None
         try:
             payload = self._codec.encode(pseudo_gradient)
             decoded: torch.Tensor | None = self._codec.decode(payload, self._numel)
+            if self._phi_codec is not None:
+                assert phi is not None, "NoLoCo contributions carry φ"
+                phi_payload = self._phi_codec.encode(phi)
+                decoded_phi = self._phi_codec.decode(phi_payload, self._numel)
+                payload += phi_payload
             self._exchange.offer(round_, payload)
         except CodecError as exc:  # our inner phase blew up (NaN/inf): send nothing, take the others'
             logger.warning("round=%d not contributing: %s", round_, exc)
-            payload, decoded = b"", None
-        return OwnContribution(decoded, len(payload), time.perf_counter() - started)
+            payload, decoded, decoded_phi = b"", None, None
+        return OwnContribution(decoded, len(payload), time.perf_counter() - started, decoded_phi)
 
     def average(self, own: OwnContribution, tokens: float, round_: int) -> AverageResult:
         """The robust token-weighted mean over the group that forms for `round_` (safe off the main thread)."""
         contributions = [Contribution(self.peer_id, tokens, own.decoded)] if own.decoded is not None else []
+        phis = {self.peer_id: own.decoded_phi} if own.decoded_phi is not None else {}
         group_tokens = self._form_group(round_, tokens)
         others = sorted(peer for peer in group_tokens if peer != self.peer_id)
         if own.decoded is not None:
@@ -185,30 +200,46 @@ class SwarmMember:
                 continue
             started = time.perf_counter()
             try:
+                if self._phi_codec is not None:
+                    received, phi_payload = split_first(received)
+                    phis[peer] = self._phi_codec.decode(phi_payload, self._numel)
                 contributions.append(Contribution(peer, group_tokens[peer], self._codec.decode(received, self._numel)))
             except CodecError as exc:
+                phis.pop(peer, None)
                 logger.warning("round=%d dropped payload from peer=%s: %s", round_, peer, exc)
             codec_seconds += time.perf_counter() - started
-        result = self.result_of(contributions, own, tokens, codec_seconds)
+        result = self.result_of(contributions, own, tokens, codec_seconds, phis)
         return dataclasses.replace(result, transfer_seconds=transfer_seconds, received_bytes=received_bytes)
 
     def result_of(self, contributions: list[Contribution], own: OwnContribution, tokens: float,
-                  codec_seconds: float = 0.0) -> AverageResult:
-        """The mean over `contributions` (just ours when we average alone)."""
+                  codec_seconds: float = 0.0, phis: dict[str, torch.Tensor] | None = None) -> AverageResult:
+        """The mean over `contributions` (just ours when we average alone), and for NoLoCo the mean
+        φ over the same peers (`phis` is ours when not given)."""
         if not contributions:
             return AverageResult((), torch.zeros(self._numel), 0.0, own.payload_bytes, codec_seconds)
         mean = robust_weighted_mean(contributions)
         share = tokens / sum(c.tokens for c in contributions) if own.decoded is not None else 0.0
+        mean_phi = None
+        if own.decoded_phi is not None:
+            phis = phis if phis is not None else {self.peer_id: own.decoded_phi}
+            used = [c for c in sorted(contributions, key=lambda c: c.peer_id) if c.peer_id in phis]
+            mean_phi = weighted_mean([phis[c.peer_id] for c in used], [c.tokens for c in used])
         return AverageResult(tuple(sorted(c.peer_id for c in contributions)), mean, share,
-                             own.payload_bytes, codec_seconds)
+                             own.payload_bytes, codec_seconds, mean_phi=mean_phi)
 
     def _form_group(self, round_: int, tokens: float) -> dict[str, float]:
         """Matchmake with the peers averaging `round_`; returns peer id → tokens, ourselves included."""
+        bits, timeout = format(round_ % 2**ROUND_BITS, f"0{ROUND_BITS}b"), self.settings.round_timeout
+        if self.settings.group_size:  # NoLoCo: only our drawn group shares the key (see groups.py)
+            groups = random_groups(self.presence.compatible_peers(), self.settings.run_id, round_,
+                                   self.settings.group_size)
+            bits += group_key(self.peer_id, groups)
+            timeout = min(timeout, 4 * self.settings.matchmaking_time)  # a member may be gone: do not wait long
         try:
             with self._averager_lock:
-                self._averager.set_group_bits(format(round_ % 2**ROUND_BITS, f"0{ROUND_BITS}b"))
+                self._averager.set_group_bits(bits)
                 control = self._averager.step(
-                    gather={"round": round_, "tokens": tokens}, timeout=self.settings.round_timeout,
+                    gather={"round": round_, "tokens": tokens}, timeout=timeout,
                     scheduled_time=get_dht_time() + self.settings.matchmaking_time, wait=False)
             gathered = control.result()
         except Exception as exc:  # hivemind surfaces timeouts and peer failures as assorted types

@@ -107,6 +107,11 @@ class Presence:
             if stop.wait(0.3):
                 return "stopped"
 
+    def all_past(self, round_: int) -> bool:
+        """Whether every other live node has already exchanged `round_` (so we are behind them)."""
+        others = [r for p, r in self.compatible_peers(refresh=True).items() if p != self.peer_id]
+        return bool(others) and all(r.exchanged_round >= round_ for r in others)
+
     def diverged(self, round_: int, digest: str) -> bool:
         """Whether our φ differs from the run's canonical φ for the start of `round_`.
 

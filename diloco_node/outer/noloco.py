@@ -1,0 +1,56 @@
+"""NoLoCo's outer step (DESIGN §3): momentum on the group's mean progress plus a pull towards
+the group's mean φ. There is no all-reduce, so replicas differ; the pull keeps them close.
+
+With g = θ − φ (local progress, i.e. −Δ) and means over the group:
+
+    m ← β·m + α·ḡ + γ·(φ̄ − φ);   φ ← φ + m
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+class NoLoCoOptimizer:
+    """Same state interface as OuterOptimizer, so checkpoints and state sharing treat both alike."""
+
+    def __init__(self, outer_params: Sequence[torch.Tensor], alpha: float, beta: float, gamma: float):
+        self.params = list(outer_params)
+        self.alpha, self.beta, self.gamma = alpha, beta, gamma
+        self._momentum = [torch.zeros_like(p) for p in self.params]
+        self._stepped = False
+
+    @torch.no_grad()
+    def step(self, mean_pseudo_gradient: Sequence[torch.Tensor], mean_phi: Sequence[torch.Tensor]) -> None:
+        """One update from the group's mean Δ (= −ḡ) and mean φ; φ is updated in place."""
+        for phi, momentum, delta, phi_bar in zip(self.params, self._momentum, mean_pseudo_gradient, mean_phi,
+                                                 strict=True):
+            momentum.mul_(self.beta).add_(delta, alpha=-self.alpha).add_(phi_bar - phi, alpha=self.gamma)
+            phi.add_(momentum)
+        self._stepped = True
+
+    def momentum_buffers(self) -> list[torch.Tensor]:
+        return self._momentum
+
+    def has_momentum(self) -> bool:
+        return self._stepped
+
+    def load_momentum(self, buffers: Sequence[torch.Tensor] | None) -> None:
+        self._stepped = buffers is not None
+        for momentum, value in zip(self._momentum, buffers or [torch.zeros_like(p) for p in self.params],
+                                   strict=True):
+            momentum.copy_(value)
+
+    def state(self) -> dict[str, Any]:
+        return {"momentum": self.momentum_buffers() if self.has_momentum() else None}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.load_momentum(state.get("momentum"))
+
+
+def consensus_distance(phi: torch.Tensor, mean_phi: torch.Tensor) -> float:
+    """‖φ − φ̄‖ / ‖φ̄‖: how far this node's φ is from its group's mean, relative to φ's size."""
+    return float((phi - mean_phi).norm() / mean_phi.norm().clamp_min(1e-12))

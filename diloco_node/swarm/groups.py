@@ -1,0 +1,32 @@
+"""NoLoCo's random groups: who averages with whom in a round.
+
+Every node draws the same shuffle of the live peers from a seed both sides know (run id and round),
+so the groups agree without a coordinator and change every round. Each node then matchmakes
+through hivemind under its group's key only, so it waits for its own group, never the swarm. Where
+two nodes' views of the live peers differ (someone just joined or left), a group can come out
+smaller than drawn; its members then average with whoever did turn up, or alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections.abc import Iterable
+
+GROUP_BITS = 8  # group key bits for the group index: up to 256 groups (more nodes share keys)
+
+
+def random_groups(peers: Iterable[str], run_id: str, round_: int, size: int) -> list[list[str]]:
+    """Split the peers into ⌈N/size⌉ groups of sizes differing by at most one, all ≤ size."""
+    ordered = sorted(set(peers))
+    seed = hashlib.sha256(f"{run_id}:{round_}".encode()).digest()
+    random.Random(seed).shuffle(ordered)
+    count = max(1, math.ceil(len(ordered) / size))
+    return [ordered[index::count] for index in range(count)]
+
+
+def group_key(peer: str, groups: list[list[str]]) -> str:
+    """The group-index bits of the group holding `peer` (all ones when it is in none)."""
+    index = next((i for i, group in enumerate(groups) if peer in group), 2**GROUP_BITS - 1)
+    return format(index % 2**GROUP_BITS, f"0{GROUP_BITS}b")
