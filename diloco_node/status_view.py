@@ -97,6 +97,10 @@ def format_status(status: dict[str, Any]) -> str:
          else f"{decimal(status.get('round_seconds'), 1)}s"),
         ("peers", f"{text(status.get('peers'))} (last group {text(status.get('group_size'))})"),
     ]
+    if status.get("algorithm") == "noloco":
+        distance = _number(status.get("consensus_distance"))
+        rows.append(("algorithm", "noloco (consensus distance "
+                     f"{MISSING if distance is None else f'{distance:.2e}'})"))
     width = max(len(key) for key, _ in rows)
     return "\n".join(f"{key:<{width}}  {value}" for key, value in rows)
 

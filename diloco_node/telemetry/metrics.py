@@ -49,6 +49,9 @@ class TelemetryCollector:
             "diloco_compression_ratio": ("fp32 bytes / payload bytes of the last round",
                                          state.get("compression_ratio")),
         }
+        if state.get("consensus_distance") is not None:  # NoLoCo only: DiLoCo's group shares one φ
+            gauges["diloco_consensus_distance"] = ("‖φ − group mean φ‖ / ‖group mean φ‖ of the last round",
+                                                   state.get("consensus_distance"))
         for name, (doc, value) in gauges.items():
             gauge = GaugeMetricFamily(name, doc, labels=["run"])
             gauge.add_metric([run], math.nan if value is None else float(value))

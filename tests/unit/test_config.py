@@ -149,7 +149,7 @@ def test_fingerprint_ignores_local_settings() -> None:
 
 
 @pytest.mark.parametrize("change", [{"model": "small"}, {"outer_lr": 0.5}, {"outer_momentum": 0.8},
-                                    {"compression": "int8"}, {"compression": "topk"}])
+                                    {"compression": "int8"}, {"compression": "topk"}, {"algorithm": "noloco"}])
 def test_fingerprint_covers_model_and_outer_optimizer(change: dict[str, Any]) -> None:
     assert build_config({}).fingerprint() != build_config(change).fingerprint()
     assert build_config(change).fingerprint() == build_config(dict(change)).fingerprint()  # deterministic
@@ -268,3 +268,26 @@ def test_unset_outer_momentum_follows_the_sync_mode(tmp_path: Path) -> None:
     # peers must agree on the proxy only where it is used
     assert "eager_proxy" in load_config(None, {"sync": "eager"}).fingerprint_fields()
     assert "eager_proxy" not in load_config(None, {}).fingerprint_fields()
+
+
+def test_noloco_options_and_their_fingerprint() -> None:
+    noloco = build_config({"algorithm": "noloco"})
+    assert noloco.consensus_weight == noloco.noloco_alpha == 0.7 and noloco.group_size == 2
+    assert build_config({"algorithm": "noloco", "noloco_gamma": 0.2}).consensus_weight == 0.2
+    for change in ({"noloco_beta": 0.3}, {"noloco_gamma": 0.2}, {"noloco_alpha": 0.5}):
+        assert build_config({"algorithm": "noloco", **change}).fingerprint() != noloco.fingerprint()
+    # group size is each node's own business; the outer lr is not used by noloco
+    assert build_config({"algorithm": "noloco", "group_size": 3, "outer_lr": 0.1}).fingerprint() == noloco.fingerprint()
+
+
+@pytest.mark.parametrize("sync", ["delayed", "eager"])
+def test_noloco_refuses_overlapped_sync_in_one_line(sync: str) -> None:
+    message = _error({"algorithm": "noloco", "sync": sync})
+    assert "noloco" in message and sync in message and "\n" not in message
+
+
+@pytest.mark.parametrize(("values", "key"), [
+    ({"algorithm": "gossip"}, "algorithm"), ({"group_size": 1}, "group_size"),
+    ({"noloco_beta": 1.0}, "noloco_beta"), ({"noloco_gamma": -1}, "noloco_gamma")])
+def test_bad_noloco_values_name_their_key(values: dict[str, Any], key: str) -> None:
+    assert f"'{key}'" in _error(values)

@@ -189,6 +189,20 @@ def test_unmeasured_wire_bytes_are_left_out_not_reported_as_zero() -> None:
         names = {f.name for f in text_string_to_metric_families(await (await client.get("/metrics")).text())}
         assert "diloco_bytes_sent" in names
         assert not {"diloco_wire_bytes_sent", "diloco_wire_bytes_received"} & names
+        assert "diloco_consensus_distance" not in names  # DiLoCo: one φ per group, nothing to measure
+
+    serve(telemetry, check)
+
+
+def test_noloco_consensus_distance_is_a_gauge() -> None:
+    telemetry = Telemetry(run_id=RUN, algorithm="noloco", consensus_distance=0.0042)
+
+    async def check(client: TestClient) -> None:
+        families = {f.name: f for f in text_string_to_metric_families(await (await client.get("/metrics")).text())}
+        family = families["diloco_consensus_distance"]
+        assert family.type == "gauge" and [s.value for s in family.samples] == [0.0042]
+        status = await (await client.get("/api/status")).json()
+        assert status["algorithm"] == "noloco" and status["consensus_distance"] == 0.0042
 
     serve(telemetry, check)
 

@@ -61,6 +61,9 @@ def test_status_block_shows_every_field() -> None:
     measured = status_view.format_status({"bytes_sent": 5 * 1024**2, "wire_bytes_sent": 6 * 1024**2})
     sent = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in measured.splitlines())["sent"]
     assert sent == "5.0 MiB payload, 6.0 MiB on the wire"
+    assert "algorithm" not in lines  # DiLoCo: nothing more to say
+    gossip = status_view.format_status({"algorithm": "noloco", "consensus_distance": 0.00123})
+    assert gossip.splitlines()[-1].split(None, 1)[1] == "noloco (consensus distance 1.23e-03)"
     assert lines["compression"] == "int8 (1.030 B/param)"
     assert lines["utilization"] == "95.0%"
     assert lines["round time"] == "12.3s"

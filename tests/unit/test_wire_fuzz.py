@@ -36,6 +36,17 @@ def test_arbitrary_bytes_only_ever_raise_codec_error(key: str, data: bytes) -> N
     decode_or_codec_error(key, data)
 
 
+@FUZZ
+@given(data=st.binary(max_size=2048))
+def test_splitting_arbitrary_bytes_only_ever_raises_codec_error(data: bytes) -> None:
+    """NoLoCo's two-part payload (Δ, then φ) is split before either part is decoded."""
+    try:
+        first, rest = wire.split_first(data)
+    except CodecError:
+        return
+    assert first + rest == data and rest
+
+
 @st.composite
 def header_then_junk(draw: st.DrawFn) -> tuple[str, bytes]:
     """A plausible header (right magic and version, fuzzed fields) followed by arbitrary bytes."""
