@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 ROUND = re.compile(r"round=(\d+) loss=\S+ eval_loss=([\d.]+) group_size=(\d+) .* digest=(\w+)")
+GOSSIP = re.compile(r" consensus_distance=(\S+) group=(\S+)")
 JOINED = re.compile(r"joined run=\S+ round=(\d+) eval_loss=([\d.]+)")
 FAST = ["--listen", "/ip4/127.0.0.1/tcp/0", "--status", "127.0.0.1:0", "--threads", "1", "--seq-len", "64",
         "--batch-size", "8", "--eval-batches", "2", "--warmup-steps", "5", "--matchmaking-time", "2"]
@@ -30,6 +31,8 @@ class RoundLog:
     eval_loss: float
     group_size: int
     digest: str
+    consensus_distance: float | None = None  # NoLoCo only, as are its group's peer ids
+    group: tuple[str, ...] = ()
 
 
 @dataclass
@@ -74,7 +77,12 @@ class NodeProcess:
                 with self._changed:
                     self.stderr_lines.append(line)
                     if match := ROUND.search(line):
-                        self.rounds[int(match[1])] = RoundLog(float(match[2]), int(match[3]), match[4])
+                        entry = RoundLog(float(match[2]), int(match[3]), match[4])
+                        if gossip := GOSSIP.search(line):
+                            distance = None if gossip[1] == "-" else float(gossip[1])
+                            entry = RoundLog(entry.eval_loss, entry.group_size, entry.digest, distance,
+                                             tuple(gossip[2].split(",")))
+                        self.rounds[int(match[1])] = entry
                     elif match := JOINED.search(line):
                         self.joined_round, self.joined_eval_loss = int(match[1]), float(match[2])
                     self._changed.notify_all()

@@ -1,0 +1,34 @@
+"""The `spawn` fixture: real `diloco-node join` processes that are killed after each test."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.integration.nodes import FAST, NodeProcess
+
+NodeFactory = Callable[..., NodeProcess]
+
+
+@pytest.fixture
+def spawn(tmp_path: Path):
+    """Start nodes; whatever a test leaves running is killed afterwards."""
+    started: list[NodeProcess] = []
+
+    def start(name: str, *extra: str, run_id: str = "itest", peer: NodeProcess | None = None,
+              checkpoint: bool = True) -> NodeProcess:
+        args = [*FAST, "--run-id", run_id, *extra]
+        args += ["--checkpoint-dir", str(tmp_path / name) if checkpoint else ""]
+        if peer is not None:
+            args += ["--peer", peer.wait_for_address()]
+        node = NodeProcess(name, args, tmp_path).start()
+        started.append(node)
+        return node
+
+    yield start
+    for node in started:
+        node.kill()
+
+

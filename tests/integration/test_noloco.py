@@ -1,0 +1,77 @@
+"""NoLoCo with four real nodes on loopback: small random groups, learning, replicas that stay close."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco_node.checkpoint import CheckpointStore
+from tests.integration.conftest import NodeFactory
+
+pytestmark = pytest.mark.integration
+
+ROUNDS = 7
+GROUP_SIZE = 2
+# Relative distance ‖φ_i − φ_j‖ / ‖φ_j‖. Replicas drift apart by what their groups' progress differs
+# (≈ 1e-2 here); a pull that failed would let them separate by the whole of each round's progress.
+CLOSE = 0.05
+
+
+def test_four_nodes_gossip_in_small_groups_and_stay_close(spawn: NodeFactory, tmp_path: Path) -> None:
+    # int8: the Δ through a lossy codec, φ as fp16 (the path every codec but none takes)
+    options = ("--algorithm", "noloco", "--group-size", str(GROUP_SIZE), "--inner-steps", "10", "--compression", "int8",
+               "--max-outer-steps", str(ROUNDS), "--min-peers", "4")
+    first = spawn("a", *options, run_id="gossip")
+    nodes = [first, *(spawn(name, *options, run_id="gossip", peer=first) for name in ("b", "c", "d"))]
+    ids = {node.name: (node.wait_for_address().split("/p2p/")[1]) for node in nodes}
+    for node in nodes:
+        node.wait_for_round(ROUNDS)
+        assert node.wait_exit() == 0, node.log_text()
+
+    pairings = set()
+    for round_ in range(1, ROUNDS + 1):
+        groups = {node.name: node.rounds[round_].group for node in nodes}
+        for name, group in groups.items():
+            assert ids[name] in group and len(group) <= GROUP_SIZE, f"round {round_}: {name} in {group}"
+            assert nodes[0].rounds[round_].group_size <= GROUP_SIZE
+        pairings.add(frozenset(frozenset(group) for group in groups.values()))
+    assert len(pairings) >= 2, f"the groups never changed: {pairings}"  # 1 in 3^6 if drawn at random
+
+    for node in nodes:
+        losses = [node.joined_eval_loss] + [node.rounds[r].eval_loss for r in range(1, ROUNDS + 1)]
+        assert losses[-1] < losses[0] - 0.5, f"{node.name}: eval loss did not fall: {losses}"
+
+    # How far each node was from its group's mean, round by round: bounded, and not growing. (Round 1
+    # starts from one φ; a pair that keeps meeting stays identical, hence the check that early > 0.)
+    distances = [[node.rounds[r].consensus_distance or 0.0 for node in nodes] for r in range(1, ROUNDS + 1)]
+    early, late = max(max(d) for d in distances[1:5]), max(max(d) for d in distances[5:])
+    assert all(max(d) < CLOSE for d in distances), distances
+    if early > 0:  # 1 in 3^4 that rounds 1-5 all drew the same pairs
+        assert late <= 2 * early, f"replicas drift apart: {distances}"
+
+    # And every pair of replicas at the end, from their final checkpoints.
+    phis = {}
+    for node in nodes:
+        store = CheckpointStore(tmp_path / node.name / "gossip")
+        state = store.load()
+        store.close()
+        assert state is not None
+        phis[node.name] = torch.cat([p.reshape(-1) for p in state["outer_params"]])
+    for a, b in itertools.combinations(phis, 2):
+        distance = float((phis[a] - phis[b]).norm() / phis[b].norm())
+        assert 0 < distance < CLOSE, f"{a}-{b}: {distance}"
+
+
+def test_noloco_with_sparse_error_feedback_codec(spawn: NodeFactory) -> None:
+    options = ("--algorithm", "noloco", "--inner-steps", "5", "--max-outer-steps", "3", "--min-peers", "2",
+               "--compression", "topk")
+    first = spawn("a", *options, run_id="gossip-topk", checkpoint=False)
+    second = spawn("b", *options, run_id="gossip-topk", peer=first, checkpoint=False)
+    for node in (first, second):
+        node.wait_for_round(3)
+        assert node.wait_exit() == 0, node.log_text()
+        assert [node.rounds[r].group_size for r in (1, 2, 3)] == [2, 2, 2], node.log_text()
+        assert "dropped payload" not in node.log_text()
