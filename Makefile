@@ -26,6 +26,7 @@ lint: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) benchmarks/diloco_vs_ddp.py
 	$(PY) benchmarks/codecs.py
+	$(PY) benchmarks/noloco.py
 	$(PY) benchmarks/wide_area.py  # network namespaces: needs root
 
 clean:

@@ -52,8 +52,8 @@ def read_lo_bytes() -> int | None:
     return None
 
 
-def lo_per_node(before: int | None, after: int | None) -> int | None:
-    return None if before is None or after is None else (after - before) // WORLD
+def lo_per_node(before: int | None, after: int | None, nodes: int = WORLD) -> int | None:
+    return None if before is None or after is None else (after - before) // nodes
 
 
 def inner_config(cfg: NodeConfig, total_steps: int) -> InnerConfig:
@@ -139,11 +139,34 @@ def node_executable() -> str:
 
 
 def node_args(h: int, rounds: int, run_id: str, checkpoint_dir: Path | str, extra: Sequence[str] = (),
-              host: str = "127.0.0.1") -> list[str]:
-    """`join` flags of a benchmark node: listens on `host`, one torch thread, waits for all WORLD nodes."""
+              host: str = "127.0.0.1", min_peers: int = WORLD) -> list[str]:
+    """`join` flags of a benchmark node: listens on `host`, one torch thread, waits for `min_peers` nodes
+    (all WORLD nodes of a pair unless told otherwise)."""
     return ["--listen", f"/ip4/{host}/tcp/0", "--status", "127.0.0.1:0", "--threads", "1",
             "--max-outer-steps", str(rounds), "--inner-steps", str(h), "--run-id", run_id,
-            "--checkpoint-dir", str(checkpoint_dir), "--min-peers", str(WORLD), *extra]
+            "--checkpoint-dir", str(checkpoint_dir), "--min-peers", str(min_peers), *extra]
+
+
+def start_swarm(n: int, h: int, rounds: int, run_id: str, work: Path, timeout: float,
+                checkpoint_dirs: Sequence[Path | str] | None = None, extra: Sequence[str] = ()) -> list[NodeProcess]:
+    """Node 1 without --peer, then nodes 2..n pointed at the address node 1 prints; all wait for n peers.
+
+    Node i checkpoints to work/ck<i> unless `checkpoint_dirs` (one per node) says otherwise ('' = none).
+    """
+    dirs = list(checkpoint_dirs) if checkpoint_dirs is not None else [work / f"ck{i}" for i in range(1, n + 1)]
+    if len(dirs) != n:
+        raise ValueError(f"{len(dirs)} checkpoint dirs for {n} nodes")
+    nodes = [NodeProcess("node1", node_args(h, rounds, run_id, dirs[0], extra, min_peers=n), work)]
+    try:
+        address = nodes[0].wait_for("stdout", "peer address:", timeout)
+        for i in range(2, n + 1):
+            nodes.append(NodeProcess(f"node{i}", node_args(h, rounds, run_id, dirs[i - 1], extra, min_peers=n)
+                                     + ["--peer", address], work))
+    except BaseException:
+        for node in nodes:
+            node.stop()
+        raise
+    return nodes
 
 
 def start_pair(h: int, rounds: int, run_id: str, work: Path, timeout: float,
@@ -152,15 +175,7 @@ def start_pair(h: int, rounds: int, run_id: str, work: Path, timeout: float,
 
     Checkpoints go to work/ck1 and work/ck2 unless `checkpoint_dirs` says otherwise ('' = none).
     """
-    ck1, ck2 = checkpoint_dirs if checkpoint_dirs is not None else (work / "ck1", work / "ck2")
-    first = NodeProcess("node1", node_args(h, rounds, run_id, ck1, extra), work)
-    try:
-        address = first.wait_for("stdout", "peer address:", timeout)
-        second = NodeProcess("node2", node_args(h, rounds, run_id, ck2, extra) + ["--peer", address], work)
-    except BaseException:
-        first.stop()
-        raise
-    return [first, second]
+    return start_swarm(WORLD, h, rounds, run_id, work, timeout, checkpoint_dirs, extra)
 
 
 class StartupStalled(TimeoutError):
@@ -175,9 +190,22 @@ def run_pair(label: str, h: int, rounds: int, run_id: str, work: Path, timeout: 
     With `join_timeout`, raises StartupStalled when the nodes have not both joined the run (logged
     `joined run=`, i.e. found each other under --min-peers) within that many seconds.
     """
+    return run_swarm(label, WORLD, h, rounds, run_id, work, timeout, checkpoint_dirs, extra, join_timeout)
+
+
+def run_swarm(label: str, n: int, h: int, rounds: int, run_id: str, work: Path, timeout: float,
+              checkpoint_dirs: Sequence[Path | str] | None = None, extra: Sequence[str] = (),
+              join_timeout: float | None = None) -> tuple[list[dict[str, Any]], float, int | None]:
+    """Run an n-node swarm (start_swarm, --min-peers n) to its last round: (parsed logs per node, in node
+    order, wall seconds, lo bytes per node). Each node's stdout and stderr are kept in
+    work/node<i>.{stdout,stderr}.log.
+
+    With `join_timeout`, raises StartupStalled when the nodes have not all joined the run (logged
+    `joined run=`, i.e. found each other under --min-peers) within that many seconds.
+    """
     work.mkdir(parents=True)
     lo_before, started = read_lo_bytes(), time.monotonic()
-    nodes = start_pair(h, rounds, run_id, work, timeout, checkpoint_dirs, extra)
+    nodes = start_swarm(n, h, rounds, run_id, work, timeout, checkpoint_dirs, extra)
     try:
         if join_timeout is not None:
             for node in nodes:
@@ -199,7 +227,7 @@ def run_pair(label: str, h: int, rounds: int, run_id: str, work: Path, timeout: 
     for node in nodes:
         if node.proc.returncode != 0:
             raise RuntimeError(f"{label}: {node.name} exited with {node.proc.returncode}\n{node.tail()}")
-    return [parse_node_log(node.lines["stderr"]) for node in nodes], wall, lo_per_node(lo_before, lo_after)
+    return [parse_node_log(node.lines["stderr"]) for node in nodes], wall, lo_per_node(lo_before, lo_after, n)
 
 
 def parse_node_log(lines: list[str]) -> dict[str, Any]:

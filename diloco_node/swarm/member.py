@@ -36,8 +36,9 @@ from diloco_node.swarm.presence import Presence
 
 logger = logging.getLogger(__name__)
 
-ROUND_BITS = 24
-BOOTSTRAP_ATTEMPTS = 3  # group key bits carrying the round number (mod 2**24)
+ROUND_BITS = 24  # group key bits carrying the round number (mod 2**24)
+BOOTSTRAP_ATTEMPTS = 3
+MATCHMAKING_SLACK = 5.0  # seconds beyond the matchmaking windows for DHT lookups on a loaded link
 
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
 
@@ -229,12 +230,18 @@ class SwarmMember:
 
     def _form_group(self, round_: int, tokens: float) -> dict[str, float]:
         """Matchmake with the peers averaging `round_`; returns peer id → tokens, ourselves included."""
-        bits, timeout = format(round_ % 2**ROUND_BITS, f"0{ROUND_BITS}b"), self.settings.round_timeout
+        bits = format(round_ % 2**ROUND_BITS, f"0{ROUND_BITS}b")
         if self.settings.group_size:  # NoLoCo: only our drawn group shares the key (see groups.py)
             groups = random_groups(self.presence.compatible_peers(), self.settings.run_id, round_,
                                    self.settings.group_size)
+            if [self.peer_id] in groups:  # an odd one out this round: nobody to wait for
+                logger.info("round=%d drawn to average alone", round_)
+                return {self.peer_id: tokens}
             bits += group_key(self.peer_id, groups)
-            timeout = min(timeout, 4 * self.settings.matchmaking_time)  # a member may be gone: do not wait long
+        # Matchmaking starts once the group's members are ready (DiLoCo's barrier, NoLoCo's small
+        # group), so it needs a few windows at most; a node that missed its group fails fast instead
+        # of holding up the next round's barrier for the whole round timeout.
+        timeout = min(self.settings.round_timeout, 4 * self.settings.matchmaking_time + MATCHMAKING_SLACK)
         try:
             with self._averager_lock:
                 self._averager.set_group_bits(bits)

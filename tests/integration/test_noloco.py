@@ -65,13 +65,18 @@ def test_four_nodes_gossip_in_small_groups_and_stay_close(spawn: NodeFactory, tm
         assert 0 < distance < CLOSE, f"{a}-{b}: {distance}"
 
 
-def test_noloco_with_sparse_error_feedback_codec(spawn: NodeFactory) -> None:
-    options = ("--algorithm", "noloco", "--inner-steps", "5", "--max-outer-steps", "3", "--min-peers", "2",
+def test_odd_one_out_averages_alone_at_once_with_a_sparse_codec(spawn: NodeFactory) -> None:
+    """Three nodes in pairs: each round one is drawn alone and goes on without waiting for anyone."""
+    options = ("--algorithm", "noloco", "--inner-steps", "5", "--max-outer-steps", "3", "--min-peers", "3",
                "--compression", "topk")
-    first = spawn("a", *options, run_id="gossip-topk", checkpoint=False)
-    second = spawn("b", *options, run_id="gossip-topk", peer=first, checkpoint=False)
-    for node in (first, second):
+    first = spawn("a", *options, run_id="gossip-odd", checkpoint=False)
+    nodes = [first, *(spawn(name, *options, run_id="gossip-odd", peer=first, checkpoint=False) for name in "bc")]
+    for node in nodes:
         node.wait_for_round(3)
         assert node.wait_exit() == 0, node.log_text()
-        assert [node.rounds[r].group_size for r in (1, 2, 3)] == [2, 2, 2], node.log_text()
-        assert "dropped payload" not in node.log_text()
+    for round_ in (1, 2, 3):
+        sizes = sorted(node.rounds[round_].group_size for node in nodes)
+        assert sizes == [1, 2, 2], f"round {round_}: {sizes}"
+    for node in nodes:
+        log = node.log_text()
+        assert "no group formed" not in log and "dropped payload" not in log and "re-sync" not in log, log
