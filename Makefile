@@ -17,7 +17,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/diloco-node demo
 
 test: $(VENV)/.installed
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=15
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check diloco_node tests benchmarks

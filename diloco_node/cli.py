@@ -62,10 +62,13 @@ def resolve_config(ctx: click.Context, config_file: str | None, values: dict[str
 
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    # hivemind reports every retry with a traceback; our own modules say what matters in one line.
-    logging.getLogger("hivemind").setLevel(logging.ERROR)
+    # hivemind logs its internal retries, shutdown races between its helper processes and p2pd's
+    # listener notices as errors, with tracebacks; whatever of that matters reaches the user as one
+    # line from our own modules. Its errors stay visible for debugging.
+    hivemind_level = logging.ERROR if level == "DEBUG" else logging.CRITICAL
+    logging.getLogger("hivemind").setLevel(hivemind_level)
     for handler in logging.getLogger("hivemind").handlers:
-        handler.setLevel(logging.ERROR)
+        handler.setLevel(hivemind_level)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

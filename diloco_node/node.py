@@ -261,8 +261,10 @@ class Node:
     def _gossip(self, round_: int, own: OwnContribution, tokens: float) -> ExchangeOutcome:
         """NoLoCo: average with whichever small group forms now; nobody waits for the whole swarm."""
         assert self.swarm is not None
-        if self.swarm.presence.all_past(round_):
-            return ExchangeOutcome("behind", None)  # nobody is left to meet in this round
+        # Gossip tolerates a round of lag (we then meet nobody, or whoever is as late); a node that
+        # everyone else has left two rounds behind re-syncs instead.
+        if self.swarm.presence.all_past(round_ + 1):
+            return ExchangeOutcome("behind", None)
         self.telemetry.update(exchanging_round=round_)
         try:
             result = self.swarm.average(own, tokens, round_)

