@@ -37,6 +37,7 @@ ROUND_RE = re.compile(r"round=(\d+) loss=(\S+) eval_loss=(\S+) group_size=(\d+) 
 CODEC_RE = re.compile(r" payload=(\d+) bytes_per_param=(\S+) codec_seconds=(\S+) ")
 TRANSFER_RE = re.compile(r" utilization=(\S+) transfer=(\d+)/(\S+)s ")
 SYNCED_RE = re.compile(r"synced state from peers round=(\d+)")
+SETTLED_RE = re.compile(r"settled round=(\d+) eval_loss=(\S+) digest=(\w+)")
 WARNING_RE = re.compile(r" WARN(ING)? diloco_node")  # hivemind's log setup renames WARNING to WARN
 
 
@@ -231,7 +232,7 @@ def run_swarm(label: str, n: int, h: int, rounds: int, run_id: str, work: Path, 
 
 
 def parse_node_log(lines: list[str]) -> dict[str, Any]:
-    parsed: dict[str, Any] = {"rounds": [], "joined": None, "synced_round": None, "warnings": []}
+    parsed: dict[str, Any] = {"rounds": [], "joined": None, "synced_round": None, "settled": None, "warnings": []}
     for line in lines:
         if match := ROUND_RE.search(line):
             r, loss, ev, group, sent, received, seconds, digest = match.groups()
@@ -250,11 +251,18 @@ def parse_node_log(lines: list[str]) -> dict[str, Any]:
                                 "parameters": int(match[3]), "digest": match[4]}
         elif match := SYNCED_RE.search(line):
             parsed["synced_round"] = int(match[1])
+        elif match := SETTLED_RE.search(line):
+            parsed["settled"] = {"round": int(match[1]), "eval_loss": float(match[2]), "digest": match[3]}
         elif WARNING_RE.search(line):
             parsed["warnings"].append(line)
     if parsed["joined"] is None or not parsed["rounds"]:
         raise RuntimeError("a node log has no 'joined' or no 'round=' lines; did the log format change?")
     return parsed
+
+
+def final_eval_loss(log: dict[str, Any]) -> float:
+    """Where the node ended: after delayed / eager settled the last exchange, else its last round."""
+    return float((log["settled"] or log["rounds"][-1])["eval_loss"])
 
 
 def pair(values: list[Any], fmt: str = "{:,}") -> str:

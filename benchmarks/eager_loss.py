@@ -21,15 +21,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import RESULTS_DIR, machine_info, run_pair
+from common import RESULTS_DIR, final_eval_loss, machine_info, run_pair
 
 MODES = {"blocking": ["--sync", "blocking"], "eager": ["--sync", "eager"]}
 
 
-def final_eval_loss(h: int, rounds: int, mode: str, work: Path, timeout: float) -> float:
+def mean_final_eval_loss(h: int, rounds: int, mode: str, work: Path, timeout: float) -> float:
     run_id = f"bench-eager-loss-{mode}-{os.getpid()}-{int(time.time())}"
     logs, _, _ = run_pair(mode, h, rounds, run_id, work, timeout, checkpoint_dirs=("", ""), extra=MODES[mode])
-    return statistics.fmean(log["rounds"][-1]["eval_loss"] for log in logs)
+    return statistics.fmean(final_eval_loss(log) for log in logs)
 
 
 def main() -> None:
@@ -42,7 +42,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="eager_loss_"))
     repeats: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
-        losses = {mode: final_eval_loss(args.h, args.rounds, mode, work / f"{repeat}-{mode}", args.timeout)
+        losses = {mode: mean_final_eval_loss(args.h, args.rounds, mode, work / f"{repeat}-{mode}", args.timeout)
                   for mode in MODES}
         repeats.append({**losses, "ratio": losses["eager"] / losses["blocking"]})
         print(json.dumps(repeats[-1]), flush=True)

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the island harness lives in tests/network
 
-from common import RESULTS_DIR, WORLD, NodeProcess, machine_info, node_args, parse_node_log, pyplot  # noqa: E402
+from common import RESULTS_DIR, WORLD, NodeProcess, final_eval_loss, machine_info, node_args, parse_node_log, pyplot  # noqa: E402
 from diloco_vs_ddp import outer_difference, run_ddp  # noqa: E402
 
 from diloco_node.config import NodeConfig  # noqa: E402
@@ -156,8 +156,8 @@ def summarize(name: str, h: int, rounds: int, logs: list[dict[str, Any]], wall: 
         "method": name, "H": h, "rounds": rounds, "logs": logs, "wall_seconds": wall,
         "seconds_per_round": statistics.median(r["seconds"] for r in steady),
         "utilization": compute / total if total else None,
-        "final_eval_loss_per_node": [log["rounds"][-1]["eval_loss"] for log in logs],
-        "final_eval_loss": statistics.mean(log["rounds"][-1]["eval_loss"] for log in logs),
+        "final_eval_loss_per_node": [final_eval_loss(log) for log in logs],
+        "final_eval_loss": statistics.mean(final_eval_loss(log) for log in logs),
         "wire_bytes_per_round": wire / rounds,
         "transfer_mbit": [8 * r["transfer_bytes"] / r["transfer_seconds"] / 1e6 for r in transfers],
         "outer_params_difference": drift,

@@ -197,10 +197,35 @@ class Node:
         try:
             while not self.stop_requested.is_set():
                 if self.cfg.max_outer_steps and self.round >= self.cfg.max_outer_steps:
+                    self._settle_last_exchange()
                     break
                 self.run_round()
         finally:
             self.shutdown()
+
+    def _settle_last_exchange(self) -> None:
+        """At the planned end of a delayed or eager run, apply the last round's exchange.
+
+        It would otherwise be lost: delayed would never apply the last round's mean, and eager would
+        keep its own pseudo-gradient in place of the group's. This is the step the next round would
+        take with nothing new trained, so every pseudo-gradient ends up applied exactly once, and a
+        run that is resumed later finds no exchange to apply twice.
+        """
+        if self.gossip or self.cfg.sync == "blocking" or self.round == 0:
+            return
+        outcome = self.background.collect(self.round - 1)
+        if outcome is None or outcome.result is None:
+            logger.warning("round=%d the last exchange did not finish; ending without it", self.round)
+            return
+        step = self._overlapped_step(outcome, torch.zeros(self.numel))
+        if step is None:
+            return
+        with self.lock:
+            self.outer.step(self._unflatten(step))
+        eval_loss = self._evaluate()
+        self.telemetry.update(eval_loss=eval_loss, model_digest=self.model_digest())
+        # numbered like the round lines: the exchange of the round that logged round=N
+        logger.info("settled round=%d eval_loss=%.4f digest=%s", self.round, eval_loss, self.model_digest())
 
     def run_round(self) -> None:
         assert self.swarm is not None
@@ -224,7 +249,7 @@ class Node:
         else:
             outcome = self.background.collect(self.round - 1) or ExchangeOutcome("lost", None)
             self.background.start(self.round, functools.partial(self._exchange, self.round, own, tokens))
-            step = self._overlapped_step(outcome, own)
+            step = self._overlapped_step(outcome, own.decoded if own.decoded is not None else torch.zeros(self.numel))
         if outcome.verdict == "stopped":
             return
         if outcome.verdict == "behind":
@@ -300,14 +325,13 @@ class Node:
             self.swarm.presence.mark_exchanged(round_)
         return ExchangeOutcome(verdict, result, own)
 
-    def _overlapped_step(self, previous: ExchangeOutcome, own: OwnContribution) -> torch.Tensor | None:
-        """What delayed / eager apply now, given the previous round's exchange (see outer/sync.py)."""
+    def _overlapped_step(self, previous: ExchangeOutcome, fresh: torch.Tensor) -> torch.Tensor | None:
+        """What delayed / eager apply now, given the previous round's exchange and our fresh Δ."""
         finished = None
         if previous.result is not None and previous.own is not None and previous.own.decoded is not None:
             finished = Exchanged(self.round - 1, previous.result.mean, previous.own.decoded,
                                  previous.result.own_share)
         assert self.swarm is not None
-        fresh = own.decoded if own.decoded is not None else torch.zeros(self.numel)
         return overlapped_step(self.cfg.sync, finished, fresh, len(self.swarm.presence.compatible_peers()) or 1,
                                self.cfg.eager_proxy)
 

@@ -48,7 +48,7 @@ EAGER_PROXIES = ("full", "share")
 
 
 def eager_proxy(previous: Exchanged | None, fresh: torch.Tensor, expected_group: int,
-                proxy: str = "share") -> torch.Tensor:
+                proxy: str) -> torch.Tensor:
     """Δ̃_t = Δ̄_{t−1} + w·(Δ_t − Δ_{t−1}), w = 1 ("full") or our share s_{t−1} ("share").
 
     Without a previous exchange: Δ_t ("full") or Δ_t / M_expected ("share").
@@ -62,7 +62,7 @@ def eager_proxy(previous: Exchanged | None, fresh: torch.Tensor, expected_group:
 
 
 def overlapped_step(mode: str, finished: Exchanged | None, fresh: torch.Tensor,
-                    expected_group: int, proxy: str = "share") -> torch.Tensor | None:
+                    expected_group: int, proxy: str) -> torch.Tensor | None:
     """What delayed / eager apply at the end of a round, given the previous round's exchange."""
     if mode == "delayed":
         return finished.mean if finished else None

@@ -143,3 +143,5 @@ def test_overlapped_sync_modes_train_and_exchange(spawn: NodeFactory, sync: str)
         assert [node.rounds[r].group_size for r in (2, 3)] == [2, 2], node.log_text()
         assert node.rounds[3].eval_loss < (node.joined_eval_loss or 0) - 0.5, node.log_text()
         assert node.wait_exit() == 0
+        # at the planned end, the last round's exchange is applied too, not dropped
+        assert "settled round=3 " in node.log_text(), node.log_text()

@@ -16,27 +16,27 @@ def t(*values: float) -> torch.Tensor:
 
 
 def test_round_zero_applies_own_share_of_the_expected_group() -> None:
-    assert torch.equal(eager_proxy(None, t(4.0, -2.0), expected_group=2), t(2.0, -1.0))
+    assert torch.equal(eager_proxy(None, t(4.0, -2.0), expected_group=2, proxy="share"), t(2.0, -1.0))
 
 
 def test_eager_proxy_swaps_our_stale_share_for_our_fresh_one() -> None:
     # Δ̄_{t-1} = (a0 + b0)/2 with a0 = 2, b0 = 6 → 4; our fresh a1 = 10; share 1/2
     # Δ̃_1 = 4 + (10 - 2)/2 = 8  ( = b0/2 + a1/2 = 3 + 5 )
     previous = Exchanged(round=0, mean=t(4.0), own=t(2.0), own_share=0.5)
-    assert torch.equal(eager_proxy(previous, t(10.0), expected_group=2), t(8.0))
+    assert torch.equal(eager_proxy(previous, t(10.0), expected_group=2, proxy="share"), t(8.0))
 
 
 def test_token_weighted_share() -> None:
     # mean = (3·a + 1·b)/4 with a = 4, b = 8 → 5; share 3/4; fresh 0 → 5 - 3 = 2 = b/4
     previous = Exchanged(round=0, mean=t(5.0), own=t(4.0), own_share=0.75)
-    assert torch.equal(eager_proxy(previous, t(0.0), expected_group=2), t(2.0))
+    assert torch.equal(eager_proxy(previous, t(0.0), expected_group=2, proxy="share"), t(2.0))
 
 
 def simulate_eager(own: list[torch.Tensor], other: list[torch.Tensor]) -> list[torch.Tensor]:
     """One node's applied proxies over the rounds of a two-node run (equal tokens)."""
     applied, previous = [], None
     for round_, (mine, theirs) in enumerate(zip(own, other, strict=True)):
-        applied.append(eager_proxy(previous, mine, expected_group=2))
+        applied.append(eager_proxy(previous, mine, expected_group=2, proxy="share"))
         previous = Exchanged(round_, (mine + theirs) / 2, mine, 0.5)
     return applied
 
@@ -73,22 +73,25 @@ def test_full_proxy_applies_every_mean_exactly_once() -> None:
         previous = Exchanged(round_, (mine + theirs) / 2, mine, 0.5)
     # node A, by hand: r0 a0; r1 (a0+b0)/2 − a0 + a1; r2 (a1+b1)/2 − a1 + a2
     assert torch.equal(applied[1], (a[0] + b[0]) / 2 - a[0] + a[1])
-    # once round 2's mean arrives and replaces our stand-in a2, every round's mean was applied once
+    # settling at the end (the step of a round that trained nothing) swaps our stand-in a2 for
+    # round 2's mean: then every round's mean was applied exactly once
+    settle = eager_proxy(previous, torch.zeros_like(a[0]), expected_group=2, proxy="full")
+    assert torch.equal(settle, (a[2] + b[2]) / 2 - a[2])
     everything = sum((x + y) / 2 for x, y in zip(a, b, strict=True))
-    assert torch.allclose(sum(applied) + (a[2] + b[2]) / 2 - a[2], everything)
+    assert torch.allclose(sum(applied) + settle, everything)
 
 
 def test_delayed_applies_the_previous_mean_only() -> None:
     # round 0: nothing yet; round 1: Δ̄_0 = (1 + 5)/2 = 3, whatever our fresh Δ_1 is
-    assert overlapped_step("delayed", None, t(1.0), expected_group=2) is None
+    assert overlapped_step("delayed", None, t(1.0), expected_group=2, proxy="share") is None
     previous = Exchanged(round=0, mean=t(3.0), own=t(1.0), own_share=0.5)
-    step = overlapped_step("delayed", previous, t(100.0), expected_group=2)
+    step = overlapped_step("delayed", previous, t(100.0), expected_group=2, proxy="share")
     assert step is not None and torch.equal(step, t(3.0))
 
 
 def test_eager_through_the_same_entry_point() -> None:
     previous = Exchanged(round=0, mean=t(4.0), own=t(2.0), own_share=0.5)
-    step = overlapped_step("eager", previous, t(10.0), expected_group=2)
+    step = overlapped_step("eager", previous, t(10.0), expected_group=2, proxy="share")
     assert step is not None and torch.equal(step, t(8.0))
 
 
