@@ -200,8 +200,9 @@ class NodeConfig(BaseModel):
 
     def _outer_fingerprint(self) -> dict[str, Any]:
         if self.algorithm == "noloco":
-            return {"noloco_alpha": self.noloco_alpha, "noloco_beta": self.noloco_beta,
-                    "noloco_gamma": self.consensus_weight}
+            # every node draws the round's groups itself: with another size it would draw others
+            return {"group_size": self.group_size, "noloco_alpha": self.noloco_alpha,
+                    "noloco_beta": self.noloco_beta, "noloco_gamma": self.consensus_weight}
         return {"outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
                 **({"eager_proxy": self.eager_proxy} if self.sync == "eager" else {})}
 

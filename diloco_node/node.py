@@ -7,6 +7,7 @@ goes wrong inside a round is logged and the round goes on with whoever made it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -15,7 +16,7 @@ import signal
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -218,7 +219,7 @@ class Node:
             logger.warning("round=%d the last exchange did not finish; ending without it", self.round)
             return
         step = self._overlapped_step(outcome, torch.zeros(self.numel))
-        if step is None:
+        if step is None or isinstance(self.outer, NoLoCoOptimizer):
             return
         with self.lock:
             self.outer.step(self._unflatten(step))
@@ -266,10 +267,12 @@ class Node:
         exchanged = time.monotonic()
         with self.lock:
             if isinstance(self.outer, NoLoCoOptimizer):
+                distance = None  # none when this round took no step
                 if step is not None and outcome.result and outcome.result.mean_phi is not None:
                     mean_phi = outcome.result.mean_phi
-                    self.telemetry.update(consensus_distance=consensus_distance(self._flat_phi(), mean_phi))
+                    distance = consensus_distance(self._flat_phi(), mean_phi)
                     self.outer.step(self._unflatten(step), self._unflatten(mean_phi))
+                self.telemetry.update(consensus_distance=distance)
             elif step is not None:
                 self.outer.step(self._unflatten(step))
             self.round += 1
@@ -284,30 +287,49 @@ class Node:
         self.swarm.share_state(self.round)
 
     def _gossip(self, round_: int, own: OwnContribution, tokens: float) -> ExchangeOutcome:
-        """NoLoCo: average with whichever small group forms now; nobody waits for the whole swarm."""
+        """NoLoCo: wait (bounded) for our small drawn group only, then average with it."""
         assert self.swarm is not None
         # Gossip tolerates a round of lag (we then meet nobody, or whoever is as late); a node that
         # everyone else has left two rounds behind re-syncs instead.
         if self.swarm.presence.all_past(round_ + 1):
             return ExchangeOutcome("behind", None)
+        others = [peer for peer in self.swarm.drawn_group(round_) if peer != self.swarm.peer_id]
+        if not others:  # the odd one out this round: nobody to wait for
+            logger.info("round=%d drawn to average alone", round_)
+            return ExchangeOutcome("alone", self._average_alone(own, tokens), own)
+        with self._exchanging(round_):
+            verdict = self.swarm.presence.wait_for_round(round_, self.cfg.round_timeout, self.stop_requested,
+                                                         among=others)
+            if verdict == "stopped":
+                return ExchangeOutcome("stopped", None)
+            if verdict in ("alone", "behind"):
+                logger.info("round=%d our group has left or moved on; averaging alone", round_)
+                return ExchangeOutcome("alone", self._average_alone(own, tokens), own)
+            result = self.swarm.average(own, tokens, round_)
+        return ExchangeOutcome("together" if len(result.group) > 1 else "alone", result, own)
+
+    def _average_alone(self, own: OwnContribution, tokens: float) -> AverageResult:
+        assert self.swarm is not None
+        contributions = [Contribution(self.swarm.peer_id, tokens, own.decoded)] if own.decoded is not None else []
+        return self.swarm.result_of(contributions, own, tokens, own.codec_seconds)
+
+    @contextlib.contextmanager
+    def _exchanging(self, round_: int) -> Iterator[None]:
+        """`exchanging_round` in the status while this exchange runs. An abandoned exchange that
+        ends late leaves the newer one's value alone."""
         self.telemetry.update(exchanging_round=round_)
         try:
-            result = self.swarm.average(own, tokens, round_)
+            yield
         finally:
-            self.telemetry.update(exchanging_round=None)
-        return ExchangeOutcome("together" if len(result.group) > 1 else "alone", result, own)
+            self.telemetry.clear_if("exchanging_round", round_)
 
     def _flat_phi(self) -> torch.Tensor:
         return torch.cat([p.reshape(-1) for p in self.outer_params])
 
     def _exchange(self, round_: int, own: OwnContribution, tokens: float) -> ExchangeOutcome:
         """Barrier, then the group's mean; on the main thread (blocking) or the exchange thread."""
-        assert self.swarm is not None
-        self.telemetry.update(exchanging_round=round_)
-        try:
+        with self._exchanging(round_):
             return self._exchange_now(round_, own, tokens)
-        finally:
-            self.telemetry.update(exchanging_round=None)
 
     def _exchange_now(self, round_: int, own: OwnContribution, tokens: float) -> ExchangeOutcome:
         assert self.swarm is not None
@@ -315,8 +337,7 @@ class Node:
         if verdict in ("stopped", "behind"):
             return ExchangeOutcome(verdict, None)
         if verdict == "alone":
-            contributions = [Contribution(self.swarm.peer_id, tokens, own.decoded)] if own.decoded is not None else []
-            result = self.swarm.result_of(contributions, own, tokens, own.codec_seconds)
+            result = self._average_alone(own, tokens)
         else:
             result = self.swarm.average(own, tokens, round_)
             if len(result.group) <= 1:

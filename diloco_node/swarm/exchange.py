@@ -29,6 +29,7 @@ HEADER_LEN = 8
 MAX_REQUEST_BYTES = 256
 FETCH_ATTEMPTS = 3
 KEPT_ROUNDS = 2  # a slow peer may still fetch the previous round while we offer the next
+RECEIVED = b"\x01"  # a fetcher's acknowledgement: it read our whole payload
 
 
 class PayloadExchange:
@@ -37,8 +38,10 @@ class PayloadExchange:
         self._max_payload = max_payload_bytes
         self._offers: dict[int, bytes] = {}
         self._offers_lock = threading.Lock()
-        # round → peers of its group that have not fetched our payload yet (see drain)
+        # round → peers of its group that have not fetched our payload yet (see drain), and the
+        # peers that already have: a fast one may fetch before we learn that it is in our group
         self._awaited: dict[int, set[str]] = {}
+        self._served: dict[int, set[str]] = {}
         self._awaited_changed = threading.Condition(self._offers_lock)
         self._counter_lock = threading.Lock()
         self.bytes_sent = 0
@@ -69,12 +72,13 @@ class PayloadExchange:
             for old in [r for r in self._offers if r <= round_ - KEPT_ROUNDS]:
                 del self._offers[old]
                 self._awaited.pop(old, None)
+                self._served.pop(old, None)
 
     def expect(self, round_: int, peers: Sequence[str]) -> None:
         """`peers` formed a group with us for `round_`: each will fetch our payload."""
         with self._offers_lock:
             if round_ in self._offers:
-                self._awaited[round_] = set(peers)
+                self._awaited[round_] = set(peers) - self._served.get(round_, set())
 
     def drain(self, timeout: float, still_there: Callable[[str], bool]) -> bool:
         """Wait until our group has fetched what we offered; True when nobody is left waiting.
@@ -99,12 +103,14 @@ class PayloadExchange:
             with self._offers_lock:
                 payload = self._offers.get(round_, b"") if isinstance(round_, int) else b""
             await _send(writer, payload)
-            # the fetcher closes its end once it has read everything: only then is it served
-            await asyncio.wait_for(reader.read(1), timeout=10)
-            with self._awaited_changed:
-                self._awaited.get(round_, set()).discard(str(info.peer_id))
-                self._awaited_changed.notify_all()
-            self._count(sent=HEADER_LEN + len(payload), received=HEADER_LEN + len(request))
+            # served only once the fetcher says it read everything (its end closes either way)
+            acknowledged = await asyncio.wait_for(reader.read(1), timeout=10) == RECEIVED
+            if acknowledged and payload:
+                with self._awaited_changed:
+                    self._served.setdefault(round_, set()).add(str(info.peer_id))
+                    self._awaited.get(round_, set()).discard(str(info.peer_id))
+                    self._awaited_changed.notify_all()
+            self._count(sent=HEADER_LEN + len(payload), received=HEADER_LEN + len(request) + acknowledged)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError) as exc:
             logger.warning("payload request failed: %s", type(exc).__name__)
         finally:
@@ -148,9 +154,11 @@ class PayloadExchange:
             request = json.dumps({"round": round_}).encode()
             await _send(writer, request)
             payload = await _receive(reader, self._max_payload, timeout)
+            writer.write(RECEIVED)
+            await writer.drain()
         finally:
             writer.close()
-        self._count(sent=HEADER_LEN + len(request), received=HEADER_LEN + len(payload))
+        self._count(sent=HEADER_LEN + len(request) + len(RECEIVED), received=HEADER_LEN + len(payload))
         return payload or None
 
     def close(self) -> None:

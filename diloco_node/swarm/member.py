@@ -65,7 +65,9 @@ class OwnContribution:
     decoded: torch.Tensor | None  # flat Δ as peers decode it; None when ours was not sendable
     payload_bytes: int  # our encoded pseudo-gradient on the wire (one copy)
     codec_seconds: float
-    decoded_phi: torch.Tensor | None = None  # NoLoCo: our flat φ as peers decode it
+    # NoLoCo: our exact flat φ. Unlike Δ, the group need not agree on the mean φ to the bit, and our
+    # own rounding in it would pull φ toward the codec's grid through the consensus term.
+    phi: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,7 @@ class SwarmMember:
         self._averager.state_provider = state_provider
         self._averager.on_state_served = lambda n: self._count_state(sent=n)
         self._codec, self._phi_codec = codec, phi_codec
+        self._draw: tuple[int, list[list[str]]] | None = None  # NoLoCo: the last round's groups
         parts = 2 if phi_codec else 1
         self._exchange = PayloadExchange(self._dht, namespace, parts * max_payload_bytes(self._numel))
         self._state_bytes = [0, 0]  # sent, received: state shared with / downloaded from joiners
@@ -168,25 +171,22 @@ class SwarmMember:
         then averages the same values, and top-k's error feedback keeps what was not sent.
         """
         started = time.perf_counter()
-        decoded_phi = None
         try:
             payload = self._codec.encode(pseudo_gradient)
             decoded: torch.Tensor | None = self._codec.decode(payload, self._numel)
             if self._phi_codec is not None:
                 assert phi is not None, "NoLoCo contributions carry φ"
-                phi_payload = self._phi_codec.encode(phi)
-                decoded_phi = self._phi_codec.decode(phi_payload, self._numel)
-                payload += phi_payload
+                payload += self._phi_codec.encode(phi)
             self._exchange.offer(round_, payload)
         except CodecError as exc:  # our inner phase blew up (NaN/inf): send nothing, take the others'
             logger.warning("round=%d not contributing: %s", round_, exc)
-            payload, decoded, decoded_phi = b"", None, None
-        return OwnContribution(decoded, len(payload), time.perf_counter() - started, decoded_phi)
+            payload, decoded, phi = b"", None, None
+        return OwnContribution(decoded, len(payload), time.perf_counter() - started, phi)
 
     def average(self, own: OwnContribution, tokens: float, round_: int) -> AverageResult:
         """The robust token-weighted mean over the group that forms for `round_` (safe off the main thread)."""
         contributions = [Contribution(self.peer_id, tokens, own.decoded)] if own.decoded is not None else []
-        phis = {self.peer_id: own.decoded_phi} if own.decoded_phi is not None else {}
+        phis = {self.peer_id: own.phi} if own.phi is not None else {}
         group_tokens = self._form_group(round_, tokens)
         others = sorted(peer for peer in group_tokens if peer != self.peer_id)
         if own.decoded is not None:
@@ -221,26 +221,34 @@ class SwarmMember:
         mean = robust_weighted_mean(contributions)
         share = tokens / sum(c.tokens for c in contributions) if own.decoded is not None else 0.0
         mean_phi = None
-        if own.decoded_phi is not None:
-            phis = phis if phis is not None else {self.peer_id: own.decoded_phi}
+        if own.phi is not None:
+            phis = phis if phis is not None else {self.peer_id: own.phi}
             used = [c for c in sorted(contributions, key=lambda c: c.peer_id) if c.peer_id in phis]
             mean_phi = weighted_mean([phis[c.peer_id] for c in used], [c.tokens for c in used])
         return AverageResult(tuple(sorted(c.peer_id for c in contributions)), mean, share,
                              own.payload_bytes, codec_seconds, mean_phi=mean_phi)
 
+    def drawn_groups(self, round_: int) -> list[list[str]]:
+        """NoLoCo: the groups of `round_` as we see the run, drawn once per round so that waiting
+        for our group and matchmaking with it agree even if a peer joins or leaves in between."""
+        assert self.settings.group_size, "groups are drawn for NoLoCo only"
+        if self._draw is None or self._draw[0] != round_:
+            peers = self.presence.compatible_peers()
+            self._draw = (round_, random_groups(peers, self.settings.run_id, round_, self.settings.group_size))
+        return self._draw[1]
+
+    def drawn_group(self, round_: int) -> list[str]:
+        """NoLoCo: who we are drawn to average with in `round_`, ourselves included."""
+        return next((group for group in self.drawn_groups(round_) if self.peer_id in group), [self.peer_id])
+
     def _form_group(self, round_: int, tokens: float) -> dict[str, float]:
         """Matchmake with the peers averaging `round_`; returns peer id → tokens, ourselves included."""
         bits = format(round_ % 2**ROUND_BITS, f"0{ROUND_BITS}b")
         if self.settings.group_size:  # NoLoCo: only our drawn group shares the key (see groups.py)
-            groups = random_groups(self.presence.compatible_peers(), self.settings.run_id, round_,
-                                   self.settings.group_size)
-            if [self.peer_id] in groups:  # an odd one out this round: nobody to wait for
-                logger.info("round=%d drawn to average alone", round_)
-                return {self.peer_id: tokens}
-            bits += group_key(self.peer_id, groups)
-        # Matchmaking starts once the group's members are ready (DiLoCo's barrier, NoLoCo's small
-        # group), so it needs a few windows at most; a node that missed its group fails fast instead
-        # of holding up the next round's barrier for the whole round timeout.
+            bits += group_key(self.peer_id, self.drawn_groups(round_))
+        # Matchmaking starts once the group's members are ready (DiLoCo's barrier over the run,
+        # NoLoCo's over its drawn group), so it needs a few windows at most; a node that missed its
+        # group fails fast instead of holding up the next round's barrier for the whole round timeout.
         timeout = min(self.settings.round_timeout, 4 * self.settings.matchmaking_time + MATCHMAKING_SLACK)
         try:
             with self._averager_lock:

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Collection
 from typing import Any
 
 from hivemind import DHT
@@ -83,8 +84,10 @@ class Presence:
                 started = time.monotonic()
         return True
 
-    def wait_for_round(self, round_: int, timeout: float, stop: threading.Event) -> str:
-        """Wait until every live compatible peer has finished its inner phase of `round_`.
+    def wait_for_round(self, round_: int, timeout: float, stop: threading.Event,
+                       among: Collection[str] | None = None) -> str:
+        """Wait until every live compatible peer (of `among`, when given) has finished its inner
+        phase of `round_`.
 
         Returns "together" (everyone is ready), "timeout" (go on with those that are),
         "alone" (nobody else is in the run), "behind" (others already finished this round)
@@ -93,7 +96,7 @@ class Presence:
         deadline = time.monotonic() + timeout
         while True:
             others = {p: r for p, r in self._fetch().items()
-                      if p != self.peer_id and r.fingerprint == self.fingerprint}
+                      if p != self.peer_id and r.fingerprint == self.fingerprint and (among is None or p in among)}
             if any(r.exchanged_round >= round_ for r in others.values()):
                 return "behind"  # they already exchanged this round without us
             if not others:

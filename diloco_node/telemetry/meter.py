@@ -37,6 +37,12 @@ class Telemetry:
         with self._lock:
             self._values.update(values)
 
+    def clear_if(self, key: str, value: Any) -> None:
+        """Set `key` to None only if it still holds `value` (a later writer's value stays)."""
+        with self._lock:
+            if self._values.get(key) == value:
+                self._values[key] = None
+
     def snapshot(self, fresh: bool = False) -> dict[str, Any]:
         if fresh and self._refresh:
             self._refresh()

@@ -49,3 +49,12 @@ def test_drain_does_not_wait_for_peers_that_left(pair: tuple[PayloadExchange, Pa
     started = time.monotonic()
     assert offering.drain(30, still_there=lambda _peer: False)
     assert time.monotonic() - started < 5
+
+
+def test_a_fetch_before_we_knew_the_group_counts(pair: tuple[PayloadExchange, PayloadExchange, str, str]) -> None:
+    # a fast group member can fetch before our own matchmaking returns and we call expect()
+    offering, fetching, offering_id, fetching_id = pair
+    offering.offer(1, b"payload")
+    assert fetching.fetch_all([offering_id], 1, timeout=10) == {offering_id: b"payload"}
+    offering.expect(1, [fetching_id])
+    assert offering.drain(0.5, still_there=lambda _peer: True)

@@ -33,23 +33,24 @@ def test_four_nodes_gossip_in_small_groups_and_stay_close(spawn: NodeFactory, tm
 
     pairings = set()
     for round_ in range(1, ROUNDS + 1):
-        groups = {node.name: node.rounds[round_].group for node in nodes}
-        for name, group in groups.items():
-            assert ids[name] in group and len(group) <= GROUP_SIZE, f"round {round_}: {name} in {group}"
-            assert nodes[0].rounds[round_].group_size <= GROUP_SIZE
-        pairings.add(frozenset(frozenset(group) for group in groups.values()))
-    assert len(pairings) >= 2, f"the groups never changed: {pairings}"  # 1 in 3^4 if drawn at random
+        for node in nodes:
+            entry = node.rounds[round_]
+            assert ids[node.name] in entry.group and len(entry.group) == entry.group_size <= GROUP_SIZE, \
+                f"round {round_}: {node.name} in {entry.group}"
+        pairings.add(frozenset(frozenset(node.rounds[round_].group) for node in nodes))
+    # The draws follow from the run id: with "gossip", rounds 1 and 2 pair alike and round 3 differs.
+    assert len(pairings) >= 2, f"the groups never changed: {pairings}"
 
     for node in nodes:
         losses = [node.joined_eval_loss] + [node.rounds[r].eval_loss for r in range(1, ROUNDS + 1)]
         assert losses[-1] < losses[0] - 0.5, f"{node.name}: eval loss did not fall: {losses}"
 
     # How far each node was from its group's mean, round by round: bounded, and not growing. (Round 1
-    # starts from one φ; a pair that keeps meeting stays identical, hence the check that early > 0.)
+    # starts from one φ and round 2 meets the same partner, so early distances can be mere rounding.)
     distances = [[node.rounds[r].consensus_distance or 0.0 for node in nodes] for r in range(1, ROUNDS + 1)]
     early, late = max(max(d) for d in distances[1:3]), max(max(d) for d in distances[3:])
     assert all(max(d) < CLOSE for d in distances), distances
-    if early > 0:  # 1 in 3^2 that rounds 1-3 all drew the same pairs
+    if early > 1e-3:
         assert late <= 2 * early, f"replicas drift apart: {distances}"
 
     # And every pair of replicas at the end, from their final checkpoints.
