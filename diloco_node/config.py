@@ -68,8 +68,9 @@ class NodeConfig(BaseModel):
     outer_lr: float = Field(0.7, gt=0, description="outer learning rate")
     outer_momentum: float = Field(DILOCO_MOMENTUM, ge=0, lt=1, description="outer Nesterov momentum "
                                   f"({EAGER_MOMENTUM} when unset and --sync is eager: see README, sync modes)")
-    sync: str = Field("blocking", pattern=r"^(blocking|delayed|eager)$",
-                      description="when the exchange runs: blocking, delayed or eager (overlaps the next round)")
+    sync: str = Field("eager", pattern=r"^(blocking|delayed|eager)$",
+                      description="when the exchange runs: blocking, delayed or eager (overlaps the next round); "
+                      "unset, eager for diloco and blocking for noloco")
     eager_proxy: str = Field("full", pattern=r"^(full|share)$",
                              description="eager: weight of our fresh Δ in the proxy: full (it stands in for the "
                              "group's mean until that arrives) or share (our token share, 1/M)")
@@ -140,10 +141,15 @@ class NodeConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _momentum_for_sync(cls, data: Any) -> Any:
-        """Unset momentum follows the sync mode: eager's stale half of each step already acts as momentum."""
-        if isinstance(data, dict) and data.get("outer_momentum") is None:
-            return {**data, "outer_momentum": EAGER_MOMENTUM if data.get("sync") == "eager" else DILOCO_MOMENTUM}
+    def _defaults_that_follow(cls, data: Any) -> Any:
+        """Unset sync follows the algorithm (NoLoCo's small groups exchange blocking), and unset
+        momentum follows sync: eager's stale half of each step already acts as momentum."""
+        if not isinstance(data, dict):
+            return data
+        if data.get("sync") is None:
+            data = {**data, "sync": "blocking" if data.get("algorithm") == "noloco" else "eager"}
+        if data.get("outer_momentum") is None:
+            data = {**data, "outer_momentum": EAGER_MOMENTUM if data["sync"] == "eager" else DILOCO_MOMENTUM}
         return data
 
     @model_validator(mode="after")

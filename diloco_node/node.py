@@ -392,12 +392,13 @@ class Node:
         self.compute_seconds += timing.compute
         self.wait_seconds += timing.wait
         numel, payload = before["parameters"], own.payload_bytes
+        raw = 4 * numel * (2 if self.gossip else 1)  # fp32 size of what we sent: NoLoCo sends Δ and φ
         stats = {
             "round": self.round, "time": time.time(), "loss": sum(losses) / len(losses),
             "eval_loss": self._evaluate(), "group_size": len(group),
             "bytes_sent": sent - before["bytes_sent"], "bytes_received": received - before["bytes_received"],
             "bytes_sent_total": sent, "bytes_received_total": received, **wire, "payload_bytes": payload,
-            "raw_bytes": 4 * numel, "compression_ratio": 4 * numel / payload if payload else None,
+            "raw_bytes": raw, "compression_ratio": raw / payload if payload else None,
             "bytes_per_param": payload / numel, "codec_seconds": round(codec_seconds, 4),
             "transfer_seconds": round(result.transfer_seconds, 3) if result else None,
             "transfer_bytes": result.received_bytes if result else None,

@@ -23,7 +23,9 @@ ROUND = re.compile(r"round=(\d+) loss=\S+ eval_loss=([\d.]+) group_size=(\d+) .*
 GOSSIP = re.compile(r" consensus_distance=(\S+) group=(\S+)")
 JOINED = re.compile(r"joined run=\S+ round=(\d+) eval_loss=([\d.]+)")
 FAST = ["--listen", "/ip4/127.0.0.1/tcp/0", "--status", "127.0.0.1:0", "--threads", "1", "--seq-len", "64",
-        "--batch-size", "8", "--eval-batches", "2", "--warmup-steps", "5", "--matchmaking-time", "2"]
+        "--batch-size", "8", "--eval-batches", "2", "--warmup-steps", "5", "--matchmaking-time", "2",
+        # most tests check that φ agrees bit for bit, which only blocking promises; a later --sync wins
+        "--sync", "blocking"]
 
 
 @dataclass

@@ -34,7 +34,7 @@ def _error(values: dict[str, Any]) -> str:
 def test_defaults_are_valid() -> None:
     cfg = build_config({})
     assert cfg == NodeConfig()
-    assert cfg.inner_steps == 50 and cfg.outer_lr == 0.7 and cfg.outer_momentum == 0.9
+    assert cfg.inner_steps == 50 and cfg.outer_lr == 0.7 and cfg.outer_momentum == 0.6 and cfg.sync == "eager"
     assert cfg.status_host_port == ("127.0.0.1", 7780)
 
 
@@ -220,7 +220,7 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None
     assert values["warmup_steps"] == 6        # flag > file
     assert values["outer_lr"] == 0.25         # env > default
     assert values["peer"] == [PEER_A, PEER_B]  # list from env, whitespace-separated, replaces the file's
-    assert values["eval_batches"] == 8 and values["outer_momentum"] == 0.9  # untouched defaults
+    assert values["eval_batches"] == 8 and values["outer_momentum"] == 0.6  # untouched defaults (eager)
     assert fingerprint == build_config({"outer_lr": 0.25}).fingerprint()
 
 
@@ -257,8 +257,16 @@ def test_shipped_configs_are_valid(path: Path) -> None:
     assert load_config(str(path), {}).model
 
 
+def test_unset_sync_follows_the_algorithm() -> None:
+    assert load_config(None, {}).sync == "eager"
+    assert load_config(None, {"algorithm": "noloco"}).sync == "blocking"
+    assert load_config(None, {"sync": "delayed"}).sync == "delayed"
+
+
 def test_unset_outer_momentum_follows_the_sync_mode(tmp_path: Path) -> None:
-    assert load_config(None, {}).outer_momentum == 0.9
+    assert load_config(None, {"sync": "blocking"}).outer_momentum == 0.9
+    assert load_config(None, {"algorithm": "noloco"}).outer_momentum == 0.9
+    assert load_config(None, {}).outer_momentum == 0.6
     assert load_config(None, {"sync": "eager"}).outer_momentum == 0.6
     assert load_config(None, {"sync": "eager", "outer_momentum": 0.8}).outer_momentum == 0.8
     path = tmp_path / "node.toml"
@@ -267,7 +275,7 @@ def test_unset_outer_momentum_follows_the_sync_mode(tmp_path: Path) -> None:
     assert load_config(str(path), {"sync": "blocking"}).outer_momentum == 0.95
     # peers must agree on the proxy only where it is used
     assert "eager_proxy" in load_config(None, {"sync": "eager"}).fingerprint_fields()
-    assert "eager_proxy" not in load_config(None, {}).fingerprint_fields()
+    assert "eager_proxy" not in load_config(None, {"sync": "blocking"}).fingerprint_fields()
 
 
 def test_noloco_options_and_their_fingerprint() -> None:
