@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 ROUND_LINE = re.compile(r"round=(\d+) loss=([\d.]+) eval_loss=([\d.]+) group_size=(\d+) sent=(\d+) received=(\d+)")
 JOIN_LINE = re.compile(r"joined run=\S+ round=(\d+) eval_loss=([\d.]+) parameters=(\d+)")
+SETTLED_LINE = re.compile(r"settled round=\d+ eval_loss=([\d.]+)")  # eager / delayed, after the last round
 FP32_BYTES = 4
 
 
@@ -29,6 +30,7 @@ class NodeProgress:
     eval_before: float | None = None
     parameters: int = 0
     rounds: list[tuple[int, float, int, int, int]] = field(default_factory=list)  # round, eval, group, sent, recv
+    eval_settled: float | None = None  # eval loss once the last exchange was applied
     errors: list[str] = field(default_factory=list)
 
 
@@ -57,6 +59,8 @@ def _follow(stream: IO[str], progress: NodeProgress, bar: tqdm, log: Path) -> No
                 progress.rounds.append((int(rnd), float(eval_loss), int(group), int(sent), int(recv)))
                 bar.update(1)
                 bar.set_postfix(eval_loss=f"{float(eval_loss):.3f}")
+            elif match := SETTLED_LINE.search(line):
+                progress.eval_settled = float(match[1])
             elif "error" in line.lower():
                 progress.errors.append(line.strip())
 
@@ -115,8 +119,11 @@ def summary(progresses: list[NodeProgress], nodes: int, inner_steps: int) -> str
         # Data-parallel ring all-reduce sends 2(M-1)/M of the fp32 gradient every step.
         ring = 2 * (nodes - 1) / nodes * FP32_BYTES * progress.parameters * inner_steps * rounds
         reduction = f"{ring / sent:.0f}x less" if sent else "n/a"
-        group = sum(r[2] for r in progress.rounds) / rounds
-        lines.append(f"{index:>4} {progress.eval_before or float('nan'):>13.4f} {progress.rounds[-1][1]:>10.4f} "
+        # over the exchanges applied (under eager a round applies the previous one's; the first none)
+        groups = [r[2] for r in progress.rounds if r[2]]
+        group = sum(groups) / len(groups) if groups else 0.0
+        eval_after = progress.eval_settled if progress.eval_settled is not None else progress.rounds[-1][1]
+        lines.append(f"{index:>4} {progress.eval_before or float('nan'):>13.4f} {eval_after:>10.4f} "
                      f"{rounds:>6} {group:>9.2f} {per_round:>12,.0f} {per_param:>13.3f} {reduction:>13}")
     lines.append(f"bytes are this node's payload sent per round; 'vs all-reduce' compares with data-parallel "
                  f"training sending {nodes}-way ring all-reduces every step for the same tokens.")

@@ -240,7 +240,7 @@ class Node:
         self._announce(ready=True)
         delta = torch.cat([d.reshape(-1) for d in pseudo_gradient(
             self.outer_params, [p.detach().cpu() for p in self.model.parameters()])])
-        own = self.swarm.contribute(delta, self.round, self._flat_phi() if self.gossip else None)
+        own = self.swarm.contribute(delta, self.round, tokens, self._flat_phi() if self.gossip else None)
         if self.gossip:
             outcome = self._gossip(self.round, own, tokens)
             step = outcome.result.mean if outcome.result else None

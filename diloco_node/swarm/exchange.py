@@ -16,9 +16,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
@@ -27,22 +30,41 @@ logger = logging.getLogger(__name__)
 
 HEADER_LEN = 8
 MAX_REQUEST_BYTES = 256
+MAX_META_BYTES = 1 << 14  # tokens and the group's peer ids
 FETCH_ATTEMPTS = 3
 KEPT_ROUNDS = 2  # a slow peer may still fetch the previous round while we offer the next
 RECEIVED = b"\x01"  # a fetcher's acknowledgement: it read our whole payload
+
+
+@dataclass
+class _Offer:
+    """What we offer for one round, and who has fetched it."""
+
+    payload: bytes
+    tokens: float
+    group: tuple[str, ...] | None = None  # the round's group, ourselves included, once matchmaking told us
+    awaited: set[str] = field(default_factory=set)  # members that have not fetched yet (see drain)
+    served: set[str] = field(default_factory=set)  # peers that fetched it (before or after we knew the group)
+
+    def meta(self) -> bytes:
+        return json.dumps({"tokens": self.tokens, "group": self.group}).encode()
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A peer's payload for a round, with its tokens and the group it averaged in (None if not yet known)."""
+
+    payload: bytes
+    tokens: float
+    group: tuple[str, ...] | None
 
 
 class PayloadExchange:
     def __init__(self, dht: DHT, namespace: str, max_payload_bytes: int):
         self._handler_name = f"{namespace}_payload"
         self._max_payload = max_payload_bytes
-        self._offers: dict[int, bytes] = {}
-        self._offers_lock = threading.Lock()
-        # round → peers of its group that have not fetched our payload yet (see drain), and the
-        # peers that already have: a fast one may fetch before we learn that it is in our group
-        self._awaited: dict[int, set[str]] = {}
-        self._served: dict[int, set[str]] = {}
-        self._awaited_changed = threading.Condition(self._offers_lock)
+        self._offers: dict[int, _Offer] = {}
+        self._offers_changed = threading.Condition()
         self._counter_lock = threading.Lock()
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -66,19 +88,30 @@ class PayloadExchange:
 
     # --- serving ------------------------------------------------------------------------------
 
-    def offer(self, round_: int, payload: bytes) -> None:
-        with self._offers_lock:
-            self._offers[round_] = payload
+    def offer(self, round_: int, payload: bytes, tokens: float) -> None:
+        with self._offers_changed:
+            self._offers[round_] = _Offer(payload, tokens)
             for old in [r for r in self._offers if r <= round_ - KEPT_ROUNDS]:
                 del self._offers[old]
-                self._awaited.pop(old, None)
-                self._served.pop(old, None)
 
-    def expect(self, round_: int, peers: Sequence[str]) -> None:
-        """`peers` formed a group with us for `round_`: each will fetch our payload."""
-        with self._offers_lock:
-            if round_ in self._offers:
-                self._awaited[round_] = set(peers) - self._served.get(round_, set())
+    def expect(self, round_: int, group: Sequence[str], ourselves: str) -> None:
+        """`group` (ourselves included) averages `round_`: each other member will fetch our payload."""
+        with self._offers_changed:
+            if offer := self._offers.get(round_):
+                offer.group = tuple(sorted(group))
+                offer.awaited = set(group) - offer.served - {ourselves}
+                self._offers_changed.notify_all()
+
+    def served(self, round_: int, timeout: float) -> set[str]:
+        """The peers that fetched our payload for `round_`, waiting up to `timeout` s for the first."""
+        deadline = time.monotonic() + timeout
+        with self._offers_changed:
+            while True:
+                offer = self._offers.get(round_)
+                left = deadline - time.monotonic()
+                if offer is None or offer.served or left <= 0:
+                    return set(offer.served) if offer else set()
+                self._offers_changed.wait(min(left, 1.0))
 
     def drain(self, timeout: float, still_there: Callable[[str], bool]) -> bool:
         """Wait until our group has fetched what we offered; True when nobody is left waiting.
@@ -88,29 +121,32 @@ class PayloadExchange:
         Peers that have left the run (`still_there` says no) are not waited for.
         """
         deadline = time.monotonic() + timeout
-        with self._awaited_changed:
+        with self._offers_changed:
             while True:
-                waiting = {peer for peers in self._awaited.values() for peer in peers if still_there(peer)}
+                waiting = {peer for offer in self._offers.values() for peer in offer.awaited if still_there(peer)}
                 left = deadline - time.monotonic()
                 if not waiting or left <= 0:
                     return not waiting
-                self._awaited_changed.wait(min(left, 1.0))
+                self._offers_changed.wait(min(left, 1.0))
 
     async def _serve(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             request = await _receive(reader, MAX_REQUEST_BYTES, timeout=10)
             round_ = json.loads(request)["round"]
-            with self._offers_lock:
-                payload = self._offers.get(round_, b"") if isinstance(round_, int) else b""
+            with self._offers_changed:
+                offer = self._offers.get(round_) if isinstance(round_, int) else None
+                meta, payload = (offer.meta(), offer.payload) if offer else (b"{}", b"")
+            await _send(writer, meta)
             await _send(writer, payload)
             # served only once the fetcher says it read everything (its end closes either way)
             acknowledged = await asyncio.wait_for(reader.read(1), timeout=10) == RECEIVED
-            if acknowledged and payload:
-                with self._awaited_changed:
-                    self._served.setdefault(round_, set()).add(str(info.peer_id))
-                    self._awaited.get(round_, set()).discard(str(info.peer_id))
-                    self._awaited_changed.notify_all()
-            self._count(sent=HEADER_LEN + len(payload), received=HEADER_LEN + len(request) + acknowledged)
+            if acknowledged and offer is not None:
+                with self._offers_changed:
+                    offer.served.add(str(info.peer_id))
+                    offer.awaited.discard(str(info.peer_id))
+                    self._offers_changed.notify_all()
+            self._count(sent=2 * HEADER_LEN + len(meta) + len(payload),
+                        received=HEADER_LEN + len(request) + acknowledged)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError) as exc:
             logger.warning("payload request failed: %s", type(exc).__name__)
         finally:
@@ -118,9 +154,9 @@ class PayloadExchange:
 
     # --- fetching -----------------------------------------------------------------------------
 
-    def fetch_all(self, peers: Sequence[str], round_: int, timeout: float) -> dict[str, bytes | None]:
+    def fetch_all(self, peers: Sequence[str], round_: int, timeout: float) -> dict[str, Fetched | None]:
         """Each peer's payload for `round_`, or None where it failed, timed out or had none."""
-        async def fetch_every() -> list[bytes | None]:
+        async def fetch_every() -> list[Fetched | None]:
             return await asyncio.gather(*(self._fetch(peer, round_, timeout) for peer in peers))
         try:
             results = self._run(fetch_every(), timeout=timeout + 5)
@@ -128,7 +164,7 @@ class PayloadExchange:
             results = [None] * len(peers)
         return dict(zip(peers, results, strict=True))
 
-    async def _fetch(self, peer: str, round_: int, timeout: float) -> bytes | None:
+    async def _fetch(self, peer: str, round_: int, timeout: float) -> Fetched | None:
         """One peer's payload; a stream cut short is retried, since one lost payload splits φ."""
         deadline = self._loop.time() + timeout
         for attempt in range(1, FETCH_ATTEMPTS + 1):
@@ -147,19 +183,23 @@ class PayloadExchange:
     def _failed(peer: str, round_: int, exc: Exception) -> None:
         logger.warning("round=%d could not fetch payload from peer=%s: %s", round_, peer, type(exc).__name__)
 
-    async def _fetch_once(self, peer: str, round_: int, timeout: float) -> bytes | None:
+    async def _fetch_once(self, peer: str, round_: int, timeout: float) -> Fetched | None:
         _, reader, writer = await asyncio.wait_for(
             self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._handler_name), timeout)
         try:
             request = json.dumps({"round": round_}).encode()
             await _send(writer, request)
+            meta = await _receive(reader, MAX_META_BYTES, timeout)
             payload = await _receive(reader, self._max_payload, timeout)
             writer.write(RECEIVED)
             await writer.drain()
         finally:
             writer.close()
-        self._count(sent=HEADER_LEN + len(request) + len(RECEIVED), received=HEADER_LEN + len(payload))
-        return payload or None
+        self._count(sent=HEADER_LEN + len(request) + len(RECEIVED), received=2 * HEADER_LEN + len(meta) + len(payload))
+        if not payload:
+            return None
+        tokens, group = _parse_meta(json.loads(meta))
+        return Fetched(payload, tokens, group)
 
     def close(self) -> None:
         try:
@@ -181,6 +221,17 @@ class PayloadExchange:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _parse_meta(meta: Any) -> tuple[float, tuple[str, ...] | None]:
+    """A peer's (tokens, group) for its payload; ValueError on anything else."""
+    tokens = meta.get("tokens") if isinstance(meta, dict) else None
+    if isinstance(tokens, bool) or not isinstance(tokens, (int, float)) or not math.isfinite(tokens) or tokens <= 0:
+        raise ValueError(f"payload tokens {tokens!r} are not a positive number")
+    group = meta.get("group")
+    if group is not None and not (isinstance(group, list) and all(isinstance(p, str) for p in group)):
+        raise ValueError("payload group is not a list of peer ids")
+    return float(tokens), tuple(group) if group is not None else None
 
 
 async def _send(writer: asyncio.StreamWriter, data: bytes) -> None:

@@ -30,7 +30,7 @@ from hivemind.utils import get_dht_time
 from diloco_node.codec import Codec, CodecError, max_payload_bytes, split_first
 from diloco_node.outer.aggregate import Contribution, robust_weighted_mean, weighted_mean
 from diloco_node.swarm import records
-from diloco_node.swarm.exchange import PayloadExchange
+from diloco_node.swarm.exchange import Fetched, PayloadExchange
 from diloco_node.swarm.groups import group_key, random_groups
 from diloco_node.swarm.presence import Presence
 
@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 ROUND_BITS = 24  # group key bits carrying the round number (mod 2**24)
 BOOTSTRAP_ATTEMPTS = 3
 MATCHMAKING_SLACK = 5.0  # seconds beyond the matchmaking windows for DHT lookups on a loaded link
+# After a failed matchmaking: how long a group that counted us in has to fetch our payload. Its
+# members fetch as soon as their own matchmaking ends, which is before ours gives up.
+MISSED_GROUP_GRACE = 2.0
 
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
 
@@ -163,7 +166,7 @@ class SwarmMember:
 
     # --- rounds -------------------------------------------------------------------------------
 
-    def contribute(self, pseudo_gradient: torch.Tensor, round_: int,
+    def contribute(self, pseudo_gradient: torch.Tensor, round_: int, tokens: float,
                    phi: torch.Tensor | None = None) -> OwnContribution:
         """Encode our flat Δ (and, for NoLoCo, our flat φ after it) and offer it to the round's group.
 
@@ -177,7 +180,7 @@ class SwarmMember:
             if self._phi_codec is not None:
                 assert phi is not None, "NoLoCo contributions carry φ"
                 payload += self._phi_codec.encode(phi)
-            self._exchange.offer(round_, payload)
+            self._exchange.offer(round_, payload, tokens)
         except CodecError as exc:  # our inner phase blew up (NaN/inf): send nothing, take the others'
             logger.warning("round=%d not contributing: %s", round_, exc)
             payload, decoded, phi = b"", None, None
@@ -187,24 +190,28 @@ class SwarmMember:
         """The robust token-weighted mean over the group that forms for `round_` (safe off the main thread)."""
         contributions = [Contribution(self.peer_id, tokens, own.decoded)] if own.decoded is not None else []
         phis = {self.peer_id: own.phi} if own.phi is not None else {}
-        group_tokens = self._form_group(round_, tokens)
-        others = sorted(peer for peer in group_tokens if peer != self.peer_id)
-        if own.decoded is not None:
-            self._exchange.expect(round_, others)
-        codec_seconds = own.codec_seconds
+        others = [peer for peer in self._form_group(round_) if peer != self.peer_id]
         started = time.perf_counter()
-        fetched = self._exchange.fetch_all(others, round_, self.settings.round_timeout)
+        fetched: dict[str, Fetched | None] = {}
+        if not others and own.decoded is not None:
+            others, fetched = self._missed_group(round_)
+        if own.decoded is not None:
+            self._exchange.expect(round_, [self.peer_id, *others], self.peer_id)
+        codec_seconds = own.codec_seconds
+        fetched.update(self._exchange.fetch_all([p for p in others if p not in fetched], round_,
+                                                self.settings.round_timeout))
         transfer_seconds = time.perf_counter() - started
-        received_bytes = sum(len(payload) for payload in fetched.values() if payload)
-        for peer, received in fetched.items():
-            if received is None:
+        received_bytes = sum(len(item.payload) for item in fetched.values() if item)
+        for peer, item in sorted(fetched.items()):
+            if item is None:
                 continue
             started = time.perf_counter()
             try:
+                received = item.payload
                 if self._phi_codec is not None:
                     received, phi_payload = split_first(received)
                     phis[peer] = self._phi_codec.decode(phi_payload, self._numel)
-                contributions.append(Contribution(peer, group_tokens[peer], self._codec.decode(received, self._numel)))
+                contributions.append(Contribution(peer, item.tokens, self._codec.decode(received, self._numel)))
             except CodecError as exc:
                 phis.pop(peer, None)
                 logger.warning("round=%d dropped payload from peer=%s: %s", round_, peer, exc)
@@ -241,8 +248,27 @@ class SwarmMember:
         """NoLoCo: who we are drawn to average with in `round_`, ourselves included."""
         return next((group for group in self.drawn_groups(round_) if self.peer_id in group), [self.peer_id])
 
-    def _form_group(self, round_: int, tokens: float) -> dict[str, float]:
-        """Matchmake with the peers averaging `round_`; returns peer id → tokens, ourselves included."""
+    def _missed_group(self, round_: int) -> tuple[list[str], dict[str, Fetched | None]]:
+        """The group that averaged `round_` with us although our own matchmaking failed.
+
+        hivemind's matchmaking can end one-sided: a leader counts us in while our request to it
+        timed out (a loaded machine). The members then fetch our payload and take it into their
+        mean; averaging alone would split our φ from theirs. So we ask a peer that fetched ours for
+        its group and fetch the members' payloads: the same contributions, hence the same mean.
+        """
+        fetchers = sorted(self._exchange.served(round_, timeout=MISSED_GROUP_GRACE))
+        if not fetchers:
+            return [], {}
+        fetched = self._exchange.fetch_all(fetchers[:1], round_, self.settings.round_timeout)
+        first = fetched[fetchers[0]]
+        if first is None or first.group is None or self.peer_id not in first.group:
+            return [], {}
+        logger.info("round=%d our matchmaking failed but %s averaged with us; joining that group",
+                    round_, ", ".join(p for p in first.group if p != self.peer_id))
+        return [p for p in first.group if p != self.peer_id], fetched
+
+    def _form_group(self, round_: int) -> list[str]:
+        """Matchmake with the peers averaging `round_`; returns their peer ids, ourselves included."""
         bits = format(round_ % 2**ROUND_BITS, f"0{ROUND_BITS}b")
         if self.settings.group_size:  # NoLoCo: only our drawn group shares the key (see groups.py)
             bits += group_key(self.peer_id, self.drawn_groups(round_))
@@ -254,20 +280,20 @@ class SwarmMember:
             with self._averager_lock:
                 self._averager.set_group_bits(bits)
                 control = self._averager.step(
-                    gather={"round": round_, "tokens": tokens}, timeout=timeout,
+                    gather={"round": round_}, timeout=timeout,
                     scheduled_time=get_dht_time() + self.settings.matchmaking_time, wait=False)
             gathered = control.result()
         except Exception as exc:  # hivemind surfaces timeouts and peer failures as assorted types
             logger.warning("round=%d no group formed (%s)", round_, type(exc).__name__)
             gathered = None
-        group = {self.peer_id: tokens}
+        group = [self.peer_id]
         for peer, info in (gathered or {}).items():
             if str(peer) == self.peer_id:
                 continue
-            if not (isinstance(info, dict) and info.get("round") == round_ and _valid_tokens(info.get("tokens"))):
+            if not (isinstance(info, dict) and info.get("round") == round_):
                 logger.warning("round=%d ignored peer=%s: malformed group metadata", round_, peer)
                 continue
-            group[str(peer)] = float(info["tokens"])
+            group.append(str(peer))
         return group
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -279,10 +305,6 @@ class SwarmMember:
         self._exchange.close()
         self._averager.shutdown()
         self._dht.shutdown()
-
-
-def _valid_tokens(value: Any) -> bool:
-    return isinstance(value, (int, float)) and 0 < value < 1e15
 
 
 _PR_SET_PDEATHSIG = 1

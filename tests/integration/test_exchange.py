@@ -1,15 +1,17 @@
-"""PayloadExchange between two real hivemind DHT peers in this process."""
+"""PayloadExchange between two real hivemind DHT peers in this process, and the missed-group recovery on top of it."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 from hivemind import DHT
 
-from diloco_node.swarm.exchange import PayloadExchange
+from diloco_node.swarm.exchange import Fetched, PayloadExchange, _parse_meta
+from diloco_node.swarm.member import SwarmMember
 
 pytestmark = pytest.mark.integration
 
@@ -28,8 +30,8 @@ def pair() -> Iterator[tuple[PayloadExchange, PayloadExchange, str, str]]:
 
 def test_drain_waits_until_the_group_has_fetched(pair: tuple[PayloadExchange, PayloadExchange, str, str]) -> None:
     offering, fetching, offering_id, fetching_id = pair
-    offering.offer(1, b"payload")
-    offering.expect(1, [fetching_id])
+    offering.offer(1, b"payload", 320.0)
+    offering.expect(1, [offering_id, fetching_id], offering_id)
     assert not offering.drain(0.5, still_there=lambda _peer: True), "nobody fetched yet"
 
     drained: list[bool] = []
@@ -37,15 +39,16 @@ def test_drain_waits_until_the_group_has_fetched(pair: tuple[PayloadExchange, Pa
     waiter.start()
     time.sleep(0.5)
     assert waiter.is_alive(), "drain returned before the group member fetched"
-    assert fetching.fetch_all([offering_id], 1, timeout=10) == {offering_id: b"payload"}
+    fetched = fetching.fetch_all([offering_id], 1, timeout=10)[offering_id]
+    assert fetched == Fetched(b"payload", 320.0, tuple(sorted([offering_id, fetching_id])))
     waiter.join(timeout=10)
     assert drained == [True]
 
 
 def test_drain_does_not_wait_for_peers_that_left(pair: tuple[PayloadExchange, PayloadExchange, str, str]) -> None:
-    offering, _, _, fetching_id = pair
-    offering.offer(1, b"payload")
-    offering.expect(1, [fetching_id])
+    offering, _, offering_id, fetching_id = pair
+    offering.offer(1, b"payload", 320.0)
+    offering.expect(1, [offering_id, fetching_id], offering_id)
     started = time.monotonic()
     assert offering.drain(30, still_there=lambda _peer: False)
     assert time.monotonic() - started < 5
@@ -54,7 +57,48 @@ def test_drain_does_not_wait_for_peers_that_left(pair: tuple[PayloadExchange, Pa
 def test_a_fetch_before_we_knew_the_group_counts(pair: tuple[PayloadExchange, PayloadExchange, str, str]) -> None:
     # a fast group member can fetch before our own matchmaking returns and we call expect()
     offering, fetching, offering_id, fetching_id = pair
-    offering.offer(1, b"payload")
-    assert fetching.fetch_all([offering_id], 1, timeout=10) == {offering_id: b"payload"}
-    offering.expect(1, [fetching_id])
+    offering.offer(1, b"payload", 320.0)
+    assert offering.served(1, timeout=0.2) == set()
+    # before our matchmaking returned, the group is not known yet
+    assert fetching.fetch_all([offering_id], 1, timeout=10) == {offering_id: Fetched(b"payload", 320.0, None)}
+    assert offering.served(1, timeout=5) == {fetching_id}
+    offering.expect(1, [offering_id, fetching_id], offering_id)
     assert offering.drain(0.5, still_there=lambda _peer: True)
+
+
+def test_nothing_offered_fetches_as_none(pair: tuple[PayloadExchange, PayloadExchange, str, str]) -> None:
+    _, fetching, offering_id, _ = pair
+    assert fetching.fetch_all([offering_id], 7, timeout=10) == {offering_id: None}
+
+
+@pytest.mark.parametrize("meta", [[], {}, {"tokens": 0}, {"tokens": -3.0}, {"tokens": float("nan")},
+                                  {"tokens": True}, {"tokens": "12"}, {"tokens": 5, "group": "abc"},
+                                  {"tokens": 5, "group": [1, 2]}])
+def test_a_peer_that_sends_nonsense_metadata_is_refused(meta: object) -> None:
+    with pytest.raises(ValueError):
+        _parse_meta(meta)
+
+
+def member_seam(exchange: PayloadExchange, peer_id: str) -> SimpleNamespace:
+    """What SwarmMember._missed_group uses of its member: its exchange, peer id and round timeout."""
+    return SimpleNamespace(_exchange=exchange, peer_id=peer_id, settings=SimpleNamespace(round_timeout=10.0))
+
+
+def test_a_node_whose_matchmaking_failed_joins_the_group_that_counted_it_in(
+        pair: tuple[PayloadExchange, PayloadExchange, str, str]) -> None:
+    missed, member, missed_id, member_id = pair
+    missed.offer(1, b"ours", 100.0)
+    member.offer(1, b"theirs", 300.0)
+    member.expect(1, [member_id, missed_id], member_id)  # its matchmaking counted us in
+    assert member.fetch_all([missed_id], 1, timeout=10)[missed_id] is not None
+    others, fetched = SwarmMember._missed_group(member_seam(missed, missed_id), 1)  # type: ignore[arg-type]
+    assert others == [member_id]
+    assert fetched == {member_id: Fetched(b"theirs", 300.0, tuple(sorted([member_id, missed_id])))}
+
+
+def test_a_node_nobody_counted_in_averages_alone(pair: tuple[PayloadExchange, PayloadExchange, str, str]) -> None:
+    missed, member, missed_id, member_id = pair
+    missed.offer(1, b"ours", 100.0)
+    member.offer(1, b"theirs", 300.0)
+    member.expect(1, [member_id], member_id)
+    assert SwarmMember._missed_group(member_seam(missed, missed_id), 1) == ([], {})  # type: ignore[arg-type]
