@@ -37,7 +37,7 @@ ROUND_RE = re.compile(r"round=(\d+) loss=(\S+) eval_loss=(\S+) group_size=(\d+) 
 CODEC_RE = re.compile(r" payload=(\d+) bytes_per_param=(\S+) codec_seconds=(\S+) ")
 TRANSFER_RE = re.compile(r" utilization=(\S+) transfer=(\d+)/(\S+)s ")
 SYNCED_RE = re.compile(r"synced state from peers round=(\d+)")
-SETTLED_RE = re.compile(r"settled round=(\d+) eval_loss=(\S+) digest=(\w+)")
+SETTLED_RE = re.compile(r"settled round=(\d+) eval_loss=(\S+) .*digest=(\w+)")
 WARNING_RE = re.compile(r" WARN(ING)? diloco_node")  # hivemind's log setup renames WARNING to WARN
 
 

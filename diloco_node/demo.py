@@ -21,7 +21,8 @@ from tqdm import tqdm
 
 ROUND_LINE = re.compile(r"round=(\d+) loss=([\d.]+) eval_loss=([\d.]+) group_size=(\d+) sent=(\d+) received=(\d+)")
 JOIN_LINE = re.compile(r"joined run=\S+ round=(\d+) eval_loss=([\d.]+) parameters=(\d+)")
-SETTLED_LINE = re.compile(r"settled round=\d+ eval_loss=([\d.]+)")  # eager / delayed, after the last round
+# eager / delayed, after the last round
+SETTLED_LINE = re.compile(r"settled round=\d+ eval_loss=([\d.]+) sent=(\d+)")
 FP32_BYTES = 4
 
 
@@ -31,6 +32,7 @@ class NodeProgress:
     parameters: int = 0
     rounds: list[tuple[int, float, int, int, int]] = field(default_factory=list)  # round, eval, group, sent, recv
     eval_settled: float | None = None  # eval loss once the last exchange was applied
+    sent_settling: int = 0  # what that last exchange sent after the last round line
     errors: list[str] = field(default_factory=list)
 
 
@@ -49,7 +51,7 @@ def _first_peer_address(process: subprocess.Popen[str]) -> str | None:
 
 
 def _follow(stream: IO[str], progress: NodeProgress, bar: tqdm, log: Path) -> None:
-    with open(log, "w") as out:
+    with open(log, "w", buffering=1) as out:  # line-buffered: the log is readable while the demo runs
         for line in stream:
             out.write(line)
             if match := JOIN_LINE.search(line):
@@ -60,7 +62,7 @@ def _follow(stream: IO[str], progress: NodeProgress, bar: tqdm, log: Path) -> No
                 bar.update(1)
                 bar.set_postfix(eval_loss=f"{float(eval_loss):.3f}")
             elif match := SETTLED_LINE.search(line):
-                progress.eval_settled = float(match[1])
+                progress.eval_settled, progress.sent_settling = float(match[1]), int(match[2])
             elif "error" in line.lower():
                 progress.errors.append(line.strip())
 
@@ -76,6 +78,7 @@ def run_demo(nodes: int, rounds: int, inner_steps: int, model: str) -> int:
     bar = tqdm(total=nodes * rounds, desc="outer rounds (all nodes)", unit="round")
     processes: list[subprocess.Popen[str]] = []
     progresses: list[NodeProgress] = []
+    followers: list[threading.Thread] = []
     try:
         first_address = ""
         for index in range(nodes):
@@ -84,8 +87,10 @@ def run_demo(nodes: int, rounds: int, inner_steps: int, model: str) -> int:
             process = _start_node(args, workdir / f"node{index}.log")
             progress = NodeProgress()
             assert process.stderr is not None
-            threading.Thread(target=_follow, daemon=True,
-                             args=(process.stderr, progress, bar, workdir / f"node{index}.log")).start()
+            follower = threading.Thread(target=_follow, daemon=True,
+                                        args=(process.stderr, progress, bar, workdir / f"node{index}.log"))
+            follower.start()
+            followers.append(follower)
             processes.append(process)
             progresses.append(progress)
             if index == 0:
@@ -100,6 +105,8 @@ def run_demo(nodes: int, rounds: int, inner_steps: int, model: str) -> int:
         for process in processes:
             process.terminate()
         codes = [process.wait() for process in processes]
+    for follower in followers:  # a node's last lines (its settled eval) may still be in the pipe
+        follower.join(timeout=10)
     bar.close()
     print(summary(progresses, nodes, inner_steps))
     return 0 if all(code == 0 for code in codes) else 1
@@ -113,7 +120,7 @@ def summary(progresses: list[NodeProgress], nodes: int, inner_steps: int) -> str
             lines.append(f"{index:>4} finished no round" + (f": {progress.errors[-1]}" if progress.errors else ""))
             continue
         rounds = len(progress.rounds)
-        sent = sum(r[3] for r in progress.rounds)
+        sent = sum(r[3] for r in progress.rounds) + progress.sent_settling
         per_round = sent / rounds
         per_param = per_round / max(progress.parameters, 1)
         # Data-parallel ring all-reduce sends 2(M-1)/M of the fp32 gradient every step.

@@ -224,9 +224,14 @@ class Node:
         with self.lock:
             self.outer.step(self._unflatten(step))
         eval_loss = self._evaluate()
-        self.telemetry.update(eval_loss=eval_loss, model_digest=self.model_digest())
-        # numbered like the round lines: the exchange of the round that logged round=N
-        logger.info("settled round=%d eval_loss=%.4f digest=%s", self.round, eval_loss, self.model_digest())
+        before = self.telemetry.snapshot()
+        sent, received = self.swarm.traffic() if self.swarm else (before["bytes_sent"], before["bytes_received"])
+        self.telemetry.update(eval_loss=eval_loss, model_digest=self.model_digest(), bytes_sent=sent,
+                              bytes_received=received)
+        # numbered like the round lines: the exchange of the round that logged round=N; sent and
+        # received are what that exchange moved after the last round line
+        logger.info("settled round=%d eval_loss=%.4f sent=%d received=%d digest=%s", self.round, eval_loss,
+                    sent - before["bytes_sent"], received - before["bytes_received"], self.model_digest())
 
     def run_round(self) -> None:
         assert self.swarm is not None
