@@ -132,6 +132,7 @@ def summary(progresses: list[NodeProgress], nodes: int, inner_steps: int) -> str
         eval_after = progress.eval_settled if progress.eval_settled is not None else progress.rounds[-1][1]
         lines.append(f"{index:>4} {progress.eval_before or float('nan'):>13.4f} {eval_after:>10.4f} "
                      f"{rounds:>6} {group:>9.2f} {per_round:>12,.0f} {per_param:>13.3f} {reduction:>13}")
-    lines.append(f"bytes are this node's payload sent per round; 'vs all-reduce' compares with data-parallel "
+    lines.append(f"bytes are this node's payload sent per round (pseudo-gradients, and the start state it served "
+                 f"to nodes that joined after it); 'vs all-reduce' compares with data-parallel "
                  f"training sending {nodes}-way ring all-reduces every step for the same tokens.")
     return "\n".join(lines)
