@@ -27,6 +27,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/diloco_vs_ddp.py
 	$(PY) benchmarks/codecs.py
 	$(PY) benchmarks/noloco.py
+	$(PY) benchmarks/eager_loss.py --h 40 --rounds 12
 	$(PY) benchmarks/wide_area.py  # network namespaces: needs root
 
 clean:

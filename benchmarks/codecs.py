@@ -37,7 +37,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import RESULTS_DIR, WORLD, StartupStalled, inner_config, machine_info, pair, pyplot, run_pair
+from common import (
+    BLOCKING_FLAGS,
+    RESULTS_DIR,
+    WORLD,
+    StartupStalled,
+    inner_config,
+    machine_info,
+    pair,
+    pyplot,
+    run_pair,
+)
 
 from diloco_node.codec import CODECS, make_codec
 from diloco_node.config import NodeConfig
@@ -121,7 +131,7 @@ def run_codec(label: str, codec: str, h: int, rounds: int, cfg: NodeConfig, work
         run_id = f"bench-codec-{label}-{os.getpid()}-{int(time.time())}"
         try:
             logs, wall, lo_node = run_pair(label, h, rounds, run_id, work / f"attempt{attempt}", timeout,
-                                           checkpoint_dirs=("", ""), extra=["--compression", codec],
+                                           checkpoint_dirs=("", ""), extra=["--compression", codec, *BLOCKING_FLAGS],
                                            join_timeout=JOIN_TIMEOUT)
         except StartupStalled as exc:
             print(f"  {label}: the nodes did not join within {JOIN_TIMEOUT:.0f}s (attempt {attempt}); "
@@ -231,7 +241,7 @@ def format_raw_length(name: str, cfg: NodeConfig) -> str:
 def check_targets(payload: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per target: what, measured, pass, and for a miss why and what would reach it."""
     results = {res["label"]: res for res in payload["results"]}
-    base, cfg, noise = results["none"], NodeConfig(), payload.get("noise_percent")
+    base, cfg, noise = results["none"], NodeConfig(sync="blocking"), payload.get("noise_percent")
     throughput = payload["throughput"]["codecs"]
     rows = []
     for name, (max_bpp, max_gap) in TARGETS.items():
@@ -319,7 +329,7 @@ def targets_markdown(checks: list[dict[str, Any]]) -> str:
 
 
 def notes(payload: dict[str, Any]) -> str:
-    cfg, config = NodeConfig(), payload["config"]
+    cfg, config = NodeConfig(sync="blocking"), payload["config"]
     results, tp = payload["results"], payload["throughput"]
     first = results[0]
     lines = [
@@ -437,7 +447,7 @@ def write_report(payload: dict[str, Any], out: Path) -> str:
 def rewrite_report(out: Path) -> str:
     """--report-only: recompute every derived number from the raw logs in the JSON, rewrite all outputs."""
     payload = json.loads((out / f"{NAME}.json").read_text())
-    cfg = NodeConfig()
+    cfg = NodeConfig(sync="blocking")
     for i, res in enumerate(payload["results"]):
         fresh = summarize(res["label"], res["codec"], res["H"], res["rounds"], cfg, res["logs"],
                           res["wall_seconds"], res["lo_bytes_per_node_upper_bound"])
@@ -488,7 +498,7 @@ def main() -> None:
     if args.report_only:
         print(rewrite_report(args.out_dir))
         return
-    cfg = NodeConfig()
+    cfg = NodeConfig(sync="blocking")
     started = time.monotonic()
     print(f"throughput: {', '.join(args.codecs)} on one core ...", flush=True)
     throughput = run_throughput(cfg, args.codecs, args.throughput_seconds)

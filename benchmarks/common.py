@@ -28,6 +28,10 @@ from diloco_node.config import NodeConfig
 from diloco_node.train.inner import InnerConfig
 
 WORLD = 2  # workers / nodes per configuration
+# DiLoCo as published: each round waits for the group's mean, so every node holds the same φ, with
+# outer momentum 0.9. The codec and data-parallel comparisons pin it (the node's default is eager);
+# the eager comparisons are benchmarks of their own (wide_area.py, eager_loss.py).
+BLOCKING_FLAGS = ("--sync", "blocking")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 JOINED_RE = re.compile(r"joined run=\S+ round=(\d+) eval_loss=(\S+) parameters=(\d+) digest=(\w+)")

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from common import (
+    BLOCKING_FLAGS,
     RESULTS_DIR,
     WORLD,
     free_port,
@@ -72,7 +73,7 @@ def ddp_worker(rank: int, port: int, steps: int, eval_every: int, queue: Any) ->
     torch.set_num_threads(1)  # like the nodes' --threads 1
     store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
-    cfg = NodeConfig()
+    cfg = NodeConfig(sync="blocking")
     dataset = ByteDataset(load_corpus(cfg.data), cfg.seq_len)
     eval_batches = dataset.eval_batches(cfg.batch_size, cfg.eval_batches)
     model = build_model(cfg.model, cfg.seed)
@@ -147,7 +148,7 @@ def run_ddp(steps: int, eval_every: int, cfg: NodeConfig, timeout: float) -> dic
 
 def run_diloco(h: int, rounds: int, cfg: NodeConfig, work: Path, timeout: float) -> dict[str, Any]:
     run_id = f"bench-h{h}-{os.getpid()}-{int(time.time())}"
-    logs, wall, lo_node = run_pair(f"H={h}", h, rounds, run_id, work, timeout)
+    logs, wall, lo_node = run_pair(f"H={h}", h, rounds, run_id, work, timeout, extra=BLOCKING_FLAGS)
     result = summarize_diloco(h, rounds, cfg, logs, wall, lo_node)
     result["outer_params_difference"] = outer_difference(run_id, work / "ck1", work / "ck2")
     return result
@@ -328,7 +329,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    cfg = NodeConfig()
+    cfg = NodeConfig(sync="blocking")
     if args.report_only:
         payload = json.loads((args.out_dir / f"{NAME}.json").read_text())
         print(write_report(payload, cfg, args.out_dir))

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import RESULTS_DIR, StartupStalled, machine_info, pyplot, run_swarm
+from common import BLOCKING_FLAGS, RESULTS_DIR, StartupStalled, machine_info, pyplot, run_swarm
 
 from diloco_node.swarm.groups import random_groups
 
@@ -97,7 +97,9 @@ def run_config(label: str, series: str, algorithm: str, codec: str, n: int, h: i
                timeout: float, flags: list[str]) -> dict[str, Any]:
     """One n-node run; a swarm that stalls before joining is recorded and started once more."""
     stalled = []
-    extra = ["--algorithm", algorithm, "--compression", codec, *NODE_FLAGS, *flags]
+    # Both blocking: the wait is then the synchronization itself (DiLoCo's default, eager, would
+    # hide it behind the next round, and NoLoCo has no overlapped mode).
+    extra = ["--algorithm", algorithm, "--compression", codec, *BLOCKING_FLAGS, *NODE_FLAGS, *flags]
     if algorithm == "noloco":
         extra += ["--group-size", str(GROUP_SIZE)]
     for attempt in range(1, START_ATTEMPTS + 1):
@@ -348,7 +350,8 @@ def notes(payload: dict[str, Any]) -> str:
         f"Part A: {cfg['part_a']['nodes']} nodes, H = {cfg['part_a']['H']}, {cfg['part_a']['rounds']} rounds: "
         f"{cfg['part_a']['H'] * cfg['part_a']['rounds'] * TOKENS_PER_STEP:,} tokens per node in every configuration "
         f"(equal tokens: {cfg['part_a']['equal_tokens']}). NoLoCo: `--group-size {GROUP_SIZE}`, α/β/γ at their "
-        "defaults; DiLoCo: outer lr 0.7, Nesterov momentum 0.9.",
+        "defaults; DiLoCo: outer lr 0.7, Nesterov momentum 0.9. Both with `--sync blocking`, so the wait is the "
+        "synchronization itself (DiLoCo's default, eager, overlaps it with the next round).",
         "`sent` / `received` are all the bytes a node put on / took from the swarm in a round; `payload` is its own "
         "encoded contribution (NoLoCo: Δ through the codec, then φ in fp32 under `none` and fp16 otherwise). Under "
         "DiLoCo the group's payloads are all-gathered, so a node sends its payload to each of the N − 1 others; "
