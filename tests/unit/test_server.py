@@ -247,14 +247,14 @@ def test_large_history_and_swarm_are_served_whole() -> None:
     serve(telemetry, check)
 
 
-def _metrics_sample_names() -> set[str]:
+def _metrics_sample_names(telemetry: Telemetry) -> set[str]:
     names: set[str] = set()
 
     async def check(client: TestClient) -> None:
         text = await (await client.get("/metrics")).text()
         names.update(s.name for f in text_string_to_metric_families(text) for s in f.samples)
 
-    serve(filled_telemetry(), check)
+    serve(telemetry, check)
     return names
 
 
@@ -276,8 +276,10 @@ def _dashboard_exprs() -> list[str]:
 
 def test_grafana_dashboard_uses_only_served_metrics() -> None:
     exprs = _dashboard_exprs()
-    served = _metrics_sample_names()
-    allowed = {f"{name}_total" for name in COUNTERS} | set(GAUGES) | {
+    noloco = filled_telemetry()
+    noloco.update(algorithm="noloco", consensus_distance=0.004)
+    served = _metrics_sample_names(filled_telemetry()) | _metrics_sample_names(noloco)
+    allowed = {f"{name}_total" for name in COUNTERS} | set(GAUGES) | {"diloco_consensus_distance"} | {
         f"diloco_round_seconds_{suffix}" for suffix in ("bucket", "sum", "count")}
     used = set()
     for expr in exprs:
@@ -287,7 +289,8 @@ def test_grafana_dashboard_uses_only_served_metrics() -> None:
         assert '$run' in expr, expr  # every panel follows the run picker
         used |= names
     assert used <= served
-    assert {"diloco_bytes_sent_total", "diloco_bytes_received_total", "diloco_round_seconds_bucket"} <= used
+    assert {"diloco_bytes_sent_total", "diloco_bytes_received_total", "diloco_round_seconds_bucket",
+            "diloco_consensus_distance"} <= used
     assert any("histogram_quantile(0.95" in e for e in exprs)
     assert any("rate(diloco_bytes_sent_total" in e for e in exprs)
 
