@@ -83,9 +83,11 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="eager_loss_"))
     repeats: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
-        repeats.append({mode: mean_final_eval_loss(args.h, args.rounds, mode, work / f"{repeat}-{mode}",
-                                                   args.timeout) for mode in modes})
-        print(json.dumps(repeats[-1]), flush=True)
+        losses: dict[str, float] = {}
+        for mode in modes:
+            losses[mode] = mean_final_eval_loss(args.h, args.rounds, mode, work / f"{repeat}-{mode}", args.timeout)
+            print(f"repeat {repeat + 1} {mode}: eval loss {losses[mode]:.4f}", flush=True)
+        repeats.append(losses)
     text = report(args, modes, repeats)
     RESULTS_DIR.mkdir(exist_ok=True)
     suffix = "" if args.modes == DEFAULT_MODES else "_" + re.sub(r"\W+", "-", "_".join(modes[1:]))

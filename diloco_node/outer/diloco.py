@@ -22,7 +22,8 @@ class OuterOptimizer:
 
     def __init__(self, outer_params: Sequence[torch.Tensor], lr: float, momentum: float):
         self.params = list(outer_params)
-        self._sgd = torch.optim.SGD(self.params, lr=lr, momentum=momentum, nesterov=True)
+        # momentum 0 (a valid setting) is plain SGD; torch refuses Nesterov without momentum
+        self._sgd = torch.optim.SGD(self.params, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
     @torch.no_grad()
     def step(self, mean_pseudo_gradient: Sequence[torch.Tensor]) -> None:

@@ -59,6 +59,18 @@ def test_three_nesterov_rounds_match_hand_computation() -> None:
     _close(outer.momentum_buffers()[0], [0.13, -0.235])
 
 
+def test_momentum_zero_is_plain_sgd() -> None:
+    # --outer-momentum 0 is a valid setting (torch alone would refuse Nesterov without momentum):
+    # φ ← φ − η·g each round, no buffer kept.
+    phi = _phi()
+    outer = OuterOptimizer([phi], lr=LR, momentum=0.0)
+    outer.step(_g(G1))  # [1.0 - 0.35, 2.0 + 0.7] = [0.65, 2.7]
+    _close(phi, [0.65, 2.7])
+    outer.step(_g(G2))  # [0.65 - 0.175, 2.7 - 0.35] = [0.475, 2.35]
+    _close(phi, [0.475, 2.35])
+    assert outer.state() == {"momentum": None}
+
+
 def test_step_updates_phi_in_place_and_leaves_no_grad_behind() -> None:
     phi = _phi()
     outer = OuterOptimizer([phi], lr=LR, momentum=MOMENTUM)
