@@ -4,13 +4,13 @@ link, so this runs on loopback (wide_area.py has the link).
 
     .venv/bin/python benchmarks/eager_loss.py --h 100 --rounds 6 --repeats 2
     .venv/bin/python benchmarks/eager_loss.py --h 40 --rounds 12 --repeats 2   # the demo's setting
-    .venv/bin/python benchmarks/eager_loss.py --modes blocking,delayed,delayed:0.6,delayed:0.3 --repeats 1
+    .venv/bin/python benchmarks/eager_loss.py --modes blocking,delayed:0.9,delayed:0.6,delayed:0.3,delayed:0 --repeats 1
 
 A mode is SYNC or SYNC:MOMENTUM (the outer momentum; without it the node's default for that sync).
 Each repeat runs one pair per mode (2 nodes of the real CLI, defaults otherwise), blocking first as
 the reference. A node's data order follows its random peer id, so repeats differ; each mode's ratio to
 blocking is given per repeat and as a mean. Under delayed and eager the two nodes' φ may differ, so
-their eval losses are averaged. Results: benchmarks/results/eager_loss_h<H>[_<modes>].{json,md}.
+their eval losses are averaged. Results: benchmarks/results/eager_loss_h<H>[_<syncs compared>].{json,md}.
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ def main() -> None:
         repeats.append(losses)
     text = report(args, modes, repeats)
     RESULTS_DIR.mkdir(exist_ok=True)
-    suffix = "" if args.modes == DEFAULT_MODES else "_" + re.sub(r"\W+", "-", "_".join(modes[1:]))
+    syncs = sorted({mode.partition(":")[0] for mode in modes[1:]})  # e.g. a momentum sweep of delayed
+    suffix = "" if args.modes == DEFAULT_MODES else "_" + "-".join(syncs)
     stem = RESULTS_DIR / f"eager_loss_h{args.h}{suffix}"
     stem.with_suffix(".json").write_text(json.dumps({"args": vars(args), "repeats": repeats,
                                                      "machine": machine_info()}, indent=1))

@@ -23,6 +23,12 @@ DILOCO_MOMENTUM = 0.9  # DiLoCo's outer Nesterov momentum (DESIGN §3)
 # Under eager, half of each step (the others' Δ) lands a round late, which already carries momentum;
 # 0.6 kept eager within 1 % of blocking in benchmarks/wide_area.py, 0.9 did not (see README, sync modes).
 EAGER_MOMENTUM = 0.6
+# Delayed applies every Δ one round late, and its inner phases start from a φ that lacks the last
+# one; momentum on top overshoots: at H=100 it ended 1.73× blocking's eval loss with 0.9, 1.39× with
+# 0.3, 1.17× with 0 (benchmarks/eager_loss.py --modes
+# blocking,delayed:0.9,delayed:0.6,delayed:0.3,delayed:0 --repeats 1).
+DELAYED_MOMENTUM = 0.0
+SYNC_MOMENTUM = {"blocking": DILOCO_MOMENTUM, "delayed": DELAYED_MOMENTUM, "eager": EAGER_MOMENTUM}
 
 
 class ConfigError(ValueError):
@@ -66,8 +72,9 @@ class NodeConfig(BaseModel):
 
     # --- outer optimizer (Nesterov SGD on pseudo-gradients) ---
     outer_lr: float = Field(0.7, gt=0, description="outer learning rate")
-    outer_momentum: float = Field(DILOCO_MOMENTUM, ge=0, lt=1, description="outer Nesterov momentum "
-                                  f"({EAGER_MOMENTUM} when unset and --sync is eager: see README, sync modes)")
+    outer_momentum: float = Field(DILOCO_MOMENTUM, ge=0, lt=1, description=(
+        f"outer Nesterov momentum (unset: {DILOCO_MOMENTUM} blocking, {EAGER_MOMENTUM} eager, "
+        f"{DELAYED_MOMENTUM} delayed; see README, sync modes)"))
     sync: str = Field("eager", pattern=r"^(blocking|delayed|eager)$",
                       description="when the exchange runs: blocking, delayed or eager (overlaps the next round); "
                       "unset, eager for diloco and blocking for noloco")
@@ -143,13 +150,14 @@ class NodeConfig(BaseModel):
     @classmethod
     def _defaults_that_follow(cls, data: Any) -> Any:
         """Unset sync follows the algorithm (NoLoCo's small groups exchange blocking), and unset
-        momentum follows sync: eager's stale half of each step already acts as momentum."""
+        momentum follows sync: a step that lands a round late already acts as momentum."""
         if not isinstance(data, dict):
             return data
         if data.get("sync") is None:
             data = {**data, "sync": "blocking" if data.get("algorithm") == "noloco" else "eager"}
         if data.get("outer_momentum") is None:
-            data = {**data, "outer_momentum": EAGER_MOMENTUM if data["sync"] == "eager" else DILOCO_MOMENTUM}
+            # an unknown sync keeps DiLoCo's; the sync field's own check then names the mistake
+            data = {**data, "outer_momentum": SYNC_MOMENTUM.get(data["sync"], DILOCO_MOMENTUM)}
         return data
 
     @model_validator(mode="after")

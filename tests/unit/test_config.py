@@ -269,6 +269,8 @@ def test_unset_outer_momentum_follows_the_sync_mode(tmp_path: Path) -> None:
     assert load_config(None, {}).outer_momentum == 0.6
     assert load_config(None, {"sync": "eager"}).outer_momentum == 0.6
     assert load_config(None, {"sync": "eager", "outer_momentum": 0.8}).outer_momentum == 0.8
+    assert load_config(None, {"sync": "delayed"}).outer_momentum == 0.0
+    assert load_config(None, {"sync": "delayed", "outer_momentum": 0.9}).outer_momentum == 0.9
     path = tmp_path / "node.toml"
     path.write_text('sync = "eager"\nouter_momentum = 0.95\n')
     assert load_config(str(path), {}).outer_momentum == 0.95
