@@ -224,8 +224,9 @@ class Node:
         with self.lock:
             self.outer.step(self._unflatten(step))
         eval_loss = self._evaluate()
+        assert self.swarm is not None
         before = self.telemetry.snapshot()
-        sent, received = self.swarm.traffic() if self.swarm else (before["bytes_sent"], before["bytes_received"])
+        sent, received = self.swarm.traffic()
         self.telemetry.update(eval_loss=eval_loss, model_digest=self.model_digest(), bytes_sent=sent,
                               bytes_received=received)
         # numbered like the round lines: the exchange of the round that logged round=N; sent and
