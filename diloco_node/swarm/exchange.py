@@ -33,6 +33,10 @@ MAX_REQUEST_BYTES = 256
 MAX_META_BYTES = 1 << 14  # tokens and the group's peer ids
 FETCH_ATTEMPTS = 3
 KEPT_ROUNDS = 2  # a slow peer may still fetch the previous round while we offer the next
+# An offer a group member has not fetched yet stays longer: that member may be a node whose own
+# matchmaking failed after ours counted it in, recovering the group once its timeout ends
+# (SwarmMember._missed_group) while NoLoCo's other nodes have already moved a round or two on.
+AWAITED_KEPT_ROUNDS = 4
 RECEIVED = b"\x01"  # a fetcher's acknowledgement: it read our whole payload
 
 
@@ -91,8 +95,9 @@ class PayloadExchange:
     def offer(self, round_: int, payload: bytes, tokens: float) -> None:
         with self._offers_changed:
             self._offers[round_] = _Offer(payload, tokens)
-            for old in [r for r in self._offers if r <= round_ - KEPT_ROUNDS]:
-                del self._offers[old]
+            for old, kept in list(self._offers.items()):
+                if old <= round_ - (AWAITED_KEPT_ROUNDS if kept.awaited else KEPT_ROUNDS):
+                    del self._offers[old]
 
     def expect(self, round_: int, group: Sequence[str], ourselves: str) -> None:
         """`group` (ourselves included) averages `round_`: each other member will fetch our payload."""

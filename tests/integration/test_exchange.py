@@ -66,6 +66,33 @@ def test_a_fetch_before_we_knew_the_group_counts(pair: tuple[PayloadExchange, Pa
     assert offering.drain(0.5, still_there=lambda _peer: True)
 
 
+def test_an_offer_a_member_still_awaits_outlives_the_usual_two_rounds(
+        pair: tuple[PayloadExchange, PayloadExchange, str, str]) -> None:
+    # The member may be recovering a one-sided matchmaking while we have moved two rounds on.
+    offering, fetching, offering_id, fetching_id = pair
+    offering.offer(1, b"awaited", 320.0)
+    offering.expect(1, [offering_id, fetching_id], offering_id)
+    offering.offer(2, b"fetched by nobody, awaited by nobody", 320.0)
+    offering.offer(3, b"three", 320.0)
+    offering.offer(4, b"four", 320.0)
+    assert fetching.fetch_all([offering_id], 2, timeout=10)[offering_id] is None, "dropped after two rounds"
+    assert fetching.fetch_all([offering_id], 1, timeout=10)[offering_id] == Fetched(
+        b"awaited", 320.0, tuple(sorted([offering_id, fetching_id])))
+    offering.offer(5, b"five", 320.0)
+    offering.offer(6, b"six", 320.0)  # fetched now, so only two rounds are kept
+    assert fetching.fetch_all([offering_id], 4, timeout=10)[offering_id] is None
+    assert fetching.fetch_all([offering_id], 5, timeout=10)[offering_id] is not None
+
+
+def test_an_awaited_offer_is_dropped_in_the_end(pair: tuple[PayloadExchange, PayloadExchange, str, str]) -> None:
+    offering, fetching, offering_id, fetching_id = pair
+    offering.offer(1, b"awaited by a peer that never comes", 320.0)
+    offering.expect(1, [offering_id, fetching_id], offering_id)
+    for round_ in range(2, 6):
+        offering.offer(round_, b"later", 320.0)
+    assert fetching.fetch_all([offering_id], 1, timeout=10)[offering_id] is None
+
+
 def test_nothing_offered_fetches_as_none(pair: tuple[PayloadExchange, PayloadExchange, str, str]) -> None:
     _, fetching, offering_id, _ = pair
     assert fetching.fetch_all([offering_id], 7, timeout=10) == {offering_id: None}
