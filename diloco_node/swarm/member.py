@@ -195,6 +195,11 @@ class SwarmMember:
         fetched: dict[str, Fetched | None] = {}
         if not others and own.decoded is not None:
             others, fetched = self._missed_group(round_)
+        if not others and own.decoded is not None and self._drawn_group_failed_too(round_):
+            logger.info("round=%d matchmaking failed for our whole drawn group; trying once more", round_)
+            others = [peer for peer in self._form_group(round_) if peer != self.peer_id]
+            if not others:
+                others, fetched = self._missed_group(round_)
         if own.decoded is not None:
             self._exchange.expect(round_, [self.peer_id, *others], self.peer_id)
         codec_seconds = own.codec_seconds
@@ -266,6 +271,17 @@ class SwarmMember:
         logger.info("round=%d our matchmaking failed but %s averaged with us; joining that group",
                     round_, ", ".join(p for p in first.group if p != self.peer_id))
         return [p for p in first.group if p != self.peer_id], fetched
+
+    def _drawn_group_failed_too(self, round_: int) -> bool:
+        """NoLoCo: whether the members of our drawn group are all still at `round_`, having neither
+        averaged without us nor moved on. Seen under load: both nodes of a pair, ready together,
+        each failed to find the other (hivemind's matchmaking declares leaders in the DHT, and a
+        declaration can come too late to be seen). They fail at about the same time, so when
+        each tries once more they meet."""
+        if not self.settings.group_size:
+            return False
+        partners = [peer for peer in self.drawn_group(round_) if peer != self.peer_id]
+        return bool(partners) and self.presence.round_state(round_, among=partners) == "together"
 
     def _form_group(self, round_: int) -> list[str]:
         """Matchmake with the peers averaging `round_`; returns their peer ids, ourselves included."""

@@ -23,6 +23,18 @@ HEARTBEAT_SECONDS = 3.0
 WAITING_LOG_SECONDS = 30.0
 
 
+def round_state(others: Collection[NodeRecord], round_: int) -> str:
+    """Where `others` stand on `round_`: behind (one already exchanged it, so it went on without
+    us), alone (none is left), together (all finished their inner phase of it) or waiting."""
+    if any(r.exchanged_round >= round_ for r in others):
+        return "behind"
+    if not others:
+        return "alone"
+    if all(r.ready_round >= round_ for r in others):
+        return "together"
+    return "waiting"
+
+
 class IncompatibleRun(RuntimeError):
     """The run already has nodes with another config; raised before we take part in anything."""
 
@@ -95,20 +107,24 @@ class Presence:
         """
         deadline = time.monotonic() + timeout
         while True:
-            others = {p: r for p, r in self._fetch().items()
-                      if p != self.peer_id and r.fingerprint == self.fingerprint and (among is None or p in among)}
-            if any(r.exchanged_round >= round_ for r in others.values()):
-                return "behind"  # they already exchanged this round without us
-            if not others:
-                return "alone"
-            if all(r.ready_round >= round_ for r in others.values()):
-                return "together"
+            others = self._others(among)
+            state = round_state(others.values(), round_)
+            if state != "waiting":
+                return state
             if time.monotonic() > deadline:
                 waiting = sorted(p for p, r in others.items() if r.ready_round < round_)
                 logger.warning("round=%d barrier timed out; not waiting for %s", round_, ", ".join(waiting))
                 return "timeout"
             if stop.wait(0.3):
                 return "stopped"
+
+    def round_state(self, round_: int, among: Collection[str] | None = None) -> str:
+        """Where the others (of `among`, when given) stand on `round_` right now; see `round_state`."""
+        return round_state(self._others(among).values(), round_)
+
+    def _others(self, among: Collection[str] | None) -> dict[str, NodeRecord]:
+        return {p: r for p, r in self._fetch().items()
+                if p != self.peer_id and r.fingerprint == self.fingerprint and (among is None or p in among)}
 
     def all_past(self, round_: int) -> bool:
         """Whether every other live node has already exchanged `round_` (so we are behind them)."""

@@ -1,7 +1,12 @@
-"""Presence records: parsing what peers wrote, and choosing the canonical φ when nodes disagree."""
+"""Presence records: parsing what peers wrote, choosing the canonical φ when nodes disagree, and
+where the peers we average with stand on a round."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+from diloco_node.swarm.member import SwarmMember
+from diloco_node.swarm.presence import round_state
 from diloco_node.swarm.records import NodeRecord, canonical_digest, config_difference
 
 
@@ -50,3 +55,30 @@ def test_only_nodes_at_that_round_count() -> None:
 
 def test_config_difference_names_the_keys() -> None:
     assert config_difference({"model": "tiny", "lr": 1}, {"model": "small", "lr": 1}) == "model=small (ours: tiny)"
+
+
+def peer_at(peer: str, ready_round: int, exchanged_round: int = -1) -> NodeRecord:
+    return NodeRecord(peer, "fp", {}, ready_round + 1, ready_round, "d", exchanged_round=exchanged_round)
+
+
+def test_round_state_of_the_peers_we_average_with() -> None:
+    assert round_state([], 4) == "alone"
+    assert round_state([peer_at("a", 4), peer_at("b", 5)], 4) == "together"
+    assert round_state([peer_at("a", 4), peer_at("b", 3)], 4) == "waiting"
+    # one already exchanged round 4 without us: however the rest stand, we are behind
+    assert round_state([peer_at("a", 3), peer_at("b", 4, exchanged_round=4)], 4) == "behind"
+
+
+def test_a_drawn_group_retries_matchmaking_only_while_every_partner_is_still_at_the_round() -> None:
+    def member(group_size: int, state: str) -> SimpleNamespace:
+        return SimpleNamespace(settings=SimpleNamespace(group_size=group_size), peer_id="us",
+                               drawn_group=lambda round_: ["partner", "us"],
+                               presence=SimpleNamespace(round_state=lambda round_, among: state
+                                                        if among == ["partner"] else "wrong call"))
+
+    retry = SwarmMember._drawn_group_failed_too
+    assert retry(member(2, "together"), 4)  # type: ignore[arg-type]
+    assert not retry(member(2, "behind"), 4)  # type: ignore[arg-type]  # it averaged without us
+    assert not retry(member(2, "waiting"), 4)  # type: ignore[arg-type]
+    assert not retry(member(2, "alone"), 4)  # type: ignore[arg-type]  # it left
+    assert not retry(member(0, "together"), 4)  # type: ignore[arg-type]  # DiLoCo: not a drawn group
