@@ -48,6 +48,7 @@ class Presence:
         self._stats: dict[str, Any] = {}
         self._refused: set[str] = set()
         self._live: dict[str, NodeRecord] = {}
+        self._departed: dict[str, NodeRecord] = {}  # compatible nodes that left recently
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="swarm-heartbeat", daemon=True)
 
@@ -84,6 +85,12 @@ class Presence:
         if refresh:
             self._fetch()
         return dict(self._live)
+
+    def departed_after(self, round_: int) -> list[str]:
+        """Compatible nodes that left (within RECORD_TTL) after exchanging `round_` (as of the last
+        heartbeat): they took part in that round although they are gone now."""
+        return [peer for peer, record in self._departed.items()
+                if record.exchanged_round >= round_ and peer not in self._live]
 
     def wait_for_peers(self, count: int, stop: threading.Event) -> bool:
         """Block until `count` compatible nodes (ourselves included) are in the run; False if stopped."""
@@ -154,8 +161,9 @@ class Presence:
 
     def _fetch(self) -> dict[str, NodeRecord]:
         with self._dht_lock:
-            found = records.fetch(self._dht, self.run_id)
+            found, departed = records.fetch(self._dht, self.run_id)
         self._live = {p: r for p, r in found.items() if r.fingerprint == self.fingerprint}
+        self._departed = {p: r for p, r in departed.items() if r.fingerprint == self.fingerprint}
         self._live[self.peer_id] = self._record  # our latest, not the DHT's copy of an older one
         for peer, record in found.items():
             if record.fingerprint != self.fingerprint and peer not in self._refused:

@@ -86,12 +86,13 @@ class NodeRecord:
                 "stats": NodeStats(**self.stats).dict()}
 
     @classmethod
-    def from_wire(cls, value: Any) -> NodeRecord | None:
+    def from_wire(cls, value: Any, left: bool = False) -> NodeRecord | None:
+        """A live node's record (a departed node's, with `left`), or None for anything else."""
         try:
             parsed = NodeValue.parse_obj(value)
         except (pydantic.ValidationError, TypeError):
             return None
-        if parsed.left:
+        if parsed.left != left:
             return None
         return cls(parsed.peer_id, parsed.fingerprint, parsed.config, parsed.round, parsed.ready_round,
                    parsed.digest, parsed.stats.dict(), parsed.exchanged_round)
@@ -121,19 +122,24 @@ def withdraw(dht: DHT, run_id: str, record: NodeRecord) -> None:
               expiration_time=get_dht_time() + RECORD_TTL + 1)
 
 
-def fetch(dht: DHT, run_id: str) -> dict[str, NodeRecord]:
-    """All live, well-formed records of the run, by peer id."""
+def fetch(dht: DHT, run_id: str) -> tuple[dict[str, NodeRecord], dict[str, NodeRecord]]:
+    """The run's well-formed records by peer id: the live nodes', and those of nodes that left
+    within the last RECORD_TTL seconds (as they were when they left)."""
     found = dht.get(records_key(run_id), latest=True)
     if found is None or not isinstance(found.value, dict):
-        return {}
-    records = {}
+        return {}, {}
+    live: dict[str, NodeRecord] = {}
+    departed: dict[str, NodeRecord] = {}
     for subkey, item in found.value.items():
-        if isinstance(subkey, bytes) and isinstance(item, ValueWithExpiration):
-            record = NodeRecord.from_wire(item.value)
+        if not (isinstance(subkey, bytes) and isinstance(item, ValueWithExpiration)
+                and item.expiration_time > get_dht_time()):
+            continue
+        for left, into in ((False, live), (True, departed)):
+            record = NodeRecord.from_wire(item.value, left=left)
             # the signed subkey must name the peer the record claims to be
-            if record and subkey.startswith(record.peer_id.encode()) and item.expiration_time > get_dht_time():
-                records[record.peer_id] = record
-    return records
+            if record and subkey.startswith(record.peer_id.encode()):
+                into[record.peer_id] = record
+    return live, departed
 
 
 def canonical_digest(nodes: Iterable[NodeRecord], round_: int) -> str | None:

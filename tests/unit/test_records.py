@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from diloco_node.swarm.groups import random_groups
 from diloco_node.swarm.member import SwarmMember
-from diloco_node.swarm.presence import round_state
+from diloco_node.swarm.presence import Presence, round_state
 from diloco_node.swarm.records import NodeRecord, canonical_digest, config_difference
 
 
@@ -30,6 +31,9 @@ def test_malformed_or_left_records_are_ignored() -> None:
     assert NodeRecord.from_wire({**good, "digest": None}) is None
     assert NodeRecord.from_wire({k: v for k, v in good.items() if k != "config"}) is None
     assert NodeRecord.from_wire({**good, "left": True}) is None
+    # a departed node's record is read only when asked for, and a live one is not mistaken for it
+    assert NodeRecord.from_wire({**good, "left": True}, left=True) is not None
+    assert NodeRecord.from_wire(good, left=True) is None
     assert NodeRecord.from_wire({**good, "stats": {"rounds": -1}}) is None
     assert NodeRecord.from_wire({**good, "stats": {"label": "x" * 65}}) is None
     assert NodeRecord.from_wire({**good, "stats": {"bytes_sent": 1.5}}) is None
@@ -82,3 +86,15 @@ def test_a_drawn_group_retries_matchmaking_only_while_every_partner_is_still_at_
     assert not retry(member(2, "waiting"), 4)  # type: ignore[arg-type]
     assert not retry(member(2, "alone"), 4)  # type: ignore[arg-type]  # it left
     assert not retry(member(0, "together"), 4)  # type: ignore[arg-type]  # DiLoCo: not a drawn group
+
+
+def test_nodes_that_left_after_exchanging_the_round_still_count_in_its_draw() -> None:
+    presence = SimpleNamespace(
+        _live={"us": peer_at("us", 5), "c": peer_at("c", 4), "d": peer_at("d", 5)},
+        _departed={"a": peer_at("a", 5, exchanged_round=5), "b": peer_at("b", 4, exchanged_round=4)})
+    assert Presence.departed_after(presence, 5) == ["a"]  # type: ignore[arg-type]  # b left before round 5
+    member = SimpleNamespace(settings=SimpleNamespace(group_size=2, run_id="run"), presence=SimpleNamespace(
+        compatible_peers=lambda: presence._live, departed_after=lambda round_: Presence.departed_after(
+            presence, round_)), _draw=None)
+    before_a_left = random_groups(["a", "c", "d", "us"], "run", 5, 2)
+    assert SwarmMember.drawn_groups(member, 5) == before_a_left  # type: ignore[arg-type]
