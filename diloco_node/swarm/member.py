@@ -188,19 +188,15 @@ class SwarmMember:
 
     def average(self, own: OwnContribution, tokens: float, round_: int) -> AverageResult:
         """The robust token-weighted mean over the group that forms for `round_` (safe off the main thread)."""
+        contributing = own.decoded is not None
         contributions = [Contribution(self.peer_id, tokens, own.decoded)] if own.decoded is not None else []
         phis = {self.peer_id: own.phi} if own.phi is not None else {}
-        others = [peer for peer in self._form_group(round_) if peer != self.peer_id]
-        started = time.perf_counter()
-        fetched: dict[str, Fetched | None] = {}
-        if not others and own.decoded is not None:
-            others, fetched = self._missed_group(round_)
-        if not others and own.decoded is not None and self._drawn_group_failed_too(round_):
+        others, fetched = self._find_group(round_, contributing)
+        if not others and contributing and self._drawn_group_failed_too(round_):
             logger.info("round=%d matchmaking failed for our whole drawn group; trying once more", round_)
-            others = [peer for peer in self._form_group(round_) if peer != self.peer_id]
-            if not others:
-                others, fetched = self._missed_group(round_)
-        if own.decoded is not None:
+            others, fetched = self._find_group(round_, contributing)
+        started = time.perf_counter()  # the transfer, once the group is known
+        if contributing:
             self._exchange.expect(round_, [self.peer_id, *others], self.peer_id)
         codec_seconds = own.codec_seconds
         fetched.update(self._exchange.fetch_all([p for p in others if p not in fetched], round_,
@@ -254,6 +250,13 @@ class SwarmMember:
     def drawn_group(self, round_: int) -> list[str]:
         """NoLoCo: who we are drawn to average with in `round_`, ourselves included."""
         return next((group for group in self.drawn_groups(round_) if self.peer_id in group), [self.peer_id])
+
+    def _find_group(self, round_: int, contributing: bool) -> tuple[list[str], dict[str, Fetched | None]]:
+        """The other members of our group for `round_`, and any payloads already fetched from them."""
+        others = [peer for peer in self._form_group(round_) if peer != self.peer_id]
+        if others or not contributing:  # nobody fetches from a node that offered nothing
+            return others, {}
+        return self._missed_group(round_)
 
     def _missed_group(self, round_: int) -> tuple[list[str], dict[str, Fetched | None]]:
         """The group that averaged `round_` with us although our own matchmaking failed.
