@@ -12,7 +12,6 @@ import functools
 import hashlib
 import logging
 import os
-import signal
 import threading
 import time
 import zlib
@@ -25,6 +24,7 @@ import torch
 from diloco_node.checkpoint import CheckpointError, CheckpointStore
 from diloco_node.codec import CodecConfig, make_codec
 from diloco_node.config import NodeConfig
+from diloco_node.lifecycle import StopSignals, isolate_forked_children
 from diloco_node.outer.aggregate import Contribution
 from diloco_node.outer.diloco import OuterOptimizer, pseudo_gradient
 from diloco_node.outer.noloco import NoLoCoOptimizer, consensus_distance
@@ -97,10 +97,15 @@ class Node:
         self.data_position = 0
         self.stream_seed = cfg.seed
         self.lock = threading.Lock()  # guards φ, outer state and round against state-sharing reads
-        self.stop_requested = threading.Event()
+        self.signals = StopSignals()
+        self.stop_requested = self.signals.requested
+        # Set at shutdown only: an overlapped exchange in flight when a stop is requested is settled
+        # (waited for and applied), so it must not give up on the stop request itself.
+        self.abandon_exchange = threading.Event()
+        self.joined = False  # start-up finished: φ is the run's (or ours to start it) and worth saving
         self.store = CheckpointStore(cfg.checkpoint_path) if cfg.checkpoint_path else None
         self.telemetry = Telemetry(run_id=cfg.run_id, model=cfg.model, parameters=count_parameters(self.model),
-                                   compression=cfg.compression, algorithm=cfg.algorithm,
+                                   compression=cfg.compression, algorithm=cfg.algorithm, label=cfg.label,
                                    outer_step=0, inner_step=0, loss=None, eval_loss=None, peers=1, group_size=0)
         self.server = StatusServer(self.telemetry, *cfg.status_host_port)
         self.wire_at_last_round = (0, 0)
@@ -113,7 +118,8 @@ class Node:
 
     def start(self) -> None:
         """Everything that can fail because of bad input happens here, before training starts."""
-        self._install_signal_handlers()  # Ctrl-C while waiting for peers is a clean stop too
+        self.signals.install()  # Ctrl-C while waiting for peers is a clean stop too
+        isolate_forked_children()
         resumed = self._resume()
         self.say(f"status: {self.server.start()}")
         settings = SwarmSettings(
@@ -122,6 +128,7 @@ class Node:
             matchmaking_time=self.cfg.matchmaking_time, round_timeout=self.cfg.round_timeout,
             group_size=self.cfg.group_size if self.gossip else None)
         self.swarm = SwarmMember(settings, self.outer_params, self._shared_state, self.codec, self.phi_codec)
+        self.signals.install()  # again: hivemind's averager has just set SIGINT to SIG_IGN in this process
         self.wire.start()
         for address in self.swarm.visible_addresses():
             self.say(f"peer address: {address}")
@@ -130,11 +137,15 @@ class Node:
         self.swarm.presence.enter(self.round, self.model_digest())
         if not resumed:
             self._sync_from_peers()
+        if self.stop_requested.is_set():
+            return  # stopped during the state download: nothing of ours is worth saving
         self._announce(ready=False)
         self.swarm.share_state(self.round)
         if self.cfg.min_peers > 1:
             self.say(f"waiting for {self.cfg.min_peers} nodes in run {self.cfg.run_id}")
-            self.swarm.presence.wait_for_peers(self.cfg.min_peers, self.stop_requested)
+            if not self.swarm.presence.wait_for_peers(self.cfg.min_peers, self.stop_requested):
+                return
+        self.joined = True
         self.telemetry.update(peer_id=self.swarm.peer_id, maddrs=self.swarm.visible_addresses(),
                               eval_loss=self._evaluate(), model_digest=self.model_digest())
         snapshot = self.telemetry.snapshot()
@@ -158,7 +169,7 @@ class Node:
     def _sync_from_peers(self) -> bool:
         """Download φ, outer momentum and the round from a peer; False when we are the first node."""
         assert self.swarm is not None
-        received = self.swarm.download_state(STATE_DOWNLOAD_TIMEOUT)
+        received = self.swarm.download_state(STATE_DOWNLOAD_TIMEOUT, self.stop_requested)
         if received is None:
             return False
         metadata, tensors = received
@@ -196,25 +207,26 @@ class Node:
 
     def run(self) -> None:
         try:
-            while not self.stop_requested.is_set():
+            while self.joined and not self.stop_requested.is_set():
                 if self.cfg.max_outer_steps and self.round >= self.cfg.max_outer_steps:
-                    self._settle_last_exchange()
                     break
                 self.run_round()
+            self._settle_last_exchange()
         finally:
             self.shutdown()
 
     def _settle_last_exchange(self) -> None:
-        """At the planned end of a delayed or eager run, apply the last round's exchange.
+        """At the end of a delayed or eager run, planned or asked for, apply the last round's exchange.
 
         It would otherwise be lost: delayed would never apply the last round's mean, and eager would
         keep its own pseudo-gradient in place of the group's. This is the step the next round would
         take with nothing new trained, so every pseudo-gradient ends up applied exactly once, and a
         run that is resumed later finds no exchange to apply twice.
         """
-        if self.gossip or self.cfg.sync == "blocking" or self.round == 0:
+        pending = self.background.pending_round()
+        if pending is None:
             return
-        outcome = self.background.collect(self.round - 1)
+        outcome = self.background.collect(pending)
         if outcome is None or outcome.result is None:
             logger.warning("round=%d the last exchange did not finish; ending without it", self.round)
             return
@@ -251,11 +263,12 @@ class Node:
             outcome = self._gossip(self.round, own, tokens)
             step = outcome.result.mean if outcome.result else None
         elif self.cfg.sync == "blocking":
-            outcome = self._exchange(self.round, own, tokens)
+            outcome = self._exchange(self.round, own, tokens, self.stop_requested)
             step = outcome.result.mean if outcome.result else None
         else:
             outcome = self.background.collect(self.round - 1) or ExchangeOutcome("lost", None)
-            self.background.start(self.round, functools.partial(self._exchange, self.round, own, tokens))
+            self.background.start(self.round, functools.partial(self._exchange, self.round, own, tokens,
+                                                                self.abandon_exchange))
             step = self._overlapped_step(outcome, own.decoded if own.decoded is not None else torch.zeros(self.numel))
         if outcome.verdict == "stopped":
             return
@@ -332,14 +345,16 @@ class Node:
     def _flat_phi(self) -> torch.Tensor:
         return torch.cat([p.reshape(-1) for p in self.outer_params])
 
-    def _exchange(self, round_: int, own: OwnContribution, tokens: float) -> ExchangeOutcome:
-        """Barrier, then the group's mean; on the main thread (blocking) or the exchange thread."""
+    def _exchange(self, round_: int, own: OwnContribution, tokens: float, stop: threading.Event) -> ExchangeOutcome:
+        """Barrier, then the group's mean; on the main thread (blocking) or the exchange thread.
+        `stop` set makes the barrier give up."""
         with self._exchanging(round_):
-            return self._exchange_now(round_, own, tokens)
+            return self._exchange_now(round_, own, tokens, stop)
 
-    def _exchange_now(self, round_: int, own: OwnContribution, tokens: float) -> ExchangeOutcome:
+    def _exchange_now(self, round_: int, own: OwnContribution, tokens: float,
+                      stop: threading.Event) -> ExchangeOutcome:
         assert self.swarm is not None
-        verdict = self.swarm.presence.wait_for_round(round_, self.cfg.round_timeout, self.stop_requested)
+        verdict = self.swarm.presence.wait_for_round(round_, self.cfg.round_timeout, stop)
         if verdict in ("stopped", "behind"):
             return ExchangeOutcome(verdict, None)
         if verdict == "alone":
@@ -490,13 +505,6 @@ class Node:
                      "stream_seed": self.stream_seed, "digest": digest(self.outer_params)}
         self.store.save(state)
 
-    def _install_signal_handlers(self) -> None:
-        def request_stop(signum: int, _frame: Any) -> None:
-            logger.info("received %s; stopping at the next safe point", signal.Signals(signum).name)
-            self.stop_requested.set()
-        signal.signal(signal.SIGINT, request_stop)
-        signal.signal(signal.SIGTERM, request_stop)
-
     def abort(self) -> None:
         """Release what a failed start-up acquired, saving nothing."""
         self.background.close()
@@ -508,9 +516,10 @@ class Node:
         self.server.stop()
 
     def shutdown(self) -> None:
-        self.stop_requested.set()  # an exchange still waiting on peers gives up
+        self.stop_requested.set()
+        self.abandon_exchange.set()  # an exchange still waiting on peers gives up
         self.background.close()
-        if self.store:
+        if self.store and self.joined:
             self.save_checkpoint()
             self.store.close()
         if self.swarm:

@@ -98,6 +98,11 @@ class BackgroundExchange(Generic[R]):
             self._pending = (round_, future)
         threading.Thread(target=work, name=f"exchange-{round_}", daemon=True).start()
 
+    def pending_round(self) -> int | None:
+        """The round of the exchange started and not yet collected, if any."""
+        with self._lock:
+            return self._pending[0] if self._pending is not None else None
+
     def in_flight(self) -> bool:
         with self._lock:
             return self._pending is not None and not self._pending[1].done()

@@ -11,11 +11,8 @@ same round can meet, and the run id + config fingerprint are part of the average
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -145,12 +142,28 @@ class SwarmMember:
         with self._averager_lock:
             self._averager.allow_state_sharing = False
 
-    def download_state(self, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+    def download_state(self, timeout: float, stop: threading.Event) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        """φ and the outer state from a peer; None when nobody else is here (we start the run), the
+        download failed or took longer than `timeout`, or `stop` was set while waiting."""
         if len(self.presence.compatible_peers()) <= 1:
-            return None  # nobody else is here: we start the run
+            return None
+        logger.info("downloading state from peers")
         with self._averager_lock:
             future = self._averager.load_state_from_peers(wait=False, timeout=timeout)
-        received = future.result(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                received = future.result(timeout=0.5)
+                break
+            except TimeoutError:
+                if stop.is_set() or time.monotonic() > deadline:
+                    future.cancel()
+                    why = "stopped" if stop.is_set() else f"timed out after {timeout:.0f}s"
+                    logger.warning("state download %s", why)
+                    return None
+            except Exception as exc:  # hivemind reports a failed download as assorted errors
+                logger.warning("state download failed: %r", exc)
+                return None
         if received is not None:
             self._count_state(received=_tensor_bytes(received[1]))
         return received
@@ -326,23 +339,6 @@ class SwarmMember:
         self._exchange.close()
         self._averager.shutdown()
         self._dht.shutdown()
-
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In hivemind's forked DHT/averager processes: die when the node dies, even by kill -9.
-
-    Without this a crashed node leaves orphans that keep answering peers in its name.
-    """
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: orphans are then cleaned up by p2pd's idle timeout
-        pass
-
-
-os.register_at_fork(after_in_child=_die_with_parent)
 
 
 def _start_dht(settings: SwarmSettings) -> DHT:

@@ -13,6 +13,15 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+# Every field README documents for /api/status: each is there from the first response on, null
+# until it is known (a client polling right after start-up finds the same keys as later).
+STATUS_FIELDS = (
+    "run_id", "peer_id", "maddrs", "model", "parameters", "outer_step", "inner_step", "loss", "eval_loss",
+    "eval_loss_initial", "peers", "group_size", "group", "bytes_sent", "bytes_received", "wire_bytes_sent",
+    "wire_bytes_received", "last_round_bytes_sent", "last_round_bytes_received", "round_seconds", "compression",
+    "payload_bytes", "raw_bytes", "bytes_per_param", "compression_ratio", "codec_seconds", "compute_seconds",
+    "wait_seconds", "utilization", "exchanging_round", "algorithm", "consensus_distance", "label",
+    "model_digest", "uptime_seconds")
 HISTORY_LIMIT = 2000  # rounds kept for the charts; older ones drop off the front
 # Round-time histogram bounds (seconds). Counted over every round since start, not just the kept
 # history, so Prometheus never sees its buckets shrink.
@@ -22,7 +31,8 @@ ROUND_SECONDS_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 60
 class Telemetry:
     def __init__(self, **initial: Any):
         self._lock = threading.Lock()
-        self._values: dict[str, Any] = {"started_at": time.time(), "bytes_sent": 0, "bytes_received": 0, **initial}
+        self._values: dict[str, Any] = {**dict.fromkeys(STATUS_FIELDS), "started_at": time.time(), "bytes_sent": 0,
+                                        "bytes_received": 0, **initial}
         self._history: deque[dict[str, Any]] = deque(maxlen=HISTORY_LIMIT)
         self._peers: list[dict[str, Any]] = []
         self._round_buckets = [0] * len(ROUND_SECONDS_BUCKETS)

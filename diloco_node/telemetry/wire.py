@@ -3,8 +3,13 @@
 `bytes_sent` / `bytes_received` count the payloads this node exchanged, which is what codecs are
 judged by. A volunteer's link also carries hivemind's DHT and matchmaking chatter, libp2p framing
 and TCP/IP headers. All of it flows through the node's libp2p daemon (p2pd), so the kernel's
-per-connection TCP counters of that daemon (read with iproute2's `ss`, the tcp_info of each socket)
-give the true cost: payload bytes of every segment, plus one header per segment.
+per-connection TCP counters of that daemon (the tcp_info of each of its sockets) give the true
+cost: payload bytes of every segment, plus one header per segment.
+
+The counters come from the kernel over netlink (sock_diag, through pyroute2), and the daemon's
+sockets from /proc/<pid>/fd. Nothing here starts a process: hivemind forks its helpers from
+other threads of this process, and a fork taken while a subprocess was being spawned inherits
+the spawn's pipe and can freeze it (seen with `ss` as a subprocess, see issue 12).
 
 Counters vanish with their connection, so a background thread samples every second and keeps the
 last value of every connection it has seen; libp2p keeps connections open, so at most the traffic
@@ -19,26 +24,23 @@ which give every segment its headers as the link carries them.
 from __future__ import annotations
 
 import logging
-import re
-import shutil
-import subprocess
+import os
+import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 DAEMON_NAME = "p2pd"
 SAMPLE_SECONDS = 1.0
-FRESH_SECONDS = 0.5  # `refresh` reuses a sample this young, so a flood of readers can't flood `ss`
+FRESH_SECONDS = 0.5  # `refresh` reuses a sample this young, so a flood of readers can't flood the kernel
 ETHERNET_HEADER = 14  # what Linux interface counters (and the veth ground truth) include per frame
 TCP_HEADER, TCP_TIMESTAMPS = 20, 12
-
-_OWNERS = re.compile(r"\(\"[^\"]*\",pid=(\d+),fd=\d+\)")
-_COUNTERS = {name: re.compile(rf"\b{name}:(\d+)") for name in ("bytes_sent", "bytes_acked", "bytes_received",
-                                                               "segs_out", "segs_in")}
+_INET_DIAG_INFO = 2  # the tcp_info extension of an inet_diag request
 
 
 @dataclass(frozen=True)
@@ -49,33 +51,54 @@ class Connection:
     received: int
 
 
-def parse_ss(output: str) -> dict[tuple[str, str, int], Connection]:
-    """`ss -tinpH` output → {(local, peer, owner pid): counters}. Sockets without counters are skipped."""
+def link_bytes(info: Mapping[str, int], ipv6: bool) -> Connection:
+    """A socket's tcp_info (tcpi_* fields) as link-layer bytes: every segment gets its headers."""
+    header = ETHERNET_HEADER + _ip_and_tcp_header(info.get("tcpi_pmtu", 0), info.get("tcpi_snd_mss", 0), ipv6)
+    sent = info.get("tcpi_bytes_sent") or info.get("tcpi_bytes_acked", 0)  # bytes_sent needs Linux ≥ 4.19
+    return Connection(sent=sent + header * info.get("tcpi_segs_out", 0),
+                      received=info.get("tcpi_bytes_received", 0) + header * info.get("tcpi_segs_in", 0))
+
+
+def _ip_and_tcp_header(pmtu: int, mss: int, ipv6: bool) -> int:
+    """Per-segment IP + TCP header bytes, options included: the path MTU less the segment size."""
+    if 0 < pmtu - mss <= 120:
+        return pmtu - mss
+    return (40 if ipv6 else 20) + TCP_HEADER + TCP_TIMESTAMPS  # Linux's default: timestamps on
+
+
+def tcp_connections(inodes: set[int]) -> dict[tuple[str, str, int], Connection]:
+    """{(local, peer, inode): counters} of the TCP sockets among `inodes`, from the kernel."""
+    from pyroute2 import DiagSocket  # imported here: only a running node samples
+    from pyroute2.netlink.diag import SS_CONN
+
     connections: dict[tuple[str, str, int], Connection] = {}
-    lines = output.splitlines()
-    for head, info in zip(lines, lines[1:], strict=False):
-        if head[:1].isspace() or not info[:1].isspace():
-            continue  # `head` must be a socket line and `info` its indented tcp_info line
-        fields = head.split()
-        owners = _OWNERS.findall(head)
-        counters = {name: int(m.group(1)) for name, pattern in _COUNTERS.items() if (m := pattern.search(info))}
-        if len(fields) < 5 or not owners or "segs_out" not in counters or "bytes_received" not in counters:
-            continue
-        local, peer = fields[3], fields[4]
-        header = ETHERNET_HEADER + _ip_and_tcp_header(info, ipv6=local.startswith("["))
-        sent = counters.get("bytes_sent", counters.get("bytes_acked", 0))  # bytes_sent needs Linux ≥ 4.19
-        connections[(local, peer, int(owners[0]))] = Connection(
-            sent=sent + header * counters["segs_out"],
-            received=counters["bytes_received"] + header * counters.get("segs_in", 0))
+    with DiagSocket() as diag:
+        diag.bind()
+        for family in (socket.AF_INET, socket.AF_INET6):
+            for message in diag.get_sock_stats(family=family, states=SS_CONN, extensions=1 << (_INET_DIAG_INFO - 1)):
+                info: Any = message.get_attr("INET_DIAG_INFO")
+                if message["idiag_inode"] not in inodes or info is None:
+                    continue
+                local = f"{message['idiag_src']}:{message['idiag_sport']}"
+                peer = f"{message['idiag_dst']}:{message['idiag_dport']}"
+                connections[(local, peer, message["idiag_inode"])] = link_bytes(info, family == socket.AF_INET6)
     return connections
 
 
-def _ip_and_tcp_header(info: str, ipv6: bool) -> int:
-    """Per-segment IP + TCP header bytes, options included: the path MTU less the segment size."""
-    pmtu, mss = re.search(r"\bpmtu:(\d+)", info), re.search(r"\bmss:(\d+)", info)
-    if pmtu and mss and 0 < int(pmtu.group(1)) - int(mss.group(1)) <= 120:
-        return int(pmtu.group(1)) - int(mss.group(1))
-    return (40 if ipv6 else 20) + TCP_HEADER + TCP_TIMESTAMPS  # Linux's default: timestamps on
+def socket_inodes(pid: int) -> set[int]:
+    """The inodes of the sockets process `pid` holds open (empty when it is gone)."""
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue  # closed meanwhile
+            if target.startswith("socket:["):
+                inodes.add(int(target[8:-1]))
+    except OSError:
+        pass
+    return inodes
 
 
 def _parent(pid: int) -> int | None:
@@ -109,23 +132,20 @@ class WireMeter:
     def __init__(self, root_pid: int, on_sample: Callable[[int, int], None] | None = None):
         self._root = root_pid
         self._on_sample = on_sample
-        self._ss = shutil.which("ss")
         self._lock = threading.Lock()  # guards the counts
-        self._sampling = threading.Lock()  # one `ss` at a time
+        self._sampling = threading.Lock()  # one sample at a time
         self._sampled_at = -float("inf")  # time.monotonic() of the last sample
         self._finished = [0, 0]  # sent, received by connections that have closed
         self._open: dict[tuple[str, str, int], Connection] = {}
-        self._ours: dict[int, bool] = {}  # pid → is it our daemon; pids that own no socket any more are forgotten
+        self._daemons: set[int] = set()  # pids of our p2pd(s), found once they exist
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="wire-meter", daemon=True)
-
-    @property
-    def available(self) -> bool:
-        return self._ss is not None
+        self.available = _netlink_available()
 
     def start(self) -> WireMeter:
         if not self.available:
-            logger.warning("iproute2's `ss` is not installed: wire bytes (control traffic, headers) are not measured")
+            logger.warning("the kernel's socket statistics (netlink sock_diag) cannot be read: "
+                           "wire bytes (control traffic, headers) are not measured")
         else:
             self._thread.start()
         return self
@@ -148,18 +168,15 @@ class WireMeter:
             self.sample()
 
     def sample(self) -> None:
-        assert self._ss is not None
         with self._sampling:
+            self._daemons = {pid for pid in self._daemons if Path(f"/proc/{pid}").exists()} or self._find_daemons()
+            inodes = set().union(*(socket_inodes(pid) for pid in self._daemons))
             try:
-                output = subprocess.run([self._ss, "-tinpH"], capture_output=True, text=True, timeout=10,
-                                        check=True).stdout
-            except (OSError, subprocess.SubprocessError) as error:
-                logger.debug("ss failed: %s", error)
+                connections = tcp_connections(inodes) if inodes else {}
+            except OSError as error:
+                logger.debug("sock_diag failed: %s", error)
                 return
-            connections = parse_ss(output)
-            self.absorb({key: value for key, value in connections.items() if self._is_ours(key[2])})
-            owners = {pid for _, _, pid in connections}
-            self._ours = {pid: ours for pid, ours in self._ours.items() if pid in owners}  # bounded by live pids
+            self.absorb(connections)
             self._sampled_at = time.monotonic()
 
     def absorb(self, current: dict[tuple[str, str, int], Connection]) -> None:
@@ -177,11 +194,18 @@ class WireMeter:
             assert totals is not None
             self._on_sample(*totals)
 
-    def _is_ours(self, pid: int) -> bool:
-        if pid not in self._ours:
-            self._ours[pid] = _name(pid) == DAEMON_NAME and descends_from(pid, self._root)
-        return self._ours[pid]
+    def _find_daemons(self) -> set[int]:
+        pids = (int(entry) for entry in os.listdir("/proc") if entry.isdigit())
+        return {pid for pid in pids if _name(pid) == DAEMON_NAME and descends_from(pid, self._root)}
 
     def _run(self) -> None:
         while not self._stop.wait(SAMPLE_SECONDS):
             self.sample()
+
+
+def _netlink_available() -> bool:
+    try:
+        tcp_connections(set())
+    except (ImportError, OSError):
+        return False
+    return True

@@ -53,9 +53,11 @@ class NodeProcess:
 
     def start(self) -> NodeProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # a session of its own, as a program started in a terminal is the leader of its foreground
+        # process group: `stop("ctrl-c")` signals that group as the terminal's Ctrl-C does
         self.process = subprocess.Popen([sys.executable, "-m", "diloco_node", "join", *self.args],
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                        cwd=self.workdir)
+                                        cwd=self.workdir, start_new_session=True)
         threading.Thread(target=self._read_stdout, daemon=True).start()
         threading.Thread(target=self._read_stderr, daemon=True).start()
         return self
@@ -137,8 +139,62 @@ class NodeProcess:
         assert self.process
         return self.process.wait(timeout=timeout)
 
+    def stop(self, how: str, within: float) -> float:
+        """Stop the node as a user would and return the seconds it took; fails unless it exits 0
+        within `within` seconds, leaves no helper process behind and prints no traceback.
+
+        how: "ctrl-c" (SIGINT to the node's whole process group, as a terminal sends it) or
+        "sigterm" (to the main pid, as `kill`, `docker stop` and systemd send it).
+        """
+        assert self.process and self.process.poll() is None, f"{self.name} is not running"
+        helpers = descendants(self.process.pid)
+        started = time.monotonic()
+        if how == "ctrl-c":
+            os.killpg(self.process.pid, signal.SIGINT)
+        else:
+            assert how == "sigterm", how
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            code = self.process.wait(timeout=within)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.name} did not exit within {within:.0f}s of {how}\n{self.log_text()[-3000:]}")
+        took = time.monotonic() - started
+        assert code == 0, f"{self.name} exited {code} after {how}\n{self.log_text()[-3000:]}"
+        assert "Traceback" not in self.log_text(), self.log_text()[-3000:]
+        deadline = time.monotonic() + 10
+        while (alive := [pid for pid in helpers if _alive(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive, f"{self.name}'s helper processes outlived it: {alive}"
+        return took
+
     def kill(self) -> None:
         if self.process and self.process.poll() is None:
             # the node's own children (hivemind DHT, averager, p2pd) die with their parent's pipes
             self.process.send_signal(signal.SIGKILL)
             self.process.wait(timeout=30)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (hivemind's helpers, p2pd), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"

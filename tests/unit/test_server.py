@@ -106,6 +106,17 @@ def test_status_has_state_and_no_secrets_or_paths() -> None:
     serve(telemetry, check)
 
 
+def test_a_fresh_node_serves_every_status_field_as_null_until_known() -> None:
+    from diloco_node.telemetry.meter import STATUS_FIELDS
+
+    async def check(client: TestClient) -> None:
+        status = await get_json(client, "/api/status")
+        assert set(STATUS_FIELDS) <= set(status)
+        assert status["model_digest"] is None and status["peer_id"] is None and status["run_id"] == RUN
+
+    serve(Telemetry(run_id=RUN), check)
+
+
 def test_history_and_peers() -> None:
     async def check(client: TestClient) -> None:
         history = await get_json(client, "/api/history")

@@ -1,0 +1,81 @@
+"""How the node's process stops: the signals users send, and the helper processes hivemind forks.
+
+- The first SIGINT (Ctrl-C) or SIGTERM (`kill`, `docker stop`, systemd) asks the node to stop at
+  the next safe point: it settles what is in flight, saves, leaves the swarm and exits 0.
+- A second one stops at once (exit 130 for SIGINT, 143 for SIGTERM), as users expect from a
+  terminal program. Checkpoints are written atomically (checkpoint.py), so the last saved round
+  survives even that.
+- hivemind forks helper processes (DHT, averager) that then start p2pd. A fork inherits the
+  node's Python signal handlers; a forked helper that ran them would "stop at the next safe point"
+  of a node it is not, and live on. So every forked child resets them, moves to a process group of
+  its own (Ctrl-C in a terminal signals the whole foreground group: p2pd would die under the
+  node's feet before it could leave the swarm), and is killed by the kernel when the node dies,
+  whatever kills it.
+
+hivemind's averager sets SIGINT to SIG_IGN in the process that starts it, so `install` must be
+called again once the swarm has started; `StopSignals.install` is idempotent for that reason.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import threading
+from types import FrameType
+
+logger = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_PR_SET_PDEATHSIG = 1
+
+
+class StopSignals:
+    """The first stop signal sets `requested`; a second ends the process at once."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self._received: int | None = None
+
+    def install(self) -> None:
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        # Runs on the main thread between two bytecodes: it must not wait on anything the main
+        # thread may hold, so the second signal writes with os.write, not through logging.
+        name = signal.Signals(signum).name
+        if self._received is None:
+            self._received = signum
+            logger.info("received %s; stopping at the next safe point (send it again to stop now)", name)
+            self.requested.set()
+            return
+        os.write(2, f"diloco-node: received {name} again; stopping now without saving\n".encode())
+        os._exit(128 + signum)
+
+
+def _in_forked_child() -> None:
+    for signum in STOP_SIGNALS:
+        # SIGINT ignored: the node stops its helpers itself; SIGTERM default: `kill` still works.
+        signal.signal(signum, signal.SIG_IGN if signum == signal.SIGINT else signal.SIG_DFL)
+    try:
+        os.setpgid(0, 0)
+    except OSError:  # already a group leader (cannot happen after fork, but never fail a fork)
+        pass
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: p2pd's idle timeout ends orphans instead
+        pass
+
+
+_hooked = False
+
+
+def isolate_forked_children() -> None:
+    """Apply `_in_forked_child` to every later os.fork of this process (subprocess's spawn is
+    not a Python-level fork and is not affected)."""
+    global _hooked
+    if not _hooked:
+        os.register_at_fork(after_in_child=_in_forked_child)
+        _hooked = True
