@@ -157,7 +157,8 @@ class NodeProcess:
         try:
             code = self.process.wait(timeout=within)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{self.name} did not exit within {within:.0f}s of {how}\n{self.log_text()[-3000:]}")
+            raise AssertionError(f"{self.name} did not exit within {within:.0f}s of {how}\n"
+                                 f"{self.log_text()[-3000:]}") from None
         took = time.monotonic() - started
         assert code == 0, f"{self.name} exited {code} after {how}\n{self.log_text()[-3000:]}"
         assert "Traceback" not in self.log_text(), self.log_text()[-3000:]

@@ -40,7 +40,7 @@ def test_the_kernel_counts_a_real_connection() -> None:
             connections = tcp_connections({os.fstat(client.fileno()).st_ino})
             assert len(connections) == 1
             (local, peer, _), counts = next(iter(connections.items()))
-            assert local == "%s:%d" % client.getsockname() and peer == "%s:%d" % server.getsockname()
+            assert local == "{}:{}".format(*client.getsockname()) and peer == "{}:{}".format(*server.getsockname())
             assert 100_000 < counts.sent < 120_000  # the payload plus its segments' headers
             assert tcp_connections(set()) == {}
 
