@@ -135,7 +135,8 @@ class Node:
         if not resumed:  # a fresh node gets its own data order, derived from its identity
             self.stream_seed = zlib.crc32(self.swarm.peer_id.encode()) ^ self.cfg.seed
         self.swarm.presence.enter(self.round, self.model_digest())
-        if not resumed:
+        if not resumed or self.swarm.presence.ahead_of(self.round):
+            # a resumed checkpoint the run has moved past would only send stale work: re-sync
             self._sync_from_peers()
         if self.stop_requested.is_set():
             return  # stopped during the state download: nothing of ours is worth saving

@@ -138,6 +138,11 @@ class Presence:
         others = [r for p, r in self.compatible_peers(refresh=True).items() if p != self.peer_id]
         return bool(others) and all(r.exchanged_round >= round_ for r in others)
 
+    def ahead_of(self, round_: int) -> bool:
+        """Whether another live node of the run has already exchanged `round_` (we would be behind it)."""
+        return any(r.exchanged_round >= round_ for p, r in self.compatible_peers(refresh=True).items()
+                   if p != self.peer_id)
+
     def diverged(self, round_: int, digest: str) -> bool:
         """Whether our φ differs from the run's canonical φ for the start of `round_`.
 

@@ -44,9 +44,10 @@ def test_a_stopped_node_saves_and_resumes_where_it_stopped(spawn: NodeFactory, t
 def test_a_second_ctrl_c_stops_at_once(spawn: NodeFactory) -> None:  # type: ignore[no-untyped-def]
     """A frozen peer holds the eager exchange in flight, so the first Ctrl-C waits to settle it;
     the second one ends the node at once, as a terminal user expects."""
-    a = spawn("a", "--sync", "eager", "--inner-steps", "5", "--round-timeout", "120", "--sync-timeout", "120")
+    a = spawn("a", "--sync", "eager", "--inner-steps", "5", "--round-timeout", "120", "--sync-timeout", "120",
+              "--min-peers", "2")
     b = spawn("b", "--sync", "eager", "--inner-steps", "5", "--round-timeout", "120", "--sync-timeout", "120",
-              peer=a)
+              "--min-peers", "2", peer=a)
     b.wait_for_round(b.wait_joined() + 1)
     b.signal(signal.SIGSTOP)  # frozen: its heartbeat stops, its record stays live, a's exchange hangs
     try:
