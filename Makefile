@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-system lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -16,8 +16,13 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/diloco-node demo
 
+# unit + core integration (real nodes on loopback): under 10 minutes on 2 cores
 test: $(VENV)/.installed
-	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=15
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=15 tests/unit tests/integration
+
+# network namespaces, browser, lifecycle stress (root, chromium, iproute2)
+test-system: $(VENV)/.installed
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=15 tests/network tests/browser tests/system
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check diloco_node tests benchmarks

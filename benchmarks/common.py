@@ -32,6 +32,7 @@ WORLD = 2  # workers / nodes per configuration
 # outer momentum 0.9. The codec and data-parallel comparisons pin it (the node's default is eager);
 # the eager comparisons are benchmarks of their own (wide_area.py, eager_loss.py).
 BLOCKING_FLAGS = ("--sync", "blocking")
+STOP_BOUND = 30.0  # README: a stop takes at most this plus the exchange in flight
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 JOINED_RE = re.compile(r"joined run=\S+ round=(\d+) eval_loss=(\S+) parameters=(\d+) digest=(\w+)")
@@ -125,14 +126,19 @@ class NodeProcess:
             os.kill(self.proc.pid, signum)
 
     def stop(self) -> None:
-        """SIGTERM (the node checkpoints and leaves), then SIGKILL of its session if it hangs."""
+        """SIGTERM (the node checkpoints and leaves); a node that hangs is SIGKILLed, and says so."""
         if self.proc.poll() is None:
             self.signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=30)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # leftovers of this node's own session only
-        self.proc.wait()
+            try:
+                self.proc.wait(timeout=STOP_BOUND)
+            except subprocess.TimeoutExpired:
+                print(f"WARNING: {self.name} did not stop within {STOP_BOUND:.0f}s of SIGTERM; killing it",
+                      file=sys.stderr)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)  # this node's own session only
+        code = self.proc.wait()
+        if code not in (0, -signal.SIGKILL):
+            print(f"WARNING: {self.name} exited {code}\n{self.tail()}", file=sys.stderr)
 
 
 def node_executable() -> str:

@@ -91,8 +91,12 @@ def swarm(tmp_path: Path) -> Iterator[list[NodeProcess]]:
             node.wait_for_round(3)
         yield nodes
     finally:
-        for node in nodes:
-            node.kill()
+        try:
+            for node in nodes:
+                node.stop("sigterm", within=30)  # fails the test if a node does not stop cleanly
+        finally:
+            for node in nodes:
+                node.kill()  # only a node that failed to stop is still there
 
 
 def peer_id(node: NodeProcess) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-from pathlib import Path
 
 import pytest
 
@@ -88,15 +87,6 @@ def test_resume_continues_at_the_saved_round(spawn: NodeFactory) -> None:
     assert again.joined_round == 3 and min(again.rounds) == 4
     assert "resumed round=3" in again.log_text()
     assert again.joined_eval_loss == pytest.approx(saved.eval_loss, abs=1e-4)
-
-
-def test_sigterm_saves_and_leaves(spawn: NodeFactory, tmp_path: Path) -> None:
-    node = spawn("term", "--inner-steps", "10", run_id="term")
-    node.wait_for_round(2)
-    node.signal(signal.SIGTERM)
-    assert node.wait_exit(timeout=60) == 0
-    assert (tmp_path / "term" / "term" / "node.pt").exists()
-    assert "left the swarm" in node.log_text()
 
 
 def test_a_node_that_leaves_is_not_waited_for(spawn: NodeFactory) -> None:
