@@ -106,7 +106,7 @@ class Node:
         self.store = CheckpointStore(cfg.checkpoint_path) if cfg.checkpoint_path else None
         self.telemetry = Telemetry(run_id=cfg.run_id, model=cfg.model, parameters=count_parameters(self.model),
                                    compression=cfg.compression, algorithm=cfg.algorithm, label=cfg.label,
-                                   outer_step=0, inner_step=0, loss=None, eval_loss=None, peers=1, group_size=0)
+                                   isolated=False, outer_step=0, inner_step=0, peers=1, group_size=0)
         self.server = StatusServer(self.telemetry, *cfg.status_host_port)
         self.wire_at_last_round = (0, 0)
         self.wire = WireMeter(os.getpid(), on_sample=lambda sent, received: self.telemetry.update(
@@ -129,6 +129,8 @@ class Node:
             group_size=self.cfg.group_size if self.gossip else None)
         self.swarm = SwarmMember(settings, self.outer_params, self._shared_state, self.codec, self.phi_codec)
         self.signals.install()  # again: hivemind's averager has just set SIGINT to SIG_IGN in this process
+        self.swarm.presence.isolation.on_change = lambda since: self.telemetry.update(
+            isolated=since is not None, isolated_since=since)
         self.wire.start()
         for address in self.swarm.visible_addresses():
             self.say(f"peer address: {address}")
@@ -249,6 +251,9 @@ class Node:
 
     def run_round(self) -> None:
         assert self.swarm is not None
+        self._wait_while_isolated()
+        if self.stop_requested.is_set():
+            return
         started = time.monotonic()
         self._load_outer_into_model()
         losses = self._inner_phase()
@@ -305,6 +310,20 @@ class Node:
         self._announce(ready=False)
         self._refresh_swarm_table()  # after announcing, so our own row carries this round's stats
         self.swarm.share_state(self.round)
+
+    def _wait_while_isolated(self) -> None:
+        """Pause while every peer has vanished (swarm/isolation.py): solo rounds would only take φ
+        away from the swarm's. Once a peer is back, re-sync if the run went on without us."""
+        assert self.swarm is not None
+        isolation = self.swarm.presence.isolation
+        if isolation.since is None:
+            return
+        while isolation.since is not None:
+            if self.stop_requested.wait(0.5):
+                return
+        if self.swarm.presence.ahead_of(self.round):
+            self._sync_from_peers()
+            self._announce(ready=False)
 
     def _gossip(self, round_: int, own: OwnContribution, tokens: float) -> ExchangeOutcome:
         """NoLoCo: wait (bounded) for our small drawn group only, then average with it."""

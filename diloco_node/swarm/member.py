@@ -27,8 +27,10 @@ from hivemind.utils import get_dht_time
 from diloco_node.codec import Codec, CodecError, max_payload_bytes, split_first
 from diloco_node.outer.aggregate import Contribution, robust_weighted_mean, weighted_mean
 from diloco_node.swarm import records
+from diloco_node.swarm.contacts import Contacts
 from diloco_node.swarm.exchange import Fetched, PayloadExchange
 from diloco_node.swarm.groups import group_key, random_groups
+from diloco_node.swarm.isolation import Isolation
 from diloco_node.swarm.presence import Presence
 
 logger = logging.getLogger(__name__)
@@ -106,7 +108,9 @@ class SwarmMember:
         self.settings = settings
         self._dht = _start_dht(settings)
         self.peer_id = str(self._dht.peer_id)
-        self.presence = Presence(self._dht, self.peer_id, settings.run_id, settings.fingerprint, settings.config)
+        isolation = Isolation(Contacts(self._dht, self.peer_id, settings.initial_peers), settings.run_id)
+        self.presence = Presence(self._dht, self.peer_id, settings.run_id, settings.fingerprint, settings.config,
+                                 isolation)
         self._numel = sum(t.numel() for t in template)
         namespace = f"{settings.run_id}_{settings.fingerprint}"
         self._averager = _StateSharingAverager(

@@ -15,6 +15,7 @@ from typing import Any
 from hivemind import DHT
 
 from diloco_node.swarm import records
+from diloco_node.swarm.isolation import Isolation
 from diloco_node.swarm.records import NodeRecord
 
 logger = logging.getLogger(__name__)
@@ -40,8 +41,10 @@ class IncompatibleRun(RuntimeError):
 
 
 class Presence:
-    def __init__(self, dht: DHT, peer_id: str, run_id: str, fingerprint: str, config: dict[str, Any]):
+    def __init__(self, dht: DHT, peer_id: str, run_id: str, fingerprint: str, config: dict[str, Any],
+                 isolation: Isolation):
         self._dht, self.peer_id, self.run_id = dht, peer_id, run_id
+        self.isolation = isolation  # fed by the heartbeat
         self.fingerprint, self.config = fingerprint, config
         self._dht_lock = threading.Lock()  # hivemind's DHT pipe is not safe to share between threads
         self._record = NodeRecord(peer_id, fingerprint, config, 0, -1, "")
@@ -183,5 +186,7 @@ class Presence:
                 with self._dht_lock:
                     records.publish(self._dht, self.run_id, self._record)
                 self._fetch()
+                with self._dht_lock:
+                    self.isolation.observe([p for p in self._live if p != self.peer_id], list(self._departed))
             except Exception as exc:  # a missed heartbeat is retried; the loop must outlive it
                 logger.warning("heartbeat failed: %r", exc)

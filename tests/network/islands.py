@@ -150,6 +150,15 @@ class Island:
         return subprocess.run(self.command(argv), capture_output=True, text=True, check=True,
                               timeout=timeout).stdout
 
+    def cut(self) -> None:
+        """Take the island off the network as an upstream failure does: its link stays up, but the
+        hub no longer bridges it, so whatever it sends (and whatever is sent to it) is lost silently."""
+        _ip("-n", self._islands.hub, "link", "set", f"p{self.index}", "nomaster")
+
+    def heal(self) -> None:
+        """Put a cut island back on the network."""
+        _ip("-n", self._islands.hub, "link", "set", f"p{self.index}", "master", "br0")
+
     def _counter(self, name: str) -> int:
         return int(self.check_output(["cat", f"/sys/class/net/{self.interface}/statistics/{name}"]))
 

@@ -1,0 +1,83 @@
+"""Isolation: noticing that every peer has vanished, and dialing them until they are back.
+
+A node is isolated when it has trained with peers and now sees none of them, and they did not
+leave (a peer that leaves withdraws its record; one cut off or crashed just goes silent). It is
+then no use training alone: its solo outer steps would only take its φ away from the swarm's (seen:
+420 solo rounds in a 4-minute cut, issue 18). The round engine pauses while `since` is set; this
+class dials the node's contacts with backoff meanwhile, and clears `since` once a peer is back.
+
+Owned by the presence heartbeat thread (`observe`); other threads only read `since`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection
+from datetime import datetime
+
+from diloco_node.swarm.contacts import Contacts
+
+logger = logging.getLogger(__name__)
+
+FIRST_DIAL_DELAY = 1.0
+MAX_DIAL_DELAY = 5.0  # a short cap: a node back on the network rejoins within a round or two
+REMEMBER_SECONDS = 30.0  # how often a connected node notes its peers' addresses
+
+
+class Isolation:
+    def __init__(self, contacts: Contacts, run_id: str):
+        self._contacts, self._run_id = contacts, run_id
+        self._known: set[str] = set()  # peers we have seen live
+        self._left: set[str] = set()  # of those, the ones that left on purpose
+        self.since: float | None = None  # wall time at which we lost the last peer; None: not isolated
+        self.on_change: Callable[[float | None], None] | None = None
+        self._dial_delay = FIRST_DIAL_DELAY
+        self._next_dial = 0.0
+        self._next_remember = 0.0
+
+    def observe(self, others: Collection[str], departed: Collection[str]) -> None:
+        """One heartbeat's view: the other live nodes of the run, and those that left recently."""
+        now = time.monotonic()
+        self._left.update(departed)
+        if others:
+            self._known.update(others)
+            self._left.difference_update(others)  # back after leaving
+            if self.since is not None:
+                logger.info("back in the swarm after %.0fs isolated: %d peer(s) reachable",
+                            time.time() - self.since, len(others))
+                self._set(None)
+            if now >= self._next_remember:
+                self._remember()
+                self._next_remember = now + REMEMBER_SECONDS
+            return
+        if not self._known - self._left:
+            return  # alone because everyone else left: the run is ours to go on with
+        if self.since is None:
+            self._set(time.time())
+            self._dial_delay, self._next_dial = FIRST_DIAL_DELAY, now
+            logger.warning("isolated: no peer of run %s reachable since %s; pausing training and retrying "
+                           "our peers until one is back", self._run_id, datetime.now().strftime("%H:%M:%S"))
+        if now >= self._next_dial:
+            reached = self._dial()
+            logger.debug("dialed contacts reached=%s next_in=%.0fs", reached, self._dial_delay)
+            self._next_dial = time.monotonic() + self._dial_delay
+            self._dial_delay = min(2 * self._dial_delay, MAX_DIAL_DELAY)
+
+    def _set(self, since: float | None) -> None:
+        self.since = since
+        if self.on_change:
+            self.on_change(since)
+
+    def _remember(self) -> None:
+        try:
+            self._contacts.remember_connected()
+        except Exception as exc:  # a failed lookup of our own connections is retried later
+            logger.debug("could not list connected peers: %r", exc)
+
+    def _dial(self) -> list[str]:
+        try:
+            return self._contacts.dial()
+        except Exception as exc:
+            logger.debug("dialing contacts failed: %r", exc)
+            return []

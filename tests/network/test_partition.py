@@ -1,0 +1,81 @@
+"""Partitions heal: a node cut off from the swarm pauses, finds the swarm again and agrees with it.
+
+Three nodes in three islands (100 Mbit/s links, blocking, H = 20, --round-timeout 20). Island c's
+link is cut (the hub stops bridging it: packets vanish, as when an uplink fails upstream) for
+10 s, 60 s and 5 minutes in turn. Each time:
+- during the cut, a and b go on as a pair; c reports itself isolated (status API) and does not
+  race through solo rounds;
+- within 4 of a's rounds after the link is back, all three hold the same model_digest;
+- no node crashes.
+The rounds and seconds to agree again are printed (README quotes them).
+"""
+
+from __future__ import annotations
+
+import time
+
+from tests.network.island_nodes import IslandNode, node_options
+from tests.network.islands import Islands
+from tests.network.test_islands import need_netns
+
+RATE_MBIT = 100.0
+CUTS = (10.0, 60.0, 300.0)
+AGREE_WITHIN_ROUNDS = 4
+OPTIONS = ["--sync", "blocking", "--inner-steps", "20", "--round-timeout", "20", "--min-peers", "3"]
+
+
+def agreed_round(nodes: list[IslandNode], after: int) -> int | None:
+    """The first round after `after` that every node logged with one digest."""
+    common = set.intersection(*(set(node.rounds) for node in nodes))
+    for round_ in sorted(r for r in common if r > after):
+        if len({node.rounds[round_].digest for node in nodes}) == 1:
+            return round_
+    return None
+
+
+def test_a_cut_off_node_pauses_rejoins_and_agrees(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    need_netns()
+    with Islands(count=3, rate_mbit=RATE_MBIT) as islands:
+        nodes: list[IslandNode] = []
+        for name, island in zip("abc", islands, strict=True):
+            peer = ["--peer", nodes[0].wait_for_address()] if nodes else []
+            nodes.append(IslandNode(name, [*node_options(island, "partition"), *OPTIONS, *peer], tmp_path,
+                                    island=island).start())
+        a, b, c = nodes
+        start = max(node.wait_joined() for node in nodes)
+        a.wait_until(lambda: agreed_round(nodes, start) is not None, 120, "three nodes agreeing")
+        figures = []
+        for cut in CUTS:
+            c_rounds_before = len(c.rounds)
+            islands[2].cut()
+            deadline = time.monotonic() + cut
+            isolated_seen = False
+            while time.monotonic() < deadline:
+                if not isolated_seen and time.monotonic() > deadline - cut + 25:
+                    status = c.status()  # from c's own island: its status server is local to it
+                    isolated_seen = status["isolated"] is True and status["isolated_since"] is not None
+                time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+            solo_rounds = len(c.rounds) - c_rounds_before
+            a_round_at_heal = max(a.rounds)
+            healed = time.monotonic()
+            islands[2].heal()
+            a.wait_until(lambda at=a_round_at_heal: agreed_round(nodes, at) is not None, 180,
+                         f"agreement after a {cut:.0f} s cut")
+            took = time.monotonic() - healed
+            agreed = agreed_round(nodes, a_round_at_heal)
+            assert agreed is not None
+            rounds = agreed - a_round_at_heal
+            figures.append((cut, rounds, took))
+            print(f"cut={cut:.0f}s agreed after {rounds} round(s) of a, {took:.1f}s; "
+                  f"c logged {solo_rounds} round(s) while cut off")
+            assert rounds <= AGREE_WITHIN_ROUNDS, (cut, rounds, c.log_text()[-3000:])
+            assert solo_rounds <= 2, f"c raced through {solo_rounds} rounds while cut off\n{c.log_text()[-3000:]}"
+            if cut >= 30:
+                assert isolated_seen, f"c's status never said isolated during a {cut:.0f} s cut"
+            assert c.status()["isolated"] is False
+            assert all(node.process and node.process.poll() is None for node in nodes)
+        log = c.log_text()
+        assert log.count("isolated: no peer") <= len(CUTS), "the isolation is logged once per cut"
+        assert "Traceback" not in log
+        for node in nodes:
+            node.stop("sigterm", within=60)
