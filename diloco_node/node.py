@@ -259,6 +259,8 @@ class Node:
         losses = self._inner_phase()
         if losses is None:
             return  # stop requested mid-round: the checkpoint keeps the round's start
+        if self._cut_off("after its inner phase"):
+            return
         computed = time.monotonic()
         tokens = float(len(losses) * self.cfg.batch_size * self.cfg.seq_len)
         self._announce(ready=True)
@@ -277,6 +279,8 @@ class Node:
                                                                 self.abandon_exchange))
             step = self._overlapped_step(outcome, own.decoded if own.decoded is not None else torch.zeros(self.numel))
         if outcome.verdict == "stopped":
+            return
+        if outcome.result is not None and len(outcome.result.group) <= 1 and self._cut_off("after its exchange"):
             return
         if outcome.verdict == "behind":
             logger.warning("round=%d peers moved on without us; re-syncing instead of sending stale work",
@@ -315,15 +319,22 @@ class Node:
         """Pause while every peer has vanished (swarm/isolation.py): solo rounds would only take φ
         away from the swarm's. Once a peer is back, re-sync if the run went on without us."""
         assert self.swarm is not None
-        isolation = self.swarm.presence.isolation
-        if isolation.since is None:
+        if not self.swarm.presence.isolated():
             return
-        while isolation.since is not None:
-            if self.stop_requested.wait(0.5):
+        while self.swarm.presence.isolated():
+            if self.stop_requested.wait(1.0):
                 return
         if self.swarm.presence.ahead_of(self.round):
             self._sync_from_peers()
             self._announce(ready=False)
+
+    def _cut_off(self, stage: str) -> bool:
+        """Whether this round must be dropped because we are cut off from every peer; says so."""
+        assert self.swarm is not None
+        if not self.swarm.presence.isolated():
+            return False
+        logger.info("round=%d dropped %s: cut off from every peer, no solo step", self.round, stage)
+        return True
 
     def _gossip(self, round_: int, own: OwnContribution, tokens: float) -> ExchangeOutcome:
         """NoLoCo: wait (bounded) for our small drawn group only, then average with it."""

@@ -8,6 +8,7 @@ node may not report a newer field); those print as "-" instead of failing.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -75,7 +76,13 @@ def _traffic(payload: Any, wire: Any) -> str:
     return f"{human_bytes(payload)} payload, {human_bytes(wire)} on the wire"
 
 
-def format_status(status: dict[str, Any]) -> str:
+def _swarm(status: dict[str, Any], now: float) -> str:
+    if status.get("isolated") is not True:
+        return "connected" if status.get("isolated") is False else MISSING
+    return f"ISOLATED since {ago(status.get('isolated_since'), now)}; training paused, retrying peers"
+
+
+def format_status(status: dict[str, Any], now: float | None = None) -> str:
     """The node's own state as aligned 'key  value' lines."""
     compression = text(status.get("compression"))
     bytes_per_param = _number(status.get("bytes_per_param"))
@@ -96,6 +103,7 @@ def format_status(status: dict[str, Any]) -> str:
         ("round time", MISSING if _number(status.get("round_seconds")) is None
          else f"{decimal(status.get('round_seconds'), 1)}s"),
         ("peers", f"{text(status.get('peers'))} (last group {text(status.get('group_size'))})"),
+        ("swarm", _swarm(status, time.time() if now is None else now)),
     ]
     if status.get("algorithm") == "noloco":
         distance = _number(status.get("consensus_distance"))
@@ -145,4 +153,4 @@ def render(status: dict[str, Any], peers: dict[str, Any], now: float) -> str:
     """The whole view from the bodies of /api/status and /api/peers."""
     rows = peers.get("peers") if isinstance(peers, dict) else None
     rows = [row for row in rows if isinstance(row, dict)] if isinstance(rows, list) else []
-    return f"{format_status(status)}\n\nswarm ({len(rows)} peers)\n{format_peers(rows, now)}"
+    return f"{format_status(status, now)}\n\nswarm ({len(rows)} peers)\n{format_peers(rows, now)}"

@@ -6,12 +6,14 @@ then no use training alone: its solo outer steps would only take its φ away fro
 420 solo rounds in a 4-minute cut, issue 18). The round engine pauses while `since` is set; this
 class dials the node's contacts with backoff meanwhile, and clears `since` once a peer is back.
 
-Owned by the presence heartbeat thread (`observe`); other threads only read `since`.
+The presence heartbeat thread feeds it (`observe`); the round engine asks `cut_off` between two
+heartbeats, so the sets are guarded by `_lock`.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Collection
 from datetime import datetime
@@ -28,6 +30,7 @@ REMEMBER_SECONDS = 30.0  # how often a connected node notes its peers' addresses
 class Isolation:
     def __init__(self, contacts: Contacts, run_id: str):
         self._contacts, self._run_id = contacts, run_id
+        self._lock = threading.Lock()  # guards _known and _left
         self._known: set[str] = set()  # peers we have seen live
         self._left: set[str] = set()  # of those, the ones that left on purpose
         self.since: float | None = None  # wall time at which we lost the last peer; None: not isolated
@@ -39,10 +42,11 @@ class Isolation:
     def observe(self, others: Collection[str], departed: Collection[str]) -> None:
         """One heartbeat's view: the other live nodes of the run, and those that left recently."""
         now = time.monotonic()
-        self._left.update(departed)
-        if others:
+        with self._lock:
+            self._left.update(departed)
             self._known.update(others)
             self._left.difference_update(others)  # back after leaving
+        if others:
             if self.since is not None:
                 logger.info("back in the swarm after %.0fs isolated: %d peer(s) reachable",
                             time.time() - self.since, len(others))
@@ -51,7 +55,7 @@ class Isolation:
                 self._remember()
                 self._next_remember = now + REMEMBER_SECONDS
             return
-        if not self._known - self._left:
+        if not self.cut_off(others):
             return  # alone because everyone else left: the run is ours to go on with
         if self.since is None:
             self._set(time.time())
@@ -63,6 +67,12 @@ class Isolation:
             logger.debug("dialed contacts reached=%s next_in=%.0fs", reached, self._dial_delay)
             self._next_dial = time.monotonic() + self._dial_delay
             self._dial_delay = min(2 * self._dial_delay, MAX_DIAL_DELAY)
+
+    def cut_off(self, others: Collection[str]) -> bool:
+        """Whether seeing just `others` (the other live nodes) means we are cut off: none is left
+        of the peers we knew, and not all of those left on purpose."""
+        with self._lock:
+            return not others and bool(self._known - self._left)
 
     def _set(self, since: float | None) -> None:
         self.since = since

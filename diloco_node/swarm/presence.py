@@ -141,6 +141,13 @@ class Presence:
         others = [r for p, r in self.compatible_peers(refresh=True).items() if p != self.peer_id]
         return bool(others) and all(r.exchanged_round >= round_ for r in others)
 
+    def isolated(self) -> bool:
+        """Cut off from every peer (swarm/isolation.py), as of our last look at the run's records
+        (the barrier's or the heartbeat's) rather than as of the last heartbeat's verdict."""
+        if self.isolation.since is not None:
+            return True
+        return self.isolation.cut_off([p for p in self.compatible_peers() if p != self.peer_id])
+
     def ahead_of(self, round_: int) -> bool:
         """Whether another live node of the run has already exchanged `round_` (we would be behind it)."""
         return any(r.exchanged_round >= round_ for p, r in self.compatible_peers(refresh=True).items()

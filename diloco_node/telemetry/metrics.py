@@ -48,7 +48,12 @@ class TelemetryCollector:
             "diloco_peers": ("live nodes of this run with our config", state.get("peers")),
             "diloco_compression_ratio": ("fp32 bytes / payload bytes of the last round",
                                          state.get("compression_ratio")),
+            "diloco_isolated": ("1 while every peer has vanished and training is paused, else 0",
+                                1.0 if state.get("isolated") else 0.0),
         }
+        if state.get("isolated_since") is not None:
+            gauges["diloco_isolated_since_seconds"] = ("unix time at which the node lost its last peer",
+                                                       state.get("isolated_since"))
         if state.get("consensus_distance") is not None:  # NoLoCo only: DiLoCo's group shares one φ
             gauges["diloco_consensus_distance"] = ("‖φ − group mean φ‖ / ‖group mean φ‖ of the last round",
                                                    state.get("consensus_distance"))

@@ -205,6 +205,23 @@ def test_unmeasured_wire_bytes_are_left_out_not_reported_as_zero() -> None:
     serve(telemetry, check)
 
 
+def test_an_isolated_node_says_so_and_since_when() -> None:
+    async def check(client: TestClient) -> None:
+        text = await (await client.get("/metrics")).text()
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        assert families["diloco_isolated"].samples[0].value == 1.0
+        assert families["diloco_isolated_since_seconds"].samples[0].value == 1_700_000_000.0
+
+    serve(Telemetry(run_id=RUN, isolated=True, isolated_since=1_700_000_000.0), check)
+
+    async def check_connected(client: TestClient) -> None:
+        families = {f.name: f for f in text_string_to_metric_families(await (await client.get("/metrics")).text())}
+        assert families["diloco_isolated"].samples[0].value == 0.0
+        assert "diloco_isolated_since_seconds" not in families
+
+    serve(Telemetry(run_id=RUN, isolated=False), check_connected)
+
+
 def test_noloco_consensus_distance_is_a_gauge() -> None:
     telemetry = Telemetry(run_id=RUN, algorithm="noloco", consensus_distance=0.0042)
 

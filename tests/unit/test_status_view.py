@@ -82,6 +82,17 @@ def test_status_block_survives_missing_and_null_fields() -> None:
     assert status_view.format_status({}).count("-") >= 10
 
 
+def test_swarm_line_says_when_a_node_is_isolated_and_since_when() -> None:
+    def swarm(status: dict) -> str:  # type: ignore[type-arg]
+        lines = status_view.format_status(status, now=1_000_100.0).splitlines()
+        return next(line for line in lines if line.startswith("swarm")).split(None, 1)[1]
+
+    assert swarm({"isolated": False}) == "connected"
+    assert swarm({"isolated": True, "isolated_since": 1_000_000.0}) == (
+        "ISOLATED since 100s ago; training paused, retrying peers")
+    assert swarm({}) == "-"
+
+
 def test_peer_table_is_aligned_and_marks_self() -> None:
     rows = [peer_row(0, is_self=True), peer_row(1)]
     rows[0]["last_seen"], rows[1]["last_seen"] = NOW - 3, NOW - 70

@@ -68,6 +68,14 @@ function renderStatus(s) {
   setText("model", show(s.model));
   setText("parameters", finite(s.parameters) ? `${(s.parameters / 1e6).toFixed(2)} M parameters` : "");
   setText("uptime", duration(s.uptime_seconds));
+  // A cut-off node pauses training: say so above everything else, with how long it has been.
+  const isolated = document.getElementById("isolated");
+  isolated.hidden = s.isolated !== true;
+  if (s.isolated === true) {
+    const since = finite(s.isolated_since) ? new Date(s.isolated_since * 1000).toLocaleTimeString() : "–";
+    isolated.textContent = `isolated from the swarm since ${since} (${ago(s.isolated_since)}) — `
+      + "training is paused while the node retries its peers";
+  }
   document.title = `diloco-node · ${show(s.run_id)} · round ${show(s.outer_step)}`;
 }
 
