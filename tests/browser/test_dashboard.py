@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 from collections.abc import Iterator
 from html.parser import HTMLParser
@@ -51,6 +52,7 @@ class Page(HTMLParser):
         super().__init__()
         self.text_by_id: dict[str, str] = {}
         self.canvas_points: dict[str, int] = {}
+        self.hidden: set[str] = set()  # ids of elements with the hidden attribute
         self.rows: list[dict[str, str]] = []  # per row: its data-peer-id as "row", and each cell's data-value by column
         self._open: list[str | None] = []  # ids of the open elements, to collect text by id
         self._in_tbody = False
@@ -58,6 +60,8 @@ class Page(HTMLParser):
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         a = {key: value or "" for key, value in attrs}
+        if "hidden" in a and a.get("id"):
+            self.hidden.add(a["id"])
         if tag == "canvas" and "data-chart" in a:
             self.canvas_points[a["data-chart"]] = int(a.get("data-points") or 0)
         elif tag == "tbody":
@@ -126,3 +130,24 @@ def test_dashboard_shows_the_swarm(swarm: list[NodeProcess], tmp_path: Path) -> 
         assert float(row.get("bytes_received") or 0) > 0, row
     for chart in CHARTS:
         assert page.canvas_points.get(chart, 0) >= 2, f"chart {chart!r}: {page.canvas_points}"
+
+
+def test_dashboard_shows_a_cut_off_node_as_isolated(swarm: list[NodeProcess], tmp_path: Path) -> None:
+    """b freezes (as a cut link looks from a: silence); a pauses, and its page says so until b is back."""
+    binary = find_chromium()
+    a, b = swarm
+    assert a.status_url
+    page = Page(run_chromium(binary, tmp_path / "profile-connected", "--dump-dom", f"{a.status_url}/"))
+    assert "isolated" in page.hidden
+    b.signal(signal.SIGSTOP)
+    try:
+        a.wait_until(lambda: a.status()["isolated"] is True, 60, "a reporting itself isolated")
+        page = Page(run_chromium(binary, tmp_path / "profile-isolated", "--dump-dom", f"{a.status_url}/"))
+        assert "isolated" not in page.hidden
+        assert page.text_by_id.get("isolated", "").startswith("isolated from the swarm since"), page.text_by_id
+        ARTIFACTS.mkdir(exist_ok=True)
+        run_chromium(binary, tmp_path / "profile-shot", f"--screenshot={ARTIFACTS / 'dashboard-isolated.png'}",
+                     "--window-size=1400,1000", f"{a.status_url}/")
+    finally:
+        b.signal(signal.SIGCONT)
+    a.wait_until(lambda: a.status()["isolated"] is False, 60, "a back in the swarm")

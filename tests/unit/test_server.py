@@ -26,7 +26,8 @@ RUN = "test-run"
 CHECKPOINT_DIR = "/tmp/diloco-secret-checkpoints"
 COUNTERS = ("diloco_bytes_sent", "diloco_bytes_received", "diloco_wire_bytes_sent", "diloco_wire_bytes_received",
             "diloco_outer_steps", "diloco_inner_steps")
-GAUGES = ("diloco_loss", "diloco_eval_loss", "diloco_compute_utilization", "diloco_peers", "diloco_compression_ratio")
+GAUGES = ("diloco_loss", "diloco_eval_loss", "diloco_compute_utilization", "diloco_peers", "diloco_compression_ratio",
+          "diloco_isolated")
 
 
 def round_stats(index: int, seconds: float = 12.0) -> dict[str, Any]:
