@@ -129,8 +129,7 @@ class Node:
             group_size=self.cfg.group_size if self.gossip else None)
         self.swarm = SwarmMember(settings, self.outer_params, self._shared_state, self.codec, self.phi_codec)
         self.signals.install()  # again: hivemind's averager has just set SIGINT to SIG_IGN in this process
-        self.swarm.presence.isolation.on_change = lambda since: self.telemetry.update(
-            isolated=since is not None, isolated_since=since)
+        self.swarm.presence.isolation.on_change = self._on_isolation
         self.wire.start()
         for address in self.swarm.visible_addresses():
             self.say(f"peer address: {address}")
@@ -327,6 +326,12 @@ class Node:
         if self.swarm.presence.ahead_of(self.round):
             self._sync_from_peers()
             self._announce(ready=False)
+
+    def _on_isolation(self, since: float | None) -> None:
+        """On the heartbeat thread: the status says at once that we are cut off (and see only ourselves)."""
+        self.telemetry.update(isolated=since is not None, isolated_since=since)
+        if since is not None:
+            self.telemetry.update(peers=1)
 
     def _cut_off(self, stage: str) -> bool:
         """Whether this round must be dropped because we are cut off from every peer; says so."""

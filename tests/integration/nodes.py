@@ -163,9 +163,9 @@ class NodeProcess:
         assert code == 0, f"{self.name} exited {code} after {how}\n{self.log_text()[-3000:]}"
         assert "Traceback" not in self.log_text(), self.log_text()[-3000:]
         deadline = time.monotonic() + 10
-        while (alive := [pid for pid in helpers if _alive(pid)]) and time.monotonic() < deadline:
+        while (survivors := [pid for pid in helpers if alive(pid)]) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not alive, f"{self.name}'s helper processes outlived it: {alive}"
+        assert not survivors, f"{self.name}'s helper processes outlived it: {survivors}"
         return took
 
     def kill(self) -> None:
@@ -193,7 +193,7 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from tests.integration.conftest import NodeFactory
+from tests.integration.nodes import alive, descendants
 
 pytestmark = pytest.mark.integration
 
@@ -58,10 +59,15 @@ def test_a_second_ctrl_c_stops_at_once(spawn: NodeFactory) -> None:  # type: ign
         a.wait_until(lambda: "stopping at the next safe point" in a.log_text(), 10, "the first Ctrl-C")
         time.sleep(1)
         assert a.process.poll() is None, "the first Ctrl-C should wait for the exchange in flight"
+        helpers = descendants(a.process.pid)
         started = time.monotonic()
         a.signal(signal.SIGINT)
         assert a.wait_exit(timeout=5) == 128 + signal.SIGINT
         assert time.monotonic() - started < 5
         assert "received SIGINT again; stopping now" in a.log_text()
+        deadline = time.monotonic() + 10
+        while [pid for pid in helpers if alive(pid)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in helpers if alive(pid)], "helper processes outlived the node"
     finally:
         b.signal(signal.SIGCONT)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from tests.network.island_nodes import IslandNode, node_options
 from tests.network.islands import Islands
 from tests.network.test_islands import need_netns
@@ -33,6 +35,7 @@ def agreed_round(nodes: list[IslandNode], after: int) -> int | None:
     return None
 
 
+@pytest.mark.timeout(sum(CUTS) + 600)
 def test_a_cut_off_node_pauses_rejoins_and_agrees(tmp_path) -> None:  # type: ignore[no-untyped-def]
     need_netns()
     with Islands(count=3, rate_mbit=RATE_MBIT) as islands:
