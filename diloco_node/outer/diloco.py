@@ -20,15 +20,19 @@ class OuterOptimizer:
     the reference implementation (momentum buffer initialised to the first gradient, no dampening).
     """
 
-    def __init__(self, outer_params: Sequence[torch.Tensor], lr: float, momentum: float):
+    def __init__(self, outer_params: Sequence[torch.Tensor], lr: float, momentum: float,
+                 foreach: bool | None = None):
+        """`foreach` picks torch's implementation (None: its default, multi-tensor on CUDA)."""
         self.params = list(outer_params)
         # momentum 0 (a valid setting) is plain SGD; torch refuses Nesterov without momentum
-        self._sgd = torch.optim.SGD(self.params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+        self._sgd = torch.optim.SGD(self.params, lr=lr, momentum=momentum, nesterov=momentum > 0, foreach=foreach)
 
     @torch.no_grad()
     def step(self, mean_pseudo_gradient: Sequence[torch.Tensor]) -> None:
         for param, grad in zip(self.params, mean_pseudo_gradient, strict=True):
-            param.grad = grad.to(param.dtype)
+            # a copy: torch's multi-tensor Nesterov adds the momentum into .grad in place, and the
+            # caller's mean is still needed (eager's next proxy starts from it)
+            param.grad = grad.to(param.dtype, copy=True)
         self._sgd.step()
         for param in self.params:
             param.grad = None

@@ -59,6 +59,19 @@ def test_three_nesterov_rounds_match_hand_computation() -> None:
     _close(outer.momentum_buffers()[0], [0.13, -0.235])
 
 
+@pytest.mark.parametrize("foreach", [False, True])
+def test_the_step_never_writes_into_the_mean_it_was_given(foreach: bool) -> None:
+    """torch's multi-tensor Nesterov (its default on CUDA) adds the momentum into .grad in place;
+    the mean must come out untouched, since eager's next proxy starts from it."""
+    phi = _phi()
+    outer = OuterOptimizer([phi], lr=LR, momentum=MOMENTUM, foreach=foreach)
+    outer.step(_g(G1))
+    second = _g(G2)
+    outer.step(second)
+    _close(second[0], G2)
+    _close(phi, [-0.281, 3.232])  # the same as the hand computation above
+
+
 def test_momentum_zero_is_plain_sgd() -> None:
     # --outer-momentum 0 is a valid setting (torch alone would refuse Nesterov without momentum):
     # φ ← φ − η·g each round, no buffer kept.
