@@ -15,6 +15,7 @@ inside hivemind's DHT process through `DHT.run_coroutine`, so the functions are 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from collections.abc import Iterable
@@ -52,6 +53,11 @@ async def _dial(book: Book, _dht: DHT, node: DHTNode) -> list[str]:
     async def one(peer: str, addresses: list[str]) -> bool:
         peer_id = PeerID.from_base58(peer)
         try:
+            # Drop what is left of the old connection first: after a long cut its TCP connection is
+            # still "open" but deep in retransmission backoff (a minute or more between tries), and
+            # connect would reuse it instead of dialing afresh.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(node.p2p._client.disconnect(peer_id), DIAL_TIMEOUT)
             await asyncio.wait_for(node.p2p._client.connect(peer_id, [Multiaddr(a) for a in addresses]), DIAL_TIMEOUT)
             return await asyncio.wait_for(node.protocol.call_ping(peer_id), DIAL_TIMEOUT) is not None
         except Exception:  # unreachable, refused, timed out: the next attempt tries again

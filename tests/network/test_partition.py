@@ -12,6 +12,7 @@ The rounds and seconds to agree again are printed (README quotes them).
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -57,6 +58,10 @@ def test_a_cut_off_node_pauses_rejoins_and_agrees(tmp_path) -> None:  # type: ig
                 if not isolated_seen and time.monotonic() > deadline - cut + 25:
                     status = c.status()  # from c's own island: its status server is local to it
                     isolated_seen = status["isolated"] is True and status["isolated_since"] is not None
+                    if isolated_seen:  # and what `diloco-node status` prints there
+                        printed = islands[2].check_output([sys.executable, "-m", "diloco_node", "status",
+                                                           str(c.status_url)])
+                        assert "ISOLATED since" in printed, printed
                 time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
             solo_rounds = len(c.rounds) - c_rounds_before
             a_round_at_heal = max(a.rounds)
