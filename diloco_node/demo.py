@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -38,8 +39,24 @@ class NodeProgress:
 
 def _start_node(args: list[str], log: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # A session of its own: the terminal's Ctrl-C reaches the demo only, which passes exactly one
+    # SIGINT on to each node (a node takes a second one as "stop now, without saving").
     return subprocess.Popen([sys.executable, "-m", "diloco_node", "join", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=log.parent)
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=log.parent, start_new_session=True)
+
+
+def _stop_nodes(processes: list[subprocess.Popen[str]]) -> list[int]:
+    """Ctrl-C: each node stops at its next safe point; a second Ctrl-C stops them at once."""
+    for attempt in range(2):
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+        try:
+            return [process.wait() for process in processes]
+        except KeyboardInterrupt:
+            if attempt == 1:
+                raise
+    return [process.wait() for process in processes]
 
 
 def _first_peer_address(process: subprocess.Popen[str]) -> str | None:
@@ -102,9 +119,8 @@ def run_demo(nodes: int, rounds: int, inner_steps: int, model: str) -> int:
                     return 1
         codes = [process.wait() for process in processes]
     except KeyboardInterrupt:
-        for process in processes:
-            process.terminate()
-        codes = [process.wait() for process in processes]
+        print("\ndemo: stopping the nodes at their next safe point (Ctrl-C again to stop them now)")
+        codes = _stop_nodes(processes)
     for follower in followers:  # a node's last lines (its settled eval) may still be in the pipe
         follower.join(timeout=10)
     bar.close()
