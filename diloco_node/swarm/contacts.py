@@ -47,20 +47,51 @@ async def _connected_peers(_dht: DHT, node: DHTNode) -> Book:
     return {info.peer_id.to_base58(): [str(a) for a in info.addrs] for info in await node.p2p.list_peers()}
 
 
+def _tcp_endpoint(address: str) -> tuple[str, int] | None:
+    """(host, port) of a plain TCP multiaddr (/ip4|/ip6|/dns*/…/tcp/…), else None."""
+    multiaddr = Multiaddr(address)
+    names = [p.name for p in multiaddr.protocols()]
+    if len(names) != 2 or names[1] != "tcp" or names[0] not in ("ip4", "ip6", "dns", "dns4", "dns6"):
+        return None
+    return multiaddr.value_for_protocol(names[0]), int(multiaddr.value_for_protocol("tcp"))
+
+
+async def _answers(address: str) -> bool:
+    """Whether a TCP connection to `address` opens (True where it cannot be probed so)."""
+    endpoint = _tcp_endpoint(address)
+    if endpoint is None:
+        return True
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(*endpoint), DIAL_TIMEOUT)
+    except (TimeoutError, OSError):
+        return False
+    writer.close()
+    return True
+
+
 async def _dial(book: Book, _dht: DHT, node: DHTNode) -> list[str]:
     """Connect to and ping every peer in `book`; the ids of those that answered."""
 
     async def one(peer: str, addresses: list[str]) -> bool:
         peer_id = PeerID.from_base58(peer)
+        # Probe with a bare TCP connection first and ask the libp2p daemon to dial only an address
+        # that answers: every dial the daemon sees fail backs that peer off for longer and longer
+        # (5 s + tries² s, up to 5 minutes), which after a long cut kept a node from its peers for
+        # a minute after the link was back.
+        reachable = [a for a, ok in zip(addresses, await asyncio.gather(*map(_answers, addresses)), strict=True)
+                     if ok]
+        if not reachable:
+            return False
         try:
             # Drop what is left of the old connection first: after a long cut its TCP connection is
             # still "open" but deep in retransmission backoff (a minute or more between tries), and
             # connect would reuse it instead of dialing afresh.
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(node.p2p._client.disconnect(peer_id), DIAL_TIMEOUT)
-            await asyncio.wait_for(node.p2p._client.connect(peer_id, [Multiaddr(a) for a in addresses]), DIAL_TIMEOUT)
+            await asyncio.wait_for(node.p2p._client.connect(peer_id, [Multiaddr(a) for a in reachable]), DIAL_TIMEOUT)
             return await asyncio.wait_for(node.protocol.call_ping(peer_id), DIAL_TIMEOUT) is not None
-        except Exception:  # unreachable, refused, timed out: the next attempt tries again
+        except Exception as exc:  # unreachable, refused, timed out: the next attempt tries again
+            logger.debug("dial peer=%s failed: %r", peer, exc)
             return False
 
     answered = await asyncio.gather(*(one(peer, addresses) for peer, addresses in book.items()))
