@@ -555,8 +555,9 @@ class Node:
         self.stop_requested.set()
         self.abandon_exchange.set()  # an exchange still waiting on peers gives up
         self.background.close()
-        if self.store and self.joined:
-            self.save_checkpoint()
+        if self.store:
+            if self.joined:  # a node stopped before it had the run's φ has nothing worth resuming
+                self.save_checkpoint()
             self.store.close()
         if self.swarm:
             self.swarm.leave()
