@@ -34,6 +34,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/noloco.py
 	$(PY) benchmarks/eager_loss.py --h 40 --rounds 12
 	$(PY) benchmarks/wide_area.py  # network namespaces: needs root
+	$(PY) benchmarks/partition.py  # network namespaces: needs root
 
 clean:
 	rm -rf $(VENV) build *.egg-info

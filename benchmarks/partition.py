@@ -105,7 +105,7 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in payload["results"]:
         rounds = sorted(int(k) for k in r["eval_loss_by_round"])
-        ax.plot(rounds, [r["eval_loss_by_round"][k] for k in rounds], label=r["label"])
+        ax.plot(rounds, [r["eval_loss_by_round"][str(k)] for k in rounds], label=r["label"])
     ax.set_xlabel("outer round (node a)")
     ax.set_ylabel("eval loss of φ")
     ax.legend()
