@@ -169,7 +169,7 @@ class WireMeter:
 
     def sample(self) -> None:
         with self._sampling:
-            self._daemons = {pid for pid in self._daemons if Path(f"/proc/{pid}").exists()} or self._find_daemons()
+            self._daemons = {pid for pid in self._daemons if _name(pid) == DAEMON_NAME} or self._find_daemons()
             inodes = set().union(*(socket_inodes(pid) for pid in self._daemons))
             try:
                 connections = tcp_connections(inodes) if inodes else {}
