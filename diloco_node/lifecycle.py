@@ -43,8 +43,9 @@ class StopSignals:
             signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
-        # Runs on the main thread between two bytecodes: it must not wait on anything the main
-        # thread may hold, so the second signal writes with os.write, not through logging.
+        # Runs on the main thread between two bytecodes. The first signal logs (logging's locks are
+        # re-entrant); the second must end the process whatever the main thread is stuck in, so it
+        # writes its line straight to stderr and exits without running any cleanup.
         name = signal.Signals(signum).name
         if self._received is None:
             self._received = signum
