@@ -406,9 +406,11 @@ class Node:
     def _overlapped_step(self, previous: ExchangeOutcome, fresh: torch.Tensor) -> torch.Tensor | None:
         """What delayed / eager apply now, given the previous round's exchange and our fresh Δ."""
         finished = None
-        if previous.result is not None and previous.own is not None and previous.own.decoded is not None:
-            finished = Exchanged(self.round - 1, previous.result.mean, previous.own.decoded,
-                                 previous.result.own_share)
+        if previous.result is not None and previous.own is not None:
+            # A round whose own Δ could not be sent (non-finite) applied zeros as its own part; the
+            # others' mean of it must still be applied (it used to be dropped).
+            own = previous.own.decoded if previous.own.decoded is not None else torch.zeros(self.numel)
+            finished = Exchanged(self.round - 1, previous.result.mean, own, previous.result.own_share)
         assert self.swarm is not None
         return overlapped_step(self.cfg.sync, finished, fresh, len(self.swarm.presence.compatible_peers()) or 1,
                                self.cfg.eager_proxy)

@@ -122,6 +122,21 @@ def test_two_nodes_complete_rounds_with_every_codec(spawn: NodeFactory, codecs: 
             assert node.wait_exit() == 0, node.log_text()
 
 
+def test_eager_node_that_cannot_send_still_applies_the_others_mean(spawn: NodeFactory) -> None:
+    """b's inner phase blows up every round (non-finite Δ, nothing to send); under eager it must
+    still apply a's pseudo-gradient of every round (it used to drop them all and never learn)."""
+    options = ("--inner-steps", "5", "--max-outer-steps", "6", "--min-peers", "2", "--sync", "eager")
+    a = spawn("a", *options, run_id="eager-nan", checkpoint=False)
+    b = spawn("b", *options, "--inner-lr", "1e9", run_id="eager-nan", peer=a, checkpoint=False)
+    for node in (a, b):
+        assert node.wait_exit(timeout=120) == 0, node.log_text()
+    assert "not contributing: pseudo-gradient to encode holds non-finite values" in b.log_text()
+    settled = {node.name: float(node.log_text().split("settled round=6 eval_loss=")[1].split()[0]) for node in (a, b)}
+    assert settled["b"] < (b.joined_eval_loss or 0) - 1.0, b.log_text()
+    # the same pseudo-gradients, one round later and so with other momentum: close, not bit-equal
+    assert settled["b"] == pytest.approx(settled["a"], rel=0.03), settled
+
+
 @pytest.mark.parametrize("sync", ["delayed", "eager"])
 def test_overlapped_sync_modes_train_and_exchange(spawn: NodeFactory, sync: str) -> None:
     options = ("--inner-steps", "10", "--max-outer-steps", "3", "--min-peers", "2", "--sync", sync)
