@@ -12,6 +12,9 @@
   node's feet before it could leave the swarm), and is killed by the kernel when the node dies,
   whatever kills it.
 
+SIGUSR1 prints every thread's stack to stderr (faulthandler) and the node goes on: what to send a
+node that seems stuck before stopping it, and what the tests send one that does not exit in time.
+
 hivemind's averager sets SIGINT to SIG_IGN in the process that starts it, so `install` must be
 called again once the swarm has started; `StopSignals.install` is idempotent for that reason.
 """
@@ -19,6 +22,7 @@ called again once the swarm has started; `StopSignals.install` is idempotent for
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
@@ -41,6 +45,7 @@ class StopSignals:
     def install(self) -> None:
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._handle)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         # Runs on the main thread between two bytecodes. The first signal logs (logging's locks are

@@ -118,20 +118,27 @@ class PayloadExchange:
                     return set(offer.served) if offer else set()
                 self._offers_changed.wait(min(left, 1.0))
 
-    def drain(self, timeout: float, still_there: Callable[[str], bool]) -> bool:
+    def drain(self, timeout: float, may_still_fetch: Callable[[str, int], bool]) -> bool:
         """Wait until our group has fetched what we offered; True when nobody is left waiting.
 
         A node that leaves right after its last round would otherwise take its payload with it
         while a slower group member is still fetching it, and that member's φ would split off.
-        Peers that have left the run (`still_there` says no) are not waited for.
+        Members that will not fetch a round's offer any more (`may_still_fetch(peer, round)` says
+        no: they left the run, or finished that round without it) are not waited for.
         """
         deadline = time.monotonic() + timeout
+        told = False
         with self._offers_changed:
             while True:
-                waiting = {peer for offer in self._offers.values() for peer in offer.awaited if still_there(peer)}
+                waiting = {peer for round_, offer in self._offers.items() for peer in offer.awaited
+                           if may_still_fetch(peer, round_)}
                 left = deadline - time.monotonic()
                 if not waiting or left <= 0:
                     return not waiting
+                if not told:  # so that a stop that takes a while says why
+                    logger.info("waiting up to %.0fs for %d group member(s) to fetch our last pseudo-gradient",
+                                left, len(waiting))
+                    told = True
                 self._offers_changed.wait(min(left, 1.0))
 
     async def _serve(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -336,8 +336,12 @@ class SwarmMember:
 
     # --- lifecycle ----------------------------------------------------------------------------
 
+    def _may_still_fetch(self, peer: str, round_: int) -> bool:
+        record = self.presence.compatible_peers().get(peer)
+        return record is not None and record.may_still_fetch(round_)
+
     def leave(self) -> None:
-        if not self._exchange.drain(self.settings.round_timeout, lambda peer: peer in self.presence.compatible_peers()):
+        if not self._exchange.drain(self.settings.round_timeout, self._may_still_fetch):
             logger.warning("leaving before every group member fetched our last pseudo-gradient")
         self.presence.leave()
         self._exchange.close()

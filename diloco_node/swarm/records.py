@@ -78,6 +78,12 @@ class NodeRecord:
     stats: dict[str, Any] = field(default_factory=dict)
     exchanged_round: int = -1  # the last round whose exchange this node completed
 
+    def may_still_fetch(self, round_: int) -> bool:
+        """Whether this node may still fetch a payload of `round_`: it has neither completed that
+        round's exchange nor gone past the round after it (an overlapped exchange of round r runs
+        during round r + 1). A group member whose fetch failed moves on without it."""
+        return self.exchanged_round < round_ and self.round <= round_ + 1
+
     def to_wire(self) -> dict[str, Any]:
         return {"peer_id": self.peer_id, "fingerprint": self.fingerprint, "config": self.config,
                 "round": self.round, "ready_round": self.ready_round, "exchanged_round": self.exchanged_round,

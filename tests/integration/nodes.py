@@ -137,7 +137,20 @@ class NodeProcess:
 
     def wait_exit(self, timeout: float = 60) -> int:
         assert self.process
-        return self.process.wait(timeout=timeout)
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.name} did not exit within {timeout:.0f}s\n{self.stacks()}") from None
+
+    def stacks(self) -> str:
+        """The last log lines and every thread's stack (SIGUSR1, see lifecycle.py), for a failure report."""
+        assert self.process
+        count = len(self.stderr_lines)
+        self.process.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        with self._changed:
+            return ("--- last log lines ---\n" + "".join(self.stderr_lines[max(0, count - 15):count])
+                    + "--- stacks ---\n" + "".join(self.stderr_lines[count:]))
 
     def stop(self, how: str, within: float) -> float:
         """Stop the node as a user would and return the seconds it took; fails unless it exits 0
@@ -157,8 +170,7 @@ class NodeProcess:
         try:
             code = self.process.wait(timeout=within)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{self.name} did not exit within {within:.0f}s of {how}\n"
-                                 f"{self.log_text()[-3000:]}") from None
+            raise AssertionError(f"{self.name} did not exit within {within:.0f}s of {how}\n{self.stacks()}") from None
         took = time.monotonic() - started
         assert code == 0, f"{self.name} exited {code} after {how}\n{self.log_text()[-3000:]}"
         assert "Traceback" not in self.log_text(), self.log_text()[-3000:]

@@ -32,10 +32,11 @@ def test_drain_waits_until_the_group_has_fetched(pair: tuple[PayloadExchange, Pa
     offering, fetching, offering_id, fetching_id = pair
     offering.offer(1, b"payload", 320.0)
     offering.expect(1, [offering_id, fetching_id], offering_id)
-    assert not offering.drain(0.5, still_there=lambda _peer: True), "nobody fetched yet"
+    assert not offering.drain(0.5, may_still_fetch=lambda _peer, _round: True), "nobody fetched yet"
 
     drained: list[bool] = []
-    waiter = threading.Thread(target=lambda: drained.append(offering.drain(30, still_there=lambda _peer: True)))
+    waiter = threading.Thread(
+        target=lambda: drained.append(offering.drain(30, may_still_fetch=lambda _peer, _round: True)))
     waiter.start()
     time.sleep(0.5)
     assert waiter.is_alive(), "drain returned before the group member fetched"
@@ -50,7 +51,7 @@ def test_drain_does_not_wait_for_peers_that_left(pair: tuple[PayloadExchange, Pa
     offering.offer(1, b"payload", 320.0)
     offering.expect(1, [offering_id, fetching_id], offering_id)
     started = time.monotonic()
-    assert offering.drain(30, still_there=lambda _peer: False)
+    assert offering.drain(30, may_still_fetch=lambda _peer, _round: False)
     assert time.monotonic() - started < 5
 
 
@@ -63,7 +64,7 @@ def test_a_fetch_before_we_knew_the_group_counts(pair: tuple[PayloadExchange, Pa
     assert fetching.fetch_all([offering_id], 1, timeout=10) == {offering_id: Fetched(b"payload", 320.0, None)}
     assert offering.served(1, timeout=5) == {fetching_id}
     offering.expect(1, [offering_id, fetching_id], offering_id)
-    assert offering.drain(0.5, still_there=lambda _peer: True)
+    assert offering.drain(0.5, may_still_fetch=lambda _peer, _round: True)
 
 
 def test_an_offer_a_member_still_awaits_outlives_the_usual_two_rounds(

@@ -3,6 +3,7 @@ where the peers we average with stand on a round."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 from diloco_node.swarm.groups import random_groups
@@ -98,3 +99,13 @@ def test_nodes_that_left_after_exchanging_the_round_still_count_in_its_draw() ->
             presence, round_)), _draw=None)
     before_a_left = random_groups(["a", "c", "d", "us"], "run", 5, 2)
     assert SwarmMember.drawn_groups(member, 5) == before_a_left  # type: ignore[arg-type]
+
+
+def test_a_member_that_finished_a_round_will_not_fetch_its_payloads_any_more() -> None:
+    # what a leaving node's drain waits for: blocking members mark the round exchanged, overlapped
+    # ones fetch round r during round r + 1 and are done once they train round r + 2
+    in_round = dataclasses.replace(record("p", 1, "d"), exchanged_round=0)
+    assert in_round.may_still_fetch(1)
+    assert dataclasses.replace(in_round, exchanged_round=1, round=2).may_still_fetch(1) is False
+    assert dataclasses.replace(in_round, round=2).may_still_fetch(1), "an overlapped exchange of round 1"
+    assert dataclasses.replace(in_round, round=3).may_still_fetch(1) is False
