@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
 import click
@@ -106,6 +107,22 @@ def show_config(ctx: click.Context, config_file: str | None, **values: Any) -> N
         if value is not None:
             click.echo(f"{key} = {json.dumps(value)}")
     click.echo(f"# fingerprint {cfg.fingerprint()}")
+
+
+@main.command("identity")
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+def make_identity(path: Path) -> None:
+    """Create a node's libp2p key at PATH (kept if it exists) and print its peer id, so that its
+    address is known before the node first starts; give it to `join --identity PATH`.
+
+    Example: diloco-node identity checkpoints/identity.key
+    """
+    from diloco_node.identity import IdentityError, create
+
+    try:
+        click.echo(create(path))
+    except IdentityError as exc:
+        fail(str(exc))
 
 
 @main.command()

@@ -108,6 +108,9 @@ class NodeConfig(BaseModel):
     checkpoint_dir: str = Field("checkpoints", description="checkpoints go to DIR/<run_id>/ and join resumes from "
                                 "there; '' turns checkpoints off")
     checkpoint_every: int = Field(1, ge=0, description="checkpoint every N rounds (0 = never)")
+    identity: str = Field("", description="libp2p key file that keeps this node's peer id across restarts, "
+                          "created when missing; '' = identity.key in --checkpoint-dir (a new id each start "
+                          "when checkpoints are off)")
 
     @field_validator("peer", "listen", "announce")
     @classmethod
@@ -197,6 +200,12 @@ class NodeConfig(BaseModel):
     @property
     def checkpoint_path(self) -> Path | None:
         return Path(self.checkpoint_dir) / self.run_id if self.checkpoint_dir else None
+
+    @property
+    def identity_path(self) -> Path | None:
+        if self.identity:
+            return Path(self.identity)
+        return Path(self.checkpoint_dir) / "identity.key" if self.checkpoint_dir else None
 
     @property
     def status_host_port(self) -> tuple[str, int]:

@@ -23,6 +23,7 @@ import torch
 
 from diloco_node.checkpoint import CheckpointError, CheckpointStore
 from diloco_node.codec import CodecConfig, make_codec
+from diloco_node import identity
 from diloco_node.config import NodeConfig
 from diloco_node.lifecycle import StopSignals, isolate_forked_children
 from diloco_node.outer.aggregate import Contribution
@@ -120,13 +121,15 @@ class Node:
         """Everything that can fail because of bad input happens here, before training starts."""
         self.signals.install()  # Ctrl-C while waiting for peers is a clean stop too
         isolate_forked_children()
+        if self.cfg.identity_path:
+            identity.create(self.cfg.identity_path)  # an unusable key file fails here, before anything starts
         resumed = self._resume()
         self.say(f"status: {self.server.start()}")
         settings = SwarmSettings(
             run_id=self.cfg.run_id, fingerprint=self.cfg.fingerprint(), config=self.cfg.fingerprint_fields(),
             initial_peers=self.cfg.peer, listen=self.cfg.listen, announce=self.cfg.announce,
             matchmaking_time=self.cfg.matchmaking_time, round_timeout=self.cfg.round_timeout,
-            group_size=self.cfg.group_size if self.gossip else None)
+            group_size=self.cfg.group_size if self.gossip else None, identity=self.cfg.identity_path)
         self.swarm = SwarmMember(settings, self.outer_params, self._shared_state, self.codec, self.phi_codec)
         self.signals.install()  # again: hivemind's averager has just set SIGINT to SIG_IGN in this process
         self.swarm.presence.isolation.on_change = self._on_isolation

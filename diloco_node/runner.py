@@ -9,6 +9,7 @@ import torch
 
 from diloco_node.checkpoint import CheckpointError
 from diloco_node.config import NodeConfig
+from diloco_node.identity import IdentityError
 from diloco_node.node import Node
 from diloco_node.swarm.member import SwarmError
 from diloco_node.swarm.presence import IncompatibleRun
@@ -19,7 +20,7 @@ from diloco_node.train.device import DeviceError
 logger = logging.getLogger(__name__)
 
 START_UP_ERRORS = (DataError, SwarmError, StatusServerError, CheckpointError, DeviceError,
-                   IncompatibleRun)
+                   IncompatibleRun, IdentityError)
 
 
 def say(line: str) -> None:

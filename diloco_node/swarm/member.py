@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,6 +61,7 @@ class SwarmSettings:
     matchmaking_time: float
     round_timeout: float
     group_size: int | None = None  # NoLoCo: at most this many per group; None: one group for everyone
+    identity: Path | None = None  # libp2p key file (identity.py); None: a new peer id each start
 
 
 @dataclass(frozen=True)
@@ -356,7 +358,8 @@ def _start_dht(settings: SwarmSettings) -> DHT:
         try:
             return DHT(initial_peers=list(settings.initial_peers), host_maddrs=list(settings.listen),
                        announce_maddrs=list(settings.announce) or None, start=True, startup_timeout=30,
-                       record_validators=records.validators(settings.run_id))
+                       record_validators=records.validators(settings.run_id),
+                       identity_path=str(settings.identity) if settings.identity else None)
         except Exception as exc:  # hivemind reports p2pd and bootstrap failures as generic errors
             message = _explain_start_failure(settings, exc)
             if attempt == BOOTSTRAP_ATTEMPTS or not message.startswith("cannot reach"):
@@ -367,6 +370,9 @@ def _start_dht(settings: SwarmSettings) -> DHT:
 
 def _explain_start_failure(settings: SwarmSettings, exc: Exception) -> str:
     text = str(exc)
+    if "already taken" in text:  # hivemind checks that no live peer holds this identity
+        return (f"identity {settings.identity} is in use by another running node; "
+                "give each node its own --identity")
     if "address already in use" in text.lower():
         return f"cannot listen on {', '.join(settings.listen)}: address already in use"
     if settings.initial_peers and ("bootstrap" in text.lower() or "connect" in text.lower()):

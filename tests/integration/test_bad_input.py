@@ -134,6 +134,21 @@ def test_peer_without_peer_id(nodes: Processes) -> None:
     assert_bad_input(join(nodes, "--peer", "/ip4/127.0.0.1/tcp/4001"), "peer", "/p2p/")
 
 
+@pytest.mark.parametrize("problem", ["corrupt", "open permissions"])
+def test_unusable_identity_key_is_refused_and_kept(nodes: Processes, tmp_path: Path, problem: str) -> None:
+    key = tmp_path / "identity.key"
+    key.write_bytes(b"\x08\x01\x12\x03abc" if problem == "corrupt" else b"")
+    if problem == "open permissions":
+        assert subprocess.run([sys.executable, "-m", "diloco_node", "identity", str(key.with_name("good.key"))],
+                              capture_output=True, check=True).returncode == 0
+        key = key.with_name("good.key")
+    key.chmod(0o644 if problem == "open permissions" else 0o600)
+    before = key.read_bytes()
+    words = ("not a libp2p RSA private key",) if problem == "corrupt" else ("readable by others", "chmod 600")
+    assert_bad_input(join(nodes, "--identity", str(key)), str(key), *words)
+    assert key.read_bytes() == before, "a refused key file must be left as it was"
+
+
 def test_invalid_value_in_config_file(nodes: Processes, tmp_path: Path) -> None:
     path = tmp_path / "run.toml"
     path.write_text("inner_steps = 0\n")
@@ -239,12 +254,13 @@ class LineReader:
             return "".join(self.lines)
 
 
-def test_incompatible_peer_is_refused_on_both_sides(nodes: Processes) -> None:
+def test_incompatible_peer_is_refused_on_both_sides(nodes: Processes, tmp_path: Path) -> None:
     run_id = f"bad-input-{os.getpid()}"
+    identity = str(tmp_path / "a.key")
     light = ["--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--inner-steps", "5"]
     # A and B share a directory: A keeps no checkpoints, so B's default checkpoints/<run_id> is free.
     a = nodes.popen(*LOCAL, "--model", "tiny", "--run-id", run_id, "--max-outer-steps", "0",
-                    "--checkpoint-dir", "", *light)
+                    "--checkpoint-dir", "", "--identity", identity, *light)
     a_out, a_err = LineReader(a.stdout), LineReader(a.stderr)
     line = a_out.wait_for(lambda text: text.startswith("peer address: "), timeout=60)
     if line is None:
@@ -266,6 +282,10 @@ def test_incompatible_peer_is_refused_on_both_sides(nodes: Processes) -> None:
     assert b_peer_id in refused
     assert "model=small (ours: tiny)" in refused
     assert a.poll() is None, "node A must keep running after refusing a peer"
+    # a second node started with A's key (a copied volume, say) is refused before it can impersonate A
+    assert_bad_input(join(nodes, "--peer", a_address, "--run-id", run_id, "--identity", identity,
+                          "--checkpoint-dir", ""), "in use by another running node", identity)
+    assert a.poll() is None, "node A must keep running"
 
     a.send_signal(signal.SIGTERM)
     try:

@@ -37,6 +37,8 @@ def test_a_stopped_node_saves_and_resumes_where_it_stopped(spawn: NodeFactory, t
 
     again = spawn("a", "--inner-steps", "5")
     assert again.wait_joined() == stopped_at
+    # the identity kept in the checkpoint directory gives it the same peer id
+    assert again.wait_for_address().split("/p2p/")[1] == node.wait_for_address().split("/p2p/")[1]
     assert f"resumed round={stopped_at}" in again.log_text()
     again.wait_for_round(stopped_at + 1)
     again.stop("sigterm" if how == "ctrl-c" else "ctrl-c", within=STOP_BOUND)
