@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from diloco_node import identity
 from diloco_node.checkpoint import CheckpointError, CheckpointStore
 from diloco_node.codec import CodecConfig, make_codec
-from diloco_node import identity
 from diloco_node.config import NodeConfig
 from diloco_node.lifecycle import StopSignals, isolate_forked_children
 from diloco_node.outer.aggregate import Contribution
