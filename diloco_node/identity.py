@@ -73,4 +73,5 @@ def _peer_id_of(data: bytes, path: Path) -> str:
             raise ValueError("not an RSA key")
         return str(PeerID.from_identity(data).to_base58())
     except Exception:  # protobuf's DecodeError, cryptography's ValueError and kin: the file is no key
-        raise IdentityError(f"identity key {path} is not a libp2p RSA private key (corrupt or another format)") from None
+        raise IdentityError(f"identity key {path} is not a libp2p RSA private key "
+                            "(corrupt or another format)") from None
