@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: demo test test-system lint bench clean
+.PHONY: demo test test-system test-docker lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,6 +24,10 @@ test: $(VENV)/.installed
 test-system: $(VENV)/.installed
 	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=15 tests/network tests/browser tests/system
 
+# docker/compose.yaml on a real Docker engine (root; starts dockerd when it is installed)
+test-docker: $(VENV)/.installed
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=15 -s tests/docker
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check diloco_node tests benchmarks
 	$(VENV)/bin/mypy diloco_node --ignore-missing-imports
@@ -35,6 +39,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/eager_loss.py --h 40 --rounds 12
 	$(PY) benchmarks/wide_area.py  # network namespaces: needs root
 	$(PY) benchmarks/partition.py  # network namespaces: needs root
+	$(PY) benchmarks/islands.py  # docker/compose.yaml on a Docker engine: needs root
 
 clean:
 	rm -rf $(VENV) build *.egg-info
