@@ -40,7 +40,7 @@ from tests.docker.engine import (  # noqa: E402
 )
 
 NAME = "islands"
-ROUND = re.compile(r"round=(\d+) .*group_size=(\d+) .*seconds=([\d.]+) .*utilization=([\d.]+)")
+ROUND = re.compile(r"round=(\d+) .*group_size=(\d+) .* seconds=([\d.]+) .*utilization=([\d.]+)")
 
 
 def round_logs(islands: Islands, service: str) -> dict[int, tuple[int, float, float]]:

@@ -13,7 +13,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-NORM_CLIP_MULTIPLE = 4.0  # a contribution longer than this many group-median norms is scaled down
+NORM_CLIP_MULTIPLE = 4.0  # a contribution longer than this many reference norms is scaled down
 
 
 @dataclass(frozen=True)
@@ -23,8 +23,14 @@ class Contribution:
     pseudo_gradient: torch.Tensor  # flat fp32
 
 
-def robust_weighted_mean(contributions: list[Contribution]) -> torch.Tensor:
-    """Σ w_m Δ_m / Σ w_m over finite contributions, each clipped to NORM_CLIP_MULTIPLE × median norm."""
+def robust_weighted_mean(contributions: list[Contribution], own: str | None = None) -> torch.Tensor:
+    """Σ w_m Δ_m / Σ w_m over finite contributions, each clipped to NORM_CLIP_MULTIPLE × a reference norm.
+
+    The reference is the group's median norm. In a group of two the median is the mean of the two
+    norms, which a single huge contribution drags up with it, so there the reference is our own Δ's
+    norm (`own`, our peer id), or the smaller norm when ours is not among them. Honest pairs, whose
+    norms lie well within the multiple of each other, clip nothing and so still agree bit for bit.
+    """
     ordered = sorted(contributions, key=lambda c: c.peer_id)
     finite = [c for c in ordered if torch.isfinite(c.pseudo_gradient).all() and c.tokens > 0]
     for rejected in set(c.peer_id for c in ordered) - set(c.peer_id for c in finite):
@@ -32,16 +38,23 @@ def robust_weighted_mean(contributions: list[Contribution]) -> torch.Tensor:
     if not finite:
         raise ValueError("no usable contribution")
     norms = torch.stack([c.pseudo_gradient.norm() for c in finite])
-    limit = NORM_CLIP_MULTIPLE * norms.median()
+    limit = NORM_CLIP_MULTIPLE * _reference_norm(finite, norms, own)
     total = torch.zeros_like(finite[0].pseudo_gradient)
     weight_sum = sum(c.tokens for c in finite)
     for contribution, norm in zip(finite, norms, strict=True):
         scale = contribution.tokens / weight_sum
-        if len(finite) > 2 and norm > limit:
+        if len(finite) > 1 and norm > limit:
             logger.warning("clipped contribution from peer=%s: norm %.3g > %.3g", contribution.peer_id, norm, limit)
             scale *= float(limit / norm)
         total += contribution.pseudo_gradient * scale
     return total
+
+
+def _reference_norm(finite: list[Contribution], norms: torch.Tensor, own: str | None) -> torch.Tensor:
+    if len(finite) != 2:
+        return norms.median()
+    mine = [norm for c, norm in zip(finite, norms, strict=True) if c.peer_id == own]
+    return mine[0] if mine else norms.min()
 
 
 def weighted_mean(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:

@@ -245,7 +245,7 @@ class SwarmMember:
         φ over the same peers (`phis` is ours when not given)."""
         if not contributions:
             return AverageResult((), torch.zeros(self._numel), 0.0, own.payload_bytes, codec_seconds)
-        mean = robust_weighted_mean(contributions)
+        mean = robust_weighted_mean(contributions, own=self.peer_id)
         share = tokens / sum(c.tokens for c in contributions) if own.decoded is not None else 0.0
         mean_phi = None
         if own.phi is not None:

@@ -48,6 +48,9 @@ class Presence:
         self.isolation = isolation  # fed by the heartbeat
         self.fingerprint, self.config = fingerprint, config
         self._dht_lock = threading.Lock()  # hivemind's DHT pipe is not safe to share between threads
+        # announce (main thread) and mark_exchanged (also the exchange's thread) each rewrite our
+        # record from the last one: one lock, so neither loses the other's field
+        self._record_lock = threading.Lock()
         self._record = NodeRecord(peer_id, fingerprint, config, 0, -1, "")
         self._stats: dict[str, Any] = {}
         self._refused: set[str] = set()
@@ -67,14 +70,17 @@ class Presence:
         self._heartbeat.start()
 
     def announce(self, round_: int, ready_round: int, digest: str) -> None:
-        self._record = NodeRecord(self.peer_id, self.fingerprint, self.config, round_, ready_round, digest,
-                                  self._stats, self._record.exchanged_round)
-        self._publish()
+        with self._record_lock:
+            self._record = NodeRecord(self.peer_id, self.fingerprint, self.config, round_, ready_round, digest,
+                                      self._stats, self._record.exchanged_round)
+            self._publish()
 
     def mark_exchanged(self, round_: int) -> None:
         """Our exchange of `round_` is over: a node still waiting to exchange it is behind."""
-        self._record = dataclasses.replace(self._record, exchanged_round=round_)
-        self._publish()
+        with self._record_lock:  # never backwards: an overlapped exchange may report an older round late
+            self._record = dataclasses.replace(self._record,
+                                               exchanged_round=max(round_, self._record.exchanged_round))
+            self._publish()
 
     def _publish(self) -> None:
         with self._dht_lock:

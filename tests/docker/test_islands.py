@@ -165,6 +165,21 @@ def test_a_killed_node_leaves_the_others_training_and_comes_back_with_its_peer_i
              300, islands, "eu-1")
 
 
+def test_docker_stop_saves_and_exits_cleanly(islands: Islands) -> None:
+    # docker stop sends SIGTERM to tini, which passes it on; the node settles, saves and leaves
+    container = islands.container("eu-2")
+    started = time.monotonic()
+    run("docker", "stop", "--time", "60", container, timeout=120)
+    took = time.monotonic() - started
+    code = int(run("docker", "inspect", "--format", "{{.State.ExitCode}}", container).strip())
+    log = islands.node_log("eu-2")
+    assert code == 0, f"exit {code} after docker stop\n{log[-3000:]}"
+    assert took < 60, f"docker stop took {took:.0f}s: the node was killed at the grace period"
+    assert "received SIGTERM; stopping" in log and "left the swarm at round=" in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    print(f"docker stop: exit 0 in {took:.1f} s")
+
+
 def test_down_leaves_nothing_behind(islands: Islands) -> None:
     islands.down()
     assert islands.leftovers() == {"containers": [], "networks": [], "volumes": []}

@@ -109,3 +109,33 @@ def test_a_member_that_finished_a_round_will_not_fetch_its_payloads_any_more() -
     assert dataclasses.replace(in_round, exchanged_round=1, round=2).may_still_fetch(1) is False
     assert dataclasses.replace(in_round, round=2).may_still_fetch(1), "an overlapped exchange of round 1"
     assert dataclasses.replace(in_round, round=3).may_still_fetch(1) is False
+
+
+def test_our_record_keeps_both_threads_fields_and_exchanged_round_never_goes_back(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import threading
+
+    from diloco_node.swarm import records
+
+    published: list[NodeRecord] = []
+    monkeypatch.setattr(records, "publish", lambda _dht, _run, record: published.append(record))
+    presence = Presence(SimpleNamespace(), "us", "run", "fp", {}, isolation=SimpleNamespace())  # type: ignore[arg-type]
+    presence.mark_exchanged(5)
+    presence.mark_exchanged(3)  # an overlapped exchange's late report of an older round
+    assert published[-1].exchanged_round == 5
+
+    def announcing() -> None:
+        for round_ in range(6, 400):
+            presence.announce(round_, round_ - 1, "d")
+
+    def marking() -> None:
+        for round_ in range(6, 400):
+            presence.mark_exchanged(round_)
+
+    threads = [threading.Thread(target=announcing), threading.Thread(target=marking)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    exchanged = [r.exchanged_round for r in published]
+    assert exchanged == sorted(exchanged), "exchanged_round went backwards"
+    assert published[-1].exchanged_round == 399 and presence._record.round == 399
