@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import time
@@ -40,11 +39,6 @@ from tests.docker.engine import (  # noqa: E402
 )
 
 NAME = "islands"
-ROUND = re.compile(r"round=(\d+) .*group_size=(\d+) .* seconds=([\d.]+) .*utilization=([\d.]+)")
-
-
-def round_logs(islands: Islands, service: str) -> dict[int, tuple[int, float, float]]:
-    return {int(m[1]): (int(m[2]), float(m[3]), float(m[4])) for m in ROUND.finditer(islands.node_log(service))}
 
 
 def measure(sync: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -54,22 +48,23 @@ def measure(sync: str, args: argparse.Namespace) -> dict[str, Any]:
         islands.up()
         gateways = {region: host_veth(islands.container(gw), WAN_ADDRESS[gw]) for region, gw in GATEWAYS.items()}
         deadline = time.monotonic() + 900
-        while min(max(round_logs(islands, s), default=0) for s in NODES) < 1:
+        while min(max(islands.rounds(s), default=0) for s in NODES) < 1:
             assert time.monotonic() < deadline, "the islands never finished a round"
             time.sleep(1)
         start = {region: counters(veth)[0] for region, veth in gateways.items()}
-        first = {s: max(round_logs(islands, s)) for s in NODES}
-        while min(max(round_logs(islands, s)) - first[s] for s in NODES) < args.rounds:
+        first = {s: max(islands.rounds(s)) for s in NODES}
+        while min(max(islands.rounds(s)) - first[s] for s in NODES) < args.rounds:
             assert time.monotonic() < deadline, "the islands stalled"
             time.sleep(1)
         sent = {region: counters(veth)[0] - start[region] for region, veth in gateways.items()}
-        counted = {s: max(round_logs(islands, s)) - first[s] for s in NODES}
+        counted = {s: max(islands.rounds(s)) - first[s] for s in NODES}
         per_node = {}
         for service in NODES:
-            logs = [v for r, v in round_logs(islands, service).items() if r > first[service]]
-            per_node[service] = {"round_seconds": statistics.mean(v[1] for v in logs),
-                                 "utilization": statistics.mean(v[2] for v in logs),
-                                 "full_group_rounds": sum(v[0] == len(NODES) for v in logs), "rounds": len(logs)}
+            lines = [line for r, line in islands.rounds(service).items() if r > first[service]]
+            per_node[service] = {"round_seconds": statistics.mean(line.seconds for line in lines),
+                                 "utilization": statistics.mean(line.utilization for line in lines),
+                                 "full_group_rounds": sum(line.group_size == len(NODES) for line in lines),
+                                 "rounds": len(lines)}
         rounds = statistics.mean(counted.values())
         return {"sync": sync, "nodes": per_node,
                 "round_seconds": statistics.mean(n["round_seconds"] for n in per_node.values()),

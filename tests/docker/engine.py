@@ -14,16 +14,14 @@ CA certificates of a TLS-inspecting proxy (docker/certs/).
 from __future__ import annotations
 
 import glob
-import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker" / "compose.yaml"
@@ -34,6 +32,14 @@ NODES = {"eu-1": "10.77.1.10", "eu-2": "10.77.1.11", "us-1": "10.77.2.10", "ap-1
 GATEWAYS = {"eu": "eu-gw", "us": "us-gw", "ap": "ap-gw"}
 WAN_ADDRESS = {"eu-gw": "10.77.0.11", "us-gw": "10.77.0.12", "ap-gw": "10.77.0.13"}
 RATES_MBIT = {"eu": 50.0, "us": 20.0, "ap": 10.0}  # compose.yaml's defaults
+ROUND_LINE = re.compile(r"round=(\d+) .*group_size=(\d+) .* seconds=([\d.]+) .*utilization=([\d.]+)")
+
+
+@dataclass(frozen=True)
+class RoundLine:
+    group_size: int
+    seconds: float
+    utilization: float
 
 
 class EngineMissing(RuntimeError):
@@ -59,8 +65,8 @@ def ensure_engine() -> None:
         return
     if not shutil.which("dockerd"):
         raise EngineMissing("no Docker engine (apt-get install docker.io)")
-    log = open(tempfile.gettempdir() + "/dockerd.log", "ab")
-    subprocess.Popen(["dockerd"], stdout=log, stderr=log, start_new_session=True)
+    with open(tempfile.gettempdir() + "/dockerd.log", "ab") as log:  # dockerd keeps its own copy
+        subprocess.Popen(["dockerd"], stdout=log, stderr=log, start_new_session=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if _engine_answers():
@@ -156,9 +162,10 @@ class Islands:
                                 timeout=60)
         return result.stdout + result.stderr
 
-    def status(self, service: str) -> dict[str, Any]:
-        with urllib.request.urlopen(f"http://{NODES[service]}:7780/api/status", timeout=5) as response:
-            return dict(json.loads(response.read()))
+    def rounds(self, service: str) -> dict[int, RoundLine]:
+        """The node's round log lines by round (all of its runs, restarts included)."""
+        return {int(m[1]): RoundLine(int(m[2]), float(m[3]), float(m[4]))
+                for m in ROUND_LINE.finditer(self.node_log(service))}
 
     def leftovers(self) -> dict[str, list[str]]:
         label = f"label=com.docker.compose.project={self.project}"

@@ -36,7 +36,6 @@ from tests.docker.engine import (
 
 pytestmark = pytest.mark.docker
 
-ROUND = re.compile(r"round=(\d+) .*group_size=(\d+)")
 SETTINGS = {"INNER_STEPS": "10", "COMPRESSION": "none", "ROUND_TIMEOUT": "60", "PROMETHEUS_PORT": "19090"}
 
 
@@ -65,7 +64,7 @@ def islands() -> Iterator[Islands]:
 
 def rounds(islands: Islands, service: str) -> dict[int, int]:
     """round -> group size, from the node's log (all of its runs, restarts included)."""
-    return {int(m[1]): int(m[2]) for m in ROUND.finditer(islands.node_log(service))}
+    return {round_: line.group_size for round_, line in islands.rounds(service).items()}
 
 
 def wait_for(what: str, predicate, timeout: float, islands: Islands, service: str) -> None:  # type: ignore[no-untyped-def]
