@@ -17,7 +17,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_NAME = "node.pt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the inner optimizer's state in the canonical layout (any layout resumes it)
+READABLE_FORMATS = (1, 2)
 
 
 class CheckpointError(RuntimeError):
@@ -61,7 +62,7 @@ class CheckpointStore:
             state = torch.load(self.path, map_location="cpu", weights_only=True)
         except Exception as exc:  # torch raises many types for damaged files; all mean the same here
             raise CheckpointError(f"checkpoint '{self.path}' is unreadable: {exc}") from None
-        if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
+        if not isinstance(state, dict) or state.get("format") not in READABLE_FORMATS:
             raise CheckpointError(f"checkpoint '{self.path}' has an unknown format")
         return state
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from diloco_node.codec import CODECS, CodecConfig, make_codec
+from diloco_node.replica.base import ReplicaSettings
 from diloco_node.swarm.addresses import check_multiaddr
+from diloco_node.train.device import resolve_devices
 from diloco_node.train.model import PRESETS
 
 DEFAULT_STATUS_PORT = 7780
@@ -61,7 +64,19 @@ class NodeConfig(BaseModel):
     seed: int = Field(0, ge=0, description="seed for the initial model and this node's data order")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
                         description="where inner steps run: auto (cuda when available), cpu, cuda or cuda:N")
-    threads: int = Field(0, ge=0, description="torch CPU threads (0 = torch's default)")
+    threads: int = Field(0, ge=0, description="torch CPU threads per local rank (0 = torch's default; with "
+                         "several local ranks, the cores shared out)")
+
+    # --- the node's own devices (DESIGN §5): one replica over K local ranks ---
+    parallel: str = Field("none", pattern=r"^(none|fsdp|pipeline)$",
+                          description="how the node splits its replica over its local ranks: none, fsdp "
+                          "(shards) or pipeline (stages)")
+    local_ranks: int = Field(1, ge=1, le=64, description="K: processes (one per device) the replica runs on")
+    devices: str = Field("", pattern=r"^$|^(cpu|cuda(:\d+)?)(,(cpu|cuda(:\d+)?))*$",
+                         description="comma-separated device per local rank, e.g. cuda:0,cuda:1 (default: cuda:0.."
+                         "K-1 when --device is cuda, else cpu)")
+    precision: str = Field("fp32", pattern=r"^(fp32|bf16)$",
+                           description="inner steps in fp32 or bf16 autocast (φ and the outer step stay fp32)")
 
     # --- inner optimizer (AdamW) ---
     inner_steps: int = Field(50, gt=0, description="H: inner AdamW steps per outer round")
@@ -153,11 +168,14 @@ class NodeConfig(BaseModel):
     @classmethod
     def _defaults_that_follow(cls, data: Any) -> Any:
         """Unset sync follows the algorithm (NoLoCo's small groups exchange blocking), and unset
-        momentum follows sync: a step that lands a round late already acts as momentum."""
+        momentum follows sync: a step that lands a round late already acts as momentum. Unset
+        local_ranks follows the number of --devices."""
         if not isinstance(data, dict):
             return data
         if data.get("sync") is None:
             data = {**data, "sync": "blocking" if data.get("algorithm") == "noloco" else "eager"}
+        if data.get("local_ranks") is None and data.get("devices"):
+            data = {**data, "local_ranks": len(str(data["devices"]).split(","))}
         if data.get("outer_momentum") is None:
             # an unknown sync keeps DiLoCo's; the sync field's own check then names the mistake
             data = {**data, "outer_momentum": SYNC_MOMENTUM.get(data["sync"], DILOCO_MOMENTUM)}
@@ -168,6 +186,21 @@ class NodeConfig(BaseModel):
         if self.algorithm == "noloco" and self.sync != "blocking":
             raise ValueError(f"algorithm noloco runs with sync blocking only, not {self.sync} (its small groups "
                              "already keep exchanges short)")
+        return self
+
+    @model_validator(mode="after")
+    def _local_ranks_fit(self) -> NodeConfig:
+        k, layers = self.local_ranks, PRESETS[self.model].n_layer
+        if self.parallel == "none" and k > 1:
+            raise ValueError(f"local_ranks {k} needs parallel fsdp or pipeline")
+        if self.parallel != "none" and k < 2:
+            raise ValueError(f"parallel {self.parallel} needs local_ranks 2 or more")
+        if self.devices and len(self.devices.split(",")) != k:
+            raise ValueError(f"devices lists {len(self.devices.split(','))} devices for local_ranks {k}")
+        if self.parallel == "pipeline" and k > layers:
+            raise ValueError(f"a pipeline of {k} stages needs {k} layers; model '{self.model}' has {layers}")
+        if self.batch_size % k:
+            raise ValueError(f"batch_size {self.batch_size} does not split over {k} local ranks")
         return self
 
     @property
@@ -211,6 +244,21 @@ class NodeConfig(BaseModel):
     def status_host_port(self) -> tuple[str, int]:
         host, _, port = self.status.rpartition(":")
         return host, int(port)
+
+    def rank_threads(self) -> int:
+        """torch threads per local rank: as set, else the cores shared out when there are several ranks."""
+        if self.threads or self.local_ranks == 1:
+            return self.threads
+        return max(1, (os.cpu_count() or 1) // self.local_ranks)
+
+    def replica_settings(self) -> ReplicaSettings:
+        """The replica's part of the config, with each local rank's device resolved (DeviceError if missing)."""
+        return ReplicaSettings(
+            model=self.model, seed=self.seed, data=self.data, seq_len=self.seq_len, batch_size=self.batch_size,
+            eval_batches=self.eval_batches, inner_lr=self.inner_lr, warmup_steps=self.warmup_steps,
+            weight_decay=self.weight_decay, grad_clip=self.grad_clip,
+            total_steps=self.max_outer_steps * self.inner_steps, precision=self.precision, parallel=self.parallel,
+            devices=resolve_devices(self.device, self.devices, self.local_ranks), threads=self.rank_threads())
 
     def fingerprint_fields(self) -> dict[str, Any]:
         """What peers must share to average together: the model's shape and the outer algorithm."""

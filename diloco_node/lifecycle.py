@@ -61,7 +61,8 @@ class StopSignals:
         os._exit(128 + signum)
 
 
-def _in_forked_child() -> None:
+def become_helper() -> None:
+    """What a helper process of the node does first: ignore Ctrl-C, own process group, die with the node."""
     for signum in STOP_SIGNALS:
         # SIGINT ignored: the node stops its helpers itself; SIGTERM default: `kill` still works.
         signal.signal(signum, signal.SIG_IGN if signum == signal.SIGINT else signal.SIG_DFL)
@@ -79,9 +80,9 @@ _hooked = False
 
 
 def isolate_forked_children() -> None:
-    """Apply `_in_forked_child` to every later os.fork of this process (subprocess's spawn is
+    """Apply `become_helper` to every later os.fork of this process (subprocess's spawn is
     not a Python-level fork and is not affected)."""
     global _hooked
     if not _hooked:
-        os.register_at_fork(after_in_child=_in_forked_child)
+        os.register_at_fork(after_in_child=become_helper)
         _hooked = True

@@ -11,6 +11,7 @@ from diloco_node.checkpoint import CheckpointError
 from diloco_node.config import NodeConfig
 from diloco_node.identity import IdentityError
 from diloco_node.node import Node
+from diloco_node.replica import ReplicaError
 from diloco_node.swarm.member import SwarmError
 from diloco_node.swarm.presence import IncompatibleRun
 from diloco_node.telemetry.server import StatusServerError
@@ -28,16 +29,15 @@ def say(line: str) -> None:
 
 
 def run_node(cfg: NodeConfig) -> int:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    if cfg.rank_threads():
+        torch.set_num_threads(cfg.rank_threads())
     node = None
     try:
         node = Node(cfg, say=say)
         node.start()
-    except START_UP_ERRORS as exc:
+    except (*START_UP_ERRORS, ReplicaError) as exc:
         click.echo(f"diloco-node: error: {exc}", err=True)
         if node is not None:
             node.abort()
-        return 2
-    node.run()
-    return 0
+        return 1 if isinstance(exc, ReplicaError) else 2
+    return node.run()

@@ -1,20 +1,20 @@
-"""When the exchange runs and what the outer step applies: blocking, delayed or eager (DESIGN §3).
+"""When the exchange runs and what an overlapped outer step applies (DESIGN §3).
 
-- blocking: exchange Δ_t now, wait, apply Δ̄_t.
-- delayed:  start exchanging Δ_t in the background; apply Δ̄_{t−1}, the previous round's result.
-- eager:    start exchanging Δ_t in the background; apply at once the proxy
-            Δ̃_t = Δ̄_{t−1} + w·(Δ_t − Δ_{t−1}). With proxy "share" (DESIGN §3), w is our share of the
-            previous mean (1/M for equal tokens) and round 0, or a round after a lost exchange, applies
-            Δ_t / M_expected. With proxy "full", w = 1: our fresh Δ_t stands in for the whole group's
-            until Δ̄_t arrives, and the next round swaps it for the mean; round 0 applies Δ_t.
-  Either way every pseudo-gradient ends up applied exactly once, with its weight in the mean; "full"
-  only applies our part early at full size, which kept eager within 1 % of blocking where "share"
-  lagged (benchmarks/wide_area.py, README).
+- blocking: exchange Δ_t now, wait, apply Δ̄_t (outer/blocking.py).
+- delayed:  start exchanging Δ_t in the background; apply the means that have arrived since.
+- eager:    start exchanging Δ_t in the background; apply at once our fresh Δ_t with weight w_t
+            (proxy "full": w = 1, it stands in for the whole group's mean; "share": w = our
+            token share of the last mean, 1/M_expected before any) plus, for every exchange that
+            has finished since, the swap of what we applied for the group's mean.
 
-Policy for a slow exchange: the node waits at most `wait_timeout` seconds for the previous round's
-exchange. If it is still running, it is abandoned — its result is discarded when it arrives, so no
-round is ever applied twice or out of order — and this round goes on as if that exchange had failed:
-delayed applies nothing, eager applies its own fresh pseudo-gradient as in round 0.
+Both follow one ledger. Each round records what it applied of our own Δ (`Applied`: the decoded
+Δ and its weight; delayed's weight is 0). When round r's mean Δ̄_r arrives, whenever that is, the
+step applies Δ̄_r − w_r·Δ_r. So over a run the steps add up to Σ_r Δ̄_r, every pseudo-gradient
+exactly once with its weight in the mean: also when our own encode failed (Δ_r = 0, the others'
+mean still applies), when an exchange is slower than `sync_timeout` (it stays pending and is
+applied when it lands, instead of being dropped), and when one fails (the round then averaged
+alone: Δ̄_r = Δ_r). With w = 1 and the previous exchange finished, the step is
+Δ̄_{t−1} + (Δ_t − Δ_{t−1}), the eager proxy of DESIGN §3.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -32,59 +32,48 @@ import torch
 logger = logging.getLogger(__name__)
 
 SYNC_MODES = ("blocking", "delayed", "eager")
-
-
-@dataclass(frozen=True)
-class Exchanged:
-    """A finished exchange, as the sync policy needs it."""
-
-    round: int
-    mean: torch.Tensor  # Δ̄, flat
-    own: torch.Tensor  # our contribution as peers decoded it, flat
-    own_share: float  # our weight in `mean`
-
-
 EAGER_PROXIES = ("full", "share")
 
 
-def eager_proxy(previous: Exchanged | None, fresh: torch.Tensor, expected_group: int,
-                proxy: str) -> torch.Tensor:
-    """Δ̃_t = Δ̄_{t−1} + w·(Δ_t − Δ_{t−1}), w = 1 ("full") or our share s_{t−1} ("share").
+@dataclass(frozen=True)
+class Applied:
+    """Our own Δ of a round as an overlapped step already applied it, until the round's mean lands."""
 
-    Without a previous exchange: Δ_t ("full") or Δ_t / M_expected ("share").
-    """
+    round: int
+    own: torch.Tensor  # flat, as peers decode it; zeros when ours could not be sent
+    weight: float
+
+
+def fresh_weight(mode: str, proxy: str, last_share: float | None, expected_group: int) -> float:
+    """w_t: how much of our fresh Δ_t this round's step applies before the group's mean is known."""
+    if mode == "delayed":
+        return 0.0
     if proxy not in EAGER_PROXIES:
         raise ValueError(f"unknown eager proxy '{proxy}'")
-    if previous is None:
-        return fresh if proxy == "full" else fresh / expected_group
-    weight = 1.0 if proxy == "full" else previous.own_share
-    return previous.mean + (fresh - previous.own) * weight
+    if proxy == "full":
+        return 1.0
+    return last_share if last_share is not None else 1.0 / max(expected_group, 1)
 
 
-def overlapped_step(mode: str, finished: Exchanged | None, fresh: torch.Tensor,
-                    expected_group: int, proxy: str) -> torch.Tensor | None:
-    """What delayed / eager apply at the end of a round, given the previous round's exchange."""
-    if mode == "delayed":
-        return finished.mean if finished else None
-    return eager_proxy(finished, fresh, expected_group, proxy)
+def correction(applied: Applied, mean: torch.Tensor | None) -> torch.Tensor:
+    """Δ̄_r − w_r·Δ_r; a failed exchange (no mean) counts as a round averaged alone (Δ̄_r = Δ_r)."""
+    return (mean if mean is not None else applied.own) - applied.weight * applied.own
 
 
 R = TypeVar("R")
 
 
-class BackgroundExchange(Generic[R]):
-    """At most one exchange collected at a time, each on its own daemon thread, by round number.
-
-    Daemon threads, not an executor: an exchange abandoned at shutdown (waiting on a peer that is
-    gone) must not keep the process alive.
+class PendingExchanges(Generic[R]):
+    """Exchanges started in the background, each on its own daemon thread, with what we applied of
+    our own Δ for each. Daemon threads, not an executor: an exchange still waiting on a peer that is
+    gone at shutdown must not keep the process alive. Guarded by `_lock` (round engine and settling).
     """
 
-    def __init__(self, wait_timeout: float):
-        self.wait_timeout = wait_timeout
-        self._pending: tuple[int, Future[R]] | None = None
+    def __init__(self) -> None:
+        self._pending: dict[int, tuple[Applied, Future[R]]] = {}
         self._lock = threading.Lock()
 
-    def start(self, round_: int, run: Callable[[], R]) -> None:
+    def start(self, applied: Applied, run: Callable[[], R]) -> None:
         future: Future[R] = Future()
 
         def work() -> None:
@@ -94,38 +83,41 @@ class BackgroundExchange(Generic[R]):
                 future.set_exception(exc)
 
         with self._lock:
-            assert self._pending is None, "collect() the previous exchange before starting the next"
-            self._pending = (round_, future)
-        threading.Thread(target=work, name=f"exchange-{round_}", daemon=True).start()
+            self._pending[applied.round] = (applied, future)
+        threading.Thread(target=work, name=f"exchange-{applied.round}", daemon=True).start()
 
-    def pending_round(self) -> int | None:
-        """The round of the exchange started and not yet collected, if any."""
+    def collect(self, round_: int | None, timeout: float) -> list[tuple[Applied, R | None]]:
+        """Wait up to `timeout` for the exchange of `round_` (all of them when None), then hand over
+        every finished one in round order. One still running stays pending (logged once here)."""
         with self._lock:
-            return self._pending[0] if self._pending is not None else None
+            waited = [f for r, (_, f) in self._pending.items() if round_ is None or r == round_]
+        done, running = wait(waited, timeout=timeout)
+        if running:
+            logger.warning("exchange still running after %.0fs; it is applied when it lands", timeout)
+        with self._lock:
+            finished = sorted(r for r, (_, f) in self._pending.items() if f.done())
+            taken = [self._pending.pop(r) for r in finished]
+        return [(applied, _result(applied.round, future)) for applied, future in taken]
+
+    def outstanding(self) -> list[Applied]:
+        with self._lock:
+            return [applied for _, (applied, _) in sorted(self._pending.items())]
 
     def in_flight(self) -> bool:
         with self._lock:
-            return self._pending is not None and not self._pending[1].done()
+            return any(not future.done() for _, future in self._pending.values())
 
-    def collect(self, round_: int) -> R | None:
-        """The result of the exchange started for `round_`, waiting at most `wait_timeout` seconds.
-
-        None when there is none, it failed, or it timed out (then it is abandoned for good).
-        """
+    def drop(self) -> None:
+        """Forget everything pending (a re-sync replaced φ, or shutdown); threads end with the process."""
         with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is None or pending[0] != round_:
-            return None
-        try:
-            return pending[1].result(timeout=self.wait_timeout)
-        except FutureTimeout:
-            logger.warning("round=%d exchange still running after %.0fs; abandoning it", round_, self.wait_timeout)
-            pending[1].add_done_callback(lambda _: logger.info("round=%d abandoned exchange finished", round_))
-        except Exception as exc:  # the exchange's own failures are logged by it; never crash the node
-            logger.warning("round=%d exchange failed: %r", round_, exc)
+            self._pending.clear()
+
+
+def _result(round_: int, future: Future[R]) -> R | None:
+    try:
+        return future.result(timeout=0)
+    except FutureTimeout:  # cannot happen: only finished futures are collected
         return None
-
-    def close(self) -> None:
-        """Drop whatever is in flight; its thread ends with the process."""
-        with self._lock:
-            self._pending = None
+    except Exception as exc:  # the exchange's own failures are logged by it; never crash the node
+        logger.warning("round=%d exchange failed: %r", round_, exc)
+        return None

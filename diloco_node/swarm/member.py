@@ -1,5 +1,7 @@
-"""This node's membership in the swarm: the DHT, the presence heartbeat, the round barrier,
-pseudo-gradient averaging and state sharing. The rest of the package never sees hivemind.
+"""This node's membership in the swarm: the DHT, the presence heartbeat, the round barrier, the
+transport of encoded pseudo-gradients (`offer` ours, `gather` the group's) and state sharing. It
+moves bytes and knows nothing of what they mean (decoding and averaging live in outer/). The rest
+of the package never sees hivemind.
 
 Groups form through hivemind's DecentralizedAverager: its DHT matchmaking, timeouts and retries
 find the peers averaging the same round, and its all-gather carries each member's token count.
@@ -15,7 +17,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,8 +27,7 @@ from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.utils import get_dht_time
 
-from diloco_node.codec import Codec, CodecError, max_payload_bytes, split_first
-from diloco_node.outer.aggregate import Contribution, robust_weighted_mean, weighted_mean
+from diloco_node.codec import max_payload_bytes
 from diloco_node.swarm import records
 from diloco_node.swarm.contacts import Contacts
 from diloco_node.swarm.exchange import Fetched, PayloadExchange
@@ -65,25 +66,14 @@ class SwarmSettings:
 
 
 @dataclass(frozen=True)
-class OwnContribution:
-    decoded: torch.Tensor | None  # flat Δ as peers decode it; None when ours was not sendable
-    payload_bytes: int  # our encoded pseudo-gradient on the wire (one copy)
-    codec_seconds: float
-    # NoLoCo: our exact flat φ. Unlike Δ, the group need not agree on the mean φ to the bit, and our
-    # own rounding in it would pull φ toward the codec's grid through the consensus term.
-    phi: torch.Tensor | None = None
+class Gathered:
+    """What the transport moved for one round: the group's other payloads, undecoded."""
 
-
-@dataclass(frozen=True)
-class AverageResult:
-    group: tuple[str, ...]  # peer ids whose contributions made the mean, ourselves included
-    mean: torch.Tensor  # flat Δ̄
-    own_share: float  # our token weight in the mean (1/M for equal tokens)
-    payload_bytes: int
-    codec_seconds: float  # encoding ours and decoding everyone's
-    transfer_seconds: float = 0.0  # fetching the others' payloads, once the group had formed
-    received_bytes: int = 0  # the others' payloads we fetched
-    mean_phi: torch.Tensor | None = None  # NoLoCo: the group's mean φ
+    verdict: str  # the barrier's: together, alone (nobody else in the run), behind, stopped
+    round: int = -1
+    payloads: dict[str, tuple[bytes, float]] = dataclasses.field(default_factory=dict)  # peer → (payload, tokens)
+    transfer_seconds: float = 0.0
+    received_bytes: int = 0
 
 
 class _StateSharingAverager(DecentralizedAverager):
@@ -104,16 +94,14 @@ def _tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
 
 
 class SwarmMember:
-    def __init__(self, settings: SwarmSettings, template: Sequence[torch.Tensor], state_provider: StateProvider,
-                 codec: Codec, phi_codec: Codec | None = None):
-        """`phi_codec`, given for NoLoCo, encodes the φ that travels after each Δ (its consensus term)."""
+    def __init__(self, settings: SwarmSettings, numel: int, state_provider: StateProvider, payload_parts: int = 1):
+        """`payload_parts`: encoded vectors per payload (NoLoCo sends φ after Δ), for the size limit."""
         self.settings = settings
         self._dht = _start_dht(settings)
         self.peer_id = str(self._dht.peer_id)
         isolation = Isolation(Contacts(self._dht, self.peer_id, settings.initial_peers), settings.run_id)
         self.presence = Presence(self._dht, self.peer_id, settings.run_id, settings.fingerprint, settings.config,
                                  isolation)
-        self._numel = sum(t.numel() for t in template)
         namespace = f"{settings.run_id}_{settings.fingerprint}"
         self._averager = _StateSharingAverager(
             [torch.zeros(1)], self._dht, start=True, prefix=namespace,
@@ -122,10 +110,8 @@ class SwarmMember:
             target_group_size=settings.group_size)
         self._averager.state_provider = state_provider
         self._averager.on_state_served = lambda n: self._count_state(sent=n)
-        self._codec, self._phi_codec = codec, phi_codec
         self._draw: tuple[int, list[list[str]]] | None = None  # NoLoCo: the last round's groups
-        parts = 2 if phi_codec else 1
-        self._exchange = PayloadExchange(self._dht, namespace, parts * max_payload_bytes(self._numel))
+        self._exchange = PayloadExchange(self._dht, namespace, payload_parts * max_payload_bytes(numel))
         self._state_bytes = [0, 0]  # sent, received: state shared with / downloaded from joiners
         self._state_bytes_lock = threading.Lock()
         # hivemind's averager talks to its process over a pipe that is not safe to share between
@@ -183,77 +169,34 @@ class SwarmMember:
         """(bytes sent, bytes received) of payloads and shared state since start."""
         return (self._exchange.bytes_sent + self._state_bytes[0], self._exchange.bytes_received + self._state_bytes[1])
 
-    # --- rounds -------------------------------------------------------------------------------
+    # --- rounds: the transport (DESIGN §2) ----------------------------------------------------
 
-    def contribute(self, pseudo_gradient: torch.Tensor, round_: int, tokens: float,
-                   phi: torch.Tensor | None = None) -> OwnContribution:
-        """Encode our flat Δ (and, for NoLoCo, our flat φ after it) and offer it to the round's group.
-
-        Our own contribution is what peers decode from our payload, not the exact Δ: every node
-        then averages the same values, and top-k's error feedback keeps what was not sent.
-        """
-        started = time.perf_counter()
-        try:
-            payload = self._codec.encode(pseudo_gradient)
-            decoded: torch.Tensor | None = self._codec.decode(payload, self._numel)
-            if self._phi_codec is not None:
-                assert phi is not None, "NoLoCo contributions carry φ"
-                payload += self._phi_codec.encode(phi)
+    def offer(self, round_: int, payload: bytes | None, tokens: float) -> None:
+        """Make our encoded contribution to `round_` fetchable by its group (None: we have none)."""
+        if payload is not None:
             self._exchange.offer(round_, payload, tokens)
-        except CodecError as exc:  # our inner phase blew up (NaN/inf): send nothing, take the others'
-            logger.warning("round=%d not contributing: %s", round_, exc)
-            payload, decoded, phi = b"", None, None
-        return OwnContribution(decoded, len(payload), time.perf_counter() - started, phi)
 
-    def average(self, own: OwnContribution, tokens: float, round_: int) -> AverageResult:
-        """The robust token-weighted mean over the group that forms for `round_` (safe off the main thread)."""
-        contributing = own.decoded is not None
-        contributions = [Contribution(self.peer_id, tokens, own.decoded)] if own.decoded is not None else []
-        phis = {self.peer_id: own.phi} if own.phi is not None else {}
+    def gather(self, round_: int, contributing: bool, stop: threading.Event,
+               among: Collection[str] | None = None) -> Gathered:
+        """The other members' payloads for `round_`: wait until the run (or `among`, NoLoCo's drawn
+        group) is ready, form the group, fetch. Safe off the main thread; `stop` ends the wait."""
+        verdict = self.presence.wait_for_round(round_, self.settings.round_timeout, stop, among=among)
+        if verdict in ("stopped", "behind", "alone"):
+            return Gathered(verdict, round_)
         others, fetched = self._find_group(round_, contributing)
         if not others and contributing and self._drawn_group_failed_too(round_):
             logger.info("round=%d matchmaking failed for our whole drawn group; trying once more", round_)
             others, fetched = self._find_group(round_, contributing)
+        if not others:
+            logger.warning("round=%d no peer averaged with us", round_)
         started = time.perf_counter()  # the transfer, once the group is known
         if contributing:
             self._exchange.expect(round_, [self.peer_id, *others], self.peer_id)
-        codec_seconds = own.codec_seconds
         fetched.update(self._exchange.fetch_all([p for p in others if p not in fetched], round_,
                                                 self.settings.round_timeout))
-        transfer_seconds = time.perf_counter() - started
-        received_bytes = sum(len(item.payload) for item in fetched.values() if item)
-        for peer, item in sorted(fetched.items()):
-            if item is None:
-                continue
-            started = time.perf_counter()
-            try:
-                received = item.payload
-                if self._phi_codec is not None:
-                    received, phi_payload = split_first(received)
-                    phis[peer] = self._phi_codec.decode(phi_payload, self._numel)
-                contributions.append(Contribution(peer, item.tokens, self._codec.decode(received, self._numel)))
-            except CodecError as exc:
-                phis.pop(peer, None)
-                logger.warning("round=%d dropped payload from peer=%s: %s", round_, peer, exc)
-            codec_seconds += time.perf_counter() - started
-        result = self.result_of(contributions, own, tokens, codec_seconds, phis)
-        return dataclasses.replace(result, transfer_seconds=transfer_seconds, received_bytes=received_bytes)
-
-    def result_of(self, contributions: list[Contribution], own: OwnContribution, tokens: float,
-                  codec_seconds: float = 0.0, phis: dict[str, torch.Tensor] | None = None) -> AverageResult:
-        """The mean over `contributions` (just ours when we average alone), and for NoLoCo the mean
-        φ over the same peers (`phis` is ours when not given)."""
-        if not contributions:
-            return AverageResult((), torch.zeros(self._numel), 0.0, own.payload_bytes, codec_seconds)
-        mean = robust_weighted_mean(contributions, own=self.peer_id)
-        share = tokens / sum(c.tokens for c in contributions) if own.decoded is not None else 0.0
-        mean_phi = None
-        if own.phi is not None:
-            phis = phis if phis is not None else {self.peer_id: own.phi}
-            used = [c for c in sorted(contributions, key=lambda c: c.peer_id) if c.peer_id in phis]
-            mean_phi = weighted_mean([phis[c.peer_id] for c in used], [c.tokens for c in used])
-        return AverageResult(tuple(sorted(c.peer_id for c in contributions)), mean, share,
-                             own.payload_bytes, codec_seconds, mean_phi=mean_phi)
+        payloads = {peer: (item.payload, item.tokens) for peer, item in fetched.items() if item is not None}
+        return Gathered(verdict, round_, payloads, time.perf_counter() - started,
+                        sum(len(payload) for payload, _ in payloads.values()))
 
     def drawn_groups(self, round_: int) -> list[list[str]]:
         """NoLoCo: the groups of `round_` as we see the run, drawn once per round so that waiting

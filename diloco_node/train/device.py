@@ -1,8 +1,14 @@
-"""Where the inner steps run."""
+"""Where the inner steps run: one device per local rank."""
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+
+class DeviceError(RuntimeError):
+    """The requested accelerator is not there, or too few of them."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -13,5 +19,26 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class DeviceError(RuntimeError):
-    """The requested accelerator is not there."""
+def resolve_devices(device: str, devices: str, local_ranks: int) -> tuple[str, ...]:
+    """The device of each local rank: `devices` as listed, else cuda:0..K−1 or cpu for all."""
+    if devices:
+        chosen = tuple(devices.split(","))
+    else:
+        base = resolve_device(device)
+        if base.type == "cuda" and local_ranks > 1:
+            chosen = tuple(f"cuda:{i}" for i in range(local_ranks))
+        else:
+            chosen = (str(base),) * local_ranks
+    cuda = [name for name in chosen if name.startswith("cuda")]
+    if cuda:
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise DeviceError(f"devices {','.join(chosen)} requested but no CUDA device is available")
+        missing = [name for name in cuda if int(name.partition(":")[2] or 0) >= count]
+        if missing:
+            raise DeviceError(f"{local_ranks} local ranks need devices {','.join(chosen)}; this machine has "
+                              f"{count} CUDA device(s)")
+    cores = os.cpu_count() or 1
+    if not cuda and local_ranks > cores:
+        raise DeviceError(f"{local_ranks} local ranks on the CPU need as many cores; this machine has {cores}")
+    return chosen

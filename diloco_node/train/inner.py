@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ class InnerConfig:
     total_steps: int = 0  # 0 = no cosine decay, constant lr after warmup
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
+    mixed_precision: torch.dtype | None = None  # bf16 mixed precision (forward under autocast); None: fp32
 
 
 def lr_at(step: int, cfg: InnerConfig) -> float:
@@ -72,7 +73,8 @@ class InnerTrainer:
         lr = lr_at(self.step, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss = self.model.loss(x, y)  # type: ignore[operator]
+        with autocast(x.device, self.cfg.mixed_precision):
+            loss = self.model.loss(x, y)  # type: ignore[operator]
         loss.backward()
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
@@ -89,14 +91,49 @@ class InnerTrainer:
         self.step = int(state["step"])
 
 
+def autocast(device: torch.device, dtype: torch.dtype | None) -> torch.autocast:
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def evaluate(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+             dtype: torch.dtype | None = None) -> float:
     """Mean loss over ``batches`` (eval mode, so dropout is off); leaves the model in train mode."""
     if not batches:
         raise ValueError("evaluate() needs at least one batch")
     model.eval()
     try:
-        total = sum(float(model.loss(x, y)) for x, y in batches)  # type: ignore[operator,misc]
+        with autocast(batches[0][0].device, dtype):
+            total = sum(float(model.loss(x, y)) for x, y in batches)  # type: ignore[operator,misc]
     finally:
         model.train()
     return total / len(batches)
+
+
+Moments = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def export_moments(optimizer: torch.optim.Optimizer, named: Mapping[str, torch.Tensor],
+                   to_full: Callable[[torch.Tensor], torch.Tensor]) -> tuple[Moments, float]:
+    """AdamW's (exp_avg, exp_avg_sq) per canonical name, made full by `to_full`, and its step count.
+
+    `to_full` may be a collective (FSDP): every rank walks the same names in the same order.
+    """
+    moments: Moments = {}
+    adam_step = 0.0
+    for name, param in named.items():
+        state = optimizer.state.get(param)
+        if state:
+            moments[name] = (to_full(state["exp_avg"]), to_full(state["exp_avg_sq"]))
+            adam_step = float(state["step"])
+    return moments, adam_step
+
+
+def import_moments(optimizer: torch.optim.Optimizer, named: Mapping[str, torch.Tensor], moments: Moments,
+                   adam_step: float, from_full: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """Install canonical moments; `from_full(full, param)` makes a tensor laid out like `param`."""
+    for name, param in named.items():
+        if name in moments:
+            exp_avg, exp_avg_sq = moments[name]
+            optimizer.state[param] = {"step": torch.tensor(adam_step), "exp_avg": from_full(exp_avg, param),
+                                      "exp_avg_sq": from_full(exp_avg_sq, param)}

@@ -11,7 +11,7 @@ import io
 import pytest
 import torch
 
-from diloco_node.node import digest
+from diloco_node.replica.layout import digest
 from diloco_node.outer.diloco import OuterOptimizer, pseudo_gradient
 
 LR, MOMENTUM = 0.7, 0.9

@@ -1,0 +1,34 @@
+"""DiLoCo, blocking: exchange Δ_t, wait for the group, apply Δ̄_t (DESIGN §3)."""
+
+from __future__ import annotations
+
+import torch
+
+from diloco_node.outer.diloco import OuterOptimizer
+from diloco_node.outer.update import NoPending, RoundReport, UpdateContext, exchanging, solo_while_isolated
+
+
+class BlockingUpdate(NoPending):
+    def __init__(self, ctx: UpdateContext, optimizer: OuterOptimizer):
+        self.ctx, self.optimizer = ctx, optimizer
+
+    def finish_round(self, round_: int, pseudo_gradient: torch.Tensor, tokens: float) -> RoundReport:
+        ctx = self.ctx
+        own = ctx.averaging.encode(round_, pseudo_gradient, tokens)
+        ctx.swarm.offer(round_, own.payload, tokens)
+        with exchanging(ctx.telemetry, round_):
+            gathered = ctx.swarm.gather(round_, own.payload is not None, ctx.stop)
+        if gathered.verdict in ("stopped", "behind"):
+            return RoundReport(gathered.verdict, own, None)
+        result = ctx.averaging.mean(own, gathered)
+        if solo_while_isolated(ctx, result, round_):
+            return RoundReport("isolated", own, result)
+        # compared before the step: the records of this round carry the φ every member started it from
+        diverged = ctx.swarm.presence.diverged(round_, ctx.state.digest())
+        with ctx.state.lock:
+            if result.group:
+                self.optimizer.step(ctx.state.shaped(result.mean))
+            ctx.state.round += 1
+        # only now: a joiner that sees this round exchanged must also find φ past it
+        ctx.swarm.presence.mark_exchanged(round_)
+        return RoundReport(gathered.verdict, own, result, diverged=diverged)

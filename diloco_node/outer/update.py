@@ -1,0 +1,114 @@
+"""The OuterUpdate seam (DESIGN §2): our pseudo-gradient in, the step on φ done. One implementation
+per algorithm and sync mode — blocking.py, overlapped.py (delayed, eager), gossip.py (NoLoCo) — so
+the round engine calls `finish_round` and never asks which one it has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from diloco_node.config import NodeConfig
+from diloco_node.outer.averaging import AverageResult, Averaging, Own
+from diloco_node.outer.noloco import NoLoCoOptimizer
+from diloco_node.outer.state import OuterState
+from diloco_node.outer.sync import Applied
+from diloco_node.swarm.member import SwarmMember
+from diloco_node.telemetry.meter import Telemetry
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """How a round's outer update went, for the round engine and the round's statistics."""
+
+    # together, alone (nobody else in the run or our group left), lost (no exchange to apply yet);
+    # and the ones where φ did not step: behind (peers moved on: re-sync), stopped, isolated
+    verdict: str
+    own: Own | None
+    result: AverageResult | None  # the exchange whose mean this round's step used
+    diverged: bool = False  # blocking: our φ differs from the digest the run agrees on
+    consensus_distance: float | None = None  # NoLoCo: ‖φ − φ̄‖ / ‖φ̄‖ before the step
+
+    @property
+    def stepped(self) -> bool:
+        return self.verdict not in ("behind", "stopped", "isolated")
+
+
+@dataclass(frozen=True)
+class UpdateContext:
+    """What every outer update works with."""
+
+    state: OuterState
+    averaging: Averaging
+    swarm: SwarmMember
+    telemetry: Telemetry
+    stop: threading.Event  # a stop was asked for: a blocking exchange gives up waiting
+    abandon: threading.Event  # shutdown: a background exchange gives up waiting
+
+
+class OuterUpdate(Protocol):
+    def finish_round(self, round_: int, pseudo_gradient: torch.Tensor, tokens: float) -> RoundReport:
+        """Exchange our Δ of `round_` and step φ (advancing the round) as this algorithm and mode do."""
+
+    def settle(self) -> AverageResult | None:
+        """At a stop: wait for what is in flight and apply it; the last exchange applied, if any."""
+
+    def outstanding(self) -> list[Applied]:
+        """Our own Δs applied ahead of their rounds' means (overlapped modes), for the checkpoint."""
+
+    def restore(self, outstanding: list[Applied]) -> None:
+        """After a resume: those rounds' exchanges are gone, so each counts as averaged alone."""
+
+    def forget(self) -> None:
+        """φ was replaced by a peer's (re-sync): nothing in flight applies to it any more."""
+
+
+@contextlib.contextmanager
+def exchanging(telemetry: Telemetry, round_: int) -> Iterator[None]:
+    """`exchanging_round` in the status while this exchange runs. An abandoned exchange that ends
+    late leaves the newer one's value alone."""
+    telemetry.update(exchanging_round=round_)
+    try:
+        yield
+    finally:
+        telemetry.clear_if("exchanging_round", round_)
+
+
+def solo_while_isolated(ctx: UpdateContext, result: AverageResult, round_: int) -> bool:
+    """A mean of our own Δ alone while we are cut off from every peer: no solo step (DESIGN §4)."""
+    return len(result.group) <= 1 and ctx.swarm.presence.isolated()
+
+
+class NoPending:
+    """For updates that finish each exchange within its round (blocking, NoLoCo)."""
+
+    def settle(self) -> AverageResult | None:
+        return None
+
+    def outstanding(self) -> list[Applied]:
+        return []
+
+    def restore(self, outstanding: list[Applied]) -> None:
+        pass
+
+    def forget(self) -> None:
+        pass
+
+
+def make_update(cfg: NodeConfig, ctx: UpdateContext) -> OuterUpdate:
+    """The update for the configured algorithm and sync mode, on the optimizer OuterState holds."""
+    from diloco_node.outer.blocking import BlockingUpdate
+    from diloco_node.outer.gossip import GossipUpdate
+    from diloco_node.outer.overlapped import OverlappedUpdate
+
+    optimizer = ctx.state.optimizer
+    if isinstance(optimizer, NoLoCoOptimizer):
+        return GossipUpdate(ctx, optimizer)
+    if cfg.sync == "blocking":
+        return BlockingUpdate(ctx, optimizer)
+    return OverlappedUpdate(ctx, optimizer, cfg)

@@ -1,0 +1,72 @@
+"""The Replica seam: what the round engine asks of a node's local compute.
+
+Every method is called on local rank 0 and returns canonical-layout values there (full
+parameters in canonical name order, fp32, on the CPU). A multi-rank replica runs the same method
+on every rank (SPMD); arguments that only rank 0 holds (φ, a checkpoint's inner state) are passed
+as None on the other ranks and moved by the implementation's own collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+class ReplicaError(RuntimeError):
+    """A local rank failed (died, or a collective between the node's ranks broke); one line."""
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """What every rank needs to build its part of the replica; plain values, sent to ranks as JSON."""
+
+    model: str
+    seed: int
+    data: str | None
+    seq_len: int
+    batch_size: int  # sequences per inner step for the whole node, split over its ranks
+    eval_batches: int
+    inner_lr: float
+    warmup_steps: int
+    weight_decay: float
+    grad_clip: float
+    total_steps: int
+    precision: str  # fp32 | bf16 (autocast)
+    parallel: str  # none | fsdp | pipeline
+    devices: tuple[str, ...]  # one per local rank
+    threads: int  # torch threads per rank (0: torch's default)
+
+
+class Compute(Protocol):
+    """One rank's part of a replica (SPMD). `Replica` is this, seen from rank 0."""
+
+    def load(self, phi: list[torch.Tensor] | None) -> None:
+        """θ ← φ (φ given on rank 0 only)."""
+
+    def train_step(self, stream_seed: int, position: int) -> float:
+        """One AdamW step on batch `position` of the stream; the node's mean loss."""
+
+    def theta(self) -> list[torch.Tensor] | None:
+        """θ in canonical layout on rank 0 (None elsewhere)."""
+
+    def evaluate(self) -> float:
+        """Mean held-out loss of θ."""
+
+    def inner_state(self) -> dict[str, Any] | None:
+        """The AdamW state in canonical layout on rank 0: {"step", "adam_step", "moments": {name: (m, v)}}."""
+
+    def load_inner_state(self, state: dict[str, Any] | None) -> None:
+        """Install a canonical inner state (given on rank 0 only)."""
+
+    def advance_schedule(self, step: int) -> None:
+        """Move the learning-rate schedule forward to `step` if behind (a joiner follows the run's progress)."""
+
+    def peak_memory(self) -> list[int] | None:
+        """Peak bytes per local rank (RSS on CPU, CUDA max allocated on GPU), on rank 0."""
+
+
+class Replica(Compute, Protocol):
+    def close(self) -> None:
+        """Stop the node's other ranks; idempotent."""

@@ -1,0 +1,66 @@
+"""One process, one device: θ is a plain module, trained by the plain inner loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from diloco_node.replica.base import ReplicaSettings
+from diloco_node.replica.common import (
+    eval_batches,
+    inner_config,
+    load_dataset,
+    mixed_precision,
+    peak_memory_bytes,
+    rank_device,
+)
+from diloco_node.train.inner import InnerTrainer, evaluate, export_moments, import_moments
+from diloco_node.train.model import build_model
+
+
+class SingleReplica:
+    def __init__(self, settings: ReplicaSettings):
+        self.settings = settings
+        self.device = rank_device(settings, 0)
+        self.dataset = load_dataset(settings)
+        self.eval = eval_batches(settings, self.dataset, self.device)
+        self.model = build_model(settings.model, settings.seed).to(self.device)
+        self.named = dict(self.model.named_parameters())  # canonical names and order
+        self.trainer = InnerTrainer(self.model, inner_config(settings))
+
+    @torch.no_grad()
+    def load(self, phi: list[torch.Tensor] | None) -> None:
+        assert phi is not None
+        for theta, value in zip(self.named.values(), phi, strict=True):
+            theta.copy_(value)
+
+    def train_step(self, stream_seed: int, position: int) -> float:
+        x, y = self.dataset.train_batch(self.settings.batch_size, stream_seed, position)
+        return self.trainer.train_step(x.to(self.device), y.to(self.device))
+
+    def theta(self) -> list[torch.Tensor] | None:
+        return [p.detach().to("cpu", torch.float32, copy=True) for p in self.named.values()]
+
+    def evaluate(self) -> float:
+        return evaluate(self.model, self.eval, mixed_precision(self.settings))
+
+    def inner_state(self) -> dict[str, Any] | None:
+        moments, adam_step = export_moments(self.trainer.optimizer, self.named, lambda t: t.detach().cpu().clone())
+        return {"step": self.trainer.step, "adam_step": adam_step, "moments": moments}
+
+    def load_inner_state(self, state: dict[str, Any] | None) -> None:
+        assert state is not None
+        self.trainer.optimizer.state.clear()
+        import_moments(self.trainer.optimizer, self.named, state["moments"], state["adam_step"],
+                       lambda full, param: full.to(param.device, param.dtype, copy=True))
+        self.trainer.step = int(state["step"])
+
+    def advance_schedule(self, step: int) -> None:
+        self.trainer.step = max(self.trainer.step, step)
+
+    def peak_memory(self) -> list[int] | None:
+        return [peak_memory_bytes(self.device)]
+
+    def close(self) -> None:
+        pass
