@@ -122,6 +122,8 @@ class NodeConfig(BaseModel):
     # --- persistence ---
     checkpoint_dir: str = Field("checkpoints", description="checkpoints go to DIR/<run_id>/ and join resumes from "
                                 "there; '' turns checkpoints off")
+    events: str = Field("", description="machine-readable events, one JSON object per line: '-' for stdout or a "
+                        "file path ('' = none)")
     checkpoint_every: int = Field(1, ge=0, description="checkpoint every N rounds (0 = never)")
     identity: str = Field("", description="libp2p key file that keeps this node's peer id across restarts, "
                           "created when missing; '' = identity.key in --checkpoint-dir (a new id each start "

@@ -15,12 +15,9 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
-
-import torch
 
 from diloco_node import identity
-from diloco_node.checkpoint import CheckpointError, CheckpointStore
+from diloco_node.checkpoint import CheckpointStore
 from diloco_node.codec import CodecConfig, make_codec
 from diloco_node.config import NodeConfig
 from diloco_node.lifecycle import StopSignals, isolate_forked_children
@@ -32,11 +29,12 @@ from diloco_node.outer.sync import Applied
 from diloco_node.outer.update import OuterUpdate, RoundReport, UpdateContext, make_update
 from diloco_node.replica import Replica, ReplicaError, make_replica
 from diloco_node.replica.layout import flatten
+from diloco_node.startup import resume
 from diloco_node.swarm.member import SwarmMember, SwarmSettings
+from diloco_node.telemetry.events import Events
 from diloco_node.telemetry.meter import Telemetry
-from diloco_node.telemetry.rounds import RoundTiming, Traffic, round_line, round_stats
+from diloco_node.telemetry.rounds import RoundReporter, RoundTiming, round_line
 from diloco_node.telemetry.server import StatusServer
-from diloco_node.telemetry.swarm_table import swarm_row
 from diloco_node.telemetry.wire import WireMeter
 from diloco_node.train.model import build_model
 
@@ -60,7 +58,6 @@ class Node:
             if self.gossip else None
         self.inner_step = self.data_position = 0
         self.stream_seed = cfg.seed
-        self.compute_seconds = self.wait_seconds = 0.0  # since start, for utilization
         self.signals = StopSignals()
         self.stop_requested = self.signals.requested
         # Set at shutdown only: an overlapped exchange in flight when a stop is requested is settled
@@ -74,10 +71,11 @@ class Node:
                                    parallel=cfg.parallel, local_ranks=cfg.local_ranks, isolated=False,
                                    outer_step=0, inner_step=0, peers=1, group_size=0)
         self.server = StatusServer(self.telemetry, *cfg.status_host_port)
-        self.wire_at_last_round = (0, 0)
         self.wire = WireMeter(os.getpid(), on_sample=lambda sent, received: self.telemetry.update(
             wire_bytes_sent=sent, wire_bytes_received=received))
         self.telemetry.refresh_with(self.wire.refresh)
+        self.reporter = RoundReporter(self.telemetry, self.wire, cfg.label, self.gossip)
+        self.events = Events(cfg.events)
         self.replica: Replica | None = None
         self.swarm: SwarmMember | None = None
         self.update: OuterUpdate | None = None
@@ -120,6 +118,8 @@ class Node:
         self.telemetry.update(eval_loss_initial=snapshot["eval_loss"])
         logger.info("joined run=%s round=%d eval_loss=%.4f parameters=%d digest=%s", self.cfg.run_id,
                     self.state.round, snapshot["eval_loss"], snapshot["parameters"], snapshot["model_digest"])
+        self.events.emit("joined", run_id=self.cfg.run_id, round=self.state.round, eval_loss=snapshot["eval_loss"],
+                         parameters=snapshot["parameters"], digest=snapshot["model_digest"], peer_id=self.swarm.peer_id)
 
     def _join_swarm(self) -> SwarmMember:
         settings = SwarmSettings(
@@ -127,7 +127,8 @@ class Node:
             initial_peers=self.cfg.peer, listen=self.cfg.listen, announce=self.cfg.announce,
             matchmaking_time=self.cfg.matchmaking_time, round_timeout=self.cfg.round_timeout,
             group_size=self.cfg.group_size if self.gossip else None, identity=self.cfg.identity_path)
-        swarm = SwarmMember(settings, self.state.numel, self._shared_state, payload_parts=2 if self.gossip else 1)
+        swarm = SwarmMember(settings, self.state.numel, lambda: self.state.shared(self.cfg.fingerprint()),
+                            payload_parts=2 if self.gossip else 1)
         self.signals.install()  # again: hivemind's averager has just set SIGINT to SIG_IGN in this process
         swarm.presence.isolation.on_change = self._on_isolation
         self.wire.start()
@@ -136,24 +137,16 @@ class Node:
         return swarm
 
     def _resume(self) -> list[Applied] | None:
-        """Load the checkpoint, if any; returns its pseudo-gradients still awaiting their round's
-        mean (None when there was no checkpoint)."""
-        state = self.store.load() if self.store else None
-        if state is None:
-            return None
-        if state["fingerprint"] != self.cfg.fingerprint():
-            raise CheckpointError(f"checkpoint in '{self.cfg.checkpoint_path}' was made with another model/config")
+        """Load the checkpoint, if any; None when there was none."""
         assert self.replica is not None
-        self.state.install(state["round"], state["outer_params"], state["momentum"])
-        if state["format"] >= 2:
-            self.replica.load_inner_state(state["inner"])
-            self.inner_step = int(state["inner"]["step"])
-        else:
-            logger.warning("checkpoint from an older version: the inner optimizer starts afresh")
-        self.codec.load_state_dict(state["codec"])
-        self.data_position, self.stream_seed = state["data_position"], state["stream_seed"]
-        logger.info("resumed round=%d from %s", self.state.round, self.store.path if self.store else "")
-        return [Applied(**entry) for entry in state.get("outstanding", [])]
+        resumed = resume(self.store, self.cfg.fingerprint(), self.state, self.replica, self.codec) \
+            if self.store else None
+        if resumed is None:
+            return None
+        self.inner_step, self.data_position, self.stream_seed = \
+            resumed.inner_step, resumed.data_position, resumed.stream_seed
+        self.events.emit("resumed", round=self.state.round)
+        return resumed.outstanding
 
     def _sync_from_peers(self) -> bool:
         """Download φ, outer momentum and the round from a peer; False when we are the first node."""
@@ -161,34 +154,17 @@ class Node:
         received = self.swarm.download_state(STATE_DOWNLOAD_TIMEOUT, self.stop_requested)
         if received is None:
             return False
-        metadata, tensors = received
-        phi = self.state.phi
-        n = len(phi)
-        shapes_match = len(tensors) == 2 * n and all(
-            t.shape == p.shape for t, p in zip(tensors, phi + phi, strict=True))
-        well_formed = (isinstance(metadata, dict) and isinstance(metadata.get("round"), int)
-                       and metadata["round"] >= 0 and metadata.get("fingerprint") == self.cfg.fingerprint())
-        if not (well_formed and shapes_match and all(torch.isfinite(t).all() for t in tensors)):
+        if not self.state.install_shared(*received, self.cfg.fingerprint()):
             logger.warning("ignored state from a peer: malformed, non-finite or from another model/config")
             return False
-        momentum = tensors[n:] if metadata.get("has_momentum") else None
-        self.state.install(int(metadata["round"]), tensors[:n], momentum)
         if self.update is not None:
             self.update.forget()
         # A joiner's learning-rate schedule follows the run's progress, not its own step count.
         self.inner_step = max(self.inner_step, self.state.round * self.cfg.inner_steps)
         self.replica.advance_schedule(self.inner_step)
         logger.info("synced state from peers round=%d digest=%s", self.state.round, self.state.digest())
+        self.events.emit("synced", round=self.state.round, digest=self.state.digest())
         return True
-
-    def _shared_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """What a joining peer downloads; called on hivemind's thread, hence the lock and the copies."""
-        with self.state.lock:
-            optimizer = self.state.optimizer
-            metadata = {"round": self.state.round, "fingerprint": self.cfg.fingerprint(),
-                        "has_momentum": optimizer.has_momentum()}
-            tensors = [p.clone() for p in self.state.phi] + [m.clone() for m in optimizer.momentum_buffers()]
-        return metadata, tensors
 
     # --- rounds -------------------------------------------------------------------------------
 
@@ -226,8 +202,10 @@ class Node:
                               bytes_received=received)
         # numbered like the round lines: the exchange of the round that logged round=N; sent and
         # received are what that exchange moved after the last round line
+        moved = {"sent": sent - before["bytes_sent"], "received": received - before["bytes_received"]}
         logger.info("settled round=%d eval_loss=%.4f sent=%d received=%d digest=%s", self.state.round, eval_loss,
-                    sent - before["bytes_sent"], received - before["bytes_received"], self.state.digest())
+                    moved["sent"], moved["received"], self.state.digest())
+        self.events.emit("settled", round=self.state.round, eval_loss=eval_loss, digest=self.state.digest(), **moved)
 
     def run_round(self) -> None:
         assert self.swarm is not None and self.update is not None and self.replica is not None
@@ -252,7 +230,8 @@ class Node:
             self._sync_from_peers()
         self._finish_round(losses, report, RoundTiming(computed - started, time.monotonic() - computed))
         self._announce(ready=False)
-        self._refresh_swarm_table()  # after announcing, so our own row carries this round's stats
+        # after announcing, so our own row carries this round's stats
+        self.reporter.swarm_table(self.swarm, self.replica.peak_memory())
         self.swarm.share_state(self.state.round)
 
     def _after_skipped_round(self, report: RoundReport) -> None:
@@ -320,52 +299,12 @@ class Node:
         an earlier round's when delayed or eager (None when there was none).
         """
         assert self.swarm is not None
-        before = self.telemetry.snapshot()
-        sent, received = self.swarm.traffic()
-        self.compute_seconds += timing.compute
-        self.wait_seconds += timing.wait
-        round_ = self.state.round
-        stats = round_stats(round_, losses, self._evaluate(), report, timing,
-                            Traffic(sent, received, self._wire_this_round()), before, self.gossip)
-        self.telemetry.record_round(stats)
-        utilization = self.compute_seconds / (self.compute_seconds + self.wait_seconds)
         digest = self.state.digest()
-        self.telemetry.update(
-            outer_step=round_, loss=stats["loss"], eval_loss=stats["eval_loss"], group_size=stats["group_size"],
-            group=list(report.result.group) if report.result else [], model_digest=digest, bytes_sent=sent,
-            bytes_received=received, last_round_bytes_sent=stats["bytes_sent"],
-            last_round_bytes_received=stats["bytes_received"], round_seconds=stats["round_seconds"],
-            payload_bytes=stats["payload_bytes"], raw_bytes=stats["raw_bytes"],
-            bytes_per_param=stats["bytes_per_param"], compression_ratio=stats["compression_ratio"],
-            codec_seconds=stats["codec_seconds"], compute_seconds=round(self.compute_seconds, 3),
-            wait_seconds=round(self.wait_seconds, 3), utilization=utilization,
-            **({"consensus_distance": report.consensus_distance} if self.gossip else {}))
-        self.swarm.presence.publish_stats(
-            label=self.cfg.label, rounds=round_, bytes_sent=sent, bytes_received=received,
-            last_round_bytes_sent=stats["bytes_sent"], last_round_bytes_received=stats["bytes_received"],
-            wire_bytes_sent=stats.get("wire_sent_total"), wire_bytes_received=stats.get("wire_received_total"),
-            last_exchange_seconds=round(timing.wait, 3), utilization=utilization, time=stats["time"])
+        stats = self.reporter.finished(self.swarm, self.state.round, losses, self._evaluate(), report, timing, digest)
         logger.info("%s", round_line(stats, digest))
-        if self.store and self.cfg.checkpoint_every and round_ % self.cfg.checkpoint_every == 0:
+        self.events.emit("round", **stats, digest=digest)
+        if self.store and self.cfg.checkpoint_every and self.state.round % self.cfg.checkpoint_every == 0:
             self.save_checkpoint()
-
-    def _wire_this_round(self) -> dict[str, int]:
-        """This round's and the cumulative link-layer bytes (see telemetry/wire.py); {} if unmeasured."""
-        self.wire.refresh(max_age=0)
-        totals = self.wire.totals()
-        if totals is None:
-            return {}
-        (sent, received), (last_sent, last_received) = totals, self.wire_at_last_round
-        self.wire_at_last_round = totals
-        return {"wire_sent": sent - last_sent, "wire_received": received - last_received,
-                "wire_sent_total": sent, "wire_received_total": received}
-
-    def _refresh_swarm_table(self) -> None:
-        assert self.swarm is not None and self.replica is not None
-        peers = self.swarm.presence.compatible_peers()
-        self.telemetry.update(peers=len(peers), peak_memory_bytes=self.replica.peak_memory())
-        self.telemetry.set_peers([swarm_row(record, record.peer_id == self.swarm.peer_id)
-                                  for record in peers.values()])
 
     def _evaluate(self) -> float:
         assert self.replica is not None
@@ -387,6 +326,7 @@ class Node:
 
     def abort(self) -> None:
         """Release what a failed start-up acquired, saving nothing."""
+        self.events.close()
         if self.store:
             self.store.close()
         if self.replica:
@@ -414,3 +354,5 @@ class Node:
         self.wire.stop()
         self.server.stop()
         logger.info("left the swarm at round=%d", self.state.round)
+        self.events.emit("left", round=self.state.round, failure=self.failure)
+        self.events.close()

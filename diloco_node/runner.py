@@ -14,6 +14,7 @@ from diloco_node.node import Node
 from diloco_node.replica import ReplicaError
 from diloco_node.swarm.member import SwarmError
 from diloco_node.swarm.presence import IncompatibleRun
+from diloco_node.telemetry.events import EventsError
 from diloco_node.telemetry.server import StatusServerError
 from diloco_node.train.data import DataError
 from diloco_node.train.device import DeviceError
@@ -21,7 +22,7 @@ from diloco_node.train.device import DeviceError
 logger = logging.getLogger(__name__)
 
 START_UP_ERRORS = (DataError, SwarmError, StatusServerError, CheckpointError, DeviceError,
-                   IncompatibleRun, IdentityError)
+                   IncompatibleRun, IdentityError, EventsError)
 
 
 def say(line: str) -> None:

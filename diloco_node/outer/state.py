@@ -62,3 +62,23 @@ class OuterState:
                     "momentum": ([m.clone() for m in self.optimizer.momentum_buffers()]
                                  if self.optimizer.has_momentum() else None),
                     "digest": digest(self.phi)}
+
+    def shared(self, fingerprint: str) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """What a joining peer downloads (on hivemind's thread): the round, φ and the momentum."""
+        with self.lock:
+            metadata = {"round": self.round, "fingerprint": fingerprint,
+                        "has_momentum": self.optimizer.has_momentum()}
+            tensors = [p.clone() for p in self.phi] + [m.clone() for m in self.optimizer.momentum_buffers()]
+        return metadata, tensors
+
+    def install_shared(self, metadata: Any, tensors: list[torch.Tensor], fingerprint: str) -> bool:
+        """Install a state a peer shared, if it is well-formed, finite and of our run's config."""
+        n = len(self.phi)
+        shapes_match = len(tensors) == 2 * n and all(
+            t.shape == p.shape for t, p in zip(tensors, self.phi + self.phi, strict=True))
+        well_formed = (isinstance(metadata, dict) and isinstance(metadata.get("round"), int)
+                       and metadata["round"] >= 0 and metadata.get("fingerprint") == fingerprint)
+        if not (well_formed and shapes_match and all(torch.isfinite(t).all() for t in tensors)):
+            return False
+        self.install(int(metadata["round"]), tensors[:n], tensors[n:] if metadata.get("has_momentum") else None)
+        return True

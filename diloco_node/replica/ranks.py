@@ -178,16 +178,18 @@ class RankedReplica:
         if self._closing:
             return
         self._closing = True
-        if self.failure is None and hasattr(self, "_compute"):
+        orderly = self.failure is None and hasattr(self, "_compute")  # else the ranks cannot be told
+        if orderly:
             try:
                 dist.broadcast_object_list(["close", ()], src=0, group=self._ctx.control)
             except (RuntimeError, dist.DistBackendError) as exc:
                 logger.warning("local ranks did not take the stop: %s", str(exc).splitlines()[0])
         for rank, process in enumerate(self._ranks, start=1):
             try:
-                process.wait(CLOSE_TIMEOUT if self.failure is None else 1.0)
+                process.wait(CLOSE_TIMEOUT if orderly else 1.0)
             except subprocess.TimeoutExpired:
-                logger.warning("local rank %d did not stop in time; terminating it", rank)
+                if orderly:
+                    logger.warning("local rank %d did not stop in time; terminating it", rank)
                 process.terminate()
                 process.wait()
         if dist.is_initialized():

@@ -8,6 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from diloco_node.outer.update import RoundReport
+from diloco_node.swarm.member import SwarmMember
+from diloco_node.telemetry.meter import Telemetry
+from diloco_node.telemetry.swarm_table import swarm_row
+from diloco_node.telemetry.wire import WireMeter
 
 
 @dataclass(frozen=True)
@@ -62,3 +66,57 @@ def round_line(stats: dict[str, Any], digest: str) -> str:
         line += (f" consensus_distance={'-' if distance is None else f'{distance:.3e}'}"
                  f" group={','.join(stats['group']) or '-'}")
     return line
+
+
+class RoundReporter:
+    """Publishes each finished round: the status and its history, our presence record's stats (the
+    swarm table of every peer), and the round's log line. Used by the round engine's thread only."""
+
+    def __init__(self, telemetry: Telemetry, wire: WireMeter, label: str, gossip: bool):
+        self.telemetry, self.wire, self.label, self.gossip = telemetry, wire, label, gossip
+        self.compute_seconds = self.wait_seconds = 0.0  # since start, for utilization
+        self.wire_at_last_round = (0, 0)
+
+    def finished(self, swarm: SwarmMember, round_: int, losses: list[float], eval_loss: float,
+                 report: RoundReport, timing: RoundTiming, digest: str) -> dict[str, Any]:
+        """Record the round everywhere; returns its statistics."""
+        before = self.telemetry.snapshot()
+        sent, received = swarm.traffic()
+        self.compute_seconds += timing.compute
+        self.wait_seconds += timing.wait
+        stats = round_stats(round_, losses, eval_loss, report, timing,
+                            Traffic(sent, received, self._wire_this_round()), before, self.gossip)
+        self.telemetry.record_round(stats)
+        utilization = self.compute_seconds / (self.compute_seconds + self.wait_seconds)
+        self.telemetry.update(
+            outer_step=round_, loss=stats["loss"], eval_loss=eval_loss, group_size=stats["group_size"],
+            group=list(report.result.group) if report.result else [], model_digest=digest, bytes_sent=sent,
+            bytes_received=received, last_round_bytes_sent=stats["bytes_sent"],
+            last_round_bytes_received=stats["bytes_received"], round_seconds=stats["round_seconds"],
+            payload_bytes=stats["payload_bytes"], raw_bytes=stats["raw_bytes"],
+            bytes_per_param=stats["bytes_per_param"], compression_ratio=stats["compression_ratio"],
+            codec_seconds=stats["codec_seconds"], compute_seconds=round(self.compute_seconds, 3),
+            wait_seconds=round(self.wait_seconds, 3), utilization=utilization,
+            **({"consensus_distance": report.consensus_distance} if self.gossip else {}))
+        swarm.presence.publish_stats(
+            label=self.label, rounds=round_, bytes_sent=sent, bytes_received=received,
+            last_round_bytes_sent=stats["bytes_sent"], last_round_bytes_received=stats["bytes_received"],
+            wire_bytes_sent=stats.get("wire_sent_total"), wire_bytes_received=stats.get("wire_received_total"),
+            last_exchange_seconds=round(timing.wait, 3), utilization=utilization, time=stats["time"])
+        return stats
+
+    def _wire_this_round(self) -> dict[str, int]:
+        """This round's and the cumulative link-layer bytes (see telemetry/wire.py); {} if unmeasured."""
+        self.wire.refresh(max_age=0)
+        totals = self.wire.totals()
+        if totals is None:
+            return {}
+        (sent, received), (last_sent, last_received) = totals, self.wire_at_last_round
+        self.wire_at_last_round = totals
+        return {"wire_sent": sent - last_sent, "wire_received": received - last_received,
+                "wire_sent_total": sent, "wire_received_total": received}
+
+    def swarm_table(self, swarm: SwarmMember, peak_memory: list[int] | None) -> None:
+        peers = swarm.presence.compatible_peers()
+        self.telemetry.update(peers=len(peers), peak_memory_bytes=peak_memory)
+        self.telemetry.set_peers([swarm_row(record, record.peer_id == swarm.peer_id) for record in peers.values()])

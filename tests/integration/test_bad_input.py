@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.integration
 
@@ -147,6 +148,29 @@ def test_unusable_identity_key_is_refused_and_kept(nodes: Processes, tmp_path: P
     words = ("not a libp2p RSA private key",) if problem == "corrupt" else ("readable by others", "chmod 600")
     assert_bad_input(join(nodes, "--identity", str(key)), str(key), *words)
     assert key.read_bytes() == before, "a refused key file must be left as it was"
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--local-ranks", "2"], ["local_ranks 2 needs parallel fsdp or pipeline"]),
+    (["--parallel", "fsdp"], ["parallel fsdp needs local_ranks 2 or more"]),
+    (["--parallel", "pipeline", "--local-ranks", "3", "--batch-size", "12"], ["pipeline of 3 stages", "has 2"]),
+    (["--parallel", "fsdp", "--local-ranks", "2", "--batch-size", "7"], ["batch_size 7", "2 local ranks"]),
+    (["--parallel", "fsdp", "--devices", "cpu,cpu,cpu", "--local-ranks", "2"], ["devices lists 3"]),
+    (["--parallel", "mesh", "--local-ranks", "2"], ["parallel"]),
+    (["--precision", "fp16"], ["precision"]),
+    (["--parallel", "fsdp", "--devices", "cuda:0,cuda:1"], ["cuda:0,cuda:1"]),
+])
+def test_bad_layout(nodes: Processes, args: list[str], words: list[str]) -> None:
+    """Layouts that cannot work are refused before any local rank starts."""
+    if "cuda:0,cuda:1" in args and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the two GPUs asked for")  # never true in CI (CPU machines)
+    assert_bad_input(join(nodes, *args), *words)
+
+
+def test_more_local_ranks_than_cores(nodes: Processes) -> None:
+    ranks = (os.cpu_count() or 1) + 1
+    assert_bad_input(join(nodes, "--parallel", "fsdp", "--local-ranks", str(ranks), "--batch-size", str(4 * ranks)),
+                     f"{ranks} local ranks on the CPU need as many cores")
 
 
 def test_invalid_value_in_config_file(nodes: Processes, tmp_path: Path) -> None:
