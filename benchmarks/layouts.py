@@ -11,8 +11,11 @@ ranks itself. From the node's status API (GET <status>/api/status) after its las
   cumulative seconds of inner steps; start-up, evaluation and the outer step are not in it);
 - peak memory per local rank (peak_memory_bytes: peak RSS of each rank's process on CPU);
 - eval loss at equal tokens (eval_loss after the last round, from eval_loss_initial).
+With --max-outer-steps a node leaves by itself right after its last round, so its status may be gone
+before it shows that round: compute_seconds and the eval losses then come from the node's --events
+file (the same figures), and the peak memory from its last status answer (the table says which round).
 
-    .venv/bin/python benchmarks/layouts.py                  # model small, about 6 minutes on 2 cores
+    .venv/bin/python benchmarks/layouts.py                  # model small, 5 x 30 steps: about 6 minutes on 2 cores
     .venv/bin/python benchmarks/layouts.py --model tiny --rounds 2 --inner-steps 5 --out /tmp/layouts
 
 Results: benchmarks/results/layouts.{json,md} (or --out DIR), with ratios against `none`.
@@ -113,14 +116,19 @@ def figures(name: str, status: dict[str, Any] | None, events: list[dict[str, Any
             "inner_steps": rounds * inner_steps}
 
 
-def stop(node: NodeProcess) -> tuple[int | None, str]:
-    """SIGTERM (unless the node already left after its last round); (exit code, how it ended).
+def stop(node: NodeProcess, finished: bool) -> tuple[int | None, str]:
+    """End the node; (exit code, how it ended).
 
-    A node that does not exit within STOP_WITHIN is SIGKILLed, with a warning, so no rank is left over.
+    A node that `finished` its last round leaves by itself (--max-outer-steps): it is given
+    STOP_WITHIN seconds for that before a SIGTERM, as a SIGTERM in its last moments of exiting ends it
+    with -15 (seen here). Any other node gets SIGTERM at once. A node still there STOP_WITHIN seconds
+    after its SIGTERM is SIGKILLed, with a warning, so no rank is left over.
     """
-    if node.proc.poll() is not None:
-        how = "left by itself after its last round"
-    else:
+    how = "left by itself after its last round"
+    if finished:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            node.proc.wait(timeout=STOP_WITHIN)
+    if node.proc.poll() is None:
         how = "SIGTERM"
         node.signal(signal.SIGTERM)
         try:
@@ -152,11 +160,13 @@ def measure(parallel: str, ranks: int, args: argparse.Namespace, work: Path, ide
     started = time.monotonic()
     node = NodeProcess(parallel, node_flags(parallel, ranks, args, run_id, identity)
                        + ["--events", str(events_path)], work)
+    finished = False
     try:
         url = node.wait_for("stdout", "status:", args.timeout)
         status = watch(node, url, args.rounds, started + args.timeout)
+        finished = True
     finally:
-        code, how = stop(node)
+        code, how = stop(node, finished)
     wall = time.monotonic() - started
     found = figures(parallel, status, read_events(events_path), args.rounds, args.inner_steps)
     tokens = found["inner_steps"] * args.batch_size * args.seq_len
@@ -202,8 +212,8 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small", help="model preset: tiny, small, gpt-125m")
-    parser.add_argument("--rounds", type=int, default=3, help="outer rounds per layout (--max-outer-steps)")
-    parser.add_argument("--inner-steps", type=int, default=20, help="H: inner steps per round")
+    parser.add_argument("--rounds", type=int, default=5, help="outer rounds per layout (--max-outer-steps)")
+    parser.add_argument("--inner-steps", type=int, default=30, help="H: inner steps per round")
     parser.add_argument("--batch-size", type=int, default=8, help=f"sequences per inner step (divisible by "
                                                                   f"{LOCAL_RANKS})")
     parser.add_argument("--seq-len", type=int, default=128)

@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 RANK_TIMEOUT = timedelta(minutes=10)  # a collective that waits longer than this fails
 CLOSE_TIMEOUT = 30.0
 WATCH_INTERVAL = 0.2
+DIAGNOSE_TIMEOUT = 3.0
 # After a rank died, how long the round engine has to notice (its next collective fails at once)
 # before the process ends itself rather than hang on a collective that never returns.
 FAILURE_GRACE = 30.0
@@ -114,7 +115,7 @@ class RankedReplica:
             for rank, process in enumerate(self._ranks, start=1):
                 code = process.poll()
                 if code is not None and not self._closing:
-                    self._fail(f"local rank {rank} exited with code {code}")
+                    self._fail(self.failure or f"local rank {rank} exited with code {code}")
                     return
             time.sleep(WATCH_INTERVAL)
 
@@ -138,7 +139,18 @@ class RankedReplica:
         try:
             return call()
         except (RuntimeError, dist.DistBackendError) as exc:
-            raise ReplicaError(self.failure or f"local ranks failed: {str(exc).splitlines()[0]}") from None
+            self.failure = self.failure or self._dead_rank() or f"local ranks failed: {str(exc).splitlines()[0]}"
+            raise ReplicaError(self.failure) from None
+
+    def _dead_rank(self) -> str | None:
+        """Which rank died, when a collective failed because one did (its exit may take a moment to show)."""
+        deadline = time.monotonic() + DIAGNOSE_TIMEOUT
+        while time.monotonic() < deadline:
+            for rank, process in enumerate(self._ranks, start=1):
+                if process.poll() is not None:
+                    return f"local rank {rank} exited with code {process.returncode}"
+            time.sleep(WATCH_INTERVAL)
+        return None
 
     def _run(self, method: str, local_args: tuple[Any, ...], remote_args: tuple[Any, ...] | None = None) -> Any:
         """`method` on every rank: rank 0 with `local_args`, the others with `remote_args`."""

@@ -11,8 +11,8 @@ import io
 import pytest
 import torch
 
-from diloco_node.replica.layout import digest
 from diloco_node.outer.diloco import OuterOptimizer, pseudo_gradient
+from diloco_node.replica.layout import digest
 
 LR, MOMENTUM = 0.7, 0.9
 G1 = [0.5, -1.0]
