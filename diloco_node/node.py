@@ -15,6 +15,9 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import asdict
+from typing import Any
+
+import torch
 
 from diloco_node import identity
 from diloco_node.checkpoint import CheckpointStore
@@ -41,6 +44,7 @@ from diloco_node.train.model import build_model
 logger = logging.getLogger(__name__)
 
 STATE_DOWNLOAD_TIMEOUT = 60.0
+STATE_RETRY_SECONDS = 1.0  # between state downloads that found no peer sharing
 
 
 class Node:
@@ -99,12 +103,13 @@ class Node:
         self.update.restore(outstanding or [])
         if outstanding is None:  # a fresh node gets its own data order, derived from its identity
             self.stream_seed = zlib.crc32(self.swarm.peer_id.encode()) ^ self.cfg.seed
-        self.swarm.presence.enter(self.state.round, self.state.digest())
+        self.swarm.presence.check_compatible()
         if outstanding is None or self.swarm.presence.ahead_of(self.state.round):
             # a resumed checkpoint the run has moved past would only send stale work: re-sync
             self._sync_from_peers()
         if self.stop_requested.is_set():
             return  # stopped during the state download: nothing of ours is worth saving
+        self.swarm.presence.enter(self.state.round, self.state.digest())
         self._announce(ready=False)
         self.swarm.share_state(self.state.round)
         if self.cfg.min_peers > 1:
@@ -127,8 +132,7 @@ class Node:
             initial_peers=self.cfg.peer, listen=self.cfg.listen, announce=self.cfg.announce,
             matchmaking_time=self.cfg.matchmaking_time, round_timeout=self.cfg.round_timeout,
             group_size=self.cfg.group_size if self.gossip else None, identity=self.cfg.identity_path)
-        swarm = SwarmMember(settings, self.state.numel, lambda: self.state.shared(self.cfg.fingerprint()),
-                            payload_parts=2 if self.gossip else 1)
+        swarm = SwarmMember(settings, self.state.numel, self._shared_state, payload_parts=2 if self.gossip else 1)
         self.signals.install()  # again: hivemind's averager has just set SIGINT to SIG_IGN in this process
         swarm.presence.isolation.on_change = self._on_isolation
         self.wire.start()
@@ -151,7 +155,7 @@ class Node:
     def _sync_from_peers(self) -> bool:
         """Download φ, outer momentum and the round from a peer; False when we are the first node."""
         assert self.swarm is not None and self.replica is not None
-        received = self.swarm.download_state(STATE_DOWNLOAD_TIMEOUT, self.stop_requested)
+        received = self._download_state()
         if received is None:
             return False
         if not self.state.install_shared(*received, self.cfg.fingerprint()):
@@ -165,6 +169,28 @@ class Node:
         logger.info("synced state from peers round=%d digest=%s", self.state.round, self.state.digest())
         self.events.emit("synced", round=self.state.round, digest=self.state.digest())
         return True
+
+    def _download_state(self) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        """A peer's state, retried within STATE_DOWNLOAD_TIMEOUT (peers pause sharing while an
+        exchange is in flight); None when we are the first node, or stopped, or nobody shared."""
+        assert self.swarm is not None
+        deadline = time.monotonic() + STATE_DOWNLOAD_TIMEOUT
+        logger.info("downloading state from peers")
+        while self.swarm.others_present() and not self.stop_requested.is_set():
+            remaining = deadline - time.monotonic()
+            received = self.swarm.download_state(remaining, self.stop_requested) if remaining > 0 else None
+            if received is not None or remaining <= 0:
+                if received is None:
+                    logger.warning("no peer shared its state within %.0fs; starting from our own φ",
+                                   STATE_DOWNLOAD_TIMEOUT)
+                return received
+            self.stop_requested.wait(STATE_RETRY_SECONDS)
+        return None
+
+    def _shared_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """What a joining peer downloads (on hivemind's thread; sharing starts once `update` exists)."""
+        assert self.update is not None
+        return self.state.shared(self.cfg.fingerprint(), self.update.settle_change)
 
     # --- rounds -------------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ has the rule each step follows and why every Δ is applied exactly once)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,6 +27,8 @@ class OverlappedUpdate:
     def __init__(self, ctx: UpdateContext, optimizer: OuterOptimizer, cfg: NodeConfig):
         self.ctx, self.optimizer = ctx, optimizer
         self.mode, self.proxy, self.sync_timeout = cfg.sync, cfg.eager_proxy, cfg.sync_timeout
+        # settling has no next round to go on with: it waits as long as an exchange can take
+        self.settle_timeout = max(cfg.sync_timeout, cfg.round_timeout)
         self.pending: PendingExchanges[Outcome] = PendingExchanges()
         self.last_share: float | None = None
         self.restored: list[Applied] = []  # from a checkpoint: applied at the next step, as averaged alone
@@ -35,20 +37,26 @@ class OverlappedUpdate:
         ctx = self.ctx
         own = ctx.averaging.encode(round_, pseudo_gradient, tokens)
         ctx.swarm.offer(round_, own.payload, tokens)
-        finished = self.pending.collect(round_ - 1, self.sync_timeout)
-        last = finished[-1][1] if finished else None
-        if any(outcome is not None and outcome.verdict == "behind" for _, outcome in finished):
-            return RoundReport("behind", own, None)  # the round engine re-syncs: nothing here applies
-        landed = bool(finished or self.restored)
-        step = self._corrections(finished)
         fresh = own.decoded if own.decoded is not None else torch.zeros(ctx.state.numel)
-        applied = Applied(round_, fresh, fresh_weight(self.mode, self.proxy, self.last_share,
-                                                      len(ctx.swarm.presence.compatible_peers())))
-        self.pending.start(applied, lambda: self._exchange(round_, own))
+        self.pending.wait(round_ - 1, self.sync_timeout)
+        # taking the landed exchanges and applying them is one step under φ's lock: a joiner's state
+        # (settle_change) sees each exchange either pending or applied, never neither
         with ctx.state.lock:
-            if landed or applied.weight:  # delayed's first round has nothing to apply: no momentum-only step
-                self.optimizer.step(ctx.state.shaped(step + applied.weight * fresh))
+            finished = self.pending.take_finished()
+            last = finished[-1][1] if finished else None
+            if any(outcome is not None and outcome.verdict == "behind" for _, outcome in finished):
+                return RoundReport("behind", own, None)  # the round engine re-syncs: nothing here applies
+            landed = bool(finished or self.restored)
+            step = self._corrections(finished)
+            weight = fresh_weight(self.mode, self.proxy, self.last_share, len(ctx.swarm.presence.compatible_peers()))
+            if landed or weight:  # delayed's first round has nothing to apply: no momentum-only step
+                self.optimizer.step(ctx.state.shaped(step + weight * fresh))
+                ctx.state.steps += 1
             ctx.state.round += 1
+            applied = Applied(round_, fresh, weight, ctx.state.steps)
+            # no state downloads until it has landed (see SwarmMember.pause_sharing)
+            ctx.swarm.pause_sharing()
+            self.pending.start(applied, lambda: self._exchange(round_, own), landed=ctx.swarm.resume_sharing)
         return RoundReport(last.verdict if last else "lost", own, last.result if last else None)
 
     def _corrections(self, finished: list[tuple[Applied, Outcome | None]]) -> torch.Tensor:
@@ -58,10 +66,9 @@ class OverlappedUpdate:
             total += correction(applied, None)
         self.restored = []
         for applied, outcome in finished:
-            result = outcome.result if outcome is not None else None
-            total += correction(applied, result.mean if result is not None and result.group else None)
-            if result is not None and result.group:
-                self.last_share = result.own_share
+            total += correction(applied, _mean(outcome))
+            if outcome is not None and outcome.result is not None and outcome.result.group:
+                self.last_share = outcome.result.own_share
         return total
 
     def _exchange(self, round_: int, own: Own) -> Outcome:
@@ -76,19 +83,39 @@ class OverlappedUpdate:
 
     def settle(self) -> AverageResult | None:
         """The step the next round would take with nothing new trained (no round advance)."""
-        finished = self.pending.collect(None, self.sync_timeout)
-        if self.pending.outstanding():
-            logger.warning("round=%d the last exchange did not finish; ending without it", self.ctx.state.round)
-        if not finished and not self.restored:
-            return None
-        step = self._corrections(finished)
+        self.pending.wait(None, self.settle_timeout)
         with self.ctx.state.lock:
+            finished = self.pending.take_finished()
+            if self.pending.outstanding():
+                logger.warning("round=%d the last exchange did not finish; ending without it", self.ctx.state.round)
+            if not finished and not self.restored:
+                return None
+            step = self._corrections(finished)
             self.optimizer.step(self.ctx.state.shaped(step))
+            self.ctx.state.steps += 1
         last = finished[-1][1] if finished else None
         return last.result if last else None
 
+    def settle_change(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Under φ's lock, for a joiner's state: the change to φ and momentum had every pending
+        round's mean replaced our Δ at the step that applied it. The joiner then starts from a φ
+        holding each round's mean exactly once. Sharing pauses while an exchange is in flight, so
+        each pending one has landed (one that failed, or a checkpoint's, counts as averaged alone)."""
+        entries = [(applied, None) for applied in self.restored] + self.pending.peek()
+        if not entries:
+            return None
+        phi_change, momentum_change = torch.zeros(self.ctx.state.numel), torch.zeros(self.ctx.state.numel)
+        for applied, outcome in entries:
+            dphi, dmomentum = self.optimizer.late_change(correction(applied, _mean(outcome)),
+                                                         self.ctx.state.steps - applied.at_step)
+            phi_change += dphi
+            momentum_change += dmomentum
+        return phi_change, momentum_change
+
     def outstanding(self) -> list[Applied]:
-        return self.restored + self.pending.outstanding()
+        """Counted back from the current step, as a checkpoint keeps them (install restarts the count)."""
+        steps = self.ctx.state.steps
+        return [replace(a, at_step=a.at_step - steps) for a in self.restored + self.pending.outstanding()]
 
     def restore(self, outstanding: list[Applied]) -> None:
         self.restored = list(outstanding)
@@ -97,3 +124,9 @@ class OverlappedUpdate:
         self.pending.drop()
         self.restored = []
         self.last_share = None
+
+
+def _mean(outcome: Outcome | None) -> torch.Tensor | None:
+    """The round's mean, None when it has none (failed, or only our own was missing)."""
+    result = outcome.result if outcome is not None else None
+    return result.mean if result is not None and result.group else None

@@ -8,7 +8,7 @@ while the round engine steps them.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -17,12 +17,15 @@ from diloco_node.outer.diloco import OuterOptimizer
 from diloco_node.outer.noloco import NoLoCoOptimizer
 from diloco_node.replica.layout import digest, flatten, unflatten
 
+Settle = Callable[[], tuple[torch.Tensor, torch.Tensor] | None]
+
 
 class OuterState:
     def __init__(self, phi: list[torch.Tensor], optimizer: OuterOptimizer | NoLoCoOptimizer):
         self.phi = phi  # fp32 on the CPU, canonical order; stepped in place
         self.optimizer = optimizer
         self.round = 0
+        self.steps = 0  # outer steps taken since start or the last install (overlapped modes' ledger)
         self.lock = threading.Lock()
         self.numel = sum(p.numel() for p in phi)
 
@@ -47,6 +50,7 @@ class OuterState:
                 mine.copy_(value)
             self.optimizer.load_momentum(momentum)
             self.round = round_
+            self.steps = 0
 
     def momentum(self) -> list[torch.Tensor] | None:
         """A copy of the outer momentum, None before the first step."""
@@ -63,13 +67,22 @@ class OuterState:
                                  if self.optimizer.has_momentum() else None),
                     "digest": digest(self.phi)}
 
-    def shared(self, fingerprint: str) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """What a joining peer downloads (on hivemind's thread): the round, φ and the momentum."""
+    def shared(self, fingerprint: str, settle: Settle | None = None) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """What a joining peer downloads (on hivemind's thread): the round, φ and the momentum.
+
+        `settle` (overlapped modes) gives, under our lock, the change that turns our φ and momentum
+        into what they would be had every round's mean already replaced our own Δ of that round:
+        a joiner must not inherit our Δ at full weight, since only we later swap it for the mean.
+        """
         with self.lock:
             metadata = {"round": self.round, "fingerprint": fingerprint,
                         "has_momentum": self.optimizer.has_momentum()}
-            tensors = [p.clone() for p in self.phi] + [m.clone() for m in self.optimizer.momentum_buffers()]
-        return metadata, tensors
+            phi = flatten(self.phi)
+            momentum = flatten(self.optimizer.momentum_buffers())
+            change = settle() if settle is not None else None
+        if change is not None:
+            phi, momentum = phi + change[0], momentum + change[1]
+        return metadata, unflatten(phi, self.phi) + unflatten(momentum, self.phi)
 
     def install_shared(self, metadata: Any, tensors: list[torch.Tensor], fingerprint: str) -> bool:
         """Install a state a peer shared, if it is well-formed, finite and of our run's config."""

@@ -42,6 +42,7 @@ class Applied:
     round: int
     own: torch.Tensor  # flat, as peers decode it; zeros when ours could not be sent
     weight: float
+    at_step: int = 0  # OuterState.steps once the step that applied it was taken
 
 
 def fresh_weight(mode: str, proxy: str, last_share: float | None, expected_group: int) -> float:
@@ -73,31 +74,45 @@ class PendingExchanges(Generic[R]):
         self._pending: dict[int, tuple[Applied, Future[R]]] = {}
         self._lock = threading.Lock()
 
-    def start(self, applied: Applied, run: Callable[[], R]) -> None:
+    def start(self, applied: Applied, run: Callable[[], R], landed: Callable[[], None] | None = None) -> None:
+        """Run `run` in the background; `landed` is called once its result is there to be taken."""
         future: Future[R] = Future()
 
         def work() -> None:
             try:
                 future.set_result(run())
-            except BaseException as exc:  # handed to collect(), which logs it
+            except BaseException as exc:  # handed to take_finished(), which logs it
                 future.set_exception(exc)
+            finally:
+                if landed is not None:
+                    landed()
 
         with self._lock:
             self._pending[applied.round] = (applied, future)
         threading.Thread(target=work, name=f"exchange-{applied.round}", daemon=True).start()
 
-    def collect(self, round_: int | None, timeout: float) -> list[tuple[Applied, R | None]]:
-        """Wait up to `timeout` for the exchange of `round_` (all of them when None), then hand over
-        every finished one in round order. One still running stays pending (logged once here)."""
+    def wait(self, round_: int | None, timeout: float) -> None:
+        """Wait up to `timeout` for the exchange of `round_` (all of them when None). One still
+        running stays pending and is handed over when it lands (logged once here)."""
         with self._lock:
             waited = [f for r, (_, f) in self._pending.items() if round_ is None or r == round_]
-        done, running = wait(waited, timeout=timeout)
+        _, running = wait(waited, timeout=timeout)
         if running:
-            logger.warning("exchange still running after %.0fs; it is applied when it lands", timeout)
+            logger.warning("exchange still running after %.1fs; it is applied when it lands", timeout)
+
+    def take_finished(self) -> list[tuple[Applied, R | None]]:
+        """Every finished exchange, in round order, handed over once (None for a failed one)."""
         with self._lock:
             finished = sorted(r for r, (_, f) in self._pending.items() if f.done())
             taken = [self._pending.pop(r) for r in finished]
         return [(applied, _result(applied.round, future)) for applied, future in taken]
+
+    def peek(self) -> list[tuple[Applied, R | None]]:
+        """Everything pending, in round order, with the result of those that finished (not taken)."""
+        with self._lock:
+            entries = sorted(self._pending.items())
+        return [(applied, _result(applied.round, future) if future.done() else None)
+                for _, (applied, future) in entries]
 
     def outstanding(self) -> list[Applied]:
         with self._lock:
@@ -116,7 +131,7 @@ class PendingExchanges(Generic[R]):
 def _result(round_: int, future: Future[R]) -> R | None:
     try:
         return future.result(timeout=0)
-    except FutureTimeout:  # cannot happen: only finished futures are collected
+    except FutureTimeout:  # cannot happen: only finished futures are read
         return None
     except Exception as exc:  # the exchange's own failures are logged by it; never crash the node
         logger.warning("round=%d exchange failed: %r", round_, exc)

@@ -67,6 +67,9 @@ class OuterUpdate(Protocol):
     def forget(self) -> None:
         """φ was replaced by a peer's (re-sync): nothing in flight applies to it any more."""
 
+    def settle_change(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Under φ's lock: the change to (φ, momentum) a joiner's copy needs (OuterState.shared)."""
+
 
 @contextlib.contextmanager
 def exchanging(telemetry: Telemetry, round_: int) -> Iterator[None]:
@@ -98,6 +101,9 @@ class NoPending:
 
     def forget(self) -> None:
         pass
+
+    def settle_change(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None
 
 
 def make_update(cfg: NodeConfig, ctx: UpdateContext) -> OuterUpdate:

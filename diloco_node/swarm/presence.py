@@ -59,14 +59,20 @@ class Presence:
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="swarm-heartbeat", daemon=True)
 
-    def enter(self, round_: int, digest: str) -> None:
-        """Announce ourselves and refuse to go on if the run already uses another config."""
-        self.announce(round_, ready_round=round_ - 1, digest=digest)
+    def check_compatible(self) -> None:
+        """Refuse to go on if the run already uses another config (before we take part in anything)."""
         for record in self._fetch().values():
             if record.fingerprint != self.fingerprint:
                 difference = records.config_difference(self.config, record.config)
                 raise IncompatibleRun(f"refused: run '{self.run_id}' uses an incompatible config "
                                       f"(peer {record.peer_id}: {difference})")
+
+    def enter(self, round_: int, digest: str) -> None:
+        """Announce ourselves as a member at `round_`, after any state download: a joiner that the
+        others counted while it downloads would hold up their barrier, and with it the exchange
+        whose result its download waits for."""
+        self.check_compatible()
+        self.announce(round_, ready_round=round_ - 1, digest=digest)
         self._heartbeat.start()
 
     def announce(self, round_: int, ready_round: int, digest: str) -> None:

@@ -69,12 +69,17 @@ def test_eager_full_by_hand() -> None:
     assert [float(s) for s in steps] == [2.0, 12.0, -5.0]
 
 
+def collect(pending: PendingExchanges[str], round_: int | None, timeout: float) -> list[tuple[Applied, str | None]]:
+    pending.wait(round_, timeout)
+    return pending.take_finished()
+
+
 def test_pending_hands_back_finished_exchanges_in_round_order_once() -> None:
     pending: PendingExchanges[str] = PendingExchanges()
     pending.start(Applied(3, t(1.0), 1.0), lambda: "three")
-    taken = pending.collect(3, timeout=5)
+    taken = collect(pending, 3, timeout=5)
     assert [(a.round, r) for a, r in taken] == [(3, "three")]
-    assert pending.collect(3, timeout=0.1) == []  # consumed: never applied twice
+    assert collect(pending, 3, timeout=0.1) == []  # consumed: never applied twice
 
 
 def test_a_slow_exchange_stays_pending_and_lands_later() -> None:
@@ -82,12 +87,13 @@ def test_a_slow_exchange_stays_pending_and_lands_later() -> None:
     pending: PendingExchanges[str] = PendingExchanges()
     pending.start(Applied(1, t(1.0), 1.0), lambda: (release.wait(5), "late")[1])
     started = time.monotonic()
-    assert pending.collect(1, timeout=0.2) == []
+    assert collect(pending, 1, timeout=0.2) == []
     assert time.monotonic() - started < 4
     assert [a.round for a in pending.outstanding()] == [1]
+    assert [(a.round, r) for a, r in pending.peek()] == [(1, None)]  # peeking takes nothing
     release.set()
     pending.start(Applied(2, t(2.0), 1.0), lambda: "on time")
-    taken = pending.collect(2, timeout=5)
+    taken = collect(pending, 2, timeout=5)
     assert [(a.round, r) for a, r in taken] == [(1, "late"), (2, "on time")]
 
 
@@ -96,11 +102,11 @@ def test_a_failed_exchange_is_handed_back_as_none() -> None:
         raise RuntimeError("peer vanished")
     pending: PendingExchanges[str] = PendingExchanges()
     pending.start(Applied(2, t(1.0), 1.0), boom)
-    assert [(a.round, r) for a, r in pending.collect(2, timeout=5)] == [(2, None)]
+    assert [(a.round, r) for a, r in collect(pending, 2, timeout=5)] == [(2, None)]
 
 
 def test_drop_forgets_everything() -> None:
     pending: PendingExchanges[str] = PendingExchanges()
     pending.start(Applied(1, t(1.0), 1.0), lambda: "x")
     pending.drop()
-    assert pending.outstanding() == [] and pending.collect(None, timeout=0.1) == []
+    assert pending.outstanding() == [] and collect(pending, None, timeout=0.1) == []
