@@ -158,11 +158,13 @@ class Node:
         received = self._download_state()
         if received is None:
             return False
-        if not self.state.install_shared(*received, self.cfg.fingerprint()):
+        installed = self.state.install_shared(*received, self.cfg.fingerprint())
+        if installed is None:
             logger.warning("ignored state from a peer: malformed, non-finite or from another model/config")
             return False
         if self.update is not None:
             self.update.forget()
+            self.update.inherit(*installed)
         # A joiner's learning-rate schedule follows the run's progress, not its own step count.
         self.inner_step = max(self.inner_step, self.state.round * self.cfg.inner_steps)
         self.replica.advance_schedule(self.inner_step)
@@ -171,8 +173,8 @@ class Node:
         return True
 
     def _download_state(self) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        """A peer's state, retried within STATE_DOWNLOAD_TIMEOUT (peers pause sharing while an
-        exchange is in flight); None when we are the first node, or stopped, or nobody shared."""
+        """A peer's state, retried within STATE_DOWNLOAD_TIMEOUT; None when we are the first node,
+        or stopped, or nobody shared it."""
         assert self.swarm is not None
         deadline = time.monotonic() + STATE_DOWNLOAD_TIMEOUT
         logger.info("downloading state from peers")
@@ -190,7 +192,8 @@ class Node:
     def _shared_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """What a joining peer downloads (on hivemind's thread; sharing starts once `update` exists)."""
         assert self.update is not None
-        return self.state.shared(self.cfg.fingerprint(), self.update.settle_change)
+        assert self.swarm is not None
+        return self.state.shared(self.cfg.fingerprint(), self.swarm.peer_id, self.update.settle_change)
 
     # --- rounds -------------------------------------------------------------------------------
 

@@ -75,6 +75,19 @@ class Averaging:
         """The 'mean' of a round we average by ourselves."""
         return self.mean(own, Gathered("alone"))
 
+    def mean_of(self, gathered: Gathered, member: str) -> torch.Tensor | None:
+        """The mean `member` computed over its group's payloads (all gathered, its own included):
+        what a joiner needs for a round its server averaged (OverlappedUpdate.inherit)."""
+        contributions = []
+        for peer, (payload, tokens) in sorted(gathered.payloads.items()):
+            try:
+                contributions.append(Contribution(peer, tokens, self.codec.decode(payload, self.numel)))
+            except CodecError as exc:
+                logger.warning("round=%d dropped payload from peer=%s: %s", gathered.round, peer, exc)
+        if member not in {c.peer_id for c in contributions}:
+            return None
+        return robust_weighted_mean(contributions, own=member)
+
     def mean(self, own: Own, gathered: Gathered) -> AverageResult:
         """The robust token-weighted mean over ours and the gathered payloads (NoLoCo: and mean φ)."""
         contributions = [Contribution(self.peer_id, own.tokens, own.decoded)] if own.decoded is not None else []

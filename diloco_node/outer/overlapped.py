@@ -11,7 +11,7 @@ import torch
 from diloco_node.config import NodeConfig
 from diloco_node.outer.averaging import AverageResult, Own
 from diloco_node.outer.diloco import OuterOptimizer
-from diloco_node.outer.sync import Applied, PendingExchanges, correction, fresh_weight
+from diloco_node.outer.sync import Applied, PendingExchanges, Settled, correction, fresh_weight
 from diloco_node.outer.update import RoundReport, UpdateContext, exchanging
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ class OverlappedUpdate:
         self.pending: PendingExchanges[Outcome] = PendingExchanges()
         self.last_share: float | None = None
         self.restored: list[Applied] = []  # from a checkpoint: applied at the next step, as averaged alone
+        self.inherited: list[tuple[str, Applied]] = []  # from a state download: (server, its round in flight)
 
     def finish_round(self, round_: int, pseudo_gradient: torch.Tensor, tokens: float) -> RoundReport:
         ctx = self.ctx
@@ -39,10 +40,11 @@ class OverlappedUpdate:
         ctx.swarm.offer(round_, own.payload, tokens)
         fresh = own.decoded if own.decoded is not None else torch.zeros(ctx.state.numel)
         self.pending.wait(round_ - 1, self.sync_timeout)
+        inherited = self._resolve_inherited()
         # taking the landed exchanges and applying them is one step under φ's lock: a joiner's state
         # (settle_change) sees each exchange either pending or applied, never neither
         with ctx.state.lock:
-            finished = self.pending.take_finished()
+            finished = inherited + self.pending.take_finished()
             last = finished[-1][1] if finished else None
             if any(outcome is not None and outcome.verdict == "behind" for _, outcome in finished):
                 return RoundReport("behind", own, None)  # the round engine re-syncs: nothing here applies
@@ -54,9 +56,7 @@ class OverlappedUpdate:
                 ctx.state.steps += 1
             ctx.state.round += 1
             applied = Applied(round_, fresh, weight, ctx.state.steps)
-            # no state downloads until it has landed (see SwarmMember.pause_sharing)
-            ctx.swarm.pause_sharing()
-            self.pending.start(applied, lambda: self._exchange(round_, own), landed=ctx.swarm.resume_sharing)
+            self.pending.start(applied, lambda: self._exchange(round_, own))
         return RoundReport(last.verdict if last else "lost", own, last.result if last else None)
 
     def _corrections(self, finished: list[tuple[Applied, Outcome | None]]) -> torch.Tensor:
@@ -67,8 +67,8 @@ class OverlappedUpdate:
         self.restored = []
         for applied, outcome in finished:
             total += correction(applied, _mean(outcome))
-            if outcome is not None and outcome.result is not None and outcome.result.group:
-                self.last_share = outcome.result.own_share
+            if outcome is not None and outcome.result is not None and outcome.result.own_share > 0:
+                self.last_share = outcome.result.own_share  # ours, not an inherited round's
         return total
 
     def _exchange(self, round_: int, own: Own) -> Outcome:
@@ -96,21 +96,44 @@ class OverlappedUpdate:
         last = finished[-1][1] if finished else None
         return last.result if last else None
 
-    def settle_change(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Under φ's lock, for a joiner's state: the change to φ and momentum had every pending
-        round's mean replaced our Δ at the step that applied it. The joiner then starts from a φ
-        holding each round's mean exactly once. Sharing pauses while an exchange is in flight, so
-        each pending one has landed (one that failed, or a checkpoint's, counts as averaged alone)."""
-        entries = [(applied, None) for applied in self.restored] + self.pending.peek()
-        if not entries:
+    def settle_change(self) -> Settled | None:
+        """Under φ's lock, for a joiner's state (OuterState.shared): the change to φ and momentum
+        had every landed round's mean replaced our Δ at the step that applied it, and the rounds
+        still in flight, whose means the joiner fetches itself (`inherit`). It then holds each
+        round's mean exactly once. A checkpoint's rounds count as averaged alone."""
+        steps = self.ctx.state.steps
+        landed = [(a, None) for a in self.restored] + [(a, o) for a, o in self.pending.peek() if o is not None]
+        running = [replace(a, at_step=a.at_step - steps) for a, o in self.pending.peek() if o is None]
+        running += [replace(a, at_step=a.at_step - steps) for _, a in self.inherited]  # their server is ours
+        if not landed and not running:
             return None
         phi_change, momentum_change = torch.zeros(self.ctx.state.numel), torch.zeros(self.ctx.state.numel)
-        for applied, outcome in entries:
-            dphi, dmomentum = self.optimizer.late_change(correction(applied, _mean(outcome)),
-                                                         self.ctx.state.steps - applied.at_step)
+        for applied, outcome in landed:
+            dphi, dmomentum = self.optimizer.late_change(correction(applied, _mean(outcome)), steps - applied.at_step)
             phi_change += dphi
             momentum_change += dmomentum
-        return phi_change, momentum_change
+        return Settled(phi_change, momentum_change, running)
+
+    def inherit(self, server: str, in_flight: list[Applied]) -> None:
+        """After a state download: the rounds `server` had in flight are ours to complete."""
+        self.inherited = [(server, applied) for applied in in_flight]
+
+    def _resolve_inherited(self) -> list[tuple[Applied, Outcome | None]]:
+        """The means of the inherited rounds, fetched from their groups (a round that cannot be
+        fetched counts as averaged alone, and says so)."""
+        resolved: list[tuple[Applied, Outcome | None]] = []
+        for server, applied in self.inherited:
+            gathered = self.ctx.swarm.gather_group_of(applied.round, server)
+            mean = self.ctx.averaging.mean_of(gathered, server)
+            if mean is None:
+                logger.warning("round=%d could not fetch the mean our state's server had in flight; its Δ "
+                               "stays in our φ in place of that mean", applied.round)
+                resolved.append((applied, None))
+                continue
+            resolved.append((applied, Outcome("together", AverageResult(tuple(sorted(gathered.payloads)), mean,
+                                                                         0.0, 0.0))))
+        self.inherited = []
+        return resolved
 
     def outstanding(self) -> list[Applied]:
         """Counted back from the current step, as a checkpoint keeps them (install restarts the count)."""
@@ -122,7 +145,7 @@ class OverlappedUpdate:
 
     def forget(self) -> None:
         self.pending.drop()
-        self.restored = []
+        self.restored, self.inherited = [], []
         self.last_share = None
 
 

@@ -15,9 +15,11 @@ import torch
 
 from diloco_node.outer.diloco import OuterOptimizer
 from diloco_node.outer.noloco import NoLoCoOptimizer
+from diloco_node.outer.sync import Applied, Settled
 from diloco_node.replica.layout import digest, flatten, unflatten
 
-Settle = Callable[[], tuple[torch.Tensor, torch.Tensor] | None]
+SharedState = tuple[dict[str, Any], list[torch.Tensor]]
+MAX_IN_FLIGHT = 8  # rounds a shared state may carry in flight (a healthy node has one)
 
 
 class OuterState:
@@ -67,31 +69,54 @@ class OuterState:
                                  if self.optimizer.has_momentum() else None),
                     "digest": digest(self.phi)}
 
-    def shared(self, fingerprint: str, settle: Settle | None = None) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    def shared(self, fingerprint: str, server: str, settle: Callable[[], Settled | None]) -> SharedState:
         """What a joining peer downloads (on hivemind's thread): the round, φ and the momentum.
 
-        `settle` (overlapped modes) gives, under our lock, the change that turns our φ and momentum
-        into what they would be had every round's mean already replaced our own Δ of that round:
-        a joiner must not inherit our Δ at full weight, since only we later swap it for the mean.
+        `settle` (overlapped modes) gives, under our lock, the change that makes our φ and momentum
+        what they would be had every landed round's mean replaced our own Δ of that round, and the
+        rounds still in flight with our Δ of each: the joiner fetches those means itself. A joiner
+        must not inherit our Δ at full weight, since only we later swap it for the mean.
         """
         with self.lock:
-            metadata = {"round": self.round, "fingerprint": fingerprint,
-                        "has_momentum": self.optimizer.has_momentum()}
-            phi = flatten(self.phi)
-            momentum = flatten(self.optimizer.momentum_buffers())
-            change = settle() if settle is not None else None
-        if change is not None:
-            phi, momentum = phi + change[0], momentum + change[1]
-        return metadata, unflatten(phi, self.phi) + unflatten(momentum, self.phi)
+            phi, momentum = flatten(self.phi), flatten(self.optimizer.momentum_buffers())
+            metadata: dict[str, Any] = {"round": self.round, "fingerprint": fingerprint, "server": server,
+                                        "has_momentum": self.optimizer.has_momentum(), "in_flight": []}
+            settled = settle()
+        own = []
+        if settled is not None:
+            phi, momentum = phi + settled.phi, momentum + settled.momentum
+            metadata["in_flight"] = [{"round": a.round, "weight": a.weight, "at_step": a.at_step}
+                                     for a in settled.in_flight]
+            own = [a.own for a in settled.in_flight]
+        return metadata, unflatten(phi, self.phi) + unflatten(momentum, self.phi) + own
 
-    def install_shared(self, metadata: Any, tensors: list[torch.Tensor], fingerprint: str) -> bool:
-        """Install a state a peer shared, if it is well-formed, finite and of our run's config."""
+    def install_shared(self, metadata: Any, tensors: list[torch.Tensor],
+                       fingerprint: str) -> tuple[str, list[Applied]] | None:
+        """Install a state a peer shared, if it is well-formed, finite and of our run's config;
+        returns the sharing peer and the rounds it had in flight (None when refused)."""
         n = len(self.phi)
-        shapes_match = len(tensors) == 2 * n and all(
-            t.shape == p.shape for t, p in zip(tensors, self.phi + self.phi, strict=True))
-        well_formed = (isinstance(metadata, dict) and isinstance(metadata.get("round"), int)
-                       and metadata["round"] >= 0 and metadata.get("fingerprint") == fingerprint)
-        if not (well_formed and shapes_match and all(torch.isfinite(t).all() for t in tensors)):
-            return False
-        self.install(int(metadata["round"]), tensors[:n], tensors[n:] if metadata.get("has_momentum") else None)
-        return True
+        if not (isinstance(metadata, dict) and isinstance(metadata.get("round"), int) and metadata["round"] >= 0
+                and metadata.get("fingerprint") == fingerprint and isinstance(metadata.get("server"), str)):
+            return None
+        in_flight = _in_flight(metadata.get("in_flight"), tensors[2 * n:], self.numel)
+        shapes_match = len(tensors) >= 2 * n and all(
+            t.shape == p.shape for t, p in zip(tensors[:2 * n], self.phi + self.phi, strict=True))
+        if in_flight is None or not shapes_match or not all(torch.isfinite(t).all() for t in tensors):
+            return None
+        self.install(metadata["round"], tensors[:n], tensors[n:2 * n] if metadata.get("has_momentum") else None)
+        return metadata["server"], in_flight
+
+
+def _in_flight(entries: Any, own: list[torch.Tensor], numel: int) -> list[Applied] | None:
+    """A shared state's rounds in flight, checked: our Δ for each, its weight, the step it went in."""
+    if not isinstance(entries, list) or len(entries) != len(own) or len(entries) > MAX_IN_FLIGHT:
+        return None
+    checked = []
+    for entry, delta in zip(entries, own, strict=True):
+        if not (isinstance(entry, dict) and isinstance(entry.get("round"), int) and entry["round"] >= 0
+                and isinstance(entry.get("weight"), float) and 0.0 <= entry["weight"] <= 1.0
+                and isinstance(entry.get("at_step"), int) and entry["at_step"] <= 0
+                and delta.dim() == 1 and delta.numel() == numel):
+            return None
+        checked.append(Applied(entry["round"], delta.float(), entry["weight"], entry["at_step"]))
+    return checked

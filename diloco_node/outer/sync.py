@@ -45,6 +45,15 @@ class Applied:
     at_step: int = 0  # OuterState.steps once the step that applied it was taken
 
 
+@dataclass(frozen=True)
+class Settled:
+    """What a joiner's copy of our state needs (OverlappedUpdate.settle_change)."""
+
+    phi: torch.Tensor  # change to φ: every landed round's mean in place of our Δ
+    momentum: torch.Tensor  # the same for the momentum buffer
+    in_flight: list[Applied]  # rounds whose mean has not landed yet, at_step counted back from now (≤ 0)
+
+
 def fresh_weight(mode: str, proxy: str, last_share: float | None, expected_group: int) -> float:
     """w_t: how much of our fresh Δ_t this round's step applies before the group's mean is known."""
     if mode == "delayed":
@@ -74,8 +83,7 @@ class PendingExchanges(Generic[R]):
         self._pending: dict[int, tuple[Applied, Future[R]]] = {}
         self._lock = threading.Lock()
 
-    def start(self, applied: Applied, run: Callable[[], R], landed: Callable[[], None] | None = None) -> None:
-        """Run `run` in the background; `landed` is called once its result is there to be taken."""
+    def start(self, applied: Applied, run: Callable[[], R]) -> None:
         future: Future[R] = Future()
 
         def work() -> None:
@@ -83,9 +91,6 @@ class PendingExchanges(Generic[R]):
                 future.set_result(run())
             except BaseException as exc:  # handed to take_finished(), which logs it
                 future.set_exception(exc)
-            finally:
-                if landed is not None:
-                    landed()
 
         with self._lock:
             self._pending[applied.round] = (applied, future)

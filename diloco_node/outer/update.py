@@ -17,7 +17,7 @@ from diloco_node.config import NodeConfig
 from diloco_node.outer.averaging import AverageResult, Averaging, Own
 from diloco_node.outer.noloco import NoLoCoOptimizer
 from diloco_node.outer.state import OuterState
-from diloco_node.outer.sync import Applied
+from diloco_node.outer.sync import Applied, Settled
 from diloco_node.swarm.member import SwarmMember
 from diloco_node.telemetry.meter import Telemetry
 
@@ -67,8 +67,11 @@ class OuterUpdate(Protocol):
     def forget(self) -> None:
         """φ was replaced by a peer's (re-sync): nothing in flight applies to it any more."""
 
-    def settle_change(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Under φ's lock: the change to (φ, momentum) a joiner's copy needs (OuterState.shared)."""
+    def settle_change(self) -> Settled | None:
+        """Under φ's lock: what a joiner's copy of our state needs (OuterState.shared)."""
+
+    def inherit(self, server: str, in_flight: list[Applied]) -> None:
+        """After a state download: complete the rounds `server` had in flight."""
 
 
 @contextlib.contextmanager
@@ -102,8 +105,11 @@ class NoPending:
     def forget(self) -> None:
         pass
 
-    def settle_change(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def settle_change(self) -> Settled | None:
         return None
+
+    def inherit(self, server: str, in_flight: list[Applied]) -> None:
+        pass
 
 
 def make_update(cfg: NodeConfig, ctx: UpdateContext) -> OuterUpdate:

@@ -32,7 +32,9 @@ HEADER_LEN = 8
 MAX_REQUEST_BYTES = 256
 MAX_META_BYTES = 1 << 14  # tokens and the group's peer ids
 FETCH_ATTEMPTS = 3
-KEPT_ROUNDS = 2  # a slow peer may still fetch the previous round while we offer the next
+# a slow peer may still fetch the previous round while we offer the next, and a joiner the round
+# its server had in flight when it shared its state (OverlappedUpdate.inherit)
+KEPT_ROUNDS = 3
 # An offer a group member has not fetched yet stays longer: that member may be a node whose own
 # matchmaking failed after ours counted it in, recovering the group once its timeout ends
 # (SwarmMember._missed_group) while NoLoCo's other nodes have already moved a round or two on.

@@ -117,7 +117,6 @@ class SwarmMember:
         # hivemind's averager talks to its process over a pipe that is not safe to share between
         # threads; the exchange may run on a background thread (sync modes), so every call is locked.
         self._averager_lock = threading.Lock()
-        self._sharing_wanted, self._sharing_paused = False, 0  # under _averager_lock
 
     # --- membership -------------------------------------------------------------------------
 
@@ -128,38 +127,20 @@ class SwarmMember:
         """Let others download our state; a higher round makes us the preferred source."""
         with self._averager_lock:
             self._averager.state_sharing_priority = float(round_)
-            self._sharing_wanted = True
-            self._apply_sharing()
+            self._averager.allow_state_sharing = True
 
     def stop_sharing(self) -> None:
         """A node whose φ is known to be off must not hand it to joiners."""
         with self._averager_lock:
-            self._sharing_wanted = False
-            self._apply_sharing()
-
-    def pause_sharing(self) -> None:
-        """No state downloads while an overlapped exchange is in flight: the joiner's φ must hold that
-        round's mean, not our own Δ, and the result cannot be waited for on hivemind's thread (the
-        exchange's own matchmaking answers arrive through it). Paired with `resume_sharing`."""
-        with self._averager_lock:
-            self._sharing_paused += 1
-            self._apply_sharing()
-
-    def resume_sharing(self) -> None:
-        with self._averager_lock:
-            self._sharing_paused -= 1
-            self._apply_sharing()
-
-    def _apply_sharing(self) -> None:  # under _averager_lock
-        self._averager.allow_state_sharing = self._sharing_wanted and self._sharing_paused == 0
+            self._averager.allow_state_sharing = False
 
     def others_present(self) -> bool:
         """Whether another node of the run is live (else we start the run ourselves)."""
         return any(peer != self.peer_id for peer in self.presence.compatible_peers(refresh=True))
 
     def download_state(self, timeout: float, stop: threading.Event) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        """φ and the outer state from a peer; None when no peer shared it (nobody is sharing right
-        now, the download failed or took longer than `timeout`) or `stop` was set while waiting."""
+        """φ and the outer state from a peer; None when no peer shared it (the download failed or
+        took longer than `timeout`) or `stop` was set while waiting."""
         with self._averager_lock:
             future = self._averager.load_state_from_peers(wait=False, timeout=timeout)
         deadline = time.monotonic() + timeout
@@ -217,6 +198,18 @@ class SwarmMember:
         payloads = {peer: (item.payload, item.tokens) for peer, item in fetched.items() if item is not None}
         return Gathered(verdict, round_, payloads, time.perf_counter() - started,
                         sum(len(payload) for payload, _ in payloads.values()))
+
+    def gather_group_of(self, round_: int, member: str) -> Gathered:
+        """The payloads `member`'s group averaged in `round_`, `member`'s own included, fetched from
+        them (offers stay up for a few rounds): how a joiner completes a round its server had in
+        flight when it shared its state. Empty when `member` has not formed that group (yet)."""
+        first = self._exchange.fetch_all([member], round_, self.settings.round_timeout).get(member)
+        if first is None or first.group is None or member not in first.group:
+            return Gathered("alone", round_)
+        others = [peer for peer in first.group if peer not in (member, self.peer_id)]
+        fetched = {member: first, **self._exchange.fetch_all(others, round_, self.settings.round_timeout)}
+        payloads = {peer: (item.payload, item.tokens) for peer, item in fetched.items() if item is not None}
+        return Gathered("together", round_, payloads)
 
     def drawn_groups(self, round_: int) -> list[list[str]]:
         """NoLoCo: the groups of `round_` as we see the run, drawn once per round so that waiting
