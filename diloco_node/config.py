@@ -97,7 +97,7 @@ class NodeConfig(BaseModel):
                              description="eager: weight of our fresh Δ in the proxy: full (it stands in for the "
                              "group's mean until that arrives) or share (our token share, 1/M)")
     sync_timeout: float = Field(120.0, gt=0, description="delayed/eager: seconds to wait for the previous "
-                                "round's exchange before abandoning it")
+                                "round's exchange before going on without it (it is applied when it lands)")
     max_outer_steps: int = Field(0, ge=0, description="stop after this many rounds (0 = run forever)")
 
     # --- NoLoCo: gossip in small random groups instead of averaging over the swarm (DESIGN §3) ---

@@ -44,7 +44,6 @@ from diloco_node.train.model import build_model
 logger = logging.getLogger(__name__)
 
 STATE_DOWNLOAD_TIMEOUT = 60.0
-STATE_RETRY_SECONDS = 1.0  # between state downloads that found no peer sharing
 
 
 class Node:
@@ -155,7 +154,7 @@ class Node:
     def _sync_from_peers(self) -> bool:
         """Download φ, outer momentum and the round from a peer; False when we are the first node."""
         assert self.swarm is not None and self.replica is not None
-        received = self._download_state()
+        received = self.swarm.download_state(STATE_DOWNLOAD_TIMEOUT, self.stop_requested)
         if received is None:
             return False
         installed = self.state.install_shared(*received, self.cfg.fingerprint())
@@ -171,23 +170,6 @@ class Node:
         logger.info("synced state from peers round=%d digest=%s", self.state.round, self.state.digest())
         self.events.emit("synced", round=self.state.round, digest=self.state.digest())
         return True
-
-    def _download_state(self) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        """A peer's state, retried within STATE_DOWNLOAD_TIMEOUT; None when we are the first node,
-        or stopped, or nobody shared it."""
-        assert self.swarm is not None
-        deadline = time.monotonic() + STATE_DOWNLOAD_TIMEOUT
-        logger.info("downloading state from peers")
-        while self.swarm.others_present() and not self.stop_requested.is_set():
-            remaining = deadline - time.monotonic()
-            received = self.swarm.download_state(remaining, self.stop_requested) if remaining > 0 else None
-            if received is not None or remaining <= 0:
-                if received is None:
-                    logger.warning("no peer shared its state within %.0fs; starting from our own φ",
-                                   STATE_DOWNLOAD_TIMEOUT)
-                return received
-            self.stop_requested.wait(STATE_RETRY_SECONDS)
-        return None
 
     def _shared_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """What a joining peer downloads (on hivemind's thread; sharing starts once `update` exists)."""

@@ -38,7 +38,7 @@ KEPT_ROUNDS = 3
 # An offer a group member has not fetched yet stays longer: that member may be a node whose own
 # matchmaking failed after ours counted it in, recovering the group once its timeout ends
 # (SwarmMember._missed_group) while NoLoCo's other nodes have already moved a round or two on.
-AWAITED_KEPT_ROUNDS = 4
+AWAITED_KEPT_ROUNDS = 5
 RECEIVED = b"\x01"  # a fetcher's acknowledgement: it read our whole payload
 
 

@@ -43,6 +43,7 @@ MATCHMAKING_SLACK = 5.0  # seconds beyond the matchmaking windows for DHT lookup
 # After a failed matchmaking: how long a group that counted us in has to fetch our payload. Its
 # members fetch as soon as their own matchmaking ends, which is before ours gives up.
 MISSED_GROUP_GRACE = 2.0
+STATE_RETRY_SECONDS = 1.0  # between state downloads that found no peer sharing
 
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
 
@@ -134,13 +135,23 @@ class SwarmMember:
         with self._averager_lock:
             self._averager.allow_state_sharing = False
 
-    def others_present(self) -> bool:
-        """Whether another node of the run is live (else we start the run ourselves)."""
-        return any(peer != self.peer_id for peer in self.presence.compatible_peers(refresh=True))
-
     def download_state(self, timeout: float, stop: threading.Event) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        """φ and the outer state from a peer; None when no peer shared it (the download failed or
-        took longer than `timeout`) or `stop` was set while waiting."""
+        """φ and the outer state from a peer, retried within `timeout`; None when nobody else is in
+        the run (we start it), nobody shared it in time, or `stop` was set while waiting."""
+        deadline = time.monotonic() + timeout
+        logger.info("downloading state from peers")
+        while any(peer != self.peer_id for peer in self.presence.compatible_peers(refresh=True)):
+            remaining = deadline - time.monotonic()
+            received = self._download_once(remaining, stop) if remaining > 0 else None
+            if received is not None or stop.is_set():
+                return received
+            if remaining <= 0:
+                logger.warning("no peer shared its state within %.0fs; starting from our own φ", timeout)
+                return None
+            stop.wait(STATE_RETRY_SECONDS)
+        return None
+
+    def _download_once(self, timeout: float, stop: threading.Event) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         with self._averager_lock:
             future = self._averager.load_state_from_peers(wait=False, timeout=timeout)
         deadline = time.monotonic() + timeout

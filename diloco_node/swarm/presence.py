@@ -63,14 +63,14 @@ class Presence:
         """Refuse to go on if the run already uses another config (before we take part in anything)."""
         for record in self._fetch().values():
             if record.fingerprint != self.fingerprint:
+                self._publish()  # so that the run's nodes see, and log, whom they refused
                 difference = records.config_difference(self.config, record.config)
                 raise IncompatibleRun(f"refused: run '{self.run_id}' uses an incompatible config "
                                       f"(peer {record.peer_id}: {difference})")
 
     def enter(self, round_: int, digest: str) -> None:
         """Announce ourselves as a member at `round_`, after any state download: a joiner that the
-        others counted while it downloads would hold up their barrier, and with it the exchange
-        whose result its download waits for."""
+        others counted while it downloads would hold up their barrier for as long."""
         self.check_compatible()
         self.announce(round_, ready_round=round_ - 1, digest=digest)
         self._heartbeat.start()

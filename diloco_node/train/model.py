@@ -35,6 +35,9 @@ PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(n_layer=2, n_head=4, d_model=128, max_seq_len=256),
     "small": GPTConfig(n_layer=6, n_head=6, d_model=384, max_seq_len=512),
     "gpt-125m": GPTConfig(n_layer=12, n_head=12, d_model=768, max_seq_len=1024),
+    # GPT-2-medium-shaped (303M parameters with the byte vocabulary): for two consumer GPUs, sharded
+    # (--parallel fsdp) or split (--parallel pipeline), see configs/gpt-350m-*.toml
+    "gpt-350m": GPTConfig(n_layer=24, n_head=16, d_model=1024, max_seq_len=1024),
 }
 
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from hivemind import DHT
 
-from diloco_node.swarm.exchange import Fetched, PayloadExchange, _parse_meta
+from diloco_node.swarm.exchange import AWAITED_KEPT_ROUNDS, KEPT_ROUNDS, Fetched, PayloadExchange, _parse_meta
 from diloco_node.swarm.member import SwarmMember
 
 pytestmark = pytest.mark.integration
@@ -67,20 +67,22 @@ def test_a_fetch_before_we_knew_the_group_counts(pair: tuple[PayloadExchange, Pa
     assert offering.drain(0.5, may_still_fetch=lambda _peer, _round: True)
 
 
-def test_an_offer_a_member_still_awaits_outlives_the_usual_two_rounds(
+def test_an_offer_a_member_still_awaits_outlives_the_usual_rounds(
         pair: tuple[PayloadExchange, PayloadExchange, str, str]) -> None:
-    # The member may be recovering a one-sided matchmaking while we have moved two rounds on.
+    # The member may be recovering a one-sided matchmaking while we have moved rounds on.
+    assert KEPT_ROUNDS == 3 and AWAITED_KEPT_ROUNDS == 5
     offering, fetching, offering_id, fetching_id = pair
     offering.offer(1, b"awaited", 320.0)
     offering.expect(1, [offering_id, fetching_id], offering_id)
     offering.offer(2, b"fetched by nobody, awaited by nobody", 320.0)
     offering.offer(3, b"three", 320.0)
     offering.offer(4, b"four", 320.0)
-    assert fetching.fetch_all([offering_id], 2, timeout=10)[offering_id] is None, "dropped after two rounds"
+    offering.offer(5, b"five", 320.0)
+    assert fetching.fetch_all([offering_id], 2, timeout=10)[offering_id] is None, "dropped after three rounds"
     assert fetching.fetch_all([offering_id], 1, timeout=10)[offering_id] == Fetched(
         b"awaited", 320.0, tuple(sorted([offering_id, fetching_id])))
-    offering.offer(5, b"five", 320.0)
-    offering.offer(6, b"six", 320.0)  # fetched now, so only two rounds are kept
+    offering.offer(6, b"six", 320.0)
+    offering.offer(7, b"seven", 320.0)  # fetched now, so only the usual three rounds are kept
     assert fetching.fetch_all([offering_id], 4, timeout=10)[offering_id] is None
     assert fetching.fetch_all([offering_id], 5, timeout=10)[offering_id] is not None
 
@@ -89,7 +91,7 @@ def test_an_awaited_offer_is_dropped_in_the_end(pair: tuple[PayloadExchange, Pay
     offering, fetching, offering_id, fetching_id = pair
     offering.offer(1, b"awaited by a peer that never comes", 320.0)
     offering.expect(1, [offering_id, fetching_id], offering_id)
-    for round_ in range(2, 6):
+    for round_ in range(2, 2 + AWAITED_KEPT_ROUNDS):
         offering.offer(round_, b"later", 320.0)
     assert fetching.fetch_all([offering_id], 1, timeout=10)[offering_id] is None
 

@@ -301,3 +301,4 @@ def test_noloco_refuses_overlapped_sync_in_one_line(sync: str) -> None:
     ({"noloco_beta": 1.0}, "noloco_beta"), ({"noloco_gamma": -1}, "noloco_gamma")])
 def test_bad_noloco_values_name_their_key(values: dict[str, Any], key: str) -> None:
     assert f"'{key}'" in _error(values)
+
