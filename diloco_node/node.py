@@ -26,10 +26,11 @@ from diloco_node.config import NodeConfig
 from diloco_node.lifecycle import StopSignals, isolate_forked_children
 from diloco_node.outer.averaging import Averaging
 from diloco_node.outer.diloco import OuterOptimizer, pseudo_gradient
+from diloco_node.outer.factory import make_update
 from diloco_node.outer.noloco import NoLoCoOptimizer
 from diloco_node.outer.state import OuterState
 from diloco_node.outer.sync import Applied
-from diloco_node.outer.update import OuterUpdate, RoundReport, UpdateContext, make_update
+from diloco_node.outer.update import OuterUpdate, RoundReport, UpdateContext
 from diloco_node.replica import Replica, ReplicaError, make_replica
 from diloco_node.replica.layout import flatten
 from diloco_node.startup import resume

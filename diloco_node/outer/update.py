@@ -13,9 +13,7 @@ from typing import Protocol
 
 import torch
 
-from diloco_node.config import NodeConfig
 from diloco_node.outer.averaging import AverageResult, Averaging, Own
-from diloco_node.outer.noloco import NoLoCoOptimizer
 from diloco_node.outer.state import OuterState
 from diloco_node.outer.sync import Applied, Settled
 from diloco_node.swarm.member import SwarmMember
@@ -111,16 +109,3 @@ class NoPending:
     def inherit(self, server: str, in_flight: list[Applied]) -> None:
         pass
 
-
-def make_update(cfg: NodeConfig, ctx: UpdateContext) -> OuterUpdate:
-    """The update for the configured algorithm and sync mode, on the optimizer OuterState holds."""
-    from diloco_node.outer.blocking import BlockingUpdate
-    from diloco_node.outer.gossip import GossipUpdate
-    from diloco_node.outer.overlapped import OverlappedUpdate
-
-    optimizer = ctx.state.optimizer
-    if isinstance(optimizer, NoLoCoOptimizer):
-        return GossipUpdate(ctx, optimizer)
-    if cfg.sync == "blocking":
-        return BlockingUpdate(ctx, optimizer)
-    return OverlappedUpdate(ctx, optimizer, cfg)
