@@ -1,7 +1,8 @@
-"""Helpers shared by the benchmarks: real `diloco-node join` subprocesses, their log lines, machine info.
+"""Helpers shared by the benchmarks: real `diloco-node join` subprocesses, their events, machine info.
 
-The benchmarks drive the real CLI on loopback and read what the nodes log; nothing here imports the
-node's internals. Run the benchmarks as scripts (`.venv/bin/python benchmarks/<name>.py`): the
+The benchmarks drive the real CLI on loopback (through diloco_node/launch.py, the launcher the tests
+and the demo use too) and read the JSON events the nodes print (`--events -`); nothing here imports
+the node's internals. Run the benchmarks as scripts (`.venv/bin/python benchmarks/<name>.py`): the
 script's folder is then on sys.path, so `from common import ...` finds this file.
 """
 
@@ -11,12 +12,10 @@ import contextlib
 import os
 import platform
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from diloco_node import launch
 from diloco_node.config import NodeConfig
 from diloco_node.train.inner import InnerConfig
 
@@ -35,15 +35,9 @@ BLOCKING_FLAGS = ("--sync", "blocking")
 STOP_BOUND = 30.0  # README: a stop takes at most this plus the exchange in flight
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
-JOINED_RE = re.compile(r"joined run=\S+ round=(\d+) eval_loss=(\S+) parameters=(\d+) digest=(\w+)")
-ROUND_RE = re.compile(r"round=(\d+) loss=(\S+) eval_loss=(\S+) group_size=(\d+) sent=(\d+) received=(\d+) "
-                      r"seconds=(\S+) .*digest=(\w+)")
-# On the same round line, where the node logs its codec's numbers, utilization and transfer.
-CODEC_RE = re.compile(r" payload=(\d+) bytes_per_param=(\S+) codec_seconds=(\S+) ")
-TRANSFER_RE = re.compile(r" utilization=(\S+) transfer=(\d+)/(\S+)s ")
-SYNCED_RE = re.compile(r"synced state from peers round=(\d+)")
-SETTLED_RE = re.compile(r"settled round=(\d+) eval_loss=(\S+) .*digest=(\w+)")
-WARNING_RE = re.compile(r" WARN(ING)? diloco_node")  # hivemind's log setup renames WARNING to WARN
+# A diloco_node warning on a node's stderr (the log format of cli.setup_logging; hivemind's log
+# setup renames WARNING to WARN). Warnings are log lines, not events.
+WARNING_RE = re.compile(r" WARN(ING)? diloco_node")
 
 
 def read_lo_bytes() -> int | None:
@@ -75,48 +69,54 @@ def free_port() -> int:
 
 
 class NodeProcess:
-    """A `diloco-node join` subprocess whose stdout/stderr lines are kept, logged and awaitable."""
+    """A `diloco-node join` subprocess (the package's launcher, diloco_node/launch.py) with what the
+    benchmarks use: its stdout/stderr lines, kept in <log_dir>/<name>.{stdout,stderr}.log and awaitable,
+    its events (`node.events`), and a stop that never kills silently."""
 
     def __init__(self, name: str, args: list[str], log_dir: Path,
-                 launcher: Callable[[list[str]], list[str]] = list):
+                 launcher: Callable[[list[str]], list[str]] | None = None):
         """`launcher` wraps the command line, e.g. Island.command to run the node in a network namespace."""
         self.name = name
-        self.lines: dict[str, list[str]] = {"stdout": [], "stderr": []}
-        self._changed = threading.Condition()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}  # only our flags count
-        env["PYTHONUNBUFFERED"] = "1"
-        # A session of its own, so the node's hivemind helpers (DHT, averager, p2pd) can be ended with it.
-        self.proc = subprocess.Popen(launcher([node_executable(), "join", *args]), stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-        for stream in ("stdout", "stderr"):
-            log = open(log_dir / f"{name}.{stream}.log", "w")  # noqa: SIM115 - closed by the reader
-            threading.Thread(target=self._read, args=(stream, log), daemon=True).start()
+        # DILOCO_* variables of the caller's shell are left out: only our flags count
+        self.node = launch.NodeProcess(name, list(args), log_dir, wrap=launcher,
+                                       log_path=log_dir / f"{name}.stderr.log",
+                                       stdout_log_path=log_dir / f"{name}.stdout.log").start()
+        assert self.node.process is not None
+        self.proc = self.node.process
 
-    def _read(self, stream: str, log: Any) -> None:
-        with log:
-            for line in getattr(self.proc, stream):
-                log.write(line)
-                log.flush()
-                with self._changed:
-                    self.lines[stream].append(line.rstrip("\n"))
-                    self._changed.notify_all()
-        with self._changed:
-            self._changed.notify_all()
+    @property
+    def lines(self) -> dict[str, list[str]]:
+        """Its stdout (addresses and JSON events) and stderr (the log) lines so far, without newlines."""
+        return {"stdout": [line.rstrip("\n") for line in self.node.stdout_lines],
+                "stderr": [line.rstrip("\n") for line in self.node.stderr_lines]}
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return self.node.events
+
+    def _await(self, predicate: Callable[[], Any], timeout: float, what: str) -> None:
+        """Raises RuntimeError if the node exits first, TimeoutError when `timeout` seconds pass."""
+        if self.node.reached(predicate, timeout):
+            return
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited (rc={self.proc.returncode}) before {what}\n{self.tail()}")
+        raise TimeoutError(f"{self.name}: no {what} within {timeout:.0f}s\n{self.tail()}")
 
     def wait_for(self, stream: str, prefix: str, timeout: float) -> str:
         """The rest of the first `stream` line containing `prefix`; raises if the node exits first."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while True:
-                for line in self.lines[stream]:
-                    if prefix in line:
-                        return line.split(prefix, 1)[1].strip()
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited (rc={self.proc.returncode}) before '{prefix}'"
-                                       f"\n{self.tail()}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{self.name}: no '{prefix}' within {timeout:.0f}s\n{self.tail()}")
-                self._changed.wait(timeout=1.0)
+        lines = self.node.stdout_lines if stream == "stdout" else self.node.stderr_lines
+
+        def first() -> str | None:
+            return next((line for line in lines if prefix in line), None)
+
+        self._await(lambda: first() is not None, timeout, f"'{prefix}'")
+        return str(first()).split(prefix, 1)[1].strip()
+
+    def wait_joined(self, timeout: float) -> int:
+        """The round of its `joined` event (it found its peers under --min-peers)."""
+        self._await(lambda: self.node.joined_round is not None, timeout, "'joined' event")
+        assert self.node.joined_round is not None
+        return self.node.joined_round
 
     def tail(self, n: int = 15) -> str:
         return "\n".join(f"  {self.name}: {line}" for line in self.lines["stderr"][-n:])
@@ -137,16 +137,9 @@ class NodeProcess:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(self.proc.pid, signal.SIGKILL)  # this node's own session only
         code = self.proc.wait()
+        self.node.drain()  # its last events (the last round, settled) may still be in the pipe
         if code not in (0, -signal.SIGKILL):
             print(f"WARNING: {self.name} exited {code}\n{self.tail()}", file=sys.stderr)
-
-
-def node_executable() -> str:
-    beside = Path(sys.executable).parent / "diloco-node"
-    found = str(beside) if beside.exists() else shutil.which("diloco-node")
-    if not found:
-        raise SystemExit("diloco-node is not installed (run `make bench`, or pip install -e . into the venv)")
-    return found
 
 
 def node_args(h: int, rounds: int, run_id: str, checkpoint_dir: Path | str, extra: Sequence[str] = (),
@@ -190,7 +183,7 @@ def start_pair(h: int, rounds: int, run_id: str, work: Path, timeout: float,
 
 
 class StartupStalled(TimeoutError):
-    """The nodes of a pair did not both log `joined run=` in time (e.g. they never saw each other)."""
+    """The nodes of a pair did not both report `joined` in time (e.g. they never saw each other)."""
 
 
 def run_pair(label: str, h: int, rounds: int, run_id: str, work: Path, timeout: float,
@@ -198,8 +191,8 @@ def run_pair(label: str, h: int, rounds: int, run_id: str, work: Path, timeout: 
              join_timeout: float | None = None) -> tuple[list[dict[str, Any]], float, int | None]:
     """Run a 2-node swarm to its last round: (parsed logs per node, wall seconds, lo bytes per node).
 
-    With `join_timeout`, raises StartupStalled when the nodes have not both joined the run (logged
-    `joined run=`, i.e. found each other under --min-peers) within that many seconds.
+    With `join_timeout`, raises StartupStalled when the nodes have not both joined the run (reported
+    `joined`, i.e. found each other under --min-peers) within that many seconds.
     """
     return run_swarm(label, WORLD, h, rounds, run_id, work, timeout, checkpoint_dirs, extra, join_timeout)
 
@@ -211,8 +204,8 @@ def run_swarm(label: str, n: int, h: int, rounds: int, run_id: str, work: Path, 
     order, wall seconds, lo bytes per node). Each node's stdout and stderr are kept in
     work/node<i>.{stdout,stderr}.log.
 
-    With `join_timeout`, raises StartupStalled when the nodes have not all joined the run (logged
-    `joined run=`, i.e. found each other under --min-peers) within that many seconds.
+    With `join_timeout`, raises StartupStalled when the nodes have not all joined the run (reported
+    `joined`, i.e. found each other under --min-peers) within that many seconds.
     """
     work.mkdir(parents=True)
     lo_before, started = read_lo_bytes(), time.monotonic()
@@ -221,7 +214,7 @@ def run_swarm(label: str, n: int, h: int, rounds: int, run_id: str, work: Path, 
         if join_timeout is not None:
             for node in nodes:
                 try:
-                    node.wait_for("stderr", "joined run=", max(1.0, started + join_timeout - time.monotonic()))
+                    node.wait_joined(max(1.0, started + join_timeout - time.monotonic()))
                 except TimeoutError as exc:
                     raise StartupStalled(f"{label}: {exc}") from None
         deadline = started + timeout
@@ -238,36 +231,43 @@ def run_swarm(label: str, n: int, h: int, rounds: int, run_id: str, work: Path, 
     for node in nodes:
         if node.proc.returncode != 0:
             raise RuntimeError(f"{label}: {node.name} exited with {node.proc.returncode}\n{node.tail()}")
-    return [parse_node_log(node.lines["stderr"]) for node in nodes], wall, lo_per_node(lo_before, lo_after, n)
+    return [parse_node_log(node) for node in nodes], wall, lo_per_node(lo_before, lo_after, n)
 
 
-def parse_node_log(lines: list[str]) -> dict[str, Any]:
+def parse_node_log(node: NodeProcess) -> dict[str, Any]:
+    """What a node reported, from its events (its warnings from its log): `joined`, `rounds` (one entry
+    per round event, in order), `synced_round` (the last sync from peers), `settled` and `warnings`."""
+    node.node.drain()  # a node that has exited: its last events may still be in the pipe
     parsed: dict[str, Any] = {"rounds": [], "joined": None, "synced_round": None, "settled": None, "warnings": []}
-    for line in lines:
-        if match := ROUND_RE.search(line):
-            r, loss, ev, group, sent, received, seconds, digest = match.groups()
-            entry: dict[str, Any] = {"round": int(r), "loss": float(loss), "eval_loss": float(ev),
-                                     "group_size": int(group), "sent": int(sent), "received": int(received),
-                                     "seconds": float(seconds), "digest": digest}
-            if codec := CODEC_RE.search(line):
-                entry.update(payload=int(codec[1]), bytes_per_param=float(codec[2]),
-                             codec_seconds=float(codec[3]))
-            if transfer := TRANSFER_RE.search(line):
-                entry.update(utilization=float(transfer[1]), transfer_bytes=int(transfer[2]),
-                             transfer_seconds=float(transfer[3]))
-            parsed["rounds"].append(entry)
-        elif match := JOINED_RE.search(line):
-            parsed["joined"] = {"round": int(match[1]), "eval_loss": float(match[2]),
-                                "parameters": int(match[3]), "digest": match[4]}
-        elif match := SYNCED_RE.search(line):
-            parsed["synced_round"] = int(match[1])
-        elif match := SETTLED_RE.search(line):
-            parsed["settled"] = {"round": int(match[1]), "eval_loss": float(match[2]), "digest": match[3]}
-        elif WARNING_RE.search(line):
-            parsed["warnings"].append(line)
+    for event in list(node.events):
+        kind = event["event"]
+        if kind == "round":
+            parsed["rounds"].append({
+                "round": int(event["round"]), "loss": float(event["loss"]), "eval_loss": float(event["eval_loss"]),
+                "group_size": int(event["group_size"]), "sent": int(event["bytes_sent"]),
+                "received": int(event["bytes_received"]), "seconds": float(event["round_seconds"]),
+                "digest": event["digest"], "payload": int(event["payload_bytes"]),
+                "bytes_per_param": float(event["bytes_per_param"]), "codec_seconds": float(event["codec_seconds"]),
+                # as the round's log line shows them: 0 where the round applied no exchange
+                "utilization": float(event["utilization"]), "transfer_bytes": int(event["transfer_bytes"] or 0),
+                "transfer_seconds": float(event["transfer_seconds"] or 0.0)})
+        elif kind == "joined":
+            parsed["joined"] = {"round": int(event["round"]), "eval_loss": float(event["eval_loss"]),
+                                "parameters": int(event["parameters"]), "digest": event["digest"]}
+        elif kind == "synced":
+            parsed["synced_round"] = int(event["round"])
+        elif kind == "settled":
+            parsed["settled"] = {"round": int(event["round"]), "eval_loss": float(event["eval_loss"]),
+                                 "digest": event["digest"]}
+    parsed["warnings"] = [line for line in node.lines["stderr"] if WARNING_RE.search(line)]
     if parsed["joined"] is None or not parsed["rounds"]:
-        raise RuntimeError("a node log has no 'joined' or no 'round=' lines; did the log format change?")
+        raise RuntimeError(f"{node.name} reported no 'joined' or no 'round' event\n{node.tail()}")
     return parsed
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """A node's events from a copy of its stdout (<name>.stdout.log): the JSON lines, in order."""
+    return [event for line in path.read_text().splitlines() if (event := launch.parse_event(line)) is not None]
 
 
 def final_eval_loss(log: dict[str, Any]) -> float:

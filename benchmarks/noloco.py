@@ -5,7 +5,7 @@
 
 Every run is a swarm of `diloco-node join` processes on loopback (`--threads 1`, no checkpoints,
 `--min-peers N`, a run id of its own, `--seq-len 64 --batch-size 8 --eval-batches 4`, the tiny
-model), started by common.run_swarm; everything is read from the nodes' round lines.
+model), started by common.run_swarm; everything is read from the nodes' events (`round`, JSON).
 
 (A) Equal tokens, 4 nodes: `--algorithm diloco` and `--algorithm noloco` (random groups of at most
     `--group-size 2`) with the same H and number of rounds, under `--compression none` and `int8`.
@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import BLOCKING_FLAGS, RESULTS_DIR, StartupStalled, machine_info, pyplot, run_swarm
+from common import BLOCKING_FLAGS, RESULTS_DIR, StartupStalled, machine_info, pyplot, read_events, run_swarm
 
 from diloco_node.swarm.groups import random_groups
 
@@ -53,9 +53,6 @@ NODE_FLAGS = ["--seq-len", "64", "--batch-size", "8", "--eval-batches", "4"]
 TOKENS_PER_STEP = 8 * 64  # NODE_FLAGS' batch size × sequence length
 GROUP_SIZE = 2
 START_ATTEMPTS = 2  # a swarm that never joins is stopped and started again, once
-PEER_RE = re.compile(r"peer address: \S+/p2p/(\w+)")
-CONSENSUS_RE = re.compile(r" consensus_distance=(\S+) group=(\S+)")
-ROUND_NO_RE = re.compile(r"\bround=(\d+) loss=")
 # hivemind's own log lines (its format: `Mon DD HH:MM:SS.mmm [LEVEL] [module...] message`) and ours
 OTHER_WARNING_RE = re.compile(r"\[(WARN|WARNING|ERROR|CRITICAL)\] \[([\w.]+)")
 
@@ -72,23 +69,18 @@ def mean(values: list[float]) -> float:
 # --- running ----------------------------------------------------------------------------------
 
 def read_extras(work: Path, n: int) -> dict[str, Any]:
-    """What parse_node_log does not keep: peer ids, NoLoCo's consensus distance and group per round,
-    and hivemind's warnings and errors (which parse_node_log's warning pattern does not match)."""
+    """What parse_node_log does not keep: peer ids (from the `joined` events), NoLoCo's consensus
+    distance and group per round (from the `round` events), and hivemind's warnings and errors (log
+    lines, which parse_node_log's warning pattern does not match)."""
     peer_ids, gossip, hivemind = [], [], []
     for i in range(1, n + 1):
-        stdout = (work / f"node{i}.stdout.log").read_text()
-        match = PEER_RE.search(stdout)
-        peer_ids.append(match[1] if match else None)
-        per_round: dict[str, Any] = {}
-        lines: list[str] = []
-        for line in (work / f"node{i}.stderr.log").read_text().splitlines():
-            if (rnd := ROUND_NO_RE.search(line)) and (extra := CONSENSUS_RE.search(line)):
-                distance = None if extra[1] == "-" else float(extra[1])
-                group = [] if extra[2] == "-" else extra[2].split(",")
-                per_round[rnd[1]] = {"consensus_distance": distance, "group": group}
-            elif OTHER_WARNING_RE.search(line):
-                lines.append(line)
-        gossip.append(per_round)
+        events = read_events(work / f"node{i}.stdout.log")
+        joined = next((e for e in events if e["event"] == "joined"), None)
+        peer_ids.append(joined["peer_id"] if joined else None)
+        gossip.append({str(e["round"]): {"consensus_distance": e.get("consensus_distance"), "group": list(e["group"])}
+                       for e in events if e["event"] == "round" and "group" in e})
+        lines = [line for line in (work / f"node{i}.stderr.log").read_text().splitlines()
+                 if OTHER_WARNING_RE.search(line)]
         hivemind.append({"count": len(lines), "first": lines[:10]})
     return {"peer_ids": peer_ids, "gossip": gossip, "hivemind": hivemind}
 

@@ -140,7 +140,7 @@ def run_diloco_on_link(islands: Islands, name: str, h: int, rounds: int, work: P
     for node in nodes:
         if node.proc.returncode != 0:
             raise RuntimeError(f"{name}: {node.name} exited with {node.proc.returncode}\n{node.tail()}")
-    logs = [parse_node_log(node.lines["stderr"]) for node in nodes]
+    logs = [parse_node_log(node) for node in nodes]
     wire = wire_bytes(islands, before)
     return summarize(name, h, rounds, logs, wall, wire, outer_difference(run_id, work / "ck1", work / "ck2"))
 

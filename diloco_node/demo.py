@@ -1,29 +1,27 @@
 """`diloco-node demo`: a real local swarm of `diloco-node join` processes, a progress bar, a summary.
 
-The demo drives the same CLI a volunteer uses; it only reads what the nodes print (their addresses
-on stdout, one key=value line per round on stderr), so what it reports is what the nodes did.
+The demo drives the same CLI a volunteer uses (through diloco_node/launch.py); it only reads what the
+nodes print (their addresses, and their JSON events: joined, each round, settled), so what it
+reports is what the nodes did.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import secrets
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import Any
 
 from tqdm import tqdm
 
-ROUND_LINE = re.compile(r"round=(\d+) loss=([\d.]+) eval_loss=([\d.]+) group_size=(\d+) sent=(\d+) received=(\d+)")
-JOIN_LINE = re.compile(r"joined run=\S+ round=(\d+) eval_loss=([\d.]+) parameters=(\d+)")
-# eager / delayed, after the last round
-SETTLED_LINE = re.compile(r"settled round=\d+ eval_loss=([\d.]+) sent=(\d+)")
+from diloco_node.launch import NodeProcess
+
 FP32_BYTES = 4
 
 
@@ -33,16 +31,23 @@ class NodeProgress:
     parameters: int = 0
     rounds: list[tuple[int, float, int, int, int]] = field(default_factory=list)  # round, eval, group, sent, recv
     eval_settled: float | None = None  # eval loss once the last exchange was applied
-    sent_settling: int = 0  # what that last exchange sent after the last round line
+    sent_settling: int = 0  # what that last exchange sent after the last round
     errors: list[str] = field(default_factory=list)
 
 
-def _start_node(args: list[str], log: Path) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    # A session of its own: the terminal's Ctrl-C reaches the demo only, which passes exactly one
-    # SIGINT on to each node (a node takes a second one as "stop now, without saving").
-    return subprocess.Popen([sys.executable, "-m", "diloco_node", "join", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=log.parent, start_new_session=True)
+def progress_of(node: NodeProcess) -> NodeProgress:
+    """A node's figures for the summary, from its events (and its log lines that report an error)."""
+    progress = NodeProgress()
+    for event in list(node.events):
+        if event["event"] == "joined":
+            progress.eval_before, progress.parameters = float(event["eval_loss"]), int(event["parameters"])
+        elif event["event"] == "round":
+            progress.rounds.append((int(event["round"]), float(event["eval_loss"]), int(event["group_size"]),
+                                    int(event["bytes_sent"]), int(event["bytes_received"])))
+        elif event["event"] == "settled":  # eager / delayed, after the last round
+            progress.eval_settled, progress.sent_settling = float(event["eval_loss"]), int(event["sent"])
+    progress.errors = [line.strip() for line in list(node.stderr_lines) if "error" in line.lower()]
+    return progress
 
 
 def _stop_nodes(processes: list[subprocess.Popen[str]]) -> list[int]:
@@ -59,29 +64,23 @@ def _stop_nodes(processes: list[subprocess.Popen[str]]) -> list[int]:
     return [process.wait() for process in processes]
 
 
-def _first_peer_address(process: subprocess.Popen[str]) -> str | None:
-    assert process.stdout is not None
-    for line in process.stdout:
-        if line.startswith("peer address: "):
-            return line.split(": ", 1)[1].strip()
-    return None
+def _processes(nodes: list[NodeProcess]) -> list[subprocess.Popen[str]]:
+    return [node.process for node in nodes if node.process is not None]
 
 
-def _follow(stream: IO[str], progress: NodeProgress, bar: tqdm, log: Path) -> None:
-    with open(log, "w", buffering=1) as out:  # line-buffered: the log is readable while the demo runs
-        for line in stream:
-            out.write(line)
-            if match := JOIN_LINE.search(line):
-                progress.eval_before, progress.parameters = float(match[2]), int(match[3])
-            elif match := ROUND_LINE.search(line):
-                rnd, _, eval_loss, group, sent, recv = match.groups()
-                progress.rounds.append((int(rnd), float(eval_loss), int(group), int(sent), int(recv)))
-                bar.update(1)
-                bar.set_postfix(eval_loss=f"{float(eval_loss):.3f}")
-            elif match := SETTLED_LINE.search(line):
-                progress.eval_settled, progress.sent_settling = float(match[1]), int(match[2])
-            elif "error" in line.lower():
-                progress.errors.append(line.strip())
+def _first_address(node: NodeProcess) -> str:
+    """The node's first peer address, once it printed it; '' when it exited without one."""
+    node.reached(lambda: node.address is not None, timeout=None)
+    return node.address or ""
+
+
+def _on_round(bar: tqdm) -> Callable[[dict[str, Any]], None]:
+    """Each round event moves the bar (on the node's reader thread)."""
+    def update(event: dict[str, Any]) -> None:
+        if event["event"] == "round":
+            bar.update(1)
+            bar.set_postfix(eval_loss=f"{float(event['eval_loss']):.3f}")
+    return update
 
 
 def run_demo(nodes: int, rounds: int, inner_steps: int, model: str) -> int:
@@ -93,38 +92,33 @@ def run_demo(nodes: int, rounds: int, inner_steps: int, model: str) -> int:
               "--threads", str(threads), "--min-peers", str(nodes), "--log-level", "INFO"]
     print(f"demo: {nodes} nodes, run {run_id}, {rounds} rounds of H={inner_steps}, logs in {workdir}")
     bar = tqdm(total=nodes * rounds, desc="outer rounds (all nodes)", unit="round")
-    processes: list[subprocess.Popen[str]] = []
-    progresses: list[NodeProgress] = []
-    followers: list[threading.Thread] = []
+    started: list[NodeProcess] = []
     try:
         first_address = ""
         for index in range(nodes):
             args = common + ["--checkpoint-dir", str(workdir / f"node{index}")]
             args += ["--peer", first_address] if index else []
-            process = _start_node(args, workdir / f"node{index}.log")
-            progress = NodeProgress()
-            assert process.stderr is not None
-            follower = threading.Thread(target=_follow, daemon=True,
-                                        args=(process.stderr, progress, bar, workdir / f"node{index}.log"))
-            follower.start()
-            followers.append(follower)
-            processes.append(process)
-            progresses.append(progress)
+            # each node in a session of its own (launch.py): the terminal's Ctrl-C reaches the demo
+            # only, which passes exactly one SIGINT on to each node (a node takes a second one as
+            # "stop now, without saving"); the user's DILOCO_* settings apply, as to any node they start
+            node = NodeProcess(f"node{index}", args, workdir, env=dict(os.environ), on_event=_on_round(bar))
+            started.append(node)
+            node.start()
             if index == 0:
-                first_address = _first_peer_address(process) or ""
+                first_address = _first_address(node)
                 if not first_address:
-                    process.wait()
+                    node.wait_exit(timeout=None)
                     bar.close()
                     print(f"demo: the first node failed to start; see {workdir / 'node0.log'}", file=sys.stderr)
                     return 1
-        codes = [process.wait() for process in processes]
+        codes = [process.wait() for process in _processes(started)]
     except KeyboardInterrupt:
         print("\ndemo: stopping the nodes at their next safe point (Ctrl-C again to stop them now)")
-        codes = _stop_nodes(processes)
-    for follower in followers:  # a node's last lines (its settled eval) may still be in the pipe
-        follower.join(timeout=10)
+        codes = _stop_nodes(_processes(started))
+    for node in started:  # a node's last lines (its settled eval) may still be in the pipe
+        node.drain()
     bar.close()
-    print(summary(progresses, nodes, inner_steps))
+    print(summary([progress_of(node) for node in started], nodes, inner_steps))
     return 0 if all(code == 0 for code in codes) else 1
 
 

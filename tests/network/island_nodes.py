@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,15 +20,10 @@ class IslandNode(NodeProcess):
 
     island: Island | None = None
 
-    def start(self) -> IslandNode:
+    def _popen(self, command: list[str], **options: Any) -> subprocess.Popen[str]:
+        # inside the island's namespace, and killed with the islands at teardown if still running
         assert self.island is not None
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.process = self.island.run([sys.executable, "-m", "diloco_node", "join", *self.args],
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                       cwd=self.workdir)
-        threading.Thread(target=self._read_stdout, daemon=True).start()
-        threading.Thread(target=self._read_stderr, daemon=True).start()
-        return self
+        return self.island.run(command, **options)
 
     def get(self, path: str) -> Any:
         assert self.island is not None and self.status_url

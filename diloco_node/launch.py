@@ -1,0 +1,347 @@
+"""Start `diloco-node join` processes and follow what they report: the one launcher of the tests,
+the benchmarks and the demo.
+
+A node started here writes its machine-readable events (`--events -`, see telemetry/events.py) to
+stdout as JSON lines, beside its `status:` and `peer address:` lines; its stderr is the human log.
+So what callers read are the node's own figures, not a parse of log lines whose wording may change.
+Both pipes are read on threads: callers wait for an event without polling files, and a node never
+blocks on a full pipe in the middle of a round.
+
+Failures raise AssertionError, with the node's last log lines, so that a test reports them as
+failed assertions (nothing here imports pytest).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Self
+
+# After a node has exited, how long its last lines may take to be read: a helper process that
+# outlives it (briefly) may still hold its pipes open, and then no end of file comes.
+DRAIN_SECONDS = 10.0
+
+
+@dataclass
+class RoundLog:
+    """One `round` event: the figures tests check most, and the whole event in `stats`."""
+
+    eval_loss: float
+    group_size: int
+    digest: str
+    consensus_distance: float | None = None  # NoLoCo only, as are its group's peer ids
+    group: tuple[str, ...] = ()
+    stats: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_event(cls, event: dict[str, Any]) -> RoundLog:
+        distance = event.get("consensus_distance")
+        return cls(float(event["eval_loss"]), int(event["group_size"]), str(event["digest"]),
+                   None if distance is None else float(distance), tuple(event.get("group") or ()), event)
+
+
+@dataclass
+class NodeProcess:
+    """A `diloco-node join` process and what it reported so far.
+
+    `args` are the `join` flags; `--events -` is added unless they name `--events` themselves (their
+    events then go where they say, and `events`, `rounds` and the joined figures stay empty).
+    `workdir` is its working directory unless `cwd` says otherwise, and holds a copy of its stderr
+    (`<name>.log`) unless `log_path` says otherwise; `stdout_log_path`, when given, gets a copy of its
+    stdout. `wrap` wraps the command line, e.g. to run the node inside a network namespace.
+    `on_event` is called with each event, on the reader thread, after it is recorded.
+    """
+
+    name: str
+    args: list[str]
+    workdir: Path
+    process: subprocess.Popen[str] | None = None
+    address: str | None = None  # the first `peer address:` it printed
+    status_url: str | None = None
+    joined_eval_loss: float | None = None
+    joined_round: int | None = None
+    rounds: dict[int, RoundLog] = field(default_factory=dict)
+    stderr_lines: list[str] = field(default_factory=list)  # as read, newline included
+    stdout_lines: list[str] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    wrap: Callable[[list[str]], list[str]] | None = field(default=None, repr=False)
+    env: dict[str, str] | None = field(default=None, repr=False)
+    cwd: Path | None = None
+    log_path: Path | None = None
+    stdout_log_path: Path | None = None
+    on_event: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False)
+    _changed: threading.Condition = field(default_factory=threading.Condition, repr=False)
+    _streams_open: int = field(default=0, repr=False)
+
+    # --- starting -----------------------------------------------------------------------------
+
+    def command(self) -> list[str]:
+        """The node's command line, wrapped."""
+        events = [] if any(arg == "--events" or arg.startswith("--events=") for arg in self.args) \
+            else ["--events", "-"]
+        command = [sys.executable, "-m", "diloco_node", "join", *self.args, *events]
+        return self.wrap(command) if self.wrap is not None else command
+
+    def environment(self) -> dict[str, str]:
+        # Only the flags given here count: a DILOCO_* variable of the caller's shell (say the
+        # DILOCO_PEER of a real node's setup) would otherwise change every node started here.
+        env = dict(self.env) if self.env is not None else \
+            {key: value for key, value in os.environ.items() if not key.startswith("DILOCO_")}
+        env["PYTHONUNBUFFERED"] = "1"  # each line as it is written, not when a buffer fills
+        return env
+
+    def _popen(self, command: list[str], **options: Any) -> subprocess.Popen[str]:
+        """Start the process; a subclass may start it elsewhere (tests/network/island_nodes.py)."""
+        return subprocess.Popen(command, **options)
+
+    def start(self) -> Self:
+        stderr_log = open(self.log_path or self.workdir / f"{self.name}.log", "w")  # noqa: SIM115 - the reader closes it
+        stdout_log = open(self.stdout_log_path, "w") if self.stdout_log_path else None  # noqa: SIM115
+        # A session of its own, as a program started in a terminal is the leader of its foreground
+        # process group: `stop("ctrl-c")` signals that group as the terminal's Ctrl-C does, and the
+        # caller's own Ctrl-C does not reach the node (the demo passes exactly one on).
+        self.process = self._popen(self.command(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   errors="replace", env=self.environment(), cwd=self.cwd or self.workdir,
+                                   start_new_session=True)
+        self._streams_open = 2
+        threading.Thread(target=self._read_stdout, args=(stdout_log,), daemon=True,
+                         name=f"{self.name}-stdout").start()
+        threading.Thread(target=self._read_stderr, args=(stderr_log,), daemon=True,
+                         name=f"{self.name}-stderr").start()
+        return self
+
+    # --- reading ------------------------------------------------------------------------------
+
+    def _read_stdout(self, log: IO[str] | None) -> None:
+        assert self.process and self.process.stdout
+        with log or contextlib.nullcontext():
+            for line in self.process.stdout:
+                if log is not None:
+                    log.write(line)
+                    log.flush()
+                event = parse_event(line)
+                with self._changed:
+                    self.stdout_lines.append(line)
+                    if event is not None:
+                        self._record(event)
+                    elif line.startswith("peer address: ") and self.address is None:
+                        self.address = line.split(": ", 1)[1].strip()
+                    elif line.startswith("status: "):
+                        self.status_url = line.split(": ", 1)[1].strip()
+                    self._changed.notify_all()
+                if event is not None and self.on_event is not None:
+                    try:
+                        self.on_event(event)
+                    except Exception:  # reading must go on, or the node blocks on a full pipe
+                        traceback.print_exc()
+        self._closed()
+
+    def _read_stderr(self, log: IO[str]) -> None:
+        assert self.process and self.process.stderr
+        with log:
+            for line in self.process.stderr:
+                log.write(line)
+                log.flush()  # readable while the node runs
+                with self._changed:
+                    self.stderr_lines.append(line)
+                    self._changed.notify_all()
+        self._closed()
+
+    def _closed(self) -> None:
+        with self._changed:
+            self._streams_open -= 1
+            self._changed.notify_all()
+
+    def _record(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+        kind = event.get("event")
+        if kind == "joined":
+            self.joined_round, self.joined_eval_loss = int(event["round"]), float(event["eval_loss"])
+        elif kind == "round":
+            self.rounds[int(event["round"])] = RoundLog.from_event(event)
+
+    def events_of(self, kind: str) -> list[dict[str, Any]]:
+        """Its events of one kind so far ("joined", "resumed", "synced", "round", "settled", "left")."""
+        with self._changed:
+            return [event for event in self.events if event.get("event") == kind]
+
+    def log_text(self) -> str:
+        with self._changed:
+            return "".join(self.stderr_lines)
+
+    # --- waiting ------------------------------------------------------------------------------
+
+    def reached(self, predicate: Callable[[], Any], timeout: float | None) -> bool:
+        """Wait until predicate() holds (True), or until `timeout` seconds passed or the node exited
+        and its last lines were read without it holding (False). None: no time limit."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        exited_at: float | None = None
+        with self._changed:
+            while not predicate():
+                now = time.monotonic()
+                if self.process is not None and self.process.poll() is not None:
+                    exited_at = now if exited_at is None else exited_at
+                    if self._streams_open <= 0 or now - exited_at >= DRAIN_SECONDS:
+                        return False
+                if deadline is not None and now >= deadline:
+                    return False
+                self._changed.wait(0.5 if deadline is None else min(deadline - now, 0.5))
+        return True
+
+    def wait_until(self, predicate: Callable[[], Any], timeout: float, what: str) -> None:
+        if not self.reached(predicate, timeout):
+            code = self.process and self.process.poll()
+            tail = "".join(self.stderr_lines[-15:])
+            raise AssertionError(f"{self.name}: {what} not reached (exit={code})\n--- last log lines ---\n{tail}")
+
+    def wait_for_address(self, timeout: float = 60) -> str:
+        self.wait_until(lambda: self.address is not None, timeout, "start-up")
+        assert self.address is not None
+        return self.address
+
+    def wait_joined(self, timeout: float = 90) -> int:
+        """The round this node starts training at (after syncing and waiting for --min-peers)."""
+        self.wait_until(lambda: self.joined_round is not None, timeout, "joining")
+        assert self.joined_round is not None
+        return self.joined_round
+
+    def wait_for_round(self, round_: int, timeout: float = 120) -> RoundLog:
+        self.wait_until(lambda: round_ in self.rounds, timeout, f"round {round_}")
+        return self.rounds[round_]
+
+    def wait_event(self, kind: str, predicate: Callable[[dict[str, Any]], bool] | None = None,
+                   timeout: float = 120) -> dict[str, Any]:
+        """The first event of `kind` (for which `predicate` holds), once the node has reported it."""
+        def first() -> dict[str, Any] | None:
+            return next((event for event in self.events
+                         if event.get("event") == kind and (predicate is None or predicate(event))), None)
+
+        self.wait_until(lambda: first() is not None, timeout, f"a '{kind}' event")
+        found = first()
+        assert found is not None
+        return found
+
+    def drain(self, timeout: float = DRAIN_SECONDS) -> bool:
+        """Once the node has exited, wait until its last lines are read; False if they were not in time."""
+        return self.reached(lambda: self._streams_open <= 0, timeout)
+
+    # --- the status server --------------------------------------------------------------------
+
+    def get(self, path: str) -> Any:
+        """JSON from this node's status server, e.g. get("/api/history")."""
+        assert self.status_url
+        with urllib.request.urlopen(f"{self.status_url}{path}", timeout=10) as response:
+            return json.loads(response.read())
+
+    def status(self) -> dict[str, Any]:
+        return dict(self.get("/api/status"))
+
+    # --- stopping -----------------------------------------------------------------------------
+
+    def signal(self, signum: int) -> None:
+        assert self.process
+        self.process.send_signal(signum)
+
+    def wait_exit(self, timeout: float | None = 60) -> int:
+        """Its exit code, once its last lines are read (a test reads its last rounds and log lines next)."""
+        assert self.process
+        try:
+            code = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.name} did not exit within {timeout}s\n{self.stacks()}") from None
+        self.drain()
+        return code
+
+    def stacks(self) -> str:
+        """The last log lines and every thread's stack (SIGUSR1, see lifecycle.py), for a failure report."""
+        assert self.process
+        count = len(self.stderr_lines)
+        self.process.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        with self._changed:
+            return ("--- last log lines ---\n" + "".join(self.stderr_lines[max(0, count - 15):count])
+                    + "--- stacks ---\n" + "".join(self.stderr_lines[count:]))
+
+    def stop(self, how: str, within: float) -> float:
+        """Stop the node as a user would and return the seconds it took; fails unless it exits 0
+        within `within` seconds, leaves no helper process behind and prints no traceback.
+
+        how: "ctrl-c" (SIGINT to the node's whole process group, as a terminal sends it) or
+        "sigterm" (to the main pid, as `kill`, `docker stop` and systemd send it).
+        """
+        assert self.process and self.process.poll() is None, f"{self.name} is not running"
+        helpers = descendants(self.process.pid)
+        started = time.monotonic()
+        if how == "ctrl-c":
+            os.killpg(self.process.pid, signal.SIGINT)
+        else:
+            assert how == "sigterm", how
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            code = self.process.wait(timeout=within)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.name} did not exit within {within:.0f}s of {how}\n{self.stacks()}") from None
+        took = time.monotonic() - started
+        self.drain()
+        assert code == 0, f"{self.name} exited {code} after {how}\n{self.log_text()[-3000:]}"
+        assert "Traceback" not in self.log_text(), self.log_text()[-3000:]
+        deadline = time.monotonic() + 10
+        while (survivors := [pid for pid in helpers if alive(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not survivors, f"{self.name}'s helper processes outlived it: {survivors}"
+        return took
+
+    def kill(self) -> None:
+        if self.process and self.process.poll() is None:
+            # the node's own children (hivemind DHT, averager, p2pd) die with their parent's pipes
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+
+def parse_event(line: str) -> dict[str, Any] | None:
+    """The event a stdout line carries, or None for the node's other lines."""
+    if not line.startswith("{"):
+        return None
+    try:
+        event = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return event if isinstance(event, dict) and "event" in event else None
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (hivemind's helpers, p2pd), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
