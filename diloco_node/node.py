@@ -104,8 +104,10 @@ class Node:
         if outstanding is None:  # a fresh node gets its own data order, derived from its identity
             self.stream_seed = zlib.crc32(self.swarm.peer_id.encode()) ^ self.cfg.seed
         self.swarm.presence.check_compatible()
-        if outstanding is None or self.swarm.presence.ahead_of(self.state.round):
-            # a resumed checkpoint the run has moved past would only send stale work: re-sync
+        # A resumed checkpoint the run has moved past would only send stale work; one that still
+        # holds our Δs awaiting their rounds' means (a crash under eager) lacks those means, which
+        # the run's state holds exactly once. Either way the run's state replaces ours.
+        if outstanding is None or outstanding or self.swarm.presence.ahead_of(self.state.round):
             self._sync_from_peers()
         if self.stop_requested.is_set():
             return  # stopped during the state download: nothing of ours is worth saving

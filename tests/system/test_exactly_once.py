@@ -51,3 +51,20 @@ def test_every_mean_once_also_for_a_joiner(spawn: NodeFactory, tmp_path: Path) -
 def final_phi_start() -> torch.Tensor:
     from diloco_node.train.model import build_model
     return torch.cat([p.detach().reshape(-1) for p in build_model("tiny", 0).parameters()])
+
+
+def test_every_mean_once_across_a_crash_and_resume(spawn: NodeFactory, tmp_path: Path) -> None:
+    """`kill -9` under eager leaves a checkpoint whose φ holds our Δ of the last round in place of
+    its mean; the resumed node takes the run's state instead, which holds that mean exactly once."""
+    a = spawn("a", *EXACT, "--min-peers", "2")
+    b = spawn("b", *EXACT, "--min-peers", "2", peer=a)
+    b.wait_for_round(3, timeout=180)
+    b.kill()
+    b = spawn("b", *EXACT, peer=a)
+    for node in (a, b):
+        assert node.wait_exit(timeout=240) == 0, node.log_text()[-3000:]
+    text = b.log_text()
+    assert "resumed round=" in text and "synced state from peers" in text, text[-3000:]
+    apart = float((final_phi(tmp_path, "b") - final_phi(tmp_path, "a")).abs().max())
+    step = float((final_phi(tmp_path, "a") - final_phi_start()).abs().max())
+    assert apart < 1e-4 * step, f"b ended {apart:.3g} from a (steps moved φ by {step:.3g})"
