@@ -6,14 +6,12 @@ blocking, checkpoints off), one layout after the other so they do not fight over
 the same model, seed, seq_len, batch size and token budget (--rounds x --inner-steps x --batch-size x
 --seq-len tokens), and share one libp2p identity, so their data order is the same too (a node's
 data order follows its peer id). --threads stays 0: the node shares the machine's cores among its
-ranks itself. From the node's status API (GET <status>/api/status) after its last round we read:
-- tokens/s of the inner phase: inner steps x batch size x seq_len / compute_seconds (the node's
-  cumulative seconds of inner steps; start-up, evaluation and the outer step are not in it);
-- peak memory per local rank (peak_memory_bytes: peak RSS of each rank's process on CPU);
-- eval loss at equal tokens (eval_loss after the last round, from eval_loss_initial).
-With --max-outer-steps a node leaves by itself right after its last round, so its status may be gone
-before it shows that round: compute_seconds and the eval losses then come from the node's --events
-file (the same figures), and the peak memory from its last status answer (the table says which round).
+ranks itself. From the node's JSON events (--events FILE) after its last round we read:
+- tokens/s of the inner phase: inner steps x batch size x seq_len / the rounds' compute_seconds
+  (start-up, evaluation and the outer step are not in it);
+- peak memory per local rank (the last round event's peak_memory_bytes: peak RSS of each rank's
+  process on CPU, CUDA's peak allocated bytes on a GPU);
+- eval loss at equal tokens (the last round's eval_loss, from the joined event's).
 
     .venv/bin/python benchmarks/layouts.py                  # model small, 5 x 30 steps: about 6 minutes on 2 cores
     .venv/bin/python benchmarks/layouts.py --model tiny --rounds 2 --inner-steps 5 --out /tmp/layouts
@@ -32,8 +30,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -44,106 +40,43 @@ LOCAL_RANKS = 2
 LAYOUTS: dict[str, int] = {"none": 1, "fsdp": LOCAL_RANKS, "pipeline": LOCAL_RANKS}  # --parallel: --local-ranks
 REFERENCE = "none"
 STOP_WITHIN = 60.0  # seconds a node may take to exit after SIGTERM
-POLL = 0.2  # seconds between /api/status reads
 MIB = 1024 * 1024
 
 
-def fetch_status(url: str) -> dict[str, Any] | None:
-    """The node's /api/status, or None while (or once) its server does not answer."""
-    try:
-        with urllib.request.urlopen(f"{url}/api/status", timeout=5) as response:
-            return dict(json.load(response))
-    except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
-        return None
-
-
 def read_events(path: Path) -> list[dict[str, Any]]:
-    """The node's --events file: one JSON object per line (a line still being written is skipped)."""
-    if not path.exists():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            events.append(json.loads(line))
-    return events
+    """The node's --events file: one JSON object per line."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def watch(node: NodeProcess, url: str, rounds: int, deadline: float) -> dict[str, Any] | None:
-    """The last /api/status answer the node gave, read while it trains until it has finished round `rounds`.
-
-    With --max-outer-steps the node leaves by itself right after its last round, often within a few
-    milliseconds (its status server stops with it), so the status may never show that round: the
-    events file is then where its figures come from (see figures()). When it does, we keep reading
-    for a few seconds, while the server answers, so as to get the peak memory the node records just
-    after the round's other figures.
-    """
-    last: dict[str, Any] | None = None
-    done_at: float | None = None
-    while node.proc.poll() is None:
-        status = fetch_status(url)
-        if status is None and done_at is not None:
-            break  # its server has stopped: the node is leaving
-        if status is not None:
-            last = status
-            if done_at is None and (status.get("outer_step") or 0) >= rounds:
-                done_at = time.monotonic()
-        if done_at is not None and time.monotonic() > done_at + 5.0:
-            break
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{node.name}: round {rounds} not reached in time\n{node.tail()}")
-        time.sleep(POLL)
-    return last
-
-
-def figures(name: str, status: dict[str, Any] | None, events: list[dict[str, Any]], rounds: int,
-            inner_steps: int) -> dict[str, Any]:
-    """compute_seconds, eval losses and inner steps after the last round, from /api/status where it showed
-    that round, else from the node's events (the same numbers: the status' compute_seconds is the sum
-    of the round events' and its eval_loss_initial the joined event's eval_loss)."""
+def figures(name: str, events: list[dict[str, Any]], rounds: int, inner_steps: int) -> dict[str, Any]:
+    """What a finished node's events say: inner seconds (the sum of its rounds' compute_seconds), eval
+    loss at the start and after the last round, and each rank's peak memory as of that round."""
     done = [e for e in events if e.get("event") == "round"]  # in round order
     joined = [e for e in events if e.get("event") == "joined"]
     if not joined or not done or done[-1]["round"] != rounds:
         raise RuntimeError(f"{name}: the node's events show no finished round {rounds} "
                            f"(rounds {[e['round'] for e in done]})")
-    parameters = joined[0].get("parameters")
-    if status is not None and status.get("outer_step") == rounds:
-        return {"source": "status", "parameters": parameters, "compute_seconds": float(status["compute_seconds"]),
-                "eval_loss_initial": float(status["eval_loss_initial"]), "eval_loss": float(status["eval_loss"]),
-                "inner_steps": int(status["inner_step"])}
-    return {"source": "events", "parameters": parameters,
-            "compute_seconds": sum(float(e["compute_seconds"]) for e in done),
+    return {"parameters": joined[0]["parameters"], "compute_seconds": sum(float(e["compute_seconds"]) for e in done),
             "eval_loss_initial": float(joined[0]["eval_loss"]), "eval_loss": float(done[-1]["eval_loss"]),
-            "inner_steps": rounds * inner_steps}
+            "inner_steps": rounds * inner_steps, "peak_memory_bytes": [int(b) for b in done[-1]["peak_memory_bytes"]]}
 
 
-def stop(node: NodeProcess, finished: bool) -> tuple[int | None, str]:
-    """End the node; (exit code, how it ended).
-
-    A node that `finished` its last round leaves by itself (--max-outer-steps): it is given
-    STOP_WITHIN seconds for that before a SIGTERM, as a SIGTERM in its last moments of exiting ends it
-    with -15 (seen here). Any other node gets SIGTERM at once. A node still there STOP_WITHIN seconds
-    after its SIGTERM is SIGKILLed, with a warning, so no rank is left over.
-    """
-    how = "left by itself after its last round"
-    if finished:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            node.proc.wait(timeout=STOP_WITHIN)
-    if node.proc.poll() is None:
-        how = "SIGTERM"
-        node.signal(signal.SIGTERM)
-        try:
-            node.proc.wait(timeout=STOP_WITHIN)
-        except subprocess.TimeoutExpired:
-            print(f"WARNING: {node.name} did not exit within {STOP_WITHIN:.0f}s of SIGTERM; killing it (SIGKILL)"
-                  f"\n{node.tail()}", file=sys.stderr)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(node.proc.pid, signal.SIGKILL)  # this node's own session only
-            node.proc.wait()
-            return None, "SIGKILL after SIGTERM timed out"
-    code = node.proc.returncode
-    if code != 0:
-        print(f"WARNING: {node.name} exited {code} ({how})\n{node.tail()}", file=sys.stderr)
-    return code, how
+def wait_exit(node: NodeProcess, timeout: float) -> int | None:
+    """The node leaves by itself after its last round (--max-outer-steps). One that is still there after
+    `timeout` gets SIGTERM, then SIGKILL after STOP_WITHIN more seconds, each with a warning."""
+    try:
+        return node.proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"WARNING: {node.name} still running after {timeout:.0f}s; SIGTERM\n{node.tail()}", file=sys.stderr)
+    node.signal(signal.SIGTERM)
+    try:
+        return node.proc.wait(timeout=STOP_WITHIN)
+    except subprocess.TimeoutExpired:
+        print(f"WARNING: {node.name} did not exit within {STOP_WITHIN:.0f}s of SIGTERM; SIGKILL", file=sys.stderr)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(node.proc.pid, signal.SIGKILL)  # this node's own session only
+        node.proc.wait()
+        return None
 
 
 def node_flags(parallel: str, ranks: int, args: argparse.Namespace, run_id: str, identity: Path) -> list[str]:
@@ -160,26 +93,19 @@ def measure(parallel: str, ranks: int, args: argparse.Namespace, work: Path, ide
     started = time.monotonic()
     node = NodeProcess(parallel, node_flags(parallel, ranks, args, run_id, identity)
                        + ["--events", str(events_path)], work)
-    finished = False
-    try:
-        url = node.wait_for("stdout", "status:", args.timeout)
-        status = watch(node, url, args.rounds, started + args.timeout)
-        finished = True
-    finally:
-        code, how = stop(node, finished)
+    code = wait_exit(node, args.timeout)
     wall = time.monotonic() - started
-    found = figures(parallel, status, read_events(events_path), args.rounds, args.inner_steps)
+    if code != 0:
+        print(f"WARNING: {parallel} exited {code}\n{node.tail()}", file=sys.stderr)
+    found = figures(parallel, read_events(events_path), args.rounds, args.inner_steps)
     tokens = found["inner_steps"] * args.batch_size * args.seq_len
-    peak = [int(b) for b in (status or {}).get("peak_memory_bytes") or []]
     result = {"layout": parallel, "local_ranks": ranks, **found, "tokens": tokens,
-              "tokens_per_second": tokens / found["compute_seconds"], "peak_memory_bytes": peak,
-              "peak_memory_after_round": (status or {}).get("outer_step") if peak else None,
-              "wall_seconds": round(wall, 1), "exit_code": code,
-              "stopped": how}
+              "tokens_per_second": tokens / found["compute_seconds"], "wall_seconds": round(wall, 1),
+              "exit_code": code}
     print(f"{parallel}: {result['tokens_per_second']:,.0f} tokens/s, peak MiB "
-          f"{' / '.join(f'{b / MIB:.0f}' for b in peak) or '?'} (after round {result['peak_memory_after_round']}), "
-          f"eval loss {result['eval_loss_initial']:.4f} -> {result['eval_loss']:.4f}, {wall:.0f}s wall, "
-          f"figures from {found['source']}, exit {code} ({how})", flush=True)
+          f"{' / '.join(f'{b / MIB:.0f}' for b in found['peak_memory_bytes'])}, "
+          f"eval loss {result['eval_loss_initial']:.4f} -> {result['eval_loss']:.4f}, {wall:.0f}s wall, exit {code}",
+          flush=True)
     return result
 
 
@@ -193,9 +119,7 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> str:
              "|---|---|---|---|---|---|"]
     for r in results:
         label = r["layout"] if r["local_ranks"] == 1 else f"{r['layout']} x{r['local_ranks']}"
-        peak = " / ".join(f"{b / MIB:,.0f}" for b in r["peak_memory_bytes"]) or "?"
-        if r["peak_memory_bytes"] and r["peak_memory_after_round"] != args.rounds:
-            peak += f" (after round {r['peak_memory_after_round']})"
+        peak = " / ".join(f"{b / MIB:,.0f}" for b in r["peak_memory_bytes"])
         speed = r["tokens_per_second"] / ref["tokens_per_second"]
         lines.append(f"| {label} | {r['tokens_per_second']:,.0f} | {speed:.2f}x | {peak} "
                      f"| {r['eval_loss_initial']:.4f} → {r['eval_loss']:.4f} "

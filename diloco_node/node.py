@@ -313,10 +313,11 @@ class Node:
         an earlier round's when delayed or eager (None when there was none).
         """
         assert self.swarm is not None
-        digest = self.state.digest()
+        assert self.replica is not None
+        digest, peak_memory = self.state.digest(), self.replica.peak_memory()
         stats = self.reporter.finished(self.swarm, self.state.round, losses, self._evaluate(), report, timing, digest)
         logger.info("%s", round_line(stats, digest))
-        self.events.emit("round", **stats, digest=digest)
+        self.events.emit("round", **stats, digest=digest, peak_memory_bytes=peak_memory)
         if self.store and self.cfg.checkpoint_every and self.state.round % self.cfg.checkpoint_every == 0:
             self.save_checkpoint()
 
