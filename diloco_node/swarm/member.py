@@ -43,6 +43,7 @@ MATCHMAKING_SLACK = 5.0  # seconds beyond the matchmaking windows for DHT lookup
 # After a failed matchmaking: how long a group that counted us in has to fetch our payload. Its
 # members fetch as soon as their own matchmaking ends, which is before ours gives up.
 MISSED_GROUP_GRACE = 2.0
+GROUP_POLL_SECONDS = 0.5  # between asks for a group whose matchmaking is under way
 STATE_RETRY_SECONDS = 1.0  # between state downloads that found no peer sharing
 
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
@@ -214,7 +215,14 @@ class SwarmMember:
         """The payloads `member`'s group averaged in `round_`, `member`'s own included, fetched from
         them (offers stay up for a few rounds): how a joiner completes a round its server had in
         flight when it shared its state. Empty when `member` has not formed that group (yet)."""
-        first = self._exchange.fetch_all([member], round_, self.settings.round_timeout).get(member)
+        deadline = time.monotonic() + self.settings.round_timeout
+        while True:  # its group is known once its matchmaking has ended, which may still be under way
+            first = self._exchange.fetch_all([member], round_, self.settings.round_timeout).get(member)
+            if first is None or (first.group is not None and member in first.group):
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(GROUP_POLL_SECONDS)
         if first is None or first.group is None or member not in first.group:
             return Gathered("alone", round_)
         others = [peer for peer in first.group if peer not in (member, self.peer_id)]

@@ -9,12 +9,17 @@ joiner that inherited its server's own pseudo-gradient at full weight would end 
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.integration.conftest import NodeFactory
+from tests.integration.nodes import NodeProcess
 
 pytestmark = pytest.mark.integration
 
@@ -22,30 +27,23 @@ EXACT = ["--sync", "eager", "--outer-momentum", "0", "--outer-lr", "1.0", "--inn
          "--max-outer-steps", "14", "--round-timeout", "60"]
 
 
-def final_phi(tmp_path: Path, name: str) -> torch.Tensor:
-    state = torch.load(tmp_path / name / "itest" / "node.pt", weights_only=True)
+# hivemind's matchmaking now and then leaves a node without its group for a round (#16): it then
+# averages alone, and its φ differs by design, which says nothing of the ledger. Such an attempt is
+# run once more; the second must hold.
+ATTEMPTS = 2
+MATCHMAKING_FAILED = re.compile(r"round=(\d+) no peer averaged with us")
+# a scenario's nodes, each with the first of its exchanges (by round) in which averaging alone would
+# matter: one that a node joining later inherits in flight is completed by the joiner as it was
+Watched = list[tuple[NodeProcess, int]]
+
+
+def lone_rounds(node: NodeProcess, since: int) -> list[int]:
+    return [int(m.group(1)) for m in MATCHMAKING_FAILED.finditer(node.log_text()) if int(m.group(1)) >= since]
+
+
+def final_phi(tmp_path: Path, name: str, run_id: str) -> torch.Tensor:
+    state = torch.load(tmp_path / name / run_id / "node.pt", weights_only=True)
     return torch.cat([p.reshape(-1) for p in state["outer_params"]])
-
-
-def test_every_mean_once_also_for_a_joiner(spawn: NodeFactory, tmp_path: Path) -> None:
-    a = spawn("a", *EXACT, "--min-peers", "2")
-    b = spawn("b", *EXACT, "--min-peers", "2", peer=a)
-    a.wait_for_round(1, timeout=180)
-    c = spawn("c", *EXACT, peer=a)  # joins mid-run: downloads φ from a or b, which hold their own Δ early
-    for node in (a, b, c):
-        assert node.wait_exit(timeout=240) == 0, node.log_text()[-3000:]
-        assert "settled round=14" in node.log_text(), node.log_text()[-3000:]
-    joined = c.joined_round or 0
-    assert 2 <= joined <= 12, c.log_text()[-2000:]
-    for node in (a, b):
-        groups = [node.rounds[r].group_size for r in range(2, 15)]
-        assert min(groups) >= 2, f"{node.name} averaged alone: {groups}"  # a lone round would differ by design
-    phis = {name: final_phi(tmp_path, name) for name in ("a", "b", "c")}
-    step = (phis["a"] - final_phi_start()).abs().max()
-    for name in ("b", "c"):
-        apart = float((phis[name] - phis["a"]).abs().max())
-        # float summation order only: far below one pseudo-gradient (what a missed or doubled Δ costs)
-        assert apart < 1e-4 * float(step), f"{name} ended {apart:.3g} from a (steps moved φ by {float(step):.3g})"
 
 
 def final_phi_start() -> torch.Tensor:
@@ -53,18 +51,86 @@ def final_phi_start() -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in build_model("tiny", 0).parameters()])
 
 
+def assert_same_phi(tmp_path: Path, names: list[str], run_id: str) -> None:
+    """Every node's φ equal to a's, to float summation order: far below one pseudo-gradient (what a
+    missed or doubled Δ costs)."""
+    reference = final_phi(tmp_path, names[0], run_id)
+    step = float((reference - final_phi_start()).abs().max())
+    for name in names[1:]:
+        apart = float((final_phi(tmp_path, name, run_id) - reference).abs().max())
+        assert apart < 1e-4 * step, f"{name} ended {apart:.3g} from {names[0]} (steps moved φ by {step:.3g})"
+
+
+def attempts(spawn: NodeFactory, scenario: Callable[[Callable[..., NodeProcess]], Watched],
+             tmp_path: Path) -> None:
+    for attempt in range(1, ATTEMPTS + 1):
+        run_id = f"exact{attempt}"
+
+        def start(name: str, *args: str, peer: NodeProcess | None = None, suffix: int = attempt,
+                  run: str = run_id) -> NodeProcess:
+            return spawn(f"{name}{suffix}", *args, run_id=run, peer=peer)
+
+        watched = scenario(start)
+        nodes = [node for node, _ in watched]
+        for node in nodes:
+            assert node.wait_exit(timeout=240) == 0, node.log_text()[-3000:]
+        alone = [node.name for node, since in watched if lone_rounds(node, since)]
+        if alone and attempt < ATTEMPTS:
+            print(f"attempt {attempt}: matchmaking left {alone} alone for a round (#16); once more")
+            continue
+        assert not alone, f"matchmaking left {alone} alone in every attempt\n" + "\n".join(
+            f"--- {node.name}:\n" + node.log_text()[-4000:] for node, _ in watched)
+        assert_same_phi(tmp_path, [node.name for node in nodes], run_id)
+        return
+
+
+def test_every_mean_once_also_for_a_joiner(spawn: NodeFactory, tmp_path: Path) -> None:
+    def scenario(start: Callable[..., NodeProcess]) -> Watched:
+        a = start("a", *EXACT, "--min-peers", "2")
+        b = start("b", *EXACT, "--min-peers", "2", peer=a)
+        a.wait_for_round(1, timeout=180)
+        c = start("c", *EXACT, peer=a)  # joins mid-run: its server holds its own Δ of the last round early
+        c.wait_exit(timeout=240)
+        assert "settled round=14" in c.log_text(), c.log_text()[-3000:]
+        assert 2 <= (c.joined_round or 0) <= 12, c.log_text()[-2000:]
+        return [(a, 0), (b, 0), (c, 0)]
+
+    attempts(spawn, scenario, tmp_path)
+
+
 def test_every_mean_once_across_a_crash_and_resume(spawn: NodeFactory, tmp_path: Path) -> None:
     """`kill -9` under eager leaves a checkpoint whose φ holds our Δ of the last round in place of
     its mean; the resumed node takes the run's state instead, which holds that mean exactly once."""
-    a = spawn("a", *EXACT, "--min-peers", "2")
-    b = spawn("b", *EXACT, "--min-peers", "2", peer=a)
-    b.wait_for_round(3, timeout=180)
-    b.kill()
-    b = spawn("b", *EXACT, peer=a)
-    for node in (a, b):
-        assert node.wait_exit(timeout=240) == 0, node.log_text()[-3000:]
-    text = b.log_text()
-    assert "resumed round=" in text and "synced state from peers" in text, text[-3000:]
-    apart = float((final_phi(tmp_path, "b") - final_phi(tmp_path, "a")).abs().max())
-    step = float((final_phi(tmp_path, "a") - final_phi_start()).abs().max())
-    assert apart < 1e-4 * step, f"b ended {apart:.3g} from a (steps moved φ by {step:.3g})"
+    def scenario(start: Callable[..., NodeProcess]) -> Watched:
+        a = start("a", *EXACT, "--min-peers", "2")
+        b = start("b", *EXACT, "--min-peers", "2", peer=a)
+        b.wait_for_round(3, timeout=180)
+        b.kill()
+        b = start("b", *EXACT, peer=a)
+        # while b was gone a averaged alone; b takes a's state, and completes what a had in flight
+        back = b.wait_joined()
+        b.wait_exit(timeout=240)
+        text = b.log_text()
+        assert "resumed round=" in text and "synced state from peers" in text, text[-3000:]
+        return [(a, back), (b, 0)]
+
+    attempts(spawn, scenario, tmp_path)
+
+
+def test_every_mean_once_when_an_exchange_lands_late(spawn: NodeFactory, tmp_path: Path) -> None:
+    """b frozen for a while (SIGSTOP): a's exchange of that round is still running when a's next round
+    ends, so a goes on without it (--sync-timeout) and applies it when it lands, once."""
+    def scenario(start: Callable[..., NodeProcess]) -> Watched:
+        late = ["--sync-timeout", "0.5", "--min-peers", "2"]
+        a = start("a", *EXACT, *late)
+        b = start("b", *EXACT, *late, peer=a)
+        a.wait_for_round(3, timeout=180)
+        assert b.process is not None
+        os.kill(b.process.pid, signal.SIGSTOP)
+        try:
+            a.wait_until(lambda: "it is applied when it lands" in a.log_text(), 60, "a late exchange")
+        finally:
+            os.kill(b.process.pid, signal.SIGCONT)
+        return [(a, 0), (b, 0)]
+
+    attempts(spawn, scenario, tmp_path)
