@@ -44,6 +44,7 @@ from diloco_node.train.model import build_model
 
 logger = logging.getLogger(__name__)
 
+# A download waits out the round the run is exchanging (blocking nodes share no state while in it).
 STATE_DOWNLOAD_TIMEOUT = 60.0
 
 
@@ -157,7 +158,8 @@ class Node:
     def _sync_from_peers(self) -> bool:
         """Download φ, outer momentum and the round from a peer; False when we are the first node."""
         assert self.swarm is not None and self.replica is not None
-        received = self.swarm.download_state(STATE_DOWNLOAD_TIMEOUT, self.stop_requested)
+        received = self.swarm.download_state(STATE_DOWNLOAD_TIMEOUT + self.cfg.round_timeout,
+                                            self.stop_requested)
         if received is None:
             return False
         installed = self.state.install_shared(*received, self.cfg.fingerprint())
@@ -237,6 +239,7 @@ class Node:
         report = self.update.finish_round(self.state.round, delta, tokens)
         if not report.stepped:
             self._after_skipped_round(report)
+            self.swarm.share_state(self.state.round)
             return
         if report.diverged:  # our Δ was still a fine direction to contribute; our φ is what must be replaced
             logger.warning("round=%d our φ differs from the swarm's; re-syncing after this round", self.state.round)

@@ -14,6 +14,10 @@ class BlockingUpdate(NoPending):
 
     def finish_round(self, round_: int, pseudo_gradient: torch.Tensor, tokens: float) -> RoundReport:
         ctx = self.ctx
+        # A joiner that downloaded φ from here on would hold this round's start while the group
+        # formed without it: it would average alone and split off. It retries until we have stepped
+        # (the node shares again after every round).
+        ctx.swarm.stop_sharing()
         own = ctx.averaging.encode(round_, pseudo_gradient, tokens)
         ctx.swarm.offer(round_, own.payload, tokens)
         with exchanging(ctx.telemetry, round_):

@@ -40,6 +40,7 @@ class OverlappedUpdate:
         ctx.swarm.offer(round_, own.payload, tokens)
         fresh = own.decoded if own.decoded is not None else torch.zeros(ctx.state.numel)
         self.pending.wait(round_ - 1, self.sync_timeout)
+        self.pending.make_room(self.settle_timeout)
         inherited = self._resolve_inherited()
         # taking the landed exchanges and applying them is one step under φ's lock: a joiner's state
         # (settle_change) sees each exchange either pending or applied, never neither

@@ -15,11 +15,10 @@ import torch
 
 from diloco_node.outer.diloco import OuterOptimizer
 from diloco_node.outer.noloco import NoLoCoOptimizer
-from diloco_node.outer.sync import Applied, Settled
+from diloco_node.outer.sync import MAX_IN_FLIGHT, Applied, Settled
 from diloco_node.replica.layout import digest, flatten, unflatten
 
 SharedState = tuple[dict[str, Any], list[torch.Tensor]]
-MAX_IN_FLIGHT = 8  # rounds a shared state may carry in flight (a healthy node has one)
 
 
 class OuterState:
@@ -108,8 +107,9 @@ class OuterState:
 
 
 def _in_flight(entries: Any, own: list[torch.Tensor], numel: int) -> list[Applied] | None:
-    """A shared state's rounds in flight, checked: our Δ for each, its weight, the step it went in."""
-    if not isinstance(entries, list) or len(entries) != len(own) or len(entries) > MAX_IN_FLIGHT:
+    """A shared state's rounds in flight, checked: our Δ for each, its weight, the step it went in.
+    A server has at most MAX_IN_FLIGHT of its own (one more after a long wait) and those it inherited."""
+    if not isinstance(entries, list) or len(entries) != len(own) or len(entries) > 2 * MAX_IN_FLIGHT:
         return None
     checked = []
     for entry, delta in zip(entries, own, strict=True):

@@ -73,27 +73,48 @@ def correction(applied: Applied, mean: torch.Tensor | None) -> torch.Tensor:
 R = TypeVar("R")
 
 
+# Exchanges a node keeps pending at once (a healthy node has one): beyond it, the round engine waits
+# for the oldest instead of piling up pseudo-gradients while a peer is frozen.
+MAX_IN_FLIGHT = 4
+
+
 class PendingExchanges(Generic[R]):
     """Exchanges started in the background, each on its own daemon thread, with what we applied of
     our own Δ for each. Daemon threads, not an executor: an exchange still waiting on a peer that is
     gone at shutdown must not keep the process alive. Guarded by `_lock` (round engine and settling).
+
+    They run one at a time, in round order: hivemind matchmakes one group at a time per node, so
+    exchanges started while others still run (after a peer froze) would each look for their own
+    round's group while the peer looks for another's, fail, and leave the next ones as far behind.
+    In order, both sides meet round by round and catch up.
     """
 
     def __init__(self) -> None:
         self._pending: dict[int, tuple[Applied, Future[R]]] = {}
         self._lock = threading.Lock()
 
+    def make_room(self, timeout: float) -> None:
+        """While MAX_IN_FLIGHT exchanges are pending, wait up to `timeout` for the oldest to end."""
+        with self._lock:
+            futures = [future for _, (_, future) in sorted(self._pending.items())]
+        excess = len(futures) - MAX_IN_FLIGHT + 1
+        if excess > 0 and wait(futures[:excess], timeout=timeout).not_done:
+            logger.warning("%d exchanges pending after %.0fs; starting one more", len(futures), timeout)
+
     def start(self, applied: Applied, run: Callable[[], R]) -> None:
+        """Run `run` on its own thread once the exchanges started before it have ended."""
         future: Future[R] = Future()
+        with self._lock:
+            before = [f for _, f in self._pending.values()]
+            self._pending[applied.round] = (applied, future)
 
         def work() -> None:
+            wait(before)
             try:
                 future.set_result(run())
             except BaseException as exc:  # handed to take_finished(), which logs it
                 future.set_exception(exc)
 
-        with self._lock:
-            self._pending[applied.round] = (applied, future)
         threading.Thread(target=work, name=f"exchange-{applied.round}", daemon=True).start()
 
     def wait(self, round_: int | None, timeout: float) -> None:

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from diloco_node.outer.sync import Applied, PendingExchanges, correction, fresh_weight
+from diloco_node.outer.sync import MAX_IN_FLIGHT, Applied, PendingExchanges, correction, fresh_weight
 
 
 def t(*values: float) -> torch.Tensor:
@@ -110,3 +110,33 @@ def test_drop_forgets_everything() -> None:
     pending.start(Applied(1, t(1.0), 1.0), lambda: "x")
     pending.drop()
     assert pending.outstanding() == [] and collect(pending, None, timeout=0.1) == []
+
+
+def test_exchanges_run_one_at_a_time_in_round_order() -> None:
+    """hivemind matchmakes one group at a time: a later round's exchange starts after the earlier
+    ones ended, so two nodes with a backlog meet round by round."""
+    release = threading.Event()
+    order: list[int] = []
+    pending: PendingExchanges[str] = PendingExchanges()
+    pending.start(Applied(1, t(1.0), 1.0), lambda: (release.wait(5), order.append(1), "one")[2])
+    pending.start(Applied(2, t(1.0), 1.0), lambda: (order.append(2), "two")[1])
+    assert collect(pending, 2, timeout=0.3) == [] and order == []  # round 2 waits for round 1
+    release.set()
+    assert [(a.round, r) for a, r in collect(pending, 2, timeout=5)] == [(1, "one"), (2, "two")]
+    assert order == [1, 2]
+
+
+def test_make_room_waits_for_the_oldest_when_the_pending_are_many() -> None:
+    release = threading.Event()
+    pending: PendingExchanges[str] = PendingExchanges()
+    for round_ in range(MAX_IN_FLIGHT):
+        pending.start(Applied(round_, t(1.0), 1.0), lambda: (release.wait(5), "x")[1])
+    threading.Timer(0.3, release.set).start()
+    started = time.monotonic()
+    pending.make_room(timeout=5)
+    assert 0.2 < time.monotonic() - started < 4  # waited for round 0, not for the timeout
+    fewer: PendingExchanges[str] = PendingExchanges()
+    fewer.start(Applied(0, t(1.0), 1.0), lambda: (threading.Event().wait(2), "slow")[1])
+    started = time.monotonic()
+    fewer.make_room(timeout=5)
+    assert time.monotonic() - started < 0.2  # room left: no wait
