@@ -14,9 +14,11 @@ ranks itself. From the node's JSON events (--events FILE) after its last round w
 - eval loss at equal tokens (the last round's eval_loss, from the joined event's).
 
     .venv/bin/python benchmarks/layouts.py                  # model small, 5 x 30 steps: about 6 minutes on 2 cores
+    .venv/bin/python benchmarks/layouts.py --model gpt-125m --rounds 2 --inner-steps 4 --batch-size 4
     .venv/bin/python benchmarks/layouts.py --model tiny --rounds 2 --inner-steps 5 --out /tmp/layouts
 
-Results: benchmarks/results/layouts.{json,md} (or --out DIR), with ratios against `none`.
+Results: benchmarks/results/layouts.{json,md} (layouts-MODEL.* for another --model; or --out DIR),
+with ratios against `none`.
 """
 
 from __future__ import annotations
@@ -155,12 +157,13 @@ def main() -> None:
     text = report(args, results)
     ref = results[0]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{NAME}.json").write_text(json.dumps({
+    name = NAME if args.model == "small" else f"{NAME}-{args.model}"  # one result file per model
+    (args.out / f"{name}.json").write_text(json.dumps({
         "args": {**vars(args), "out": str(args.out)}, "machine": machine_info(), "logs": str(work),
         "results": results,
         "vs_none": {r["layout"]: {"tokens_per_second": r["tokens_per_second"] / ref["tokens_per_second"],
                                   "eval_loss": r["eval_loss"] / ref["eval_loss"]} for r in results}}, indent=1) + "\n")
-    (args.out / f"{NAME}.md").write_text(text)
+    (args.out / f"{name}.md").write_text(text)
     print(text)
 
 
