@@ -99,6 +99,11 @@ class NodeConfig(BaseModel):
     sync_timeout: float = Field(120.0, gt=0, description="delayed/eager: seconds to wait for the previous "
                                 "round's exchange before going on without it (it is applied when it lands)")
     max_outer_steps: int = Field(0, ge=0, description="stop after this many rounds (0 = run forever)")
+    aggregator: str = Field("clip", pattern=r"^(mean|clip|trimmed|centered-clip)$",
+                            description="how the group's pseudo-gradients are averaged: mean, clip (each to 4x "
+                            "the median norm), trimmed or centered-clip (see README, trust)")
+    max_tokens_per_round: int = Field(0, ge=0, description="most tokens a peer's contribution to a round counts "
+                                      "for (0: only 4x the group's median declaration)")
 
     # --- NoLoCo: gossip in small random groups instead of averaging over the swarm (DESIGN §3) ---
     algorithm: str = Field("diloco", pattern=r"^(diloco|noloco)$",
@@ -269,6 +274,7 @@ class NodeConfig(BaseModel):
             "model": self.model, "n_layer": arch.n_layer, "d_model": arch.d_model, "n_head": arch.n_head,
             "vocab_size": arch.vocab_size, "max_seq_len": arch.max_seq_len,
             "algorithm": self.algorithm, "sync": self.sync, **self._outer_fingerprint(), **self.codec_fingerprint(),
+            "aggregator": self.aggregator, "max_tokens_per_round": self.max_tokens_per_round,
         }
 
     def _outer_fingerprint(self) -> dict[str, Any]:

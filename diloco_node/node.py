@@ -99,7 +99,8 @@ class Node:
         self.say(f"status: {self.server.start()}")
         self.swarm = self._join_swarm()
         self.update = make_update(self.cfg, UpdateContext(
-            self.state, Averaging(self.codec, self.state.numel, self.swarm.peer_id, self.phi_codec), self.swarm,
+            self.state, Averaging(self.codec, self.state.numel, self.swarm.peer_id, self.phi_codec,
+                                  self.cfg.aggregator, self.cfg.max_tokens_per_round or None), self.swarm,
             self.telemetry, self.stop_requested, self.abandon_exchange))
         self.update.restore(outstanding or [])
         if outstanding is None:  # a fresh node gets its own data order, derived from its identity

@@ -1,7 +1,27 @@
-"""The robust, token-weighted mean of the group's pseudo-gradients (DESIGN §3, 'Robust mean').
+"""The bounded, token-weighted mean of the group's pseudo-gradients (DESIGN §3, 'Robust mean').
 
 Every node computes it from the same contributions in the same (peer id) order with the same
 operations, so every node gets a bit-identical result and φ stays equal across the group.
+
+Aggregators (`--aggregator`):
+- mean: Σ w_m Δ_m / Σ w_m; no bound on any one peer (a trusted cluster's choice).
+- clip (default): each Δ_m scaled down to at most NORM_CLIP_MULTIPLE × a reference norm first.
+  It bounds one peer's pull to that multiple over its token share, costs one pass, and changes
+  nothing in an honest group (norms within the multiple of one another), so φ stays bit-equal.
+- trimmed: clip, then per coordinate drop the ⌊TRIM_FRACTION·M⌋ largest and smallest values
+  (unweighted mean of the rest); with fewer than 1/TRIM_FRACTION members it trims nothing.
+- centered-clip: start from clip's mean v and CENTERED_CLIP_ITERATIONS times move it by the
+  token-weighted mean of each Δ_m − v clipped to the reference norm: a peer far from the
+  others moves v by at most that norm times its share, however far it is.
+
+The reference norm is the group's median norm. In a group of two the median is the mean of the two
+norms, which a single huge contribution drags up with it, so there it is our own Δ's norm (`own`),
+or the smaller norm when ours is not among them.
+
+Declared tokens count at most TOKEN_CAP_MULTIPLE × the group's median declaration (of two: the
+smaller) and at most the run's `max_tokens_per_round` when set: a peer that claims more is counted
+at the cap (and reported as clipped), so it cannot outweigh the group. Nodes may differ in H and
+batch size, so the run's config fixes no token count by itself.
 """
 
 from __future__ import annotations
@@ -13,7 +33,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+AGGREGATORS = ("mean", "clip", "trimmed", "centered-clip")
 NORM_CLIP_MULTIPLE = 4.0  # a contribution longer than this many reference norms is scaled down
+TOKEN_CAP_MULTIPLE = 4.0  # declared tokens count at most this many times the group's typical count
+TRIM_FRACTION = 0.2
+CENTERED_CLIP_ITERATIONS = 3
 
 
 @dataclass(frozen=True)
@@ -23,31 +47,91 @@ class Contribution:
     pseudo_gradient: torch.Tensor  # flat fp32
 
 
-def robust_weighted_mean(contributions: list[Contribution], own: str | None = None) -> torch.Tensor:
-    """Σ w_m Δ_m / Σ w_m over finite contributions, each clipped to NORM_CLIP_MULTIPLE × a reference norm.
+@dataclass(frozen=True)
+class Aggregate:
+    mean: torch.Tensor
+    used: tuple[str, ...]  # peers whose contributions are in the mean, in peer order
+    tokens: tuple[float, ...]  # the tokens each of them counted for (after the caps)
+    clipped: tuple[str, ...]  # scaled down, or counted at the token cap
+    rejected: tuple[str, ...]  # non-finite values or no tokens: left out
+    reference_norm: float  # what clipping measured against (NoLoCo bounds φ's pull with it)
 
-    The reference is the group's median norm. In a group of two the median is the mean of the two
-    norms, which a single huge contribution drags up with it, so there the reference is our own Δ's
-    norm (`own`, our peer id), or the smaller norm when ours is not among them. Honest pairs, whose
-    norms lie well within the multiple of each other, clip nothing and so still agree bit for bit.
-    """
+
+def aggregate(contributions: list[Contribution], method: str = "clip", own: str | None = None,
+              max_tokens: float | None = None) -> Aggregate:
+    """The group's mean by `method` (see the module's docstring); ValueError when none is usable."""
+    if method not in AGGREGATORS:
+        raise ValueError(f"unknown aggregator '{method}'")
     ordered = sorted(contributions, key=lambda c: c.peer_id)
     finite = [c for c in ordered if torch.isfinite(c.pseudo_gradient).all() and c.tokens > 0]
-    for rejected in set(c.peer_id for c in ordered) - set(c.peer_id for c in finite):
-        logger.warning("rejected contribution from peer=%s: non-finite values or no tokens", rejected)
+    rejected = tuple(sorted({c.peer_id for c in ordered} - {c.peer_id for c in finite}))
+    for peer in rejected:
+        logger.warning("rejected contribution from peer=%s: non-finite values or no tokens", peer)
     if not finite:
         raise ValueError("no usable contribution")
+    finite, capped = _cap_tokens(finite, max_tokens)
     norms = torch.stack([c.pseudo_gradient.norm() for c in finite])
-    limit = NORM_CLIP_MULTIPLE * _reference_norm(finite, norms, own)
-    total = torch.zeros_like(finite[0].pseudo_gradient)
-    weight_sum = sum(c.tokens for c in finite)
+    reference = _reference_norm(finite, norms, own)
+    total = sum(c.tokens for c in finite)
+    weights = [c.tokens / total for c in finite]
+    scaled: list[str] = []
+    if method == "mean":
+        mean = _weighted([c.pseudo_gradient for c in finite], weights)
+    else:
+        vectors, scaled = _clipped(finite, norms, NORM_CLIP_MULTIPLE * reference)
+        trim = int(TRIM_FRACTION * len(vectors)) if method == "trimmed" else 0
+        if method == "centered-clip":
+            mean = _centered_clip(vectors, weights, _weighted(vectors, weights), reference)
+        elif trim:
+            mean = _trimmed(vectors, trim)
+        else:
+            mean = _weighted(vectors, weights)
+    clipped = tuple(sorted(set(capped) | set(scaled)))
+    return Aggregate(mean, tuple(c.peer_id for c in finite), tuple(c.tokens for c in finite), clipped, rejected,
+                     float(reference))
+
+
+def _cap_tokens(finite: list[Contribution], max_tokens: float | None) -> tuple[list[Contribution], list[str]]:
+    """Declared tokens capped at `max_tokens` and at TOKEN_CAP_MULTIPLE × the group's median (of two:
+    the smaller); computed from the contributions alone, so every member caps alike."""
+    declared = sorted(c.tokens for c in finite)
+    typical = declared[0] if len(declared) == 2 else declared[len(declared) // 2]
+    cap = TOKEN_CAP_MULTIPLE * typical if max_tokens is None else min(max_tokens, TOKEN_CAP_MULTIPLE * typical)
+    capped = [c.peer_id for c in finite if c.tokens > cap]
+    for peer in capped:
+        logger.warning("capped the tokens of peer=%s at %.0f", peer, cap)
+    return [Contribution(c.peer_id, min(c.tokens, cap), c.pseudo_gradient) for c in finite], capped
+
+
+def _clipped(finite: list[Contribution], norms: torch.Tensor,
+             limit: torch.Tensor) -> tuple[list[torch.Tensor], list[str]]:
+    vectors, scaled = [], []
     for contribution, norm in zip(finite, norms, strict=True):
-        scale = contribution.tokens / weight_sum
         if len(finite) > 1 and norm > limit:
             logger.warning("clipped contribution from peer=%s: norm %.3g > %.3g", contribution.peer_id, norm, limit)
-            scale *= float(limit / norm)
-        total += contribution.pseudo_gradient * scale
-    return total
+            vectors.append(contribution.pseudo_gradient * float(limit / norm))
+            scaled.append(contribution.peer_id)
+        else:
+            vectors.append(contribution.pseudo_gradient)
+    return vectors, scaled
+
+
+def _trimmed(vectors: list[torch.Tensor], trim: int) -> torch.Tensor:
+    ordered = torch.stack(vectors).sort(dim=0).values
+    return ordered[trim:len(vectors) - trim].mean(dim=0)
+
+
+def _centered_clip(vectors: list[torch.Tensor], weights: list[float], start: torch.Tensor,
+                   radius: torch.Tensor) -> torch.Tensor:
+    center = start
+    for _ in range(CENTERED_CLIP_ITERATIONS):
+        step = torch.zeros_like(center)
+        for vector, weight in zip(vectors, weights, strict=True):
+            offset = vector - center
+            norm = offset.norm()
+            step += offset * (weight * min(1.0, float(radius / norm)) if norm > 0 else 0.0)
+        center = center + step
+    return center
 
 
 def _reference_norm(finite: list[Contribution], norms: torch.Tensor, own: str | None) -> torch.Tensor:
@@ -57,10 +141,30 @@ def _reference_norm(finite: list[Contribution], norms: torch.Tensor, own: str | 
     return mine[0] if mine else norms.min()
 
 
+def _weighted(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    total = torch.zeros_like(tensors[0])
+    for tensor, weight in zip(tensors, weights, strict=True):
+        total += tensor * weight
+    return total
+
+
 def weighted_mean(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
     """Σ w_i x_i / Σ w_i in the given order (callers pass peer order, so every node gets the same bits)."""
-    total = torch.zeros_like(tensors[0])
     weight_sum = sum(weights)
-    for tensor, weight in zip(tensors, weights, strict=True):
-        total += tensor * (weight / weight_sum)
-    return total
+    return _weighted(tensors, [weight / weight_sum for weight in weights])
+
+
+def bounded_phi_mean(phis: list[torch.Tensor], weights: list[float], own: torch.Tensor,
+                     radius: float) -> tuple[torch.Tensor, list[int]]:
+    """NoLoCo's φ̄ with no member pulling it further than `radius` from our own φ: each φ_m − φ_own
+    clipped to `radius` before the weighted mean. Honest members (within the radius) change nothing.
+    Returns φ̄ and the indices of the members clipped."""
+    clipped, offsets = [], []
+    for index, phi in enumerate(phis):
+        offset = phi - own
+        norm = float(offset.norm())
+        if norm > radius:
+            offset = offset * (radius / norm)
+            clipped.append(index)
+        offsets.append(offset)
+    return own + weighted_mean(offsets, weights), clipped

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from diloco_node.codec import Codec, CodecError, split_first
-from diloco_node.outer.aggregate import Contribution, robust_weighted_mean, weighted_mean
+from diloco_node.outer.aggregate import NORM_CLIP_MULTIPLE, Contribution, aggregate, bounded_phi_mean
 from diloco_node.swarm.member import Gathered
 
 logger = logging.getLogger(__name__)
@@ -44,13 +44,18 @@ class AverageResult:
     transfer_seconds: float = 0.0  # fetching the others' payloads, once the group had formed
     received_bytes: int = 0  # the others' payloads we fetched
     mean_phi: torch.Tensor | None = None  # NoLoCo: the group's mean φ
+    clipped: tuple[str, ...] = ()  # peers whose Δ (or φ, or declared tokens) the aggregator bounded
+    rejected: tuple[str, ...] = ()  # peers whose payload was undecodable, non-finite or tokenless
 
 
 class Averaging:
-    def __init__(self, codec: Codec, numel: int, peer_id: str, phi_codec: Codec | None = None):
-        """`phi_codec`, given for NoLoCo, encodes the φ that travels after each Δ (its consensus term)."""
+    def __init__(self, codec: Codec, numel: int, peer_id: str, phi_codec: Codec | None = None,
+                 aggregator: str = "clip", max_tokens: float | None = None):
+        """`phi_codec`, given for NoLoCo, encodes the φ that travels after each Δ (its consensus term);
+        `aggregator` and `max_tokens` bound each peer's weight (outer/aggregate.py)."""
         self.codec, self.phi_codec = codec, phi_codec
         self.numel, self.peer_id = numel, peer_id
+        self.aggregator, self.max_tokens = aggregator, max_tokens
 
     def encode(self, round_: int, pseudo_gradient: torch.Tensor, tokens: float,
                phi: torch.Tensor | None = None) -> Own:
@@ -86,12 +91,13 @@ class Averaging:
                 logger.warning("round=%d dropped payload from peer=%s: %s", gathered.round, peer, exc)
         if member not in {c.peer_id for c in contributions}:
             return None
-        return robust_weighted_mean(contributions, own=member)
+        return aggregate(contributions, self.aggregator, own=member, max_tokens=self.max_tokens).mean
 
     def mean(self, own: Own, gathered: Gathered) -> AverageResult:
-        """The robust token-weighted mean over ours and the gathered payloads (NoLoCo: and mean φ)."""
+        """The bounded token-weighted mean over ours and the gathered payloads (NoLoCo: and mean φ)."""
         contributions = [Contribution(self.peer_id, own.tokens, own.decoded)] if own.decoded is not None else []
         phis = {self.peer_id: own.phi} if own.phi is not None else {}
+        undecodable = []
         started = time.perf_counter()
         for peer, (payload, tokens) in sorted(gathered.payloads.items()):
             try:
@@ -101,15 +107,23 @@ class Averaging:
                 contributions.append(Contribution(peer, tokens, self.codec.decode(payload, self.numel)))
             except CodecError as exc:
                 phis.pop(peer, None)
+                undecodable.append(peer)
                 logger.warning("round=%d dropped payload from peer=%s: %s", gathered.round, peer, exc)
         codec_seconds = own.codec_seconds + time.perf_counter() - started
         if not contributions:
-            return AverageResult((), torch.zeros(self.numel), 0.0, codec_seconds)
-        mean = robust_weighted_mean(contributions, own=self.peer_id)
-        share = own.tokens / sum(c.tokens for c in contributions) if own.decoded is not None else 0.0
-        mean_phi = None
+            return AverageResult((), torch.zeros(self.numel), 0.0, codec_seconds, rejected=tuple(undecodable))
+        result = aggregate(contributions, self.aggregator, own=self.peer_id, max_tokens=self.max_tokens)
+        counted = dict(zip(result.used, result.tokens, strict=True))
+        share = counted.get(self.peer_id, 0.0) / sum(result.tokens)
+        clipped, mean_phi = set(result.clipped), None
         if own.phi is not None:
-            used = [c for c in sorted(contributions, key=lambda c: c.peer_id) if c.peer_id in phis]
-            mean_phi = weighted_mean([phis[c.peer_id] for c in used], [c.tokens for c in used])
-        return AverageResult(tuple(sorted(c.peer_id for c in contributions)), mean, share, codec_seconds,
-                             gathered.transfer_seconds, gathered.received_bytes, mean_phi)
+            used = [p for p in result.used if p in phis]
+            radius = NORM_CLIP_MULTIPLE * result.reference_norm
+            mean_phi, far = bounded_phi_mean([phis[p] for p in used], [counted[p] for p in used], own.phi, radius)
+            for index in far:
+                logger.warning("round=%d clipped φ from peer=%s: further than %.3g from ours",
+                               gathered.round, used[index], radius)
+            clipped |= {used[index] for index in far}
+        return AverageResult(result.used, result.mean, share, codec_seconds, gathered.transfer_seconds,
+                             gathered.received_bytes, mean_phi, tuple(sorted(clipped)),
+                             tuple(sorted(set(result.rejected) | set(undecodable))))

@@ -21,7 +21,8 @@ STATUS_FIELDS = (
     "wire_bytes_received", "last_round_bytes_sent", "last_round_bytes_received", "round_seconds", "compression",
     "payload_bytes", "raw_bytes", "bytes_per_param", "compression_ratio", "codec_seconds", "compute_seconds",
     "wait_seconds", "utilization", "exchanging_round", "algorithm", "consensus_distance", "label",
-    "model_digest", "uptime_seconds", "isolated", "isolated_since", "parallel", "local_ranks", "peak_memory_bytes")
+    "model_digest", "uptime_seconds", "isolated", "isolated_since", "parallel", "local_ranks", "peak_memory_bytes",
+    "contributions_clipped", "contributions_rejected")
 HISTORY_LIMIT = 2000  # rounds kept for the charts; older ones drop off the front
 # Round-time histogram bounds (seconds). Counted over every round since start, not just the kept
 # history, so Prometheus never sees its buckets shrink.
@@ -32,7 +33,8 @@ class Telemetry:
     def __init__(self, **initial: Any):
         self._lock = threading.Lock()
         self._values: dict[str, Any] = {**dict.fromkeys(STATUS_FIELDS), "started_at": time.time(), "bytes_sent": 0,
-                                        "bytes_received": 0, **initial}
+                                        "bytes_received": 0, "contributions_clipped": 0,
+                                        "contributions_rejected": 0, **initial}
         self._history: deque[dict[str, Any]] = deque(maxlen=HISTORY_LIMIT)
         self._peers: list[dict[str, Any]] = []
         self._round_buckets = [0] * len(ROUND_SECONDS_BUCKETS)

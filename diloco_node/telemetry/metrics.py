@@ -34,6 +34,10 @@ class TelemetryCollector:
             "diloco_wire_bytes_received": ("link-layer bytes of all swarm traffic received",
                                            state.get("wire_bytes_received")),
             "diloco_inner_steps": ("inner optimizer steps taken", state.get("inner_step")),
+            "diloco_contributions_clipped": ("peers' contributions the aggregator scaled down or counted at the "
+                                             "token cap", state.get("contributions_clipped", 0)),
+            "diloco_contributions_rejected": ("peers' contributions left out: undecodable, non-finite or tokenless",
+                                              state.get("contributions_rejected", 0)),
         }
         for name, (doc, value) in counters.items():
             if value is None:  # not measured on this node (wire bytes without iproute2)

@@ -47,7 +47,11 @@ def round_stats(round_: int, losses: list[float], eval_loss: float, report: Roun
         "transfer_bytes": result.received_bytes if result else None,
         "compute_seconds": round(timing.compute, 3), "wait_seconds": round(timing.wait, 3),
         "utilization": timing.compute / (timing.compute + timing.wait),
-        "round_seconds": round(timing.compute + timing.wait, 3)}
+        "round_seconds": round(timing.compute + timing.wait, 3),
+        # peers the aggregator bounded or left out this round, and the totals since start
+        "clipped": list(result.clipped) if result else [], "rejected": list(result.rejected) if result else [],
+        "contributions_clipped": before.get("contributions_clipped", 0) + (len(result.clipped) if result else 0),
+        "contributions_rejected": before.get("contributions_rejected", 0) + (len(result.rejected) if result else 0)}
     if gossip:
         stats.update(group=list(result.group) if result else [], consensus_distance=report.consensus_distance)
     return stats
@@ -97,6 +101,8 @@ class RoundReporter:
             bytes_per_param=stats["bytes_per_param"], compression_ratio=stats["compression_ratio"],
             codec_seconds=stats["codec_seconds"], compute_seconds=round(self.compute_seconds, 3),
             wait_seconds=round(self.wait_seconds, 3), utilization=utilization,
+            contributions_clipped=stats["contributions_clipped"],
+            contributions_rejected=stats["contributions_rejected"],
             **({"consensus_distance": report.consensus_distance} if self.gossip else {}))
         swarm.presence.publish_stats(
             label=self.label, rounds=round_, bytes_sent=sent, bytes_received=received,

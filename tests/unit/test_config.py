@@ -149,7 +149,8 @@ def test_fingerprint_ignores_local_settings() -> None:
 
 
 @pytest.mark.parametrize("change", [{"model": "small"}, {"outer_lr": 0.5}, {"outer_momentum": 0.8},
-                                    {"compression": "int8"}, {"compression": "topk"}, {"algorithm": "noloco"}])
+                                    {"compression": "int8"}, {"compression": "topk"}, {"algorithm": "noloco"},
+                                    {"aggregator": "trimmed"}, {"max_tokens_per_round": 4096}])
 def test_fingerprint_covers_model_and_outer_optimizer(change: dict[str, Any]) -> None:
     assert build_config({}).fingerprint() != build_config(change).fingerprint()
     assert build_config(change).fingerprint() == build_config(dict(change)).fingerprint()  # deterministic
@@ -302,3 +303,8 @@ def test_noloco_refuses_overlapped_sync_in_one_line(sync: str) -> None:
 def test_bad_noloco_values_name_their_key(values: dict[str, Any], key: str) -> None:
     assert f"'{key}'" in _error(values)
 
+
+
+def test_unknown_aggregator_is_refused() -> None:
+    with pytest.raises(ValueError, match="aggregator"):
+        build_config({"aggregator": "median"})
