@@ -20,9 +20,9 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=15 tests/unit tests/integration
 
-# network namespaces, browser, lifecycle stress (root, chromium, iproute2)
+# network namespaces, browser, lifecycle stress, hostile peers (root, chromium, iproute2)
 test-system: $(VENV)/.installed
-	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=15 tests/network tests/browser tests/system
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=15 tests/network tests/browser tests/system tests/hostile
 
 # docker/compose.yaml on a real Docker engine (root; starts dockerd when it is installed)
 test-docker: $(VENV)/.installed

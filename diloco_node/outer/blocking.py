@@ -28,7 +28,7 @@ class BlockingUpdate(NoPending):
         if solo_while_isolated(ctx, result, round_):
             return RoundReport("isolated", own, result)
         # compared before the step: the records of this round carry the φ every member started it from
-        diverged = ctx.swarm.presence.diverged(round_, ctx.state.digest())
+        diverged = ctx.swarm.presence.diverged(round_, ctx.state.digest(), result.group)
         with ctx.state.lock:
             if result.group:
                 self.optimizer.step(ctx.state.shaped(result.mean))

@@ -26,15 +26,23 @@ WAITING_LOG_SECONDS = 30.0
 
 
 def round_state(others: Collection[NodeRecord], round_: int) -> str:
-    """Where `others` stand on `round_`: behind (one already exchanged it, so it went on without
-    us), alone (none is left), together (all finished their inner phase of it) or waiting."""
-    if any(r.exchanged_round >= round_ for r in others):
+    """Where `others` stand on `round_`: behind (most of them already exchanged it, so the run went
+    on without us), alone (none is left), together (all finished their inner phase of it) or waiting.
+
+    Most, not one: any peer can publish a record claiming a far-ahead round, and "behind" makes us
+    drop our work and re-sync."""
+    if moved_on(others, round_):
         return "behind"
     if not others:
         return "alone"
     if all(r.ready_round >= round_ for r in others):
         return "together"
     return "waiting"
+
+
+def moved_on(others: Collection[NodeRecord], round_: int) -> bool:
+    """Whether more than half of `others` have exchanged `round_`."""
+    return 2 * sum(r.exchanged_round >= round_ for r in others) > len(others)
 
 
 class IncompatibleRun(RuntimeError):
@@ -60,13 +68,16 @@ class Presence:
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="swarm-heartbeat", daemon=True)
 
     def check_compatible(self) -> None:
-        """Refuse to go on if the run already uses another config (before we take part in anything)."""
-        for record in self._fetch().values():
-            if record.fingerprint != self.fingerprint:
-                self._publish()  # so that the run's nodes see, and log, whom they refused
-                difference = records.config_difference(self.config, record.config)
-                raise IncompatibleRun(f"refused: run '{self.run_id}' uses an incompatible config "
-                                      f"(peer {record.peer_id}: {difference})")
+        """Refuse to go on if the run already uses another config (before we take part in anything):
+        when no live node shares ours. One record with another config, which any peer can publish,
+        does not keep us out of a run whose nodes share ours (it is logged and refused)."""
+        found = [r for r in self._fetch().values() if r.peer_id != self.peer_id]
+        others = [r for r in found if r.fingerprint != self.fingerprint]
+        if others and len(others) == len(found):
+            self._publish()  # so that the run's nodes see, and log, whom they refused
+            difference = records.config_difference(self.config, others[0].config)
+            raise IncompatibleRun(f"refused: run '{self.run_id}' uses an incompatible config "
+                                  f"(peer {others[0].peer_id}: {difference})")
 
     def enter(self, round_: int, digest: str) -> None:
         """Announce ourselves as a member at `round_`, after any state download: a joiner that the
@@ -162,17 +173,20 @@ class Presence:
         return self.isolation.cut_off([p for p in self.compatible_peers() if p != self.peer_id])
 
     def ahead_of(self, round_: int) -> bool:
-        """Whether another live node of the run has already exchanged `round_` (we would be behind it)."""
-        return any(r.exchanged_round >= round_ for p, r in self.compatible_peers(refresh=True).items()
-                   if p != self.peer_id)
+        """Whether most other live nodes of the run have already exchanged `round_` (we are behind)."""
+        return moved_on([r for p, r in self.compatible_peers(refresh=True).items() if p != self.peer_id], round_)
 
-    def diverged(self, round_: int, digest: str) -> bool:
-        """Whether our φ differs from the run's canonical φ for the start of `round_`.
+    def diverged(self, round_: int, digest: str, among: Collection[str]) -> bool:
+        """Whether our φ differs from the canonical φ for the start of `round_` of `among`, the
+        group we averaged that round with (ourselves included).
 
         φ can split when an exchange fails on one side only (one node got the other's payload,
-        the other did not); the nodes holding a non-canonical φ re-sync.
+        the other did not); the nodes holding a non-canonical φ re-sync. Only the group's records
+        count: records of peers that averaged nothing with us, which anyone can publish in any
+        number, cannot outvote the group and make us drop our φ.
         """
-        canonical = records.canonical_digest(self.compatible_peers().values(), round_)
+        group = [r for p, r in self.compatible_peers().items() if p in among]
+        canonical = records.canonical_digest(group, round_)
         return canonical is not None and digest != canonical
 
     def leave(self) -> None:

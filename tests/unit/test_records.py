@@ -70,8 +70,12 @@ def test_round_state_of_the_peers_we_average_with() -> None:
     assert round_state([], 4) == "alone"
     assert round_state([peer_at("a", 4), peer_at("b", 5)], 4) == "together"
     assert round_state([peer_at("a", 4), peer_at("b", 3)], 4) == "waiting"
-    # one already exchanged round 4 without us: however the rest stand, we are behind
-    assert round_state([peer_at("a", 3), peer_at("b", 4, exchanged_round=4)], 4) == "behind"
+    # most of them already exchanged round 4 without us: however the rest stand, we are behind
+    assert round_state([peer_at("a", 3), peer_at("b", 4, 4), peer_at("c", 4, 4)], 4) == "behind"
+    assert round_state([peer_at("b", 4, exchanged_round=4)], 4) == "behind"
+    # one record claiming a far-ahead round (anyone can publish one) is not most of them
+    assert round_state([peer_at("a", 4), peer_at("forged", 10**6, 10**6)], 4) == "together"
+    assert round_state([peer_at("a", 3), peer_at("forged", 10**6, 10**6)], 4) == "waiting"
 
 
 def test_a_drawn_group_retries_matchmaking_only_while_every_partner_is_still_at_the_round() -> None:
@@ -139,3 +143,31 @@ def test_our_record_keeps_both_threads_fields_and_exchanged_round_never_goes_bac
     exchanged = [r.exchanged_round for r in published]
     assert exchanged == sorted(exchanged), "exchanged_round went backwards"
     assert published[-1].exchanged_round == 399 and presence._record.round == 399
+
+
+def presence_seeing(monkeypatch, found: list[NodeRecord]) -> Presence:  # type: ignore[no-untyped-def]
+    from diloco_node.swarm import records
+
+    monkeypatch.setattr(records, "fetch", lambda _dht, _run: ({r.peer_id: r for r in found}, {}))
+    monkeypatch.setattr(records, "publish", lambda _dht, _run, _record: None)
+    return Presence(SimpleNamespace(), "us", "run", "fp", {}, isolation=SimpleNamespace())  # type: ignore[arg-type]
+
+
+def test_only_the_groups_records_decide_that_our_phi_diverged(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # three Sybil records announce a fake digest; the two nodes we averaged with hold ours
+    found = [record("a", 5, "ours"), record("b", 5, "ours"), *(record(f"sybil{i}", 5, "fake") for i in range(3))]
+    presence = presence_seeing(monkeypatch, found)
+    presence.compatible_peers(refresh=True)
+    assert not presence.diverged(5, "ours", among=["a", "b", "us"])
+    assert presence.diverged(5, "ours", among=["a", "b", "us", "sybil0", "sybil1", "sybil2"])  # had they averaged
+
+
+def test_one_record_with_another_config_does_not_keep_us_out(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import pytest
+
+    from diloco_node.swarm.presence import IncompatibleRun
+
+    other = dataclasses.replace(record("intruder", 5, "d"), fingerprint="other")
+    presence_seeing(monkeypatch, [record("a", 5, "d"), other]).check_compatible()  # the run shares ours
+    with pytest.raises(IncompatibleRun, match="incompatible config"):
+        presence_seeing(monkeypatch, [other]).check_compatible()  # the run is another config's

@@ -1,0 +1,63 @@
+"""Records any peer can publish, with a key of its own, must not halt or steer a run (#15): a stock
+hivemind peer (forger.py) copies an honest record and claims a far-ahead round in it. Honest nodes
+used to re-sync every half second, zero rounds, for as long as it stayed."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import NodeFactory
+from tests.integration.test_swarm import assert_same_digests
+
+pytestmark = pytest.mark.integration
+
+FORGER = Path(__file__).with_name("forger.py")
+STOP_SECONDS = 15
+
+
+def test_a_forged_far_ahead_record_does_not_halt_the_run(spawn: NodeFactory) -> None:
+    options = ("--inner-steps", "5", "--min-peers", "2", "--run-id", "hostile")
+    a = spawn("a", *options, checkpoint=False)
+    b = spawn("b", *options, peer=a, checkpoint=False)
+    b.wait_for_round(1)
+    with forging(a.wait_for_address(), "ahead"):
+        a.wait_until(lambda: a.status().get("peers") == 3, 30, "the forged record among the run's")
+        since = len(a.stderr_lines), len(b.stderr_lines)
+        start = max(max(a.rounds), max(b.rounds)) + 1
+        assert_same_digests([a, b], range(start, start + 4))
+        assert all(node.rounds[r].group_size == 2 for node in (a, b) for r in range(start, start + 4))
+        assert a.status().get("peers") == 3, "the forged record should still be there"
+        for node, first in zip((a, b), since, strict=True):
+            assert "re-sync" not in "".join(node.stderr_lines[first:]), node.log_text()[-3000:]
+
+
+def test_a_record_with_another_config_does_not_keep_joiners_out(spawn: NodeFactory) -> None:
+    """It used to make every new joiner refuse to start ("incompatible config")."""
+    options = ("--inner-steps", "5", "--run-id", "hostile")
+    a = spawn("a", *options, checkpoint=False)
+    with forging(a.wait_for_address(), "config"):
+        a.wait_until(lambda: "refused peer" in a.log_text(), 30, "a refusing the forged record")
+        joiner = spawn("joiner", *options, "--min-peers", "2", peer=a, checkpoint=False)
+        first = joiner.wait_joined() + 1
+        assert_same_digests([a, joiner], range(first + 1, first + 3))  # the first one may re-sync
+
+
+@contextlib.contextmanager
+def forging(peer: str, mode: str) -> Iterator[None]:
+    forger = subprocess.Popen([sys.executable, str(FORGER), peer, "hostile", mode],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert forger.stdout is not None and forger.stdout.readline().strip() == "forging"
+        yield
+    finally:
+        forger.terminate()
+        started = time.monotonic()
+        assert forger.wait(STOP_SECONDS) == 0
+        assert time.monotonic() - started < STOP_SECONDS
