@@ -7,6 +7,7 @@ stderr and exit code 2.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -70,6 +71,14 @@ def setup_logging(level: str) -> None:
     logging.getLogger("hivemind").setLevel(hivemind_level)
     for handler in logging.getLogger("hivemind").handlers:
         handler.setLevel(hivemind_level)
+    # hivemind's all-reduce cancels its own futures when a group falls apart; asyncio then reports
+    # each as "Future exception was never retrieved" with a traceback (the failure itself is our one line)
+    logging.getLogger("asyncio").addFilter(_not_a_cancelled_future)
+
+
+def _not_a_cancelled_future(record: logging.LogRecord) -> bool:
+    cancelled = record.exc_info is not None and isinstance(record.exc_info[1], asyncio.CancelledError)
+    return not (cancelled and record.getMessage().startswith("Future exception was never retrieved"))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -14,14 +14,14 @@ class BlockingUpdate(NoPending):
 
     def finish_round(self, round_: int, pseudo_gradient: torch.Tensor, tokens: float) -> RoundReport:
         ctx = self.ctx
-        # A joiner that downloaded φ from here on would hold this round's start while the group
-        # formed without it: it would average alone and split off. It retries until we have stepped
-        # (the node shares again after every round).
-        ctx.swarm.stop_sharing()
         own = ctx.averaging.encode(round_, pseudo_gradient, tokens)
         ctx.swarm.offer(round_, own.payload, tokens)
         with exchanging(ctx.telemetry, round_):
-            gathered = ctx.swarm.gather(round_, own.payload is not None, ctx.stop)
+            # Once the group forms, a joiner that downloaded φ would hold this round's start while
+            # the group goes on without it: it would average alone and split off. It retries until
+            # we have stepped (the node shares again after every round). Before, during the wait for
+            # the others, it is welcome: it is counted in and waited for.
+            gathered = ctx.swarm.gather(round_, own.payload is not None, ctx.stop, on_ready=ctx.swarm.stop_sharing)
         if gathered.verdict in ("stopped", "behind"):
             return RoundReport(gathered.verdict, own, None)
         result = ctx.averaging.mean(own, gathered)

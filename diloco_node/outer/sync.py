@@ -73,9 +73,11 @@ def correction(applied: Applied, mean: torch.Tensor | None) -> torch.Tensor:
 R = TypeVar("R")
 
 
-# Exchanges a node keeps pending at once (a healthy node has one): beyond it, the round engine waits
-# for the oldest instead of piling up pseudo-gradients while a peer is frozen.
-MAX_IN_FLIGHT = 4
+# Exchanges a node keeps pending at once: the one it just started and one still running late.
+# Beyond that the round engine waits for the oldest: when exchanges take longer than rounds, a
+# longer queue only grows, and its rounds' payloads would be gone (swarm/exchange.py keeps offers
+# a few rounds) by the time their turn came.
+MAX_IN_FLIGHT = 2
 
 
 class PendingExchanges(Generic[R]):

@@ -149,7 +149,9 @@ class SwarmMember:
             if remaining <= 0:
                 logger.warning("no peer shared its state within %.0fs; starting from our own φ", timeout)
                 return None
-            stop.wait(STATE_RETRY_SECONDS)
+            if stop.wait(STATE_RETRY_SECONDS):
+                logger.warning("state download stopped")
+                return None
         return None
 
     def _download_once(self, timeout: float, stop: threading.Event) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
@@ -190,12 +192,15 @@ class SwarmMember:
             self._exchange.offer(round_, payload, tokens)
 
     def gather(self, round_: int, contributing: bool, stop: threading.Event,
-               among: Collection[str] | None = None) -> Gathered:
+               among: Collection[str] | None = None, on_ready: Callable[[], None] | None = None) -> Gathered:
         """The other members' payloads for `round_`: wait until the run (or `among`, NoLoCo's drawn
-        group) is ready, form the group, fetch. Safe off the main thread; `stop` ends the wait."""
+        group) is ready, call `on_ready`, form the group, fetch. Safe off the main thread; `stop`
+        ends the wait."""
         verdict = self.presence.wait_for_round(round_, self.settings.round_timeout, stop, among=among)
         if verdict in ("stopped", "behind", "alone"):
             return Gathered(verdict, round_)
+        if on_ready is not None:
+            on_ready()
         others, fetched = self._find_group(round_, contributing)
         if not others and contributing and self._drawn_group_failed_too(round_):
             logger.info("round=%d matchmaking failed for our whole drawn group; trying once more", round_)

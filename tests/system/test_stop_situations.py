@@ -61,7 +61,8 @@ def test_stop_with_an_eager_exchange_in_flight_settles_it(spawn: NodeFactory, ho
     again = spawn("a", *options, peer=b)
     joined = again.wait_joined()
     assert joined >= int(settled[1])
-    again.wait_for_round(joined + 2, timeout=120)
+    # a round number may be skipped: a node that finds itself behind re-syncs past it
+    again.wait_until(lambda: max(again.rounds, default=-1) >= joined + 2, 120, f"round {joined + 2} or later")
     again.stop(how, within=STOP_BOUND + MATCHMAKING_BOUND)
     b.stop(how, within=STOP_BOUND + MATCHMAKING_BOUND)
 
