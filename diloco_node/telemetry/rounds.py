@@ -4,6 +4,7 @@ show, from what the round measured."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +81,8 @@ class RoundReporter:
         self.telemetry, self.wire, self.label, self.gossip = telemetry, wire, label, gossip
         self.compute_seconds = self.wait_seconds = 0.0  # since start, for utilization
         self.wire_at_last_round = (0, 0)
+        self.clipped: Counter[str] = Counter()  # per peer: contributions our aggregator bounded
+        self.rejected: Counter[str] = Counter()  # and left out
 
     def finished(self, swarm: SwarmMember, round_: int, losses: list[float], eval_loss: float,
                  report: RoundReport, timing: RoundTiming, digest: str) -> dict[str, Any]:
@@ -91,6 +94,8 @@ class RoundReporter:
         stats = round_stats(round_, losses, eval_loss, report, timing,
                             Traffic(sent, received, self._wire_this_round()), before, self.gossip)
         self.telemetry.record_round(stats)
+        self.clipped.update(stats["clipped"])
+        self.rejected.update(stats["rejected"])
         utilization = self.compute_seconds / (self.compute_seconds + self.wait_seconds)
         self.telemetry.update(
             outer_step=round_, loss=stats["loss"], eval_loss=eval_loss, group_size=stats["group_size"],
@@ -125,4 +130,6 @@ class RoundReporter:
     def swarm_table(self, swarm: SwarmMember, peak_memory: list[int] | None) -> None:
         peers = swarm.presence.compatible_peers()
         self.telemetry.update(peers=len(peers), peak_memory_bytes=peak_memory)
-        self.telemetry.set_peers([swarm_row(record, record.peer_id == swarm.peer_id) for record in peers.values()])
+        self.telemetry.set_peers([
+            swarm_row(record, peer == swarm.peer_id, (self.clipped[peer], self.rejected[peer]))
+            for peer, record in peers.items()])

@@ -7,8 +7,9 @@ from typing import Any
 from diloco_node.swarm.records import NodeRecord
 
 
-def swarm_row(record: NodeRecord, is_self: bool) -> dict[str, Any]:
-    """One row of the swarm table (/api/peers) from a node's published record."""
+def swarm_row(record: NodeRecord, is_self: bool, bounded: tuple[int, int] = (0, 0)) -> dict[str, Any]:
+    """One row of the swarm table (/api/peers) from a node's published record; `bounded`: how many of
+    its contributions our aggregator clipped and rejected (our view, not its claim)."""
     stats = record.stats
     moved = stats.get("last_round_bytes_sent", 0) + stats.get("last_round_bytes_received", 0)
     seconds = stats.get("last_exchange_seconds") or 0.0
@@ -18,4 +19,5 @@ def swarm_row(record: NodeRecord, is_self: bool) -> dict[str, Any]:
             "last_round_bytes_sent": stats.get("last_round_bytes_sent", 0),
             "last_round_bytes_received": stats.get("last_round_bytes_received", 0),
             "bandwidth_bps": 8 * moved / seconds if seconds > 0 else None,
-            "utilization": stats.get("utilization"), "last_seen": stats.get("time") or None, "is_self": is_self}
+            "utilization": stats.get("utilization"), "last_seen": stats.get("time") or None, "is_self": is_self,
+            "clipped": bounded[0], "rejected": bounded[1]}

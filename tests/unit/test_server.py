@@ -25,7 +25,8 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RUN = "test-run"
 CHECKPOINT_DIR = "/tmp/diloco-secret-checkpoints"
 COUNTERS = ("diloco_bytes_sent", "diloco_bytes_received", "diloco_wire_bytes_sent", "diloco_wire_bytes_received",
-            "diloco_outer_steps", "diloco_inner_steps")
+            "diloco_outer_steps", "diloco_inner_steps", "diloco_contributions_clipped",
+            "diloco_contributions_rejected")
 GAUGES = ("diloco_loss", "diloco_eval_loss", "diloco_compute_utilization", "diloco_peers", "diloco_compression_ratio",
           "diloco_isolated")
 
@@ -179,6 +180,7 @@ def test_metrics_parse_back_with_run_label() -> None:
         assert value("diloco_wire_bytes_received_total") == 4_300_000
         assert value("diloco_outer_steps_total") == 2
         assert value("diloco_inner_steps_total") == 80
+        assert value("diloco_contributions_clipped_total") == 0  # there from the start, not once one is clipped
         assert value("diloco_loss") == 3.9 and value("diloco_eval_loss") == 4.1
         assert value("diloco_compute_utilization") == 0.9
         assert value("diloco_peers") == 2 and value("diloco_compression_ratio") == 16.0
@@ -353,3 +355,13 @@ def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
     path.write_text("\n".join(rules) + "\n")
     result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_swarm_rows_count_what_our_aggregator_bounded_per_peer() -> None:
+    from diloco_node.swarm.records import NodeRecord
+    from diloco_node.telemetry.swarm_table import swarm_row
+
+    record = NodeRecord("peer", "fp", {}, 3, 2, "d", {"label": "x"})
+    assert (swarm_row(record, False)["clipped"], swarm_row(record, False)["rejected"]) == (0, 0)
+    row = swarm_row(record, False, bounded=(3, 1))
+    assert (row["clipped"], row["rejected"]) == (3, 1)

@@ -178,6 +178,10 @@ function renderPeers(peers) {
     }
     cell(row, mbit(p.bandwidth_bps), { numeric: true, column: "bandwidth", value: p.bandwidth_bps });
     cell(row, percent(p.utilization), { numeric: true, column: "utilization", value: p.utilization });
+    const bounded = (p.clipped || 0) + (p.rejected || 0);
+    cell(row, bounded ? `${show(p.clipped)} / ${show(p.rejected)}` : "–", {
+      numeric: true, column: "bounded", value: bounded,
+      title: "this node's contributions our aggregator clipped / rejected" });
     cell(row, ago(p.last_seen), { numeric: true, column: "last_seen", value: p.last_seen });
   }
   setText("swarm-count", ordered.length ? `(${ordered.length} nodes)` : "");
