@@ -135,6 +135,78 @@ def make_identity(path: Path) -> None:
 
 
 @main.command()
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+def keygen(path: Path) -> None:
+    """Create a run owner's key at PATH (never overwriting one) and print its public key, which
+    every node of a permissioned run is given as --run-owner.
+
+    Example: diloco-node keygen owner.key
+    """
+    from diloco_node.admission import AdmissionError, generate_owner_key
+
+    try:
+        click.echo(generate_owner_key(path))
+    except AdmissionError as exc:
+        fail(str(exc))
+
+
+def _signed(owner_key: Path, kind: str, run_id: str, peer_id: str, expires: str = "never") -> str:
+    from diloco_node.admission import AdmissionError, Claims, check_peer_id, load_owner_key, parse_expiry, sign
+
+    try:
+        claims = Claims(kind, run_id, check_peer_id(peer_id), parse_expiry(expires) if kind == "admit" else None)
+        return sign(load_owner_key(owner_key), claims)
+    except AdmissionError as exc:
+        fail(str(exc))
+
+
+@main.command()
+@click.option("--owner-key", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="the run owner's key (from keygen)")
+@click.option("--run-id", required=True, help="the run the admission is for")
+@click.option("--expires", default="never", show_default=True,
+              help="never, a duration (90m, 12h, 30d, 2w) or a date (2026-12-31, UTC)")
+@click.argument("peer_id")
+def admit(owner_key: Path, run_id: str, expires: str, peer_id: str) -> None:
+    """Print an admission to run RUN for PEER_ID (from `diloco-node identity PATH`), signed with
+    the owner's key; the node joins with --admission TOKEN (or a file holding it).
+
+    Example: diloco-node admit --owner-key owner.key --run-id demo --expires 30d QmYy...
+    """
+    click.echo(_signed(owner_key, "admit", run_id, peer_id, expires))
+
+
+@main.command()
+@click.option("--owner-key", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="the run owner's key (from keygen)")
+@click.option("--run-id", required=True, help="the run to revoke the admission in")
+@click.option("--peer", "peers", multiple=True, required=True, help="a node of the run to publish through")
+@click.argument("peer_id")
+def revoke(owner_key: Path, run_id: str, peers: tuple[str, ...], peer_id: str) -> None:
+    """Revoke PEER_ID's admission to run RUN: the revocation is published in the run's DHT, where
+    every node reads it within one heartbeat and stops dealing with that peer.
+
+    Example: diloco-node revoke --owner-key owner.key --run-id demo --peer /ip4/203.0.113.7/tcp/31337/p2p/Qm... QmYy...
+    """
+    token = _signed(owner_key, "revoke", run_id, peer_id)
+    from diloco_node.swarm.addresses import check_multiaddr
+
+    for peer in peers:
+        try:
+            check_multiaddr(peer)
+        except ValueError as exc:
+            fail(str(exc))
+    setup_logging("WARNING")
+    from diloco_node.swarm.member import SwarmError, publish_revocation
+
+    try:
+        publish_revocation(list(peers), run_id, token)
+    except SwarmError as exc:
+        fail(str(exc))
+    click.echo(f"revoked {peer_id} in run {run_id}")
+
+
+@main.command()
 @click.option("--nodes", default=2, show_default=True, type=click.IntRange(1, 8), help="local node processes")
 @click.option("--rounds", default=12, show_default=True, type=click.IntRange(1), help="outer rounds")
 @click.option("--inner-steps", default=40, show_default=True, type=click.IntRange(1), help="H per round")

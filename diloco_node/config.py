@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from diloco_node.admission import parse_public_key
 from diloco_node.codec import CODECS, CodecConfig, make_codec
 from diloco_node.replica.base import ReplicaSettings
 from diloco_node.swarm.addresses import check_multiaddr
@@ -134,6 +135,12 @@ class NodeConfig(BaseModel):
                           "created when missing; '' = identity.key in --checkpoint-dir (a new id each start "
                           "when checkpoints are off)")
 
+    # --- permissioned runs (admission.py) ---
+    run_owner: str = Field("", description="the run owner's public key (from `diloco-node keygen`): only peers it "
+                           "admitted take part ('' = an open run)")
+    admission: str = Field("", description="this node's admission for a --run-owner run: the token from "
+                           "`diloco-node admit`, or a file holding it")
+
     @field_validator("peer", "listen", "announce")
     @classmethod
     def _multiaddrs(cls, values: list[str]) -> list[str]:
@@ -170,6 +177,24 @@ class NodeConfig(BaseModel):
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise ValueError(f"status address '{value}' is not HOST:PORT")
         return value
+
+    @field_validator("run_owner")
+    @classmethod
+    def _owner_key(cls, value: str) -> str:
+        if value:
+            parse_public_key(value)  # AdmissionError is a ValueError: phrased for the user
+        return value
+
+    @model_validator(mode="after")
+    def _admission_fits(self) -> NodeConfig:
+        if self.run_owner and not self.admission:
+            raise ValueError("a run with --run-owner needs this node's --admission (ask the run owner for one)")
+        if self.admission and not self.run_owner:
+            raise ValueError("--admission needs the --run-owner it was issued under")
+        if self.run_owner and self.identity_path is None:
+            raise ValueError("a run with --run-owner needs a lasting peer id, which the owner admits: "
+                             "give --identity PATH (or keep --checkpoint-dir)")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -275,6 +300,7 @@ class NodeConfig(BaseModel):
             "vocab_size": arch.vocab_size, "max_seq_len": arch.max_seq_len,
             "algorithm": self.algorithm, "sync": self.sync, **self._outer_fingerprint(), **self.codec_fingerprint(),
             "aggregator": self.aggregator, "max_tokens_per_round": self.max_tokens_per_round,
+            **({"run_owner": self.run_owner} if self.run_owner else {}),
         }
 
     def _outer_fingerprint(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from diloco_node import identity
+from diloco_node.admission import AdmissionError, Gate, load_token, parse_public_key
 from diloco_node.checkpoint import CheckpointStore
 from diloco_node.codec import CodecConfig, make_codec
 from diloco_node.config import NodeConfig
@@ -28,7 +29,7 @@ from diloco_node.outer.averaging import Averaging
 from diloco_node.outer.diloco import OuterOptimizer, pseudo_gradient
 from diloco_node.outer.factory import make_update
 from diloco_node.outer.noloco import NoLoCoOptimizer
-from diloco_node.outer.state import OuterState
+from diloco_node.outer.state import MAX_SHARED_VECTORS, OuterState
 from diloco_node.outer.sync import Applied
 from diloco_node.outer.update import OuterUpdate, RoundReport, UpdateContext
 from diloco_node.replica import Replica, ReplicaError, make_replica
@@ -70,6 +71,8 @@ class Node:
         self.abandon_exchange = threading.Event()
         self.joined = False  # start-up finished: φ is the run's (or ours to start it) and worth saving
         self.failure: str | None = None  # a local rank failed: nothing of this run is saved
+        self.revoked = False  # the run owner revoked our admission: we stopped
+        self.gate = Gate(cfg.run_id)
         self.store = CheckpointStore(cfg.checkpoint_path) if cfg.checkpoint_path else None
         self.telemetry = Telemetry(run_id=cfg.run_id, model=cfg.model, parameters=self.state.numel,
                                    compression=cfg.compression, algorithm=cfg.algorithm, label=cfg.label,
@@ -92,7 +95,11 @@ class Node:
         self.signals.install()  # Ctrl-C while waiting for peers is a clean stop too
         isolate_forked_children()
         if self.cfg.identity_path:
-            identity.create(self.cfg.identity_path)  # an unusable key file fails here, before anything starts
+            peer_id = identity.create(self.cfg.identity_path)  # an unusable key file fails here, before anything
+            if self.cfg.run_owner:
+                self.gate = Gate(self.cfg.run_id, parse_public_key(self.cfg.run_owner), load_token(self.cfg.admission))
+                if why := self.gate.own_refusal(peer_id):
+                    raise AdmissionError(why)
         # local ranks are processes of their own: started before hivemind forks anything (ranks.py)
         self.replica = make_replica(self.cfg.replica_settings(), on_failure=self.stop_requested.set)
         outstanding = self._resume()
@@ -135,10 +142,12 @@ class Node:
             run_id=self.cfg.run_id, fingerprint=self.cfg.fingerprint(), config=self.cfg.fingerprint_fields(),
             initial_peers=self.cfg.peer, listen=self.cfg.listen, announce=self.cfg.announce,
             matchmaking_time=self.cfg.matchmaking_time, round_timeout=self.cfg.round_timeout,
-            group_size=self.cfg.group_size if self.gossip else None, identity=self.cfg.identity_path)
-        swarm = SwarmMember(settings, self.state.numel, self._shared_state, payload_parts=2 if self.gossip else 1)
+            group_size=self.cfg.group_size if self.gossip else None, identity=self.cfg.identity_path, gate=self.gate)
+        swarm = SwarmMember(settings, self.state.numel, self._shared_state, MAX_SHARED_VECTORS,
+                            payload_parts=2 if self.gossip else 1)
         self.signals.install()  # again: hivemind's averager has just set SIGINT to SIG_IGN in this process
         swarm.presence.isolation.on_change = self._on_isolation
+        swarm.presence.on_revoked = self._on_revoked
         self.wire.start()
         for address in swarm.visible_addresses():
             self.say(f"peer address: {address}")
@@ -159,8 +168,10 @@ class Node:
     def _sync_from_peers(self) -> bool:
         """Download φ, outer momentum and the round from a peer; False when we are the first node."""
         assert self.swarm is not None and self.replica is not None
+        # blocking DiLoCo keeps φ the same on every node, so the one downloaded must be the run's
+        same_phi = self.cfg.sync == "blocking" and not self.gossip
         received = self.swarm.download_state(STATE_DOWNLOAD_TIMEOUT + self.cfg.round_timeout,
-                                            self.stop_requested)
+                                            self.stop_requested, check_digest=same_phi)
         if received is None:
             return False
         installed = self.state.install_shared(*received, self.cfg.fingerprint())
@@ -178,7 +189,7 @@ class Node:
         return True
 
     def _shared_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """What a joining peer downloads (on hivemind's thread; sharing starts once `update` exists)."""
+        """What a joining peer downloads (on the swarm's thread; sharing starts once `update` exists)."""
         assert self.update is not None
         assert self.swarm is not None
         return self.state.shared(self.cfg.fingerprint(), self.swarm.peer_id, self.update.settle_change)
@@ -186,7 +197,7 @@ class Node:
     # --- rounds -------------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Rounds until the run's end or a stop; 0, or 1 when a local rank failed."""
+        """Rounds until the run's end or a stop; 0, 1 when a local rank failed, 2 when our admission was revoked."""
         try:
             while self.joined and not self.stop_requested.is_set():
                 if self.cfg.max_outer_steps and self.state.round >= self.cfg.max_outer_steps:
@@ -199,7 +210,7 @@ class Node:
             logger.error("stopping: %s (this node resumes from its last checkpoint)", exc)
         finally:
             self.shutdown()
-        return 1 if self.failure else 0
+        return 1 if self.failure else 2 if self.revoked else 0
 
     def _settle(self) -> None:
         """At the end of a delayed or eager run, planned or asked for, apply what is in flight.
@@ -289,6 +300,12 @@ class Node:
         if self.swarm.presence.ahead_of(self.state.round):
             self._sync_from_peers()
             self._announce(ready=False)
+
+    def _on_revoked(self) -> None:
+        """On the heartbeat thread: the run owner revoked our admission; the others no longer deal with us."""
+        logger.error("the run owner revoked this node's admission; stopping")
+        self.revoked = True
+        self.stop_requested.set()
 
     def _on_isolation(self, since: float | None) -> None:
         """On the heartbeat thread: the status says at once that we are cut off (and see only ourselves)."""

@@ -7,6 +7,7 @@ import logging
 import click
 import torch
 
+from diloco_node.admission import AdmissionError
 from diloco_node.checkpoint import CheckpointError
 from diloco_node.config import NodeConfig
 from diloco_node.identity import IdentityError
@@ -22,7 +23,7 @@ from diloco_node.train.device import DeviceError
 logger = logging.getLogger(__name__)
 
 START_UP_ERRORS = (DataError, SwarmError, StatusServerError, CheckpointError, DeviceError,
-                   IncompatibleRun, IdentityError, EventsError)
+                   IncompatibleRun, IdentityError, EventsError, AdmissionError)
 
 
 def say(line: str) -> None:

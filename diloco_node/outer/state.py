@@ -18,7 +18,9 @@ from diloco_node.outer.noloco import NoLoCoOptimizer
 from diloco_node.outer.sync import MAX_IN_FLIGHT, Applied, Settled
 from diloco_node.replica.layout import digest, flatten, unflatten
 
-SharedState = tuple[dict[str, Any], list[torch.Tensor]]
+SharedState = tuple[dict[str, Any], list[torch.Tensor]]  # metadata; φ, momentum, our Δ of each round in flight
+# φ and momentum, and our Δ of each round in flight: MAX_IN_FLIGHT of our own, as many inherited
+MAX_SHARED_VECTORS = 2 + 2 * MAX_IN_FLIGHT
 
 
 class OuterState:
@@ -69,7 +71,7 @@ class OuterState:
                     "digest": digest(self.phi)}
 
     def shared(self, fingerprint: str, server: str, settle: Callable[[], Settled | None]) -> SharedState:
-        """What a joining peer downloads (on hivemind's thread): the round, φ and the momentum.
+        """What a joining peer downloads (on the swarm's thread): the round, φ and the momentum, flat.
 
         `settle` (overlapped modes) gives, under our lock, the change that makes our φ and momentum
         what they would be had every landed round's mean replaced our own Δ of that round, and the
@@ -87,22 +89,21 @@ class OuterState:
             metadata["in_flight"] = [{"round": a.round, "weight": a.weight, "at_step": a.at_step}
                                      for a in settled.in_flight]
             own = [a.own for a in settled.in_flight]
-        return metadata, unflatten(phi, self.phi) + unflatten(momentum, self.phi) + own
+        return metadata, [phi, momentum, *own]
 
-    def install_shared(self, metadata: Any, tensors: list[torch.Tensor],
+    def install_shared(self, metadata: Any, vectors: list[torch.Tensor],
                        fingerprint: str) -> tuple[str, list[Applied]] | None:
         """Install a state a peer shared, if it is well-formed, finite and of our run's config;
         returns the sharing peer and the rounds it had in flight (None when refused)."""
-        n = len(self.phi)
         if not (isinstance(metadata, dict) and isinstance(metadata.get("round"), int) and metadata["round"] >= 0
                 and metadata.get("fingerprint") == fingerprint and isinstance(metadata.get("server"), str)):
             return None
-        in_flight = _in_flight(metadata.get("in_flight"), tensors[2 * n:], self.numel)
-        shapes_match = len(tensors) >= 2 * n and all(
-            t.shape == p.shape for t, p in zip(tensors[:2 * n], self.phi + self.phi, strict=True))
-        if in_flight is None or not shapes_match or not all(torch.isfinite(t).all() for t in tensors):
+        in_flight = _in_flight(metadata.get("in_flight"), vectors[2:], self.numel)
+        sizes_match = len(vectors) >= 2 and all(v.dim() == 1 and v.numel() == self.numel for v in vectors[:2])
+        if in_flight is None or not sizes_match or not all(torch.isfinite(v).all() for v in vectors):
             return None
-        self.install(metadata["round"], tensors[:n], tensors[n:2 * n] if metadata.get("has_momentum") else None)
+        phi, momentum = unflatten(vectors[0], self.phi), unflatten(vectors[1], self.phi)
+        self.install(metadata["round"], phi, momentum if metadata.get("has_momentum") else None)
         return metadata["server"], in_flight
 
 

@@ -26,10 +26,11 @@ from typing import Any
 from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
 
+from diloco_node.swarm.streams import HEADER_LEN, receive, send
+
 logger = logging.getLogger(__name__)
 
-HEADER_LEN = 8
-MAX_REQUEST_BYTES = 256
+MAX_REQUEST_BYTES = 2048  # the round and the fetcher's admission token
 MAX_META_BYTES = 1 << 14  # tokens and the group's peer ids
 FETCH_ATTEMPTS = 3
 # a slow peer may still fetch the previous round while we offer the next, and a joiner the round
@@ -65,27 +66,36 @@ class Fetched:
     group: tuple[str, ...] | None
 
 
+# Why `peer`, showing admission `token`, may not fetch our payload of `round` whose group (None:
+# not known yet) is `group`; None when it may. Runs off the event loop: it may look up the DHT.
+FetchPolicy = Callable[[str, int, str, "tuple[str, ...] | None"], "str | None"]
+
+
 class PayloadExchange:
-    def __init__(self, dht: DHT, namespace: str, max_payload_bytes: int):
+    def __init__(self, dht: DHT, namespace: str, max_payload_bytes: int, may_fetch: FetchPolicy, token: str = ""):
+        """`token`: our admission, shown with each fetch (permissioned runs)."""
         self._handler_name = f"{namespace}_payload"
         self._max_payload = max_payload_bytes
+        self._may_fetch, self._token = may_fetch, token
+        self._refusals_logged: set[tuple[str, str]] = set()
         self._offers: dict[int, _Offer] = {}
         self._offers_changed = threading.Condition()
         self._counter_lock = threading.Lock()
         self.bytes_sent = 0
         self.bytes_received = 0
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="payload-exchange", daemon=True)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="payload-exchange", daemon=True)
         self._thread.start()
-        self._p2p: P2P = self._run(self._attach(dht), timeout=60)
+        self.p2p: P2P = self.run(self._attach(dht), timeout=60)
 
     async def _attach(self, dht: DHT) -> P2P:
         p2p = await dht.replicate_p2p()
         await p2p.add_binary_stream_handler(self._handler_name, self._serve)
         return p2p
 
-    def _run(self, coroutine, timeout: float):  # type: ignore[no-untyped-def]
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=timeout)
+    def run(self, coroutine, timeout: float):  # type: ignore[no-untyped-def]
+        """Run `coroutine` on the exchange's event loop (the one our stream handlers live on)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=timeout)
 
     def _count(self, sent: int = 0, received: int = 0) -> None:
         with self._counter_lock:
@@ -145,13 +155,21 @@ class PayloadExchange:
 
     async def _serve(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            request = await _receive(reader, MAX_REQUEST_BYTES, timeout=10)
-            round_ = json.loads(request)["round"]
+            request = await receive(reader, MAX_REQUEST_BYTES, timeout=10)
+            fields = json.loads(request)
+            round_, token, peer = fields["round"], fields.get("admission", ""), str(info.peer_id)
             with self._offers_changed:
                 offer = self._offers.get(round_) if isinstance(round_, int) else None
+                group = offer.group if offer else None
+            if offer is not None and isinstance(token, str):
+                why = await self.loop.run_in_executor(None, self._may_fetch, peer, round_, token, group)
+                if why is not None:
+                    self._log_refusal(peer, round_, why)
+                    offer = None
+            with self._offers_changed:
                 meta, payload = (offer.meta(), offer.payload) if offer else (b"{}", b"")
-            await _send(writer, meta)
-            await _send(writer, payload)
+            await send(writer, meta)
+            await send(writer, payload)
             # served only once the fetcher says it read everything (its end closes either way)
             acknowledged = await asyncio.wait_for(reader.read(1), timeout=10) == RECEIVED
             if acknowledged and offer is not None:
@@ -166,6 +184,11 @@ class PayloadExchange:
         finally:
             writer.close()
 
+    def _log_refusal(self, peer: str, round_: int, why: str) -> None:
+        if (peer, why) not in self._refusals_logged:  # once per peer and reason: a flood stays one line
+            self._refusals_logged.add((peer, why))
+            logger.warning("round=%d refused our payload to peer=%s: %s", round_, peer, why)
+
     # --- fetching -----------------------------------------------------------------------------
 
     def fetch_all(self, peers: Sequence[str], round_: int, timeout: float) -> dict[str, Fetched | None]:
@@ -173,19 +196,19 @@ class PayloadExchange:
         async def fetch_every() -> list[Fetched | None]:
             return await asyncio.gather(*(self._fetch(peer, round_, timeout) for peer in peers))
         try:
-            results = self._run(fetch_every(), timeout=timeout + 5)
+            results = self.run(fetch_every(), timeout=timeout + 5)
         except TimeoutError:
             results = [None] * len(peers)
         return dict(zip(peers, results, strict=True))
 
     async def _fetch(self, peer: str, round_: int, timeout: float) -> Fetched | None:
         """One peer's payload; a stream cut short is retried, since one lost payload splits φ."""
-        deadline = self._loop.time() + timeout
+        deadline = self.loop.time() + timeout
         for attempt in range(1, FETCH_ATTEMPTS + 1):
             try:
-                return await self._fetch_once(peer, round_, max(deadline - self._loop.time(), 1.0))
+                return await self._fetch_once(peer, round_, max(deadline - self.loop.time(), 1.0))
             except (asyncio.IncompleteReadError, ConnectionError) as exc:
-                if attempt == FETCH_ATTEMPTS or self._loop.time() >= deadline:
+                if attempt == FETCH_ATTEMPTS or self.loop.time() >= deadline:
                     return self._failed(peer, round_, exc)
                 logger.info("round=%d retrying fetch from peer=%s after %s", round_, peer, type(exc).__name__)
                 await asyncio.sleep(0.2 * attempt)
@@ -199,12 +222,12 @@ class PayloadExchange:
 
     async def _fetch_once(self, peer: str, round_: int, timeout: float) -> Fetched | None:
         _, reader, writer = await asyncio.wait_for(
-            self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._handler_name), timeout)
+            self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._handler_name), timeout)
         try:
-            request = json.dumps({"round": round_}).encode()
-            await _send(writer, request)
-            meta = await _receive(reader, MAX_META_BYTES, timeout)
-            payload = await _receive(reader, self._max_payload, timeout)
+            request = json.dumps({"round": round_, "admission": self._token}).encode()
+            await send(writer, request)
+            meta = await receive(reader, MAX_META_BYTES, timeout)
+            payload = await receive(reader, self._max_payload, timeout)
             writer.write(RECEIVED)
             await writer.drain()
         finally:
@@ -217,20 +240,20 @@ class PayloadExchange:
 
     def close(self) -> None:
         try:
-            self._run(self._detach(), timeout=5)
+            self.run(self._detach(), timeout=5)
         except Exception as exc:  # closing must not fail; the daemon goes away with the DHT anyway
             logger.debug("closing the payload exchange failed: %r", exc)
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
         if not self._thread.is_alive():
-            self._loop.close()
+            self.loop.close()
 
     async def _detach(self) -> None:
         """Leave no task pending: at exit asyncio would log each one ('Task was destroyed') on stderr."""
         try:
-            await self._p2p.remove_binary_stream_handler(self._handler_name)
+            await self.p2p.remove_binary_stream_handler(self._handler_name)
         finally:
-            await self._p2p.shutdown()  # a replica: closes only its own client, not the DHT's daemon
+            await self.p2p.shutdown()  # a replica: closes only its own client, not the DHT's daemon
             tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
             for task in tasks:
                 task.cancel()
@@ -246,18 +269,3 @@ def _parse_meta(meta: Any) -> tuple[float, tuple[str, ...] | None]:
     if group is not None and not (isinstance(group, list) and all(isinstance(p, str) for p in group)):
         raise ValueError("payload group is not a list of peer ids")
     return float(tokens), tuple(group) if group is not None else None
-
-
-async def _send(writer: asyncio.StreamWriter, data: bytes) -> None:
-    writer.write(len(data).to_bytes(HEADER_LEN, "big"))
-    writer.write(data)
-    await writer.drain()
-
-
-async def _receive(reader: asyncio.StreamReader, limit: int, timeout: float) -> bytes:
-    """Read one length-prefixed message, refusing (before allocating) anything over `limit`."""
-    header = await asyncio.wait_for(reader.readexactly(HEADER_LEN), timeout)
-    length = int.from_bytes(header, "big")
-    if length > limit:
-        raise ValueError(f"message of {length} bytes exceeds the limit of {limit}")
-    return await asyncio.wait_for(reader.readexactly(length), timeout)

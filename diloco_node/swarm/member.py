@@ -6,15 +6,20 @@ of the package never sees hivemind.
 Groups form through hivemind's DecentralizedAverager: its DHT matchmaking, timeouts and retries
 find the peers averaging the same round, and its all-gather carries each member's token count.
 The averager only all-reduces a one-element dummy; the pseudo-gradients themselves travel through
-PayloadExchange (see exchange.py for why). Its state download gives late joiners φ and the outer
-state. Rounds never mix: the matchmaking key carries the round number, so only peers averaging the
-same round can meet, and the run id + config fingerprint are part of the averager's prefix.
+PayloadExchange (see exchange.py for why); state downloads go through statesync.py (see there for
+why not hivemind's). Every peer we deal with is checked in our own handlers: a group member, a
+fetcher or a state server counts only with a verified record of this run (records.py), which in a
+permissioned run also carries a valid admission (admission.py). Rounds never mix: the matchmaking
+key carries the round number, so only peers averaging the same round can meet, and the run id +
+config fingerprint are part of the averager's prefix.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -25,15 +30,20 @@ from typing import Any
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
+from diloco_node import identity
+from diloco_node.admission import Gate
 from diloco_node.codec import max_payload_bytes
+from diloco_node.replica.layout import digest
 from diloco_node.swarm import records
 from diloco_node.swarm.contacts import Contacts
 from diloco_node.swarm.exchange import Fetched, PayloadExchange
 from diloco_node.swarm.groups import group_key, random_groups
 from diloco_node.swarm.isolation import Isolation
 from diloco_node.swarm.presence import Presence
+from diloco_node.swarm.statesync import StateService, download_from
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +56,7 @@ MISSED_GROUP_GRACE = 2.0
 GROUP_POLL_SECONDS = 0.5  # between asks for a group whose matchmaking is under way
 STATE_RETRY_SECONDS = 1.0  # between state downloads that found no peer sharing
 
+# What a joiner downloads: the round's metadata and flat fp32 vectors (φ, momentum, rounds in flight)
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
 
 
@@ -65,6 +76,7 @@ class SwarmSettings:
     round_timeout: float
     group_size: int | None = None  # NoLoCo: at most this many per group; None: one group for everyone
     identity: Path | None = None  # libp2p key file (identity.py); None: a new peer id each start
+    gate: Gate | None = None  # who is admitted (admission.py); None: an open run
 
 
 @dataclass(frozen=True)
@@ -78,44 +90,54 @@ class Gathered:
     received_bytes: int = 0
 
 
-class _StateSharingAverager(DecentralizedAverager):
-    """get_current_state is hivemind's documented hook for what a joining peer downloads."""
-
-    state_provider: StateProvider | None = None
-    on_state_served: Callable[[int], None] | None = None
-
-    def get_current_state(self):  # type: ignore[override]  # runs in our process, on hivemind's thread
-        metadata, tensors = self.state_provider() if self.state_provider else ({}, [])
-        if self.on_state_served:
-            self.on_state_served(_tensor_bytes(tensors))
-        return metadata, tensors, None
+def state_servers(others: dict[str, records.NodeRecord], reference: tuple[int, str] | None) -> list[str]:
+    """Whom to ask for the run's state, in order: the nodes holding the state most of the run
+    announces, then the others, furthest round first."""
+    return sorted(others, key=lambda p: ((others[p].round, others[p].digest) != reference, -others[p].round, p))
 
 
-def _tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+def _state_mismatch(peer: str, shared: tuple[dict[str, Any], list[torch.Tensor]],
+                    reference: tuple[int, str] | None, check_digest: bool) -> str | None:
+    """Why a downloaded state is not the one most of the run's records announce (None: it is, or
+    φ differs from node to node in this run and cannot be compared)."""
+    if not check_digest or reference is None:
+        return None
+    metadata, vectors = shared
+    got = (metadata.get("round"), digest(vectors[:1]))
+    if got != reference:
+        return f"its φ (round {got[0]}, digest {got[1]}) is not the run's (round {reference[0]}, digest {reference[1]})"
+    return None
 
 
 class SwarmMember:
-    def __init__(self, settings: SwarmSettings, numel: int, state_provider: StateProvider, payload_parts: int = 1):
-        """`payload_parts`: encoded vectors per payload (NoLoCo sends φ after Δ), for the size limit."""
+    def __init__(self, settings: SwarmSettings, numel: int, state_provider: StateProvider, state_vectors: int,
+                 payload_parts: int = 1):
+        """`state_vectors`: the most flat vectors a shared state may hold, `payload_parts`: encoded
+        vectors per payload (NoLoCo sends φ after Δ); both bound what a peer may send us."""
         self.settings = settings
-        self._dht = _start_dht(settings)
+        self.gate = settings.gate or Gate(settings.run_id)
+        self._dht, signed_by = _start_dht(settings)
         self.peer_id = str(self._dht.peer_id)
         isolation = Isolation(Contacts(self._dht, self.peer_id, settings.initial_peers), settings.run_id)
         self.presence = Presence(self._dht, self.peer_id, settings.run_id, settings.fingerprint, settings.config,
-                                 isolation)
+                                 isolation, signed_by, self.gate)
         namespace = f"{settings.run_id}_{settings.fingerprint}"
-        self._averager = _StateSharingAverager(
+        self._averager = DecentralizedAverager(
             [torch.zeros(1)], self._dht, start=True, prefix=namespace,
             min_matchmaking_time=settings.matchmaking_time, request_timeout=min(3.0, settings.matchmaking_time / 2),
             next_chunk_timeout=10.0, allreduce_timeout=settings.round_timeout, allow_state_sharing=False,
             target_group_size=settings.group_size)
-        self._averager.state_provider = state_provider
-        self._averager.on_state_served = lambda n: self._count_state(sent=n)
         self._draw: tuple[int, list[list[str]]] | None = None  # NoLoCo: the last round's groups
-        self._exchange = PayloadExchange(self._dht, namespace, payload_parts * max_payload_bytes(numel))
+        self._exchange = PayloadExchange(self._dht, namespace, payload_parts * max_payload_bytes(numel),
+                                         self._may_fetch_payload, self.gate.token)
+        self._state_provider = state_provider
+        self._sharing = threading.Event()
         self._state_bytes = [0, 0]  # sent, received: state shared with / downloaded from joiners
         self._state_bytes_lock = threading.Lock()
+        self._state = StateService(self._exchange.p2p, self._exchange.loop, namespace, numel, state_vectors,
+                                   self._serve_state, self.gate.refusal, self.gate.token,
+                                   on_moved=lambda sent, received: self._count_state(sent, received))
+        self._exchange.run(self._state.attach(), timeout=30)
         # hivemind's averager talks to its process over a pipe that is not safe to share between
         # threads; the exchange may run on a background thread (sync modes), so every call is locked.
         self._averager_lock = threading.Lock()
@@ -126,59 +148,70 @@ class SwarmMember:
         return [str(addr) for addr in self._dht.get_visible_maddrs()]
 
     def share_state(self, round_: int) -> None:
-        """Let others download our state; a higher round makes us the preferred source."""
-        with self._averager_lock:
-            self._averager.state_sharing_priority = float(round_)
-            self._averager.allow_state_sharing = True
+        """Let others download our state (φ at the start of `round_`)."""
+        self._sharing.set()
 
     def stop_sharing(self) -> None:
-        """A node whose φ is known to be off must not hand it to joiners."""
-        with self._averager_lock:
-            self._averager.allow_state_sharing = False
+        """A node whose φ is about to change or is known to be off must not hand it to joiners."""
+        self._sharing.clear()
 
-    def download_state(self, timeout: float, stop: threading.Event) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        """φ and the outer state from a peer, retried within `timeout`; None when nobody else is in
-        the run (we start it), nobody shared it in time, or `stop` was set while waiting."""
+    def _serve_state(self, peer: str) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        """Our state for `peer` (on the exchange's executor), None while we do not share. A joiner
+        handed rounds in flight is vouched for: it fetches those rounds' payloads from our group."""
+        if not self._sharing.is_set():
+            return None
+        metadata, vectors = self._state_provider()
+        if metadata.get("in_flight"):
+            self.presence.vouch(peer)
+        return metadata, vectors
+
+    def download_state(self, timeout: float, stop: threading.Event,
+                       check_digest: bool) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        """φ and the outer state from a peer, retried over the run's verified nodes within `timeout`;
+        None when nobody else is in the run (we start it), nobody shared it in time, or `stop` was
+        set while waiting. `check_digest` (runs whose φ is the same on every node): φ must be the
+        one most of the run's records announce."""
         deadline = time.monotonic() + timeout
         logger.info("downloading state from peers")
-        while any(peer != self.peer_id for peer in self.presence.compatible_peers(refresh=True)):
-            remaining = deadline - time.monotonic()
-            received = self._download_once(remaining, stop) if remaining > 0 else None
-            if received is not None or stop.is_set():
+        logged: set[tuple[str, str]] = set()
+        while True:
+            others = {p: r for p, r in self.presence.compatible_peers(refresh=True).items() if p != self.peer_id}
+            if not others:
+                return None
+            reference = records.reference_state(others.values())
+            received = download_from(self._state, self._exchange.run, state_servers(others, reference),
+                                     functools.partial(_state_mismatch, reference=reference, check_digest=check_digest),
+                                     deadline, logged)
+            if received is not None:
                 return received
-            if remaining <= 0:
+            if time.monotonic() > deadline:
                 logger.warning("no peer shared its state within %.0fs; starting from our own φ", timeout)
                 return None
             if stop.wait(STATE_RETRY_SECONDS):
                 logger.warning("state download stopped")
                 return None
-        return None
-
-    def _download_once(self, timeout: float, stop: threading.Event) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        with self._averager_lock:
-            future = self._averager.load_state_from_peers(wait=False, timeout=timeout)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                received = future.result(timeout=0.5)
-                break
-            except TimeoutError:
-                if stop.is_set() or time.monotonic() > deadline:
-                    future.cancel()
-                    why = "stopped" if stop.is_set() else f"timed out after {timeout:.0f}s"
-                    logger.warning("state download %s", why)
-                    return None
-            except Exception as exc:  # hivemind reports a failed download as assorted errors
-                logger.warning("state download failed: %r", exc)
-                return None
-        if received is not None:
-            self._count_state(received=_tensor_bytes(received[1]))
-        return received
 
     def _count_state(self, sent: int = 0, received: int = 0) -> None:
         with self._state_bytes_lock:  # hivemind's thread counts what it serves, ours what we download
             self._state_bytes[0] += sent
             self._state_bytes[1] += received
+
+    def _may_fetch_payload(self, peer: str, round_: int, token: str, group: tuple[str, ...] | None) -> str | None:
+        """Why `peer` may not fetch our payload of `round_` (None: it may). Once our group is known:
+        its members, and joiners a member vouched for (they complete rounds their server had in
+        flight). Before: any verified node of the run, since our matchmaking may still be running
+        or have failed one-sided (see _missed_group)."""
+        if why := self.gate.refusal(peer, token):
+            return why
+        if group is None:
+            return None if self.presence.known(peer, refresh=True) else "not a verified node of this run"
+        if peer in group:
+            return None
+        for refresh in (False, True):  # a fresh vouch may not have reached our last look at the records
+            vouchers = self.presence.compatible_peers(refresh=refresh)
+            if any(peer in vouchers[member].vouched for member in group if member in vouchers):
+                return None
+        return "not a member of the round's group"
 
     def traffic(self) -> tuple[int, int]:
         """(bytes sent, bytes received) of payloads and shared state since start."""
@@ -265,16 +298,29 @@ class SwarmMember:
         mean; averaging alone would split our φ from theirs. So we ask a peer that fetched ours for
         its group and fetch the members' payloads: the same contributions, hence the same mean.
         """
-        fetchers = sorted(self._exchange.served(round_, timeout=MISSED_GROUP_GRACE))
+        fetchers = sorted(p for p in self._exchange.served(round_, timeout=MISSED_GROUP_GRACE)
+                          if self.presence.known(p))
         if not fetchers:
             return [], {}
         fetched = self._exchange.fetch_all(fetchers[:1], round_, self.settings.round_timeout)
         first = fetched[fetchers[0]]
-        if first is None or first.group is None or self.peer_id not in first.group:
+        if first is None or first.group is None or not {self.peer_id, fetchers[0]} <= set(first.group):
+            return [], {}
+        others = [p for p in first.group if p != self.peer_id]
+        # The group a fetcher names is taken only if every member is a verified node of the run and
+        # names the same group: one peer cannot point us at a group of its own making.
+        if not all(self.presence.known(p, refresh=True) for p in others):
+            logger.warning("round=%d ignored the group peer=%s named: not all verified nodes", round_, fetchers[0])
+            return [], {}
+        fetched.update(self._exchange.fetch_all([p for p in others if p not in fetched], round_,
+                                                self.settings.round_timeout))
+        if any(item is None or item.group != first.group for item in fetched.values()):
+            logger.warning("round=%d ignored the group peer=%s named: its members do not all name it",
+                           round_, fetchers[0])
             return [], {}
         logger.info("round=%d our matchmaking failed but %s averaged with us; joining that group",
-                    round_, ", ".join(p for p in first.group if p != self.peer_id))
-        return [p for p in first.group if p != self.peer_id], fetched
+                    round_, ", ".join(others))
+        return others, fetched
 
     def _drawn_group_failed_too(self, round_: int) -> bool:
         """NoLoCo: whether the members of our drawn group are all still at `round_`, having neither
@@ -312,8 +358,10 @@ class SwarmMember:
                 continue
             if not (isinstance(info, dict) and info.get("round") == round_):
                 logger.warning("round=%d ignored peer=%s: malformed group metadata", round_, peer)
-                continue
-            group.append(str(peer))
+            elif not self.presence.known(str(peer), refresh=True):  # hivemind's matchmaking admits anyone
+                logger.warning("round=%d ignored peer=%s in our group: no verified record of this run", round_, peer)
+            else:
+                group.append(str(peer))
         return group
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -326,26 +374,52 @@ class SwarmMember:
         if not self._exchange.drain(self.settings.round_timeout, self._may_still_fetch):
             logger.warning("leaving before every group member fetched our last pseudo-gradient")
         self.presence.leave()
+        try:
+            self._exchange.run(self._state.detach(), timeout=5)
+        except Exception as exc:  # leaving must not fail; the handler goes with the daemon anyway
+            logger.debug("closing the state service failed: %r", exc)
         self._exchange.close()
         self._averager.shutdown()
         self._dht.shutdown()
 
 
-def _start_dht(settings: SwarmSettings) -> DHT:
-    """Start hivemind's DHT; a first contact that fails is retried, since busy peers answer late."""
-    attempt = 1
-    while True:
-        try:
-            return DHT(initial_peers=list(settings.initial_peers), host_maddrs=list(settings.listen),
-                       announce_maddrs=list(settings.announce) or None, start=True, startup_timeout=30,
-                       record_validators=records.validators(settings.run_id),
-                       identity_path=str(settings.identity) if settings.identity else None)
-        except Exception as exc:  # hivemind reports p2pd and bootstrap failures as generic errors
-            message = _explain_start_failure(settings, exc)
-            if attempt == BOOTSTRAP_ATTEMPTS or not message.startswith("cannot reach"):
-                raise SwarmError(message) from None
-            logger.warning("attempt=%d %s; retrying", attempt, message)
-            attempt += 1
+def _start_dht(settings: SwarmSettings) -> tuple[DHT, RSASignatureValidator]:
+    """Start hivemind's DHT under our libp2p identity, and the signer of our records holding that
+    identity's key; a first contact that fails is retried, since busy peers answer late."""
+    path = settings.identity or identity.ephemeral()
+    try:
+        identity.create(path)
+        signed_by = records.signer(identity.load(path))
+        attempt = 1
+        while True:
+            try:
+                return DHT(initial_peers=list(settings.initial_peers), host_maddrs=list(settings.listen),
+                           announce_maddrs=list(settings.announce) or None, start=True, startup_timeout=30,
+                           record_validators=records.validators(settings.run_id, signed_by),
+                           identity_path=str(path)), signed_by
+            except Exception as exc:  # hivemind reports p2pd and bootstrap failures as generic errors
+                message = _explain_start_failure(settings, exc)
+                if attempt == BOOTSTRAP_ATTEMPTS or not message.startswith("cannot reach"):
+                    raise SwarmError(message) from None
+                logger.warning("attempt=%d %s; retrying", attempt, message)
+                attempt += 1
+    finally:
+        if settings.identity is None:  # p2pd has read it; a key of a node that keeps no identity leaves no trace
+            shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def publish_revocation(initial_peers: Sequence[str], run_id: str, token: str) -> None:
+    """Store the owner's revocation `token` in the run's DHT (reached through `initial_peers`)."""
+    try:
+        dht = DHT(initial_peers=list(initial_peers), start=True, client_mode=True, startup_timeout=30,
+                  record_validators=records.validators(run_id, RSASignatureValidator()))
+    except Exception as exc:  # hivemind reports bootstrap failures as generic errors
+        raise SwarmError(f"cannot reach any peer ({', '.join(initial_peers)}): {str(exc).splitlines()[0]}") from None
+    try:
+        if not records.publish_revocation(dht, run_id, token):
+            raise SwarmError("no node of the run stored the revocation")
+    finally:
+        dht.shutdown()
 
 
 def _explain_start_failure(settings: SwarmSettings, exc: Exception) -> str:

@@ -9,11 +9,13 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from hivemind import DHT
+from hivemind.dht.crypto import RSASignatureValidator
 
+from diloco_node.admission import Gate
 from diloco_node.swarm import records
 from diloco_node.swarm.isolation import Isolation
 from diloco_node.swarm.records import NodeRecord
@@ -51,17 +53,20 @@ class IncompatibleRun(RuntimeError):
 
 class Presence:
     def __init__(self, dht: DHT, peer_id: str, run_id: str, fingerprint: str, config: dict[str, Any],
-                 isolation: Isolation):
+                 isolation: Isolation, signed_by: RSASignatureValidator, gate: Gate):
         self._dht, self.peer_id, self.run_id = dht, peer_id, run_id
         self.isolation = isolation  # fed by the heartbeat
+        self._signer, self.gate = signed_by, gate
+        self.on_revoked: Callable[[], None] | None = None  # the run owner revoked our own admission
         self.fingerprint, self.config = fingerprint, config
         self._dht_lock = threading.Lock()  # hivemind's DHT pipe is not safe to share between threads
         # announce (main thread) and mark_exchanged (also the exchange's thread) each rewrite our
         # record from the last one: one lock, so neither loses the other's field
         self._record_lock = threading.Lock()
-        self._record = NodeRecord(peer_id, fingerprint, config, 0, -1, "")
+        self._record = NodeRecord(peer_id, fingerprint, config, 0, -1, "", admission=gate.token)
         self._stats: dict[str, Any] = {}
         self._refused: set[str] = set()
+        self._unadmitted: dict[str, str] = {}  # peer → why it was not admitted (logged once per reason)
         self._live: dict[str, NodeRecord] = {}
         self._departed: dict[str, NodeRecord] = {}  # compatible nodes that left recently
         self._stop = threading.Event()
@@ -88,8 +93,8 @@ class Presence:
 
     def announce(self, round_: int, ready_round: int, digest: str) -> None:
         with self._record_lock:
-            self._record = NodeRecord(self.peer_id, self.fingerprint, self.config, round_, ready_round, digest,
-                                      self._stats, self._record.exchanged_round)
+            self._record = dataclasses.replace(self._record, round=round_, ready_round=ready_round, digest=digest,
+                                               stats=self._stats)
             self._publish()
 
     def mark_exchanged(self, round_: int) -> None:
@@ -99,9 +104,24 @@ class Presence:
                                                exchanged_round=max(round_, self._record.exchanged_round))
             self._publish()
 
+    def vouch(self, peer: str) -> None:
+        """`peer` took our state with rounds in flight: it may fetch those rounds' payloads from our
+        group, which serves them only to members and to those a member vouches for."""
+        with self._record_lock:
+            vouched = [p for p in self._record.vouched if p != peer][-(records.MAX_VOUCHED - 1):] + [peer]
+            self._record = dataclasses.replace(self._record, vouched=tuple(vouched))
+            self._publish()
+
+    def known(self, peer: str, refresh: bool = False) -> NodeRecord | None:
+        """`peer`'s record when it is a verified, admitted node of this run with our config (live,
+        or left within RECORD_TTL)."""
+        if refresh and peer not in self._live and peer not in self._departed:
+            self._fetch()
+        return self._live.get(peer) or self._departed.get(peer)
+
     def _publish(self) -> None:
         with self._dht_lock:
-            records.publish(self._dht, self.run_id, self._record)
+            records.publish(self._dht, self.run_id, self._record, self._signer)
 
     def publish_stats(self, **stats: Any) -> None:
         """Stats for the swarm table (see records.NodeStats); they go out with the next announcement."""
@@ -197,13 +217,14 @@ class Presence:
         self._stop.set()
         try:
             with self._dht_lock:
-                records.withdraw(self._dht, self.run_id, self._record)
+                records.withdraw(self._dht, self.run_id, self._record, self._signer)
         except Exception as exc:  # leaving must never fail; the record expires on its own anyway
             logger.debug("withdraw failed: %r", exc)
 
     def _fetch(self) -> dict[str, NodeRecord]:
         with self._dht_lock:
             found, departed = records.fetch(self._dht, self.run_id)
+        found, departed = self._admitted(found), self._admitted(departed)
         self._live = {p: r for p, r in found.items() if r.fingerprint == self.fingerprint}
         self._departed = {p: r for p, r in departed.items() if r.fingerprint == self.fingerprint}
         self._live[self.peer_id] = self._record  # our latest, not the DHT's copy of an older one
@@ -214,12 +235,35 @@ class Presence:
                 logger.warning("refused peer %s: incompatible config (%s)", peer, difference)
         return found
 
+    def _admitted(self, found: dict[str, NodeRecord]) -> dict[str, NodeRecord]:
+        """The records of admitted peers (all of them in an open run); the others are logged once."""
+        admitted = {}
+        for peer, record in found.items():
+            why = self.gate.refusal(peer, record.admission)
+            if why is None:
+                admitted[peer] = record
+            elif peer != self.peer_id and self._unadmitted.get(peer) != why:
+                self._unadmitted[peer] = why
+                logger.warning("ignored peer %s: not admitted (%s)", peer, why)
+        return admitted
+
+    def _check_revocations(self) -> None:
+        if not self.gate.permissioned:
+            return
+        with self._dht_lock:
+            tokens = records.fetch_revocations(self._dht, self.run_id)
+        for peer in self.gate.add_revocations(tokens):
+            logger.warning("the run owner revoked the admission of peer %s", peer)
+            if peer == self.peer_id and self.on_revoked:
+                self.on_revoked()
+
     def _heartbeat_loop(self) -> None:
         # Faster while isolated: a peer that answers a dial is seen (and sees us) a second later.
         while not self._stop.wait(ISOLATED_HEARTBEAT_SECONDS if self.isolation.since else HEARTBEAT_SECONDS):
             try:
+                self._check_revocations()
                 with self._dht_lock:
-                    records.publish(self._dht, self.run_id, self._record)
+                    records.publish(self._dht, self.run_id, self._record, self._signer)
                 self._fetch()
                 with self._dht_lock:
                     self.isolation.observe([p for p in self._live if p != self.peer_id], list(self._departed))

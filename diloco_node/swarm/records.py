@@ -1,10 +1,16 @@
 """Presence records: who is in the run, with which config, how far each node has got, and its stats.
 
 Every node keeps one record under the DHT key `<run_id>_nodes`, refreshed by a heartbeat so that a
-crashed node's record expires on its own. The subkey carries the node's public key, so hivemind's
-RSASignatureValidator signs the record and nobody else can overwrite it; the same pydantic schema
-is enforced by the DHT on store (SchemaValidator) and by us on read, so a peer that writes nonsense
-is ignored and cannot break the barrier or the dashboard.
+crashed node's record expires on its own. The subkey carries the public key of the node's libp2p
+identity, so hivemind's RSASignatureValidator signs the record with the key the peer id is derived
+from: nobody else can overwrite it, and a record counts only when that key hashes to the peer id it
+claims (anyone can make keys, but not someone else's). The same pydantic schema is enforced by the
+DHT on store (SchemaValidator) and by us on read, so a peer that writes nonsense is ignored and
+cannot break the barrier or the dashboard.
+
+A permissioned run's revocations live under `<run_id>_revoked`, one subkey per owner-signed token
+(the subkey, not the value: a value can be replaced by anyone storing a later one, a subkey cannot
+be taken away).
 """
 
 from __future__ import annotations
@@ -15,14 +21,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pydantic.v1 as pydantic  # hivemind's SchemaValidator speaks pydantic v1
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils import ValueWithExpiration, get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from diloco_node.identity import peer_id_of_public_key
 
 logger = logging.getLogger(__name__)
 
 RECORD_TTL = 15.0  # seconds; a node silent for this long is treated as gone
+REVOCATION_TTL = 365 * 86400.0  # a revocation stays for as long as any admission is likely to
+MAX_VOUCHED = 8
+Token = pydantic.constr(strict=True, max_length=1024)
 NodeCount = pydantic.conint(strict=True, ge=0)
 Seconds = pydantic.confloat(strict=True, ge=0)
 
@@ -56,15 +70,40 @@ class NodeValue(pydantic.BaseModel):
     digest: pydantic.StrictStr
     left: pydantic.StrictBool = False
     stats: NodeStats = NodeStats()
+    admission: Token = ""  # type: ignore[valid-type]  # permissioned runs: the owner's token for this peer
+    vouched: pydantic.conlist(pydantic.StrictStr, max_items=MAX_VOUCHED) = []  # type: ignore[valid-type]
 
 
 class RunRecords(pydantic.BaseModel):
     nodes: dict[BytesWithPublicKey, NodeValue]  # type: ignore[valid-type]
+    revoked: dict[Token, pydantic.StrictBool]  # type: ignore[valid-type]
 
 
-def validators(run_id: str) -> list[Any]:
+def signer(identity: Any) -> RSASignatureValidator:
+    """hivemind's record signer holding our libp2p identity's private key (a cryptography RSA key),
+    so that our records are provably ours (`bound_peer_id`)."""
+    key = RSAPrivateKey.__new__(RSAPrivateKey)  # hivemind only makes fresh keys; this one is restored
+    key.__setstate__({"_private_key": identity.private_bytes(
+        serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption())})
+    return RSASignatureValidator(key)
+
+
+def validators(run_id: str, signed_by: RSASignatureValidator) -> list[Any]:
     """The DHT record validators every node of a run installs (schema first, then signatures)."""
-    return [SchemaValidator(RunRecords, allow_extra_keys=True, prefix=run_id), RSASignatureValidator()]
+    return [SchemaValidator(RunRecords, allow_extra_keys=True, prefix=run_id), signed_by]
+
+
+def bound_peer_id(subkey: bytes) -> str | None:
+    """The peer id of the libp2p key that signed a record stored under `subkey` (the DHT checked
+    the signature on store), None when the subkey holds no RSA key."""
+    keys = RSASignatureValidator._PUBLIC_KEY_RE.findall(subkey)
+    if len(keys) != 1:
+        return None
+    try:
+        key = serialization.load_ssh_public_key(keys[0])
+    except (ValueError, TypeError):
+        return None
+    return peer_id_of_public_key(key) if isinstance(key, rsa.RSAPublicKey) else None
 
 
 @dataclass(frozen=True)
@@ -77,6 +116,8 @@ class NodeRecord:
     digest: str  # hash of the node's φ at the start of `round`
     stats: dict[str, Any] = field(default_factory=dict)
     exchanged_round: int = -1  # the last round whose exchange this node completed
+    admission: str = ""
+    vouched: tuple[str, ...] = ()  # joiners we handed rounds in flight: they may fetch those rounds' payloads
 
     def may_still_fetch(self, round_: int) -> bool:
         """Whether this node may still fetch a payload of `round_`: it has neither completed that
@@ -89,7 +130,8 @@ class NodeRecord:
                 "round": self.round, "ready_round": self.ready_round, "exchanged_round": self.exchanged_round,
                 "digest": self.digest, "left": False,
                 # every field spelled out: the DHT's SchemaValidator refuses values that need defaults filled in
-                "stats": NodeStats(**self.stats).dict()}
+                "stats": NodeStats(**self.stats).dict(), "admission": self.admission,
+                "vouched": list(self.vouched)}
 
     @classmethod
     def from_wire(cls, value: Any, left: bool = False) -> NodeRecord | None:
@@ -101,30 +143,49 @@ class NodeRecord:
         if parsed.left != left:
             return None
         return cls(parsed.peer_id, parsed.fingerprint, parsed.config, parsed.round, parsed.ready_round,
-                   parsed.digest, parsed.stats.dict(), parsed.exchanged_round)
+                   parsed.digest, parsed.stats.dict(), parsed.exchanged_round, parsed.admission,
+                   tuple(parsed.vouched))
 
 
 def records_key(run_id: str) -> str:
     return f"{run_id}_nodes"
 
 
-def owned_subkey(peer_id: str) -> bytes:
+def revocations_key(run_id: str) -> str:
+    return f"{run_id}_revoked"
+
+
+def owned_subkey(peer_id: str, signed_by: RSASignatureValidator) -> bytes:
     """Our peer id followed by our public key: the key makes hivemind sign the record."""
-    return peer_id.encode() + RSASignatureValidator().local_public_key
+    return peer_id.encode() + signed_by.local_public_key
 
 
-def publish(dht: DHT, run_id: str, record: NodeRecord) -> None:
-    dht.store(records_key(run_id), subkey=owned_subkey(record.peer_id), value=record.to_wire(),
+def publish(dht: DHT, run_id: str, record: NodeRecord, signed_by: RSASignatureValidator) -> None:
+    dht.store(records_key(run_id), subkey=owned_subkey(record.peer_id, signed_by), value=record.to_wire(),
               expiration_time=get_dht_time() + RECORD_TTL)
 
 
-def withdraw(dht: DHT, run_id: str, record: NodeRecord) -> None:
+def publish_revocation(dht: DHT, run_id: str, token: str) -> bool:
+    return bool(dht.store(revocations_key(run_id), subkey=token, value=True,
+                          expiration_time=get_dht_time() + REVOCATION_TTL))
+
+
+def fetch_revocations(dht: DHT, run_id: str) -> list[str]:
+    """The run's published revocation tokens, unchecked (admission.Gate checks the owner's signature)."""
+    found = dht.get(revocations_key(run_id), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    return [subkey for subkey in found.value if isinstance(subkey, str)]
+
+
+def withdraw(dht: DHT, run_id: str, record: NodeRecord, signed_by: RSASignatureValidator) -> None:
     """Mark our record as left, so peers stop waiting for us at once.
 
     The DHT keeps the value with the latest expiration, so the marker must outlive the record it
     replaces; readers skip it like an expired record.
     """
-    dht.store(records_key(run_id), subkey=owned_subkey(record.peer_id), value={**record.to_wire(), "left": True},
+    dht.store(records_key(run_id), subkey=owned_subkey(record.peer_id, signed_by),
+              value={**record.to_wire(), "left": True},
               expiration_time=get_dht_time() + RECORD_TTL + 1)
 
 
@@ -142,8 +203,8 @@ def fetch(dht: DHT, run_id: str) -> tuple[dict[str, NodeRecord], dict[str, NodeR
             continue
         for left, into in ((False, live), (True, departed)):
             record = NodeRecord.from_wire(item.value, left=left)
-            # the signed subkey must name the peer the record claims to be
-            if record and subkey.startswith(record.peer_id.encode()):
+            # signed (the DHT checked) by the libp2p key of the peer the record claims to be
+            if record and bound_peer_id(subkey) == record.peer_id:
                 into[record.peer_id] = record
     return live, departed
 
@@ -160,6 +221,18 @@ def canonical_digest(nodes: Iterable[NodeRecord], round_: int) -> str | None:
     if not holders:
         return None
     return min(holders, key=lambda digest: (-len(holders[digest]), min(holders[digest])))
+
+
+def reference_state(nodes: Iterable[NodeRecord]) -> tuple[int, str] | None:
+    """The (round, φ digest) most nodes announce (ties: the later round, then the smaller digest):
+    the state a joiner takes, so that one peer's claim alone cannot choose it."""
+    counts: dict[tuple[int, str], int] = {}
+    for record in nodes:
+        if record.digest:
+            counts[(record.round, record.digest)] = counts.get((record.round, record.digest), 0) + 1
+    if not counts:
+        return None
+    return min(counts, key=lambda state: (-counts[state], -state[0], state[1]))
 
 
 def config_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> str:

@@ -1,59 +1,174 @@
-"""A hostile peer built on hivemind's own API only: it joins the run's DHT, copies an honest
-presence record, changes it, signs it with a key of its own and keeps it fresh.
-Usage: forger.py PEER_MULTIADDR RUN_ID ahead|config
-- ahead: the record claims a far-ahead round (config and fingerprint as the honest one's);
-- config: the record claims another config (fingerprint and one config value changed).
+"""A hostile peer built on hivemind's own API only (and the run's wire formats, which anyone can
+read): it joins the run's DHT under an identity of its own, copies an honest presence record,
+changes it, signs it with its own libp2p key (so the record is validly its own) and keeps it fresh.
 
-It prints `forging` once its record is stored, then refreshes it until SIGTERM, on which it shuts
-its DHT down and exits 0.
+Usage: forger.py PEER_MULTIADDR RUN_ID MODE
+- ahead: the record claims a far-ahead round (config and fingerprint as the honest one's);
+- config: the record claims another config (fingerprint and one config value changed);
+- intruder: a permissioned run: the record carries an honest node's admission; every second it
+  also asks each honest node for its payloads and its state, printing what it got;
+- poison: serves the run's state with φ shifted by 1 (copied from an honest node, then changed),
+  its record following an honest node's round and digest; its peer id sorts before the honest
+  ones, so a joiner asks it first;
+- drip: as poison, but serves the state one kilobyte a second.
+
+It prints `forging PEER_ID` once its record is stored, then refreshes it until SIGTERM, on which
+it shuts its DHT down and exits 0.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import signal
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
+import numpy as np
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import PeerID
+from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.multiaddr import Multiaddr
 
 FAR_AHEAD = 10**6
 REFRESH_SECONDS = 2.0
 TTL = 15.0
+HEADER = 8
 
 
-def honest_record(dht: DHT, key: str) -> dict:
+def make_identity(below: list[str] | None = None) -> tuple[Path, RSASignatureValidator, str]:
+    """A libp2p RSA key file, hivemind's record signer holding the same key, and its peer id (one
+    that sorts before every id in `below`, when given)."""
+    while True:
+        key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        der = key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL,
+                                serialization.NoEncryption())
+        data = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=der).SerializeToString()
+        peer_id = PeerID.from_identity(data).to_base58()
+        if not below or peer_id < min(below):
+            break
+    path = Path(tempfile.mkdtemp()) / "forger.key"
+    path.write_bytes(data)
+    path.chmod(0o600)
+    wrapped = RSAPrivateKey.__new__(RSAPrivateKey)
+    wrapped.__setstate__({"_private_key": der})
+    return path, RSASignatureValidator(wrapped), peer_id
+
+
+def honest_records(dht: DHT, key: str) -> list[dict]:
     while True:
         found = dht.get(key, latest=True)
         if found is not None and isinstance(found.value, dict):
-            for item in found.value.values():
-                if isinstance(item.value, dict) and not item.value.get("left"):
-                    return dict(item.value)
+            values = [dict(item.value) for item in found.value.values()
+                      if isinstance(item.value, dict) and not item.value.get("left")]
+            if values:
+                return sorted(values, key=lambda v: v["peer_id"])
         time.sleep(0.5)
+
+
+async def ask(p2p, peer: str, handler: str, request: dict, limit: int = 1 << 26) -> list[bytes]:
+    """Send one request on `handler` and read the length-prefixed answers until the stream ends."""
+    for attempt in range(5):  # the daemon may not have routed the peer yet
+        try:
+            _, reader, writer = await asyncio.wait_for(
+                p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler), 10)
+            break
+        except Exception:
+            if attempt == 4:
+                raise
+            await asyncio.sleep(1.0)
+    body = json.dumps(request).encode()
+    writer.write(len(body).to_bytes(HEADER, "big") + body)
+    await writer.drain()
+    answers = []
+    try:
+        while True:
+            header = await asyncio.wait_for(reader.readexactly(HEADER), 10)
+            size = int.from_bytes(header, "big")
+            if size > limit:
+                break
+            answers.append(await asyncio.wait_for(reader.readexactly(size), 30))
+            if request.get("round") is not None and len(answers) == 2:
+                writer.write(b"\x01")  # the payload protocol's acknowledgement
+                await writer.drain()
+    except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
+        pass
+    writer.close()
+    return answers
 
 
 def main() -> None:
     peer, run_id, mode = sys.argv[1], sys.argv[2], sys.argv[3]
-    signer = RSASignatureValidator()  # our own key: the record is validly signed, by us
-    dht = DHT(initial_peers=[peer], start=True, record_validators=[signer], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     key = f"{run_id}_nodes"
-    me = str(dht.peer_id)
-    honest = honest_record(dht, key)
-    if mode == "ahead":
-        forged = {**honest, "peer_id": me, "round": FAR_AHEAD, "ready_round": FAR_AHEAD, "exchanged_round": FAR_AHEAD}
-    else:
-        forged = {**honest, "peer_id": me, "fingerprint": "0" * 16, "config": {**honest["config"], "model": "forged"}}
-    subkey = me.encode() + signer.local_public_key
+    scout = DHT(initial_peers=[peer], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True,
+                record_validators=[RSASignatureValidator()])  # strips the signatures off what it reads
+    honest = honest_records(scout, key)
+    scout.shutdown()
+    path, signer, me = make_identity([r["peer_id"] for r in honest] if mode in ("poison", "drip") else None)
+    dht = DHT(initial_peers=[peer], start=True, record_validators=[signer], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+              identity_path=str(path))
+    assert str(dht.peer_id) == me
+    namespace = f"{run_id}_{honest[0]['fingerprint']}"
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    run = lambda coroutine: asyncio.run_coroutine_threadsafe(coroutine, loop).result(120)  # noqa: E731
+    p2p = run(dht.replicate_p2p())
+    address, _, bootstrap_id = peer.rpartition("/p2p/")
+    run(p2p._client.connect(PeerID.from_base58(bootstrap_id), [Multiaddr(address)]))  # so that its daemon routes it
+    if mode in ("poison", "drip"):
+        state = run(ask(p2p, honest[0]["peer_id"], f"{namespace}_state", {"admission": ""}))
+        while len(state) < 2:  # blocking nodes share between exchanges
+            time.sleep(0.5)
+            state = run(ask(p2p, honest[0]["peer_id"], f"{namespace}_state", {"admission": ""}))
+        header, vectors = state
+        poisoned = (np.frombuffer(vectors, dtype=np.float32) + 1).astype(np.float32).tobytes()
+
+        async def serve(_info, reader, writer) -> None:
+            await reader.readexactly(int.from_bytes(await reader.readexactly(HEADER), "big"))
+            writer.write(len(header).to_bytes(HEADER, "big") + header + len(poisoned).to_bytes(HEADER, "big"))
+            for start in range(0, len(poisoned), 1024 if mode == "drip" else len(poisoned)):
+                writer.write(poisoned[start:start + (1024 if mode == "drip" else len(poisoned))])
+                await writer.drain()
+                if mode == "drip":
+                    await asyncio.sleep(1.0)
+            writer.close()
+
+        run(p2p.add_binary_stream_handler(f"{namespace}_state", serve))
+
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # after the DHT's process has forked
     announced = False
     while not stop.is_set():
-        stored = dht.store(key, subkey=subkey, value=forged, expiration_time=get_dht_time() + TTL)
+        source = next(r for r in honest_records(dht, key) if r["peer_id"] != me) if mode in ("poison", "drip") \
+            else honest[0]
+        forged = {**source, "peer_id": me}
+        if mode == "ahead":
+            forged.update(round=FAR_AHEAD, ready_round=FAR_AHEAD, exchanged_round=FAR_AHEAD)
+        elif mode == "config":
+            forged.update(fingerprint="0" * 16, config={**source["config"], "model": "forged"})
+        stored = dht.store(key, subkey=me.encode() + signer.local_public_key, value=forged,
+                           expiration_time=get_dht_time() + TTL)
         if stored and not announced:
-            print("forging", flush=True)
+            print(f"forging {me}", flush=True)
             announced = True
+        if mode == "intruder":
+            for target in honest:
+                for round_ in range(max(0, target["round"] - 1), target["round"] + 2):
+                    answers = run(ask(p2p, target["peer_id"], f"{namespace}_payload",
+                                      {"round": round_, "admission": target["admission"]}))
+                    print(f"payload {target['peer_id']} {round_} {len(answers[1]) if len(answers) > 1 else 0}",
+                          flush=True)
+                answers = run(ask(p2p, target["peer_id"], f"{namespace}_state", {"admission": target["admission"]}))
+                sharing = bool(answers) and json.loads(answers[0]).get("sharing") is True
+                print(f"state {target['peer_id']} {'served' if sharing else 'refused'}", flush=True)
         stop.wait(REFRESH_SECONDS)
     dht.shutdown()
 

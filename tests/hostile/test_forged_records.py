@@ -51,11 +51,18 @@ def test_a_record_with_another_config_does_not_keep_joiners_out(spawn: NodeFacto
 
 @contextlib.contextmanager
 def forging(peer: str, mode: str) -> Iterator[None]:
+    with forging_process(peer, mode) as forger:
+        assert forger.stdout is not None and forger.stdout.readline().startswith("forging ")
+        yield
+
+
+@contextlib.contextmanager
+def forging_process(peer: str, mode: str) -> Iterator[subprocess.Popen[str]]:
+    """forger.py in `mode` against the run `hostile`; stopped with SIGTERM (exit 0 within 15 s)."""
     forger = subprocess.Popen([sys.executable, str(FORGER), peer, "hostile", mode],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        assert forger.stdout is not None and forger.stdout.readline().strip() == "forging"
-        yield
+        yield forger
     finally:
         forger.terminate()
         started = time.monotonic()

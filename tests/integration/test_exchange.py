@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +20,9 @@ pytestmark = pytest.mark.integration
 def pair() -> Iterator[tuple[PayloadExchange, PayloadExchange, str, str]]:
     first = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     second = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), start=True)
-    offering, fetching = PayloadExchange(first, "xtest", 1 << 20), PayloadExchange(second, "xtest", 1 << 20)
+    anyone = lambda *_: None  # noqa: E731  (the fetch policy: SwarmMember's is tested below)
+    offering = PayloadExchange(first, "xtest", 1 << 20, anyone)
+    fetching = PayloadExchange(second, "xtest", 1 << 20, anyone)
     yield offering, fetching, str(first.peer_id), str(second.peer_id)
     for exchange in (offering, fetching):
         exchange.close()
@@ -109,9 +111,12 @@ def test_a_peer_that_sends_nonsense_metadata_is_refused(meta: object) -> None:
         _parse_meta(meta)
 
 
-def member_seam(exchange: PayloadExchange, peer_id: str) -> SimpleNamespace:
-    """What SwarmMember._missed_group uses of its member: its exchange, peer id and round timeout."""
-    return SimpleNamespace(_exchange=exchange, peer_id=peer_id, settings=SimpleNamespace(round_timeout=10.0))
+def member_seam(exchange: PayloadExchange, peer_id: str, verified: Callable[[str], bool] = lambda _: True
+                ) -> SimpleNamespace:
+    """What SwarmMember._missed_group uses of its member: its exchange, peer id, round timeout and
+    which peers have verified records of the run."""
+    return SimpleNamespace(_exchange=exchange, peer_id=peer_id, settings=SimpleNamespace(round_timeout=10.0),
+                           presence=SimpleNamespace(known=lambda peer, refresh=False: verified(peer)))
 
 
 def test_a_node_whose_matchmaking_failed_joins_the_group_that_counted_it_in(
@@ -132,3 +137,78 @@ def test_a_node_nobody_counted_in_averages_alone(pair: tuple[PayloadExchange, Pa
     member.offer(1, b"theirs", 300.0)
     member.expect(1, [member_id], member_id)
     assert SwarmMember._missed_group(member_seam(missed, missed_id), 1) == ([], {})  # type: ignore[arg-type]
+
+
+def test_the_recovery_takes_no_group_of_unverified_or_disagreeing_members(
+        pair: tuple[PayloadExchange, PayloadExchange, str, str]) -> None:
+    missed, member, missed_id, member_id = pair
+    missed.offer(1, b"ours", 100.0)
+    member.offer(1, b"theirs", 300.0)
+    member.expect(1, [member_id, missed_id, "QmSybil"], member_id)  # names a member with no record
+    assert member.fetch_all([missed_id], 1, timeout=10)[missed_id] is not None
+    seam = member_seam(missed, missed_id, verified=lambda peer: peer != "QmSybil")
+    assert SwarmMember._missed_group(seam, 1) == ([], {})  # type: ignore[arg-type]
+    # a fetcher without a verified record is not asked at all
+    assert SwarmMember._missed_group(member_seam(missed, missed_id, verified=lambda _: False), 1) == ([], {})  # type: ignore[arg-type]
+
+
+def test_a_fetch_the_policy_refuses_gets_nothing() -> None:
+    first = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    second = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), start=True)
+    asked: list[tuple[str, int, str, object]] = []
+
+    def members_only(peer: str, round_: int, token: str, group: object) -> str | None:
+        asked.append((peer, round_, token, group))
+        return None if group and peer in group else "not a member of the round's group"
+
+    offering = PayloadExchange(first, "xtest", 1 << 20, members_only)
+    fetching = PayloadExchange(second, "xtest", 1 << 20, lambda *_: None, token="our-admission")
+    try:
+        offering.offer(1, b"payload", 10.0)
+        offering.expect(1, [str(first.peer_id), "QmSomeoneElse"], str(first.peer_id))
+        assert fetching.fetch_all([str(first.peer_id)], 1, timeout=10) == {str(first.peer_id): None}
+        group = tuple(sorted([str(first.peer_id), "QmSomeoneElse"]))
+        assert asked == [(str(second.peer_id), 1, "our-admission", group)]
+        assert offering.served(1, timeout=0.2) == set()
+    finally:
+        for exchange in (offering, fetching):
+            exchange.close()
+        second.shutdown()
+        first.shutdown()
+
+
+def test_state_downloads_are_served_bounded_and_refused() -> None:
+    import torch
+
+    from diloco_node.swarm.statesync import StateRefused, StateService
+
+    first = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    second = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), start=True)
+    hosts = [PayloadExchange(dht, "xtest", 1 << 20, lambda *_: None) for dht in (first, second)]
+    phi, momentum = torch.arange(10, dtype=torch.float32), torch.ones(10)
+    sharing = [True]
+    server = StateService(hosts[0].p2p, hosts[0].loop, "xtest", 10, 4,
+                          lambda peer: ({"round": 3}, [phi, momentum]) if sharing[0] else None,
+                          lambda peer, token: None if token == "admitted" else "not admitted")
+    hosts[0].run(server.attach(), 10)
+
+    def download(numel: int, token: str) -> tuple[dict, list[torch.Tensor]]:
+        client = StateService(hosts[1].p2p, hosts[1].loop, "xtest", numel, 4, lambda peer: None,
+                              lambda peer, token: None, token=token)
+        return hosts[1].run(client.download(str(first.peer_id), 10), 20)
+
+    try:
+        metadata, vectors = download(10, "admitted")
+        assert metadata == {"round": 3} and torch.equal(vectors[0], phi) and torch.equal(vectors[1], momentum)
+        with pytest.raises(StateRefused, match="not sharing"):
+            download(10, "someone else's")
+        with pytest.raises(StateRefused, match="vectors of the model's size"):  # a server of another model size
+            download(5, "admitted")
+        sharing[0] = False
+        with pytest.raises(StateRefused, match="not sharing"):
+            download(10, "admitted")
+    finally:
+        for host in hosts:
+            host.close()
+        second.shutdown()
+        first.shutdown()

@@ -6,10 +6,15 @@ from __future__ import annotations
 import dataclasses
 from types import SimpleNamespace
 
+from hivemind.utils import ValueWithExpiration, get_dht_time
+
+from diloco_node import identity
+from diloco_node.admission import Claims, Gate, sign
+from diloco_node.swarm import records
 from diloco_node.swarm.groups import random_groups
-from diloco_node.swarm.member import SwarmMember
+from diloco_node.swarm.member import SwarmMember, _state_mismatch, state_servers
 from diloco_node.swarm.presence import Presence, round_state
-from diloco_node.swarm.records import NodeRecord, canonical_digest, config_difference
+from diloco_node.swarm.records import NodeRecord, canonical_digest, config_difference, reference_state
 
 
 def record(peer: str, round_: int, digest: str) -> NodeRecord:
@@ -121,8 +126,8 @@ def test_our_record_keeps_both_threads_fields_and_exchanged_round_never_goes_bac
     from diloco_node.swarm import records
 
     published: list[NodeRecord] = []
-    monkeypatch.setattr(records, "publish", lambda _dht, _run, record: published.append(record))
-    presence = Presence(SimpleNamespace(), "us", "run", "fp", {}, isolation=SimpleNamespace())  # type: ignore[arg-type]
+    monkeypatch.setattr(records, "publish", lambda _dht, _run, record, _signer: published.append(record))
+    presence = Presence(SimpleNamespace(), "us", "run", "fp", {}, SimpleNamespace(), None, Gate("run"))  # type: ignore[arg-type]
     presence.mark_exchanged(5)
     presence.mark_exchanged(3)  # an overlapped exchange's late report of an older round
     assert published[-1].exchanged_round == 5
@@ -149,8 +154,8 @@ def presence_seeing(monkeypatch, found: list[NodeRecord]) -> Presence:  # type: 
     from diloco_node.swarm import records
 
     monkeypatch.setattr(records, "fetch", lambda _dht, _run: ({r.peer_id: r for r in found}, {}))
-    monkeypatch.setattr(records, "publish", lambda _dht, _run, _record: None)
-    return Presence(SimpleNamespace(), "us", "run", "fp", {}, isolation=SimpleNamespace())  # type: ignore[arg-type]
+    monkeypatch.setattr(records, "publish", lambda _dht, _run, _record, _signer: None)
+    return Presence(SimpleNamespace(), "us", "run", "fp", {}, SimpleNamespace(), None, Gate("run"))  # type: ignore[arg-type]
 
 
 def test_only_the_groups_records_decide_that_our_phi_diverged(monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -171,3 +176,58 @@ def test_one_record_with_another_config_does_not_keep_us_out(monkeypatch) -> Non
     presence_seeing(monkeypatch, [record("a", 5, "d"), other]).check_compatible()  # the run shares ours
     with pytest.raises(IncompatibleRun, match="incompatible config"):
         presence_seeing(monkeypatch, [other]).check_compatible()  # the run is another config's
+
+
+def test_a_record_counts_only_under_the_key_of_the_peer_it_claims_to_be(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ours = identity.create(tmp_path / "a.key")
+    theirs = identity.create(tmp_path / "b.key")
+    signed_by = records.signer(identity.load(tmp_path / "a.key"))
+    assert records.bound_peer_id(records.owned_subkey(ours, signed_by)) == ours
+    assert records.bound_peer_id(b"no key here") is None
+
+    class FakeDHT:  # what hivemind's get returns once the DHT has checked the signatures
+        def get(self, key, latest):  # type: ignore[no-untyped-def]
+            expires = get_dht_time() + 10
+            honest = ValueWithExpiration(record(ours, 3, "d").to_wire(), expires)
+            value = {records.owned_subkey(ours, signed_by): honest,
+                     # a record under our key that claims to be another peer: an impersonation
+                     ours.encode()[:4] + signed_by.local_public_key:
+                         ValueWithExpiration(record(theirs, 3, "d").to_wire(), expires)}
+            return ValueWithExpiration(value, expires)
+
+    live, _ = records.fetch(FakeDHT(), "run")  # type: ignore[arg-type]
+    assert list(live) == [ours]
+
+
+def test_a_permissioned_presence_ignores_records_without_a_valid_admission(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    owner, stranger = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    admitted = dataclasses.replace(record("a", 5, "d"), admission=sign(owner, Claims("admit", "run", "a")))
+    wrong_peer = dataclasses.replace(record("b", 5, "d"), admission=sign(owner, Claims("admit", "run", "a")))
+    self_made = dataclasses.replace(record("c", 5, "d"), admission=sign(stranger, Claims("admit", "run", "c")))
+    none = record("e", 5, "d")
+    monkeypatch.setattr(records, "fetch", lambda _dht, _run: ({r.peer_id: r for r in
+                                                               (admitted, wrong_peer, self_made, none)}, {}))
+    monkeypatch.setattr(records, "publish", lambda _dht, _run, _record, _signer: None)
+    presence = Presence(SimpleNamespace(), "us", "run", "fp", {}, SimpleNamespace(), None,  # type: ignore[arg-type]
+                        Gate("run", owner.public_key(), sign(owner, Claims("admit", "run", "us"))))
+    assert sorted(presence.compatible_peers(refresh=True)) == ["a", "us"]
+    assert presence.known("a") and not presence.known("b", refresh=True)
+
+
+def test_a_joiner_takes_the_state_most_records_announce() -> None:
+    import torch
+
+    from diloco_node.replica.layout import digest
+
+    phi = torch.arange(4, dtype=torch.float32)
+    honest = digest([phi])
+    others = {"a": record("a", 7, honest), "b": record("b", 7, honest), "liar": record("liar", 10**6, "fake")}
+    reference = reference_state(others.values())
+    assert reference == (7, honest)
+    assert state_servers(others, reference) == ["a", "b", "liar"]  # the liar's far-ahead claim comes last
+    assert _state_mismatch("a", ({"round": 7}, [phi, phi]), reference, check_digest=True) is None
+    poisoned = ({"round": 7}, [phi + 1, phi])
+    assert "not the run's" in str(_state_mismatch("liar", poisoned, reference, check_digest=True))
+    assert _state_mismatch("liar", poisoned, reference, check_digest=False) is None  # φ differs by design

@@ -1,0 +1,169 @@
+"""State downloads: how a joiner or a re-syncing node gets φ, the outer momentum and the round.
+
+Over our own libp2p stream handler rather than hivemind's load_state_from_peers, which takes the
+state from whichever peer claims the highest priority in an unsigned DHT key that anyone can
+write, serves anyone who asks, and checks neither size nor content. Here the downloader picks
+among the run's verified records (swarm/records.py), the server serves only admitted peers, the
+transfer is bounded in bytes (known from the model's size) and in time (an inactivity timeout and
+a least rate), and the result is checked by `accept` (φ's digest against the round's records, in
+runs whose φ is the same on every node); a failure is logged and the next peer is tried.
+
+Wire: request {"admission": token} → {"sharing", "metadata", "vectors"} → the vectors, fp32,
+one after another, each of the model's size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from hivemind.p2p import P2P, PeerID
+
+from diloco_node.swarm.streams import HEADER_LEN, receive, send
+
+logger = logging.getLogger(__name__)
+
+MAX_REQUEST_BYTES = 2048
+MAX_META_BYTES = 1 << 16
+CHUNK_BYTES = 1 << 20
+READ_TIMEOUT = 10.0  # seconds without a byte before a download is given up
+LEAST_RATE = 256 * 1024  # bytes/s: a server slower than this (2 Mbit/s) is dropped for the next one
+NOT_SHARING = "it is not sharing its state now"  # a blocking node mid-exchange: asked again, not demoted
+SETUP_SECONDS = 10.0  # beyond the transfer at LEAST_RATE: connecting, the server's snapshot
+
+SharedState = tuple[dict[str, Any], list[torch.Tensor]]  # metadata, flat fp32 vectors (φ first)
+# Our state for the peer that asks (its id); None while we do not share.
+StateProvider = Callable[[str], "SharedState | None"]
+# Why a peer showing admission token may not download our state; None when it may.
+AccessPolicy = Callable[[str, str], "str | None"]
+# Why a downloaded state from a peer is refused (e.g. φ's digest); None to accept it.
+Acceptance = Callable[[str, SharedState], "str | None"]
+
+
+class StateRefused(Exception):
+    """A download from one peer that failed or was refused; the next peer is tried."""
+
+
+class StateService:
+    def __init__(self, p2p: P2P, loop: asyncio.AbstractEventLoop, namespace: str, numel: int, max_vectors: int,
+                 provider: StateProvider, may_download: AccessPolicy, token: str = "",
+                 on_moved: Callable[[int, int], None] | None = None):
+        """`max_vectors`: the most flat vectors a state may hold (φ, momentum, rounds in flight)."""
+        self._p2p, self._loop, self._name = p2p, loop, f"{namespace}_state"
+        self._numel, self._max_vectors = numel, max_vectors
+        self._provider, self._may_download, self._token = provider, may_download, token
+        self._on_moved = on_moved or (lambda sent, received: None)
+        self._refusals_logged: set[tuple[str, str]] = set()
+
+    async def attach(self) -> None:
+        await self._p2p.add_binary_stream_handler(self._name, self._serve)
+
+    async def detach(self) -> None:
+        await self._p2p.remove_binary_stream_handler(self._name)
+
+    # --- serving ------------------------------------------------------------------------------
+
+    async def _serve(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = str(info.peer_id)
+        try:
+            request = json.loads(await receive(reader, MAX_REQUEST_BYTES, READ_TIMEOUT))
+            token = request.get("admission", "") if isinstance(request, dict) else None
+            why = "malformed request" if not isinstance(token, str) else \
+                await self._loop.run_in_executor(None, self._may_download, peer, token)
+            shared = None if why else await self._loop.run_in_executor(None, self._provider, peer)
+            if why and (peer, why) not in self._refusals_logged:
+                self._refusals_logged.add((peer, why))
+                logger.warning("refused our state to peer=%s: %s", peer, why)
+            if shared is None:
+                await send(writer, json.dumps({"sharing": False}).encode())
+                return
+            metadata, vectors = shared
+            await send(writer, json.dumps({"sharing": True, "metadata": metadata, "vectors": len(vectors)}).encode())
+            writer.write((len(vectors) * self._numel * 4).to_bytes(HEADER_LEN, "big"))
+            for vector in vectors:
+                data = vector.detach().float().contiguous().numpy().tobytes()
+                for start in range(0, len(data), CHUNK_BYTES):
+                    writer.write(data[start:start + CHUNK_BYTES])
+                    await asyncio.wait_for(writer.drain(), READ_TIMEOUT)
+            self._on_moved(len(vectors) * self._numel * 4, 0)
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, TypeError) as exc:
+            logger.warning("state request from peer=%s failed: %s", peer, type(exc).__name__)
+        finally:
+            writer.close()
+
+    # --- downloading --------------------------------------------------------------------------
+
+    async def download(self, peer: str, timeout: float) -> SharedState:
+        """`peer`'s state within `timeout`; StateRefused with the reason otherwise."""
+        try:
+            return await asyncio.wait_for(self._download(peer, self._loop.time() + timeout), timeout)
+        except TimeoutError:
+            raise StateRefused(f"no whole state within {timeout:.0f}s") from None
+
+    async def _download(self, peer: str, deadline: float) -> SharedState:
+        started = self._loop.time()
+        try:
+            _, reader, writer = await asyncio.wait_for(
+                self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._name), READ_TIMEOUT)
+        except Exception as exc:  # the peer is gone, unreachable or has no such handler
+            raise StateRefused(f"cannot reach it ({type(exc).__name__})") from None
+        try:
+            await send(writer, json.dumps({"admission": self._token}).encode())
+            header = json.loads(await receive(reader, MAX_META_BYTES, READ_TIMEOUT))
+            if not isinstance(header, dict) or header.get("sharing") is not True:
+                raise StateRefused(NOT_SHARING)
+            count = header.get("vectors")
+            if not isinstance(count, int) or not 2 <= count <= self._max_vectors:
+                raise StateRefused(f"it announced {count!r} vectors")
+            data = bytearray()
+            size = int.from_bytes(await asyncio.wait_for(reader.readexactly(HEADER_LEN), READ_TIMEOUT), "big")
+            if size != count * self._numel * 4:
+                raise StateRefused(f"it announced {size} bytes for {count} vectors of the model's size")
+            deadline = min(deadline, started + SETUP_SECONDS + size / LEAST_RATE)
+            while len(data) < size:
+                if self._loop.time() > deadline:
+                    raise StateRefused(f"too slow: {len(data)} of {size} bytes in time")
+                chunk = await asyncio.wait_for(reader.read(min(CHUNK_BYTES, size - len(data))), READ_TIMEOUT)
+                if not chunk:
+                    raise StateRefused(f"it closed the stream after {len(data)} of {size} bytes")
+                data += chunk
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+            raise StateRefused(f"transfer failed ({type(exc).__name__})") from None
+        except ValueError as exc:  # JSON or an oversized header
+            raise StateRefused(f"malformed answer ({exc})") from None
+        finally:
+            writer.close()
+        self._on_moved(0, len(data))
+        flat = torch.frombuffer(data, dtype=torch.float32)
+        metadata = header.get("metadata")
+        return (metadata if isinstance(metadata, dict) else {}), list(flat.split(self._numel))
+
+
+def download_from(service: StateService, run: Callable[[Any, float], Any], candidates: Sequence[str],
+                  accept: Acceptance, deadline: float, logged: set[tuple[str, str]]) -> SharedState | None:
+    """The first state among `candidates` (in order) that arrives whole and that `accept` takes;
+    each failure is logged with the peer and the reason, once per pair in `logged` (the caller
+    retries, asking the peers that failed last). None when every one failed."""
+    failed = {peer for peer, why in logged if why != NOT_SHARING}
+    for peer in sorted(candidates, key=lambda p: p in failed):  # stable: the caller's order otherwise
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        try:
+            shared = run(service.download(peer, left), left + READ_TIMEOUT)
+            why = accept(peer, shared)
+        except StateRefused as exc:
+            why = str(exc)
+        except TimeoutError:
+            why = "timed out"
+        if why is None:
+            return shared
+        if (peer, why) not in logged:
+            logged.add((peer, why))
+            logger.warning("state from peer=%s not taken: %s; trying another peer", peer, why)
+    return None

@@ -1,0 +1,79 @@
+"""Admission and state downloads under attack (#15), each attack by a stock hivemind peer in a
+process of its own (forger.py): an intruder in a permissioned run, a revoked node, and state
+servers that poison φ or drip it out a kilobyte a second."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.hostile.test_forged_records import forging_process
+from tests.integration.conftest import NodeFactory
+from tests.integration.test_swarm import assert_same_digests
+
+pytestmark = pytest.mark.integration
+
+HEARTBEAT_SECONDS = 3.0
+
+
+def cli(*args: str) -> str:
+    return subprocess.run([sys.executable, "-m", "diloco_node", *args], capture_output=True, text=True,
+                          check=True, timeout=120).stdout.strip()
+
+
+def test_an_intruder_is_neither_counted_nor_served_and_a_revoked_node_is_dropped(spawn: NodeFactory,
+                                                                               tmp_path: Path) -> None:
+    owner = cli("keygen", str(tmp_path / "owner.key"))
+    nodes = {}
+    for name in ("a", "b"):
+        peer_id = cli("identity", str(tmp_path / f"{name}.key"))
+        admission = cli("admit", "--owner-key", str(tmp_path / "owner.key"), "--run-id", "hostile", "--expires",
+                        "1d", peer_id)
+        nodes[name] = (peer_id, ("--identity", str(tmp_path / f"{name}.key"), "--admission", admission))
+    options = ("--inner-steps", "5", "--min-peers", "2", "--run-owner", owner)
+    a = spawn("a", *options, *nodes["a"][1], run_id="hostile", checkpoint=False)
+    b = spawn("b", *options, *nodes["b"][1], run_id="hostile", peer=a, checkpoint=False)
+    b.wait_for_round(1)
+    with forging_process(a.wait_for_address(), "intruder") as intruder:
+        assert intruder.stdout is not None
+        me = intruder.stdout.readline().split()[1]
+        tries = [intruder.stdout.readline().split() for _ in range(8)]  # two nodes × (3 payloads + state)
+        a.wait_until(lambda: f"ignored peer {me}: not admitted" in a.log_text(), 30, "a ignoring the intruder")
+        start = max(max(a.rounds), max(b.rounds)) + 1
+        assert_same_digests([a, b], range(start, start + 2))
+        assert all(node.rounds[r].group_size == 2 for node in (a, b) for r in range(start, start + 2))
+        assert a.status()["peers"] == 2, "the intruder must not be counted"
+    assert [t[0] for t in tries] == ["payload"] * 3 + ["state"] + ["payload"] * 3 + ["state"]
+    assert all(t[3] == "0" for t in tries if t[0] == "payload"), f"a payload reached the intruder: {tries}"
+    assert all(t[2] == "refused" for t in tries if t[0] == "state"), f"state reached the intruder: {tries}"
+    assert f"refused our state to peer={me}" in a.log_text() + b.log_text()
+
+    b_id = nodes["b"][0]
+    cli("revoke", "--owner-key", str(tmp_path / "owner.key"), "--run-id", "hostile", "--peer", a.wait_for_address(),
+        b_id)
+    revoked = time.monotonic()
+    a.wait_until(lambda: f"revoked the admission of peer {b_id}" in a.log_text(), 3 * HEARTBEAT_SECONDS,
+                 "a dropping the revoked node within a heartbeat")
+    assert b.wait_exit(60) == 2, b.log_text()[-3000:]
+    assert "revoked this node's admission" in b.log_text()
+    assert time.monotonic() - revoked < 60
+    a.wait_until(lambda: a.status()["peers"] == 1, 30, "a seeing itself alone")
+
+
+@pytest.mark.parametrize("mode", ["poison", "drip"])
+def test_a_joiner_takes_the_runs_state_past_a_hostile_state_server(spawn: NodeFactory, mode: str) -> None:
+    options = ("--inner-steps", "5", "--run-id", "hostile")
+    a = spawn("a", *options, checkpoint=False)
+    a.wait_for_round(1)
+    with forging_process(a.wait_for_address(), mode) as server:
+        assert server.stdout is not None
+        me = server.stdout.readline().split()[1]
+        joiner = spawn("joiner", *options, "--min-peers", "2", peer=a, checkpoint=False)
+        first = joiner.wait_joined(150) + 1
+        assert joiner.events_of("synced"), joiner.log_text()[-3000:]
+        assert f"state from peer={me} not taken" in joiner.log_text(), joiner.log_text()[-3000:]
+        assert_same_digests([a, joiner], range(first, first + 2))
