@@ -10,7 +10,11 @@ Usage: forger.py PEER_MULTIADDR RUN_ID MODE
 - poison: serves the run's state with φ shifted by 1 (copied from an honest node, then changed),
   its record following an honest node's round and digest; its peer id sorts before the honest
   ones, so a joiner asks it first;
-- drip: as poison, but serves the state one kilobyte a second.
+- drip: as poison, but serves the state one kilobyte a second;
+- huge: takes part in every round (hivemind's matchmaking, the run's payload protocol) with a
+  pseudo-gradient ~1e6 times an honest one's norm, declaring 1e30 tokens;
+- fuzz: takes part in every round with a valid payload damaged at random (bytes flipped, cut,
+  grown), a fresh one each round. It prints `contributed ROUND GROUP_SIZE` per round it averaged in.
 
 It prints `forging PEER_ID` once its record is stored, then refreshes it until SIGTERM, on which
 it shuts its DHT down and exits 0.
@@ -28,9 +32,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind import DHT
+from hivemind.averaging import DecentralizedAverager
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
@@ -42,6 +48,8 @@ FAR_AHEAD = 10**6
 REFRESH_SECONDS = 2.0
 TTL = 15.0
 HEADER = 8
+ROUND_BITS = 24  # the run's matchmaking key: the round number in binary
+MATCHMAKING_TIME = 2.0  # the honest nodes' --matchmaking-time in the tests
 
 
 def make_identity(below: list[str] | None = None) -> tuple[Path, RSASignatureValidator, str]:
@@ -105,6 +113,74 @@ async def ask(p2p, peer: str, handler: str, request: dict, limit: int = 1 << 26)
     return answers
 
 
+def fetch_state(p2p, run, peer: str, namespace: str) -> tuple[bytes, bytes]:
+    """An honest node's state (its header, then its vectors), as any peer of an open run may ask."""
+    while len(state := run(ask(p2p, peer, f"{namespace}_state", {"admission": ""}))) < 2:
+        time.sleep(0.5)  # blocking nodes share between exchanges
+    return state[0], state[1]
+
+
+def bad_payload(mode: str, numel: int, rng: np.random.Generator) -> bytes:
+    """A payload in the run's format (its codec module is public, like its wire format)."""
+    from diloco_node.codec import CodecConfig, make_codec  # the format only: no node code runs here
+
+    codec = make_codec(CodecConfig(name="none"))
+    if mode == "huge":
+        return codec.encode(torch.from_numpy(rng.standard_normal(numel, dtype=np.float32)) * 1e3)
+    valid = bytearray(codec.encode(torch.from_numpy(rng.standard_normal(numel, dtype=np.float32)) * 1e-3))
+    damage = rng.integers(3)
+    if damage == 0:
+        for index in rng.integers(len(valid), size=int(rng.integers(1, 16))):
+            valid[index] ^= int(rng.integers(1, 256))
+        return bytes(valid)
+    if damage == 1:
+        return bytes(valid[:int(rng.integers(1, len(valid)))])
+    return bytes(valid) + rng.bytes(int(rng.integers(1, 4096)))
+
+
+def contribute(dht: DHT, p2p, run, namespace: str, key: str, me: str, signer, mode: str, numel: int,
+               stop: threading.Event) -> None:
+    """Take part in every round the honest nodes are ready for, with a bad payload."""
+    averager = DecentralizedAverager([torch.zeros(1)], dht, start=True, prefix=namespace,
+                                     min_matchmaking_time=MATCHMAKING_TIME, request_timeout=1.0,
+                                     allow_state_sharing=False)
+    rng = np.random.default_rng(0)
+    offers: dict[int, tuple[bytes, list[str] | None]] = {}
+
+    async def serve(_info, reader, writer) -> None:
+        request = json.loads(await reader.readexactly(int.from_bytes(await reader.readexactly(HEADER), "big")))
+        payload, group = offers.get(request.get("round"), (b"", None))
+        meta = json.dumps({"tokens": 1e30 if mode == "huge" else 4096.0, "group": group}).encode()
+        writer.write(len(meta).to_bytes(HEADER, "big") + meta + len(payload).to_bytes(HEADER, "big") + payload)
+        await writer.drain()
+        await reader.read(1)
+        writer.close()
+
+    run(p2p.add_binary_stream_handler(f"{namespace}_payload", serve))
+    done = -1
+    while not stop.is_set():
+        honest = [r for r in honest_records(dht, key) if r["peer_id"] != me]
+        forged = {**honest[0], "peer_id": me}
+        dht.store(key, subkey=me.encode() + signer.local_public_key, value=forged,
+                  expiration_time=get_dht_time() + TTL)
+        round_ = min(r["ready_round"] for r in honest)
+        if round_ <= done or any(r["round"] != round_ for r in honest):
+            stop.wait(0.2)  # not every honest node is ready for a round we have not done yet
+            continue
+        offers[round_] = (bad_payload(mode, numel, rng), None)
+        averager.set_group_bits(format(round_ % 2**ROUND_BITS, f"0{ROUND_BITS}b"))
+        control = averager.step(gather={"round": round_}, timeout=4 * MATCHMAKING_TIME + 5, wait=False,
+                                scheduled_time=get_dht_time() + MATCHMAKING_TIME)
+        try:
+            group = sorted(str(peer) for peer in control.result())
+        except Exception:  # no group this time
+            group = []
+        offers[round_] = (offers[round_][0], group or None)
+        print(f"contributed {round_} {len(group)}", flush=True)
+        done = round_
+    averager.shutdown()
+
+
 def main() -> None:
     peer, run_id, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     key = f"{run_id}_nodes"
@@ -123,12 +199,17 @@ def main() -> None:
     p2p = run(dht.replicate_p2p())
     address, _, bootstrap_id = peer.rpartition("/p2p/")
     run(p2p._client.connect(PeerID.from_base58(bootstrap_id), [Multiaddr(address)]))  # so that its daemon routes it
+    if mode in ("huge", "fuzz"):
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        header, vectors = fetch_state(p2p, run, honest[0]["peer_id"], namespace)
+        numel = len(vectors) // 4 // json.loads(header)["vectors"]
+        print(f"forging {me}", flush=True)
+        contribute(dht, p2p, run, namespace, key, me, signer, mode, numel, stop)
+        dht.shutdown()
+        return
     if mode in ("poison", "drip"):
-        state = run(ask(p2p, honest[0]["peer_id"], f"{namespace}_state", {"admission": ""}))
-        while len(state) < 2:  # blocking nodes share between exchanges
-            time.sleep(0.5)
-            state = run(ask(p2p, honest[0]["peer_id"], f"{namespace}_state", {"admission": ""}))
-        header, vectors = state
+        header, vectors = fetch_state(p2p, run, honest[0]["peer_id"], namespace)
         poisoned = (np.frombuffer(vectors, dtype=np.float32) + 1).astype(np.float32).tobytes()
 
         async def serve(_info, reader, writer) -> None:

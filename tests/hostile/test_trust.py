@@ -77,3 +77,32 @@ def test_a_joiner_takes_the_runs_state_past_a_hostile_state_server(spawn: NodeFa
         assert joiner.events_of("synced"), joiner.log_text()[-3000:]
         assert f"state from peer={me} not taken" in joiner.log_text(), joiner.log_text()[-3000:]
         assert_same_digests([a, joiner], range(first, first + 2))
+
+
+@pytest.mark.parametrize("mode", ["huge", "fuzz"])
+def test_a_hostile_contributor_is_clipped_or_rejected_and_the_run_goes_on(spawn: NodeFactory, mode: str) -> None:
+    """huge: a pseudo-gradient ~1e6 times an honest norm declaring 1e30 tokens; fuzz: a damaged
+    payload each round. Either way, three rounds with it in the group and the two honest nodes
+    still agree, learn, and count what they clipped or rejected."""
+    options = ("--inner-steps", "5", "--min-peers", "2", "--run-id", "hostile")
+    a = spawn("a", *options, checkpoint=False)
+    b = spawn("b", *options, peer=a, checkpoint=False)
+    b.wait_for_round(1)
+    counter = "contributions_clipped" if mode == "huge" else "contributions_rejected"
+    with forging_process(a.wait_for_address(), mode) as forger:
+        assert forger.stdout is not None
+        me = forger.stdout.readline().split()[1]
+        averaged = []
+        deadline = time.monotonic() + 240
+        while len(averaged) < 3 and time.monotonic() < deadline:
+            line = forger.stdout.readline().split()
+            if line and line[0] == "contributed" and line[2] == "3":
+                averaged.append(int(line[1]))
+        assert len(averaged) == 3, f"the forger averaged in {averaged} only\n{a.log_text()[-3000:]}"
+        assert_same_digests([a, b], range(averaged[0], averaged[-1] + 1))
+        for node in (a, b):  # while its record is there, so that it has its row in the swarm table
+            assert node.status()[counter] >= 3, node.log_text()[-3000:]
+            row = next(p for p in node.get("/api/peers")["peers"] if p["peer_id"] == me)
+            assert row["clipped" if mode == "huge" else "rejected"] >= 3, row
+            losses = [node.rounds[r].eval_loss for r in range(averaged[0], averaged[-1] + 1)]
+            assert all(loss < node.joined_eval_loss for loss in losses), (losses, node.joined_eval_loss)
