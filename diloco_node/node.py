@@ -122,7 +122,7 @@ class Node:
             return  # stopped during the state download: nothing of ours is worth saving
         self.swarm.presence.enter(self.state.round, self.state.digest())
         self._announce(ready=False)
-        self.swarm.share_state(self.state.round)
+        self.swarm.share_state()
         if self.cfg.min_peers > 1:
             self.say(f"waiting for {self.cfg.min_peers} nodes in run {self.cfg.run_id}")
             if not self.swarm.presence.wait_for_peers(self.cfg.min_peers, self.stop_requested):
@@ -251,7 +251,7 @@ class Node:
         report = self.update.finish_round(self.state.round, delta, tokens)
         if not report.stepped:
             self._after_skipped_round(report)
-            self.swarm.share_state(self.state.round)
+            self.swarm.share_state()
             return
         if report.diverged:  # our Δ was still a fine direction to contribute; our φ is what must be replaced
             logger.warning("round=%d our φ differs from the swarm's; re-syncing after this round", self.state.round)
@@ -261,7 +261,7 @@ class Node:
         self._announce(ready=False)
         # after announcing, so our own row carries this round's stats
         self.reporter.swarm_table(self.swarm, self.replica.peak_memory())
-        self.swarm.share_state(self.state.round)
+        self.swarm.share_state()
 
     def _after_skipped_round(self, report: RoundReport) -> None:
         if report.verdict == "isolated":

@@ -36,14 +36,13 @@ from hivemind.utils import get_dht_time
 from diloco_node import identity
 from diloco_node.admission import Gate
 from diloco_node.codec import max_payload_bytes
-from diloco_node.replica.layout import digest
 from diloco_node.swarm import records
 from diloco_node.swarm.contacts import Contacts
 from diloco_node.swarm.exchange import Fetched, PayloadExchange
 from diloco_node.swarm.groups import group_key, random_groups
 from diloco_node.swarm.isolation import Isolation
 from diloco_node.swarm.presence import Presence
-from diloco_node.swarm.statesync import StateService, download_from
+from diloco_node.swarm.statesync import StateService, download_from, mismatch, servers_in_order
 
 logger = logging.getLogger(__name__)
 
@@ -90,25 +89,6 @@ class Gathered:
     received_bytes: int = 0
 
 
-def state_servers(others: dict[str, records.NodeRecord], reference: tuple[int, str] | None) -> list[str]:
-    """Whom to ask for the run's state, in order: the nodes holding the state most of the run
-    announces, then the others, furthest round first."""
-    return sorted(others, key=lambda p: ((others[p].round, others[p].digest) != reference, -others[p].round, p))
-
-
-def _state_mismatch(peer: str, shared: tuple[dict[str, Any], list[torch.Tensor]],
-                    reference: tuple[int, str] | None, check_digest: bool) -> str | None:
-    """Why a downloaded state is not the one most of the run's records announce (None: it is, or
-    φ differs from node to node in this run and cannot be compared)."""
-    if not check_digest or reference is None:
-        return None
-    metadata, vectors = shared
-    got = (metadata.get("round"), digest(vectors[:1]))
-    if got != reference:
-        return f"its φ (round {got[0]}, digest {got[1]}) is not the run's (round {reference[0]}, digest {reference[1]})"
-    return None
-
-
 class SwarmMember:
     def __init__(self, settings: SwarmSettings, numel: int, state_provider: StateProvider, state_vectors: int,
                  payload_parts: int = 1):
@@ -147,8 +127,8 @@ class SwarmMember:
     def visible_addresses(self) -> list[str]:
         return [str(addr) for addr in self._dht.get_visible_maddrs()]
 
-    def share_state(self, round_: int) -> None:
-        """Let others download our state (φ at the start of `round_`)."""
+    def share_state(self) -> None:
+        """Let others download our state."""
         self._sharing.set()
 
     def stop_sharing(self) -> None:
@@ -179,8 +159,8 @@ class SwarmMember:
             if not others:
                 return None
             reference = records.reference_state(others.values())
-            received = download_from(self._state, self._exchange.run, state_servers(others, reference),
-                                     functools.partial(_state_mismatch, reference=reference, check_digest=check_digest),
+            received = download_from(self._state, self._exchange.run, servers_in_order(others, reference),
+                                     functools.partial(mismatch, reference=reference, check_digest=check_digest),
                                      deadline, logged)
             if received is not None:
                 return received

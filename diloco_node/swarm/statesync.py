@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P, PeerID
 
+from diloco_node.replica.layout import digest
+from diloco_node.swarm.records import NodeRecord
 from diloco_node.swarm.streams import HEADER_LEN, receive, send
 
 logger = logging.getLogger(__name__)
@@ -142,6 +144,25 @@ class StateService:
         flat = torch.frombuffer(data, dtype=torch.float32)
         metadata = header.get("metadata")
         return (metadata if isinstance(metadata, dict) else {}), list(flat.split(self._numel))
+
+
+def servers_in_order(others: dict[str, NodeRecord], reference: tuple[int, str] | None) -> list[str]:
+    """Whom to ask for the run's state, in order: the nodes holding the state most of the run
+    announces, then the others, furthest round first."""
+    return sorted(others, key=lambda p: ((others[p].round, others[p].digest) != reference, -others[p].round, p))
+
+
+def mismatch(peer: str, shared: tuple[dict[str, Any], list[torch.Tensor]],
+                    reference: tuple[int, str] | None, check_digest: bool) -> str | None:
+    """Why a downloaded state is not the one most of the run's records announce (None: it is, or
+    φ differs from node to node in this run and cannot be compared)."""
+    if not check_digest or reference is None:
+        return None
+    metadata, vectors = shared
+    got = (metadata.get("round"), digest(vectors[:1]))
+    if got != reference:
+        return f"its φ (round {got[0]}, digest {got[1]}) is not the run's (round {reference[0]}, digest {reference[1]})"
+    return None
 
 
 def download_from(service: StateService, run: Callable[[Any, float], Any], candidates: Sequence[str],

@@ -12,9 +12,10 @@ from diloco_node import identity
 from diloco_node.admission import Claims, Gate, sign
 from diloco_node.swarm import records
 from diloco_node.swarm.groups import random_groups
-from diloco_node.swarm.member import SwarmMember, _state_mismatch, state_servers
+from diloco_node.swarm.member import SwarmMember
 from diloco_node.swarm.presence import Presence, round_state
 from diloco_node.swarm.records import NodeRecord, canonical_digest, config_difference, reference_state
+from diloco_node.swarm.statesync import mismatch, servers_in_order
 
 
 def record(peer: str, round_: int, digest: str) -> NodeRecord:
@@ -226,8 +227,8 @@ def test_a_joiner_takes_the_state_most_records_announce() -> None:
     others = {"a": record("a", 7, honest), "b": record("b", 7, honest), "liar": record("liar", 10**6, "fake")}
     reference = reference_state(others.values())
     assert reference == (7, honest)
-    assert state_servers(others, reference) == ["a", "b", "liar"]  # the liar's far-ahead claim comes last
-    assert _state_mismatch("a", ({"round": 7}, [phi, phi]), reference, check_digest=True) is None
+    assert servers_in_order(others, reference) == ["a", "b", "liar"]  # the liar's far-ahead claim comes last
+    assert mismatch("a", ({"round": 7}, [phi, phi]), reference, check_digest=True) is None
     poisoned = ({"round": 7}, [phi + 1, phi])
-    assert "not the run's" in str(_state_mismatch("liar", poisoned, reference, check_digest=True))
-    assert _state_mismatch("liar", poisoned, reference, check_digest=False) is None  # φ differs by design
+    assert "not the run's" in str(mismatch("liar", poisoned, reference, check_digest=True))
+    assert mismatch("liar", poisoned, reference, check_digest=False) is None  # φ differs by design
