@@ -40,6 +40,7 @@ KEPT_ROUNDS = 3
 # matchmaking failed after ours counted it in, recovering the group once its timeout ends
 # (SwarmMember._missed_group) while NoLoCo's other nodes have already moved a round or two on.
 AWAITED_KEPT_ROUNDS = 5
+STOP_POLL_SECONDS = 0.5  # how soon a long transfer notices a stop
 RECEIVED = b"\x01"  # a fetcher's acknowledgement: it read our whole payload
 
 
@@ -93,9 +94,18 @@ class PayloadExchange:
         await p2p.add_binary_stream_handler(self._handler_name, self._serve)
         return p2p
 
-    def run(self, coroutine, timeout: float):  # type: ignore[no-untyped-def]
-        """Run `coroutine` on the exchange's event loop (the one our stream handlers live on)."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=timeout)
+    def run(self, coroutine, timeout: float, stop: threading.Event | None = None):  # type: ignore[no-untyped-def]
+        """Run `coroutine` on the exchange's event loop (the one our stream handlers live on);
+        TimeoutError after `timeout`, or as soon as `stop` is set (the coroutine is cancelled)."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return future.result(timeout=min(STOP_POLL_SECONDS, max(deadline - time.monotonic(), 0.0)))
+            except TimeoutError:  # ours, or the coroutine's own (then it is done)
+                if future.done() or (stop is not None and stop.is_set()) or time.monotonic() >= deadline:
+                    future.cancel()
+                    raise
 
     def _count(self, sent: int = 0, received: int = 0) -> None:
         with self._counter_lock:

@@ -161,7 +161,7 @@ class SwarmMember:
             reference = records.reference_state(others.values())
             received = download_from(self._state, self._exchange.run, servers_in_order(others, reference),
                                      functools.partial(mismatch, reference=reference, check_digest=check_digest),
-                                     deadline, logged)
+                                     deadline, logged, stop)
             if received is not None:
                 return received
             if time.monotonic() > deadline:
@@ -351,7 +351,8 @@ class SwarmMember:
         return record is not None and record.may_still_fetch(round_)
 
     def leave(self) -> None:
-        if not self._exchange.drain(self.settings.round_timeout, self._may_still_fetch):
+        admitted = self.gate.refusal(self.peer_id, self.gate.token) is None  # revoked: nobody fetches from us
+        if admitted and not self._exchange.drain(self.settings.round_timeout, self._may_still_fetch):
             logger.warning("leaving before every group member fetched our last pseudo-gradient")
         self.presence.leave()
         try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,6 +36,8 @@ MAX_META_BYTES = 1 << 16
 CHUNK_BYTES = 1 << 20
 READ_TIMEOUT = 10.0  # seconds without a byte before a download is given up
 LEAST_RATE = 256 * 1024  # bytes/s: a server slower than this (2 Mbit/s) is dropped for the next one
+SHARE_WAIT_SECONDS = 6.0  # a request waits this long for us to share again (below the asker's READ_TIMEOUT)
+SHARE_POLL_SECONDS = 0.1
 NOT_SHARING = "it is not sharing its state now"  # a blocking node mid-exchange: asked again, not demoted
 SETUP_SECONDS = 10.0  # beyond the transfer at LEAST_RATE: connecting, the server's snapshot
 
@@ -77,7 +80,7 @@ class StateService:
             token = request.get("admission", "") if isinstance(request, dict) else None
             why = "malformed request" if not isinstance(token, str) else \
                 await self._loop.run_in_executor(None, self._may_download, peer, token)
-            shared = None if why else await self._loop.run_in_executor(None, self._provider, peer)
+            shared = None if why else await self._snapshot(peer)
             if why and (peer, why) not in self._refusals_logged:
                 self._refusals_logged.add((peer, why))
                 logger.warning("refused our state to peer=%s: %s", peer, why)
@@ -97,6 +100,16 @@ class StateService:
             logger.warning("state request from peer=%s failed: %s", peer, type(exc).__name__)
         finally:
             writer.close()
+
+    async def _snapshot(self, peer: str) -> SharedState | None:
+        """Our state for `peer`, waiting up to SHARE_WAIT_SECONDS for us to share again: a blocking
+        node shares only between its exchanges, windows a joiner polling from afar would miss."""
+        until = self._loop.time() + SHARE_WAIT_SECONDS
+        while (shared := await self._loop.run_in_executor(None, self._provider, peer)) is None:
+            if self._loop.time() > until:
+                return None
+            await asyncio.sleep(SHARE_POLL_SECONDS)
+        return shared
 
     # --- downloading --------------------------------------------------------------------------
 
@@ -165,22 +178,25 @@ def mismatch(peer: str, shared: tuple[dict[str, Any], list[torch.Tensor]],
     return None
 
 
-def download_from(service: StateService, run: Callable[[Any, float], Any], candidates: Sequence[str],
-                  accept: Acceptance, deadline: float, logged: set[tuple[str, str]]) -> SharedState | None:
+def download_from(service: StateService, run: Callable[[Any, float, threading.Event], Any],
+                  candidates: Sequence[str], accept: Acceptance, deadline: float, logged: set[tuple[str, str]],
+                  stop: threading.Event) -> SharedState | None:
     """The first state among `candidates` (in order) that arrives whole and that `accept` takes;
     each failure is logged with the peer and the reason, once per pair in `logged` (the caller
-    retries, asking the peers that failed last). None when every one failed."""
+    retries, asking the peers that failed last). None when every one failed or `stop` was set."""
     failed = {peer for peer, why in logged if why != NOT_SHARING}
     for peer in sorted(candidates, key=lambda p: p in failed):  # stable: the caller's order otherwise
         left = deadline - time.monotonic()
-        if left <= 0:
+        if left <= 0 or stop.is_set():
             return None
         try:
-            shared = run(service.download(peer, left), left + READ_TIMEOUT)
+            shared = run(service.download(peer, left), left + READ_TIMEOUT, stop)
             why = accept(peer, shared)
         except StateRefused as exc:
             why = str(exc)
         except TimeoutError:
+            if stop.is_set():
+                return None
             why = "timed out"
         if why is None:
             return shared
