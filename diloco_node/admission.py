@@ -102,7 +102,7 @@ def sign(owner: Ed25519PrivateKey, claims: Claims) -> str:
 
 def read(token: str, owner: Ed25519PublicKey, run_id: str, kind: str) -> Claims:
     """The claims of a token the owner signed for `run_id`, of `kind`; AdmissionError otherwise.
-    Expiry is not checked here (see `check`)."""
+    Expiry and revocation are not checked here (see `Gate.refusal`)."""
     if not isinstance(token, str) or len(token) > MAX_TOKEN_CHARS or token.count(".") != 2:
         raise AdmissionError("not an admission token")
     prefix, body_text, signature_text = token.split(".")
