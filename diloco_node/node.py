@@ -120,7 +120,7 @@ class Node:
             self._sync_from_peers()
         if self.stop_requested.is_set():
             return  # stopped during the state download: nothing of ours is worth saving
-        self.swarm.presence.enter(self.state.round, self.state.digest())
+        self.swarm.presence.enter(self.state.round, self.state.digest(), self._served())
         self._announce(ready=False)
         self.swarm.share_state()
         if self.cfg.min_peers > 1:
@@ -168,10 +168,10 @@ class Node:
     def _sync_from_peers(self) -> bool:
         """Download φ, outer momentum and the round from a peer; False when we are the first node."""
         assert self.swarm is not None and self.replica is not None
-        # blocking DiLoCo keeps φ the same on every node, so the one downloaded must be the run's
-        same_phi = self.cfg.sync == "blocking" and not self.gossip
+        # DiLoCo nodes serve the same state (φ under blocking, the settled copy when overlapped),
+        # so the one downloaded must be the one most nodes announce; NoLoCo's φ differs by design
         received = self.swarm.download_state(STATE_DOWNLOAD_TIMEOUT + self.cfg.round_timeout,
-                                            self.stop_requested, check_digest=same_phi)
+                                            self.stop_requested, check_digest=not self.gossip)
         if received is None:
             return False
         installed = self.state.install_shared(*received, self.cfg.fingerprint())
@@ -192,7 +192,7 @@ class Node:
         """What a joining peer downloads (on the swarm's thread; sharing starts once `update` exists)."""
         assert self.update is not None
         assert self.swarm is not None
-        return self.state.shared(self.cfg.fingerprint(), self.swarm.peer_id, self.update.settle_change)
+        return self.state.shared(self.cfg.fingerprint(), self.swarm.peer_id, self.update.served)
 
     # --- rounds -------------------------------------------------------------------------------
 
@@ -325,7 +325,13 @@ class Node:
         """Tell the run where we are: training `round` (ready=False) or done with its inner phase."""
         assert self.swarm is not None
         round_ = self.state.round
-        self.swarm.presence.announce(round_, round_ if ready else round_ - 1, self.state.digest())
+        self.swarm.presence.announce(round_, round_ if ready else round_ - 1, self.state.digest(), self._served())
+
+    def _served(self) -> tuple[int, str]:
+        """The (round, digest) of the state we serve joiners, for our record."""
+        assert self.update is not None
+        served = self.state.served(self.update.served)
+        return served.round, served.digest()
 
     def _finish_round(self, losses: list[float], report: RoundReport, timing: RoundTiming) -> None:
         """Everything the round leaves behind: telemetry, the swarm table, the log line, a checkpoint.

@@ -24,7 +24,7 @@ class OuterOptimizer:
                  foreach: bool | None = None):
         """`foreach` picks torch's implementation (None: its default, multi-tensor on CUDA)."""
         self.params = list(outer_params)
-        self.lr, self.momentum = lr, momentum
+        self.lr, self.momentum, self.foreach = lr, momentum, foreach
         # momentum 0 (a valid setting) is plain SGD; torch refuses Nesterov without momentum
         self._sgd = torch.optim.SGD(self.params, lr=lr, momentum=momentum, nesterov=momentum > 0, foreach=foreach)
 
@@ -38,18 +38,11 @@ class OuterOptimizer:
         for param in self.params:
             param.grad = None
 
-    def late_change(self, change: torch.Tensor, steps_since: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """How φ and the momentum buffer would differ now had the gradient of the step taken
-        `steps_since` steps ago been larger by `change` (SGD with Nesterov is linear in its gradients).
-
-        That step adds (1 + μ)·change to φ's decrease and change to the buffer; every later step j
-        adds μ^(j+1)·change and the buffer keeps μ^j·change. Returns (Δφ, Δbuffer).
-        """
-        mu = self.momentum
-        if mu == 0:
-            return -self.lr * change, torch.zeros_like(change)
-        total = sum(mu ** j for j in range(steps_since + 2))  # 1 + μ + … + μ^(k+1)
-        return -self.lr * total * change, mu ** steps_since * change
+    def copy(self, outer_params: Sequence[torch.Tensor]) -> OuterOptimizer:
+        """The same optimizer, momentum included, over a copy of φ (`outer_params`)."""
+        twin = OuterOptimizer(outer_params, self.lr, self.momentum, self.foreach)
+        twin.load_momentum(self.momentum_buffers() if self.has_momentum() else None)
+        return twin
 
     def momentum_buffers(self) -> list[torch.Tensor]:
         """One buffer per parameter; zeros before the first step (SGD then treats them as absent)."""

@@ -11,10 +11,26 @@ import torch
 from diloco_node.config import NodeConfig
 from diloco_node.outer.averaging import AverageResult, Own
 from diloco_node.outer.diloco import OuterOptimizer
-from diloco_node.outer.sync import Applied, PendingExchanges, Settled, correction, fresh_weight
+from diloco_node.outer.state import OuterState, Served
+from diloco_node.outer.sync import Applied, PendingExchanges, correction, fresh_weight
 from diloco_node.outer.update import RoundReport, UpdateContext, exchanging
+from diloco_node.replica.layout import flatten
 
 logger = logging.getLogger(__name__)
+
+
+class SettledCopy:
+    """φ and the momentum with each landed round's mean applied in round order and nothing else:
+    what a blocking node would hold. It is what we serve joiners, and it is the same, bit for bit,
+    on the nodes that applied the same means (our φ is not: each node's own Δ went in early), so
+    a joiner can check what it downloads against the digests most nodes announce."""
+
+    def __init__(self, state: OuterState, optimizer: OuterOptimizer):
+        self.phi = [p.clone() for p in state.phi]
+        self.optimizer = optimizer.copy(self.phi)
+
+    def step(self, state: OuterState, mean: torch.Tensor) -> None:
+        self.optimizer.step(state.shaped(mean))
 
 
 @dataclass(frozen=True)
@@ -33,6 +49,7 @@ class OverlappedUpdate:
         self.last_share: float | None = None
         self.restored: list[Applied] = []  # from a checkpoint: applied at the next step, as averaged alone
         self.inherited: list[tuple[str, Applied]] = []  # from a state download: (server, its round in flight)
+        self.settled: SettledCopy | None = None  # made from φ when nothing of ours is in it early
 
     def finish_round(self, round_: int, pseudo_gradient: torch.Tensor, tokens: float) -> RoundReport:
         ctx = self.ctx
@@ -45,6 +62,7 @@ class OverlappedUpdate:
         # taking the landed exchanges and applying them is one step under φ's lock: a joiner's state
         # (settle_change) sees each exchange either pending or applied, never neither
         with ctx.state.lock:
+            self._settled_copy()
             finished = inherited + self.pending.take_finished()
             last = finished[-1][1] if finished else None
             if any(outcome is not None and outcome.verdict == "behind" for _, outcome in finished):
@@ -60,14 +78,27 @@ class OverlappedUpdate:
             self.pending.start(applied, lambda: self._exchange(round_, own))
         return RoundReport(last.verdict if last else "lost", own, last.result if last else None)
 
+    def _settled_copy(self) -> SettledCopy:
+        """Under φ's lock. Made when φ holds nothing of ours early: at the start, after a state
+        download, and after a resume (whose open rounds count as averaged alone, as in φ)."""
+        if self.settled is None:
+            self.settled = SettledCopy(self.ctx.state, self.optimizer)
+            if self.restored:
+                self.settled.step(self.ctx.state, torch.stack([correction(a, None) for a in self.restored]).sum(0))
+        return self.settled
+
     def _corrections(self, finished: list[tuple[Applied, Outcome | None]]) -> torch.Tensor:
-        """Σ (Δ̄_r − w_r·Δ_r) over the exchanges that landed (and those a checkpoint left open)."""
+        """Σ (Δ̄_r − w_r·Δ_r) over the exchanges that landed (and those a checkpoint left open);
+        each landed mean also steps the settled copy, in round order."""
+        settled = self._settled_copy()
         total = torch.zeros(self.ctx.state.numel)
         for applied in self.restored:
             total += correction(applied, None)
         self.restored = []
         for applied, outcome in finished:
             total += correction(applied, _mean(outcome))
+            mean = _mean(outcome)
+            settled.step(self.ctx.state, mean if mean is not None else applied.own)
             if outcome is not None and outcome.result is not None and outcome.result.own_share > 0:
                 self.last_share = outcome.result.own_share  # ours, not an inherited round's
         return total
@@ -86,6 +117,7 @@ class OverlappedUpdate:
         """The step the next round would take with nothing new trained (no round advance)."""
         self.pending.wait(None, self.settle_timeout)
         with self.ctx.state.lock:
+            self._settled_copy()
             finished = self.pending.take_finished()
             if self.pending.outstanding():
                 logger.warning("round=%d the last exchange did not finish; ending without it", self.ctx.state.round)
@@ -97,23 +129,14 @@ class OverlappedUpdate:
         last = finished[-1][1] if finished else None
         return last.result if last else None
 
-    def settle_change(self) -> Settled | None:
-        """Under φ's lock, for a joiner's state (OuterState.shared): the change to φ and momentum
-        had every landed round's mean replaced our Δ at the step that applied it, and the rounds
-        still in flight, whose means the joiner fetches itself (`inherit`). It then holds each
-        round's mean exactly once. A checkpoint's rounds count as averaged alone."""
-        steps = self.ctx.state.steps
-        landed = [(a, None) for a in self.restored] + [(a, o) for a, o in self.pending.peek() if o is not None]
-        running = [replace(a, at_step=a.at_step - steps) for a, o in self.pending.peek() if o is None]
-        running += [replace(a, at_step=a.at_step - steps) for _, a in self.inherited]  # their server is ours
-        if not landed and not running:
-            return None
-        phi_change, momentum_change = torch.zeros(self.ctx.state.numel), torch.zeros(self.ctx.state.numel)
-        for applied, outcome in landed:
-            dphi, dmomentum = self.optimizer.late_change(correction(applied, _mean(outcome)), steps - applied.at_step)
-            phi_change += dphi
-            momentum_change += dmomentum
-        return Settled(phi_change, momentum_change, running)
+    def served(self) -> Served:
+        """Under φ's lock, for a joiner (OuterState.served): the settled copy, and the rounds whose
+        means it lacks, which the joiner fetches itself (`inherit`). It then holds each round's
+        mean exactly once, and none of our own Δs."""
+        settled = self._settled_copy()
+        in_flight = [a.round for a, _ in self.pending.peek()] + [a.round for _, a in self.inherited]
+        return Served(self.ctx.state.round, flatten(settled.phi), flatten(settled.optimizer.momentum_buffers()),
+                      settled.optimizer.has_momentum(), sorted(in_flight))
 
     def inherit(self, server: str, in_flight: list[Applied]) -> None:
         """After a state download: the rounds `server` had in flight are ours to complete."""
@@ -127,8 +150,8 @@ class OverlappedUpdate:
             gathered = self.ctx.swarm.gather_group_of(applied.round, server)
             mean = self.ctx.averaging.mean_of(gathered, server)
             if mean is None:
-                logger.warning("round=%d could not fetch the mean our state's server had in flight; its Δ "
-                               "stays in our φ in place of that mean", applied.round)
+                logger.warning("round=%d could not fetch the mean our state's server had in flight; "
+                               "that round is lost for us", applied.round)
                 resolved.append((applied, None))
                 continue
             resolved.append((applied, Outcome("together", AverageResult(tuple(sorted(gathered.payloads)), mean,
@@ -143,11 +166,13 @@ class OverlappedUpdate:
 
     def restore(self, outstanding: list[Applied]) -> None:
         self.restored = list(outstanding)
+        self.settled = None
 
     def forget(self) -> None:
         self.pending.drop()
         self.restored, self.inherited = [], []
         self.last_share = None
+        self.settled = None  # φ was replaced: the next copy is made from it
 
 
 def _mean(outcome: Outcome | None) -> torch.Tensor | None:

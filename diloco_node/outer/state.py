@@ -9,18 +9,34 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from diloco_node.outer.diloco import OuterOptimizer
 from diloco_node.outer.noloco import NoLoCoOptimizer
-from diloco_node.outer.sync import MAX_IN_FLIGHT, Applied, Settled
+from diloco_node.outer.sync import MAX_IN_FLIGHT, Applied
 from diloco_node.replica.layout import digest, flatten, unflatten
 
-SharedState = tuple[dict[str, Any], list[torch.Tensor]]  # metadata; φ, momentum, our Δ of each round in flight
-# φ and momentum, and our Δ of each round in flight: MAX_IN_FLIGHT of our own, as many inherited
-MAX_SHARED_VECTORS = 2 + 2 * MAX_IN_FLIGHT
+SharedState = tuple[dict[str, Any], list[torch.Tensor]]  # metadata; φ and momentum, flat
+MAX_SHARED_VECTORS = 2
+
+
+@dataclass(frozen=True)
+class Served:
+    """The state we hand a joiner: the round we are at, φ and the momentum (flat), and the rounds
+    before it whose means are not in φ yet; the joiner fetches those means itself (OuterUpdate.inherit)."""
+
+    round: int
+    phi: torch.Tensor
+    momentum: torch.Tensor
+    has_momentum: bool
+    in_flight: list[int]
+
+    def digest(self) -> str:
+        """Equal on every node that serves the same state, bit for bit (records announce it)."""
+        return digest([self.phi, self.momentum])
 
 
 class OuterState:
@@ -70,26 +86,22 @@ class OuterState:
                                  if self.optimizer.has_momentum() else None),
                     "digest": digest(self.phi)}
 
-    def shared(self, fingerprint: str, server: str, settle: Callable[[], Settled | None]) -> SharedState:
-        """What a joining peer downloads (on the swarm's thread): the round, φ and the momentum, flat.
-
-        `settle` (overlapped modes) gives, under our lock, the change that makes our φ and momentum
-        what they would be had every landed round's mean replaced our own Δ of that round, and the
-        rounds still in flight with our Δ of each: the joiner fetches those means itself. A joiner
-        must not inherit our Δ at full weight, since only we later swap it for the mean.
-        """
+    def served(self, settled: Callable[[], Served | None]) -> Served:
+        """The state a joiner gets from us: `settled` (overlapped modes: φ with only the landed
+        means applied, OverlappedUpdate.settled), else φ itself. Both are taken under our lock."""
         with self.lock:
-            phi, momentum = flatten(self.phi), flatten(self.optimizer.momentum_buffers())
-            metadata: dict[str, Any] = {"round": self.round, "fingerprint": fingerprint, "server": server,
-                                        "has_momentum": self.optimizer.has_momentum(), "in_flight": []}
-            settled = settle()
-        own = []
-        if settled is not None:
-            phi, momentum = phi + settled.phi, momentum + settled.momentum
-            metadata["in_flight"] = [{"round": a.round, "weight": a.weight, "at_step": a.at_step}
-                                     for a in settled.in_flight]
-            own = [a.own for a in settled.in_flight]
-        return metadata, [phi, momentum, *own]
+            served = settled()
+            if served is None:
+                served = Served(self.round, flatten(self.phi), flatten(self.optimizer.momentum_buffers()),
+                                self.optimizer.has_momentum(), [])
+        return served
+
+    def shared(self, fingerprint: str, server: str, settled: Callable[[], Served | None]) -> SharedState:
+        """What a joining peer downloads (on the swarm's thread): the round, φ and the momentum, flat."""
+        served = self.served(settled)
+        metadata = {"round": served.round, "fingerprint": fingerprint, "server": server,
+                    "has_momentum": served.has_momentum, "in_flight": served.in_flight}
+        return metadata, [served.phi, served.momentum]
 
     def install_shared(self, metadata: Any, vectors: list[torch.Tensor],
                        fingerprint: str) -> tuple[str, list[Applied]] | None:
@@ -98,8 +110,8 @@ class OuterState:
         if not (isinstance(metadata, dict) and isinstance(metadata.get("round"), int) and metadata["round"] >= 0
                 and metadata.get("fingerprint") == fingerprint and isinstance(metadata.get("server"), str)):
             return None
-        in_flight = _in_flight(metadata.get("in_flight"), vectors[2:], self.numel)
-        sizes_match = len(vectors) >= 2 and all(v.dim() == 1 and v.numel() == self.numel for v in vectors[:2])
+        in_flight = _in_flight(metadata.get("in_flight"), metadata["round"], self.numel)
+        sizes_match = len(vectors) == 2 and all(v.dim() == 1 and v.numel() == self.numel for v in vectors)
         if in_flight is None or not sizes_match or not all(torch.isfinite(v).all() for v in vectors):
             return None
         phi, momentum = unflatten(vectors[0], self.phi), unflatten(vectors[1], self.phi)
@@ -107,17 +119,11 @@ class OuterState:
         return metadata["server"], in_flight
 
 
-def _in_flight(entries: Any, own: list[torch.Tensor], numel: int) -> list[Applied] | None:
-    """A shared state's rounds in flight, checked: our Δ for each, its weight, the step it went in.
-    A server has at most MAX_IN_FLIGHT of its own (one more after a long wait) and those it inherited."""
-    if not isinstance(entries, list) or len(entries) != len(own) or len(entries) > 2 * MAX_IN_FLIGHT:
+def _in_flight(rounds: Any, round_: int, numel: int) -> list[Applied] | None:
+    """A shared state's rounds in flight, checked: rounds before `round_` whose means it lacks, at
+    most what a server can have pending (its own, and those it inherited). Nothing of ours is in
+    the state for them, so each mean applies whole when it lands (weight 0)."""
+    if not (isinstance(rounds, list) and len(rounds) <= 2 * MAX_IN_FLIGHT
+            and all(isinstance(r, int) and 0 <= r < round_ for r in rounds) and len(set(rounds)) == len(rounds)):
         return None
-    checked = []
-    for entry, delta in zip(entries, own, strict=True):
-        if not (isinstance(entry, dict) and isinstance(entry.get("round"), int) and entry["round"] >= 0
-                and isinstance(entry.get("weight"), float) and 0.0 <= entry["weight"] <= 1.0
-                and isinstance(entry.get("at_step"), int) and entry["at_step"] <= 0
-                and delta.dim() == 1 and delta.numel() == numel):
-            return None
-        checked.append(Applied(entry["round"], delta.float(), entry["weight"], entry["at_step"]))
-    return checked
+    return [Applied(r, torch.zeros(numel), 0.0) for r in sorted(rounds)]

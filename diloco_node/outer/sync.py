@@ -45,15 +45,6 @@ class Applied:
     at_step: int = 0  # OuterState.steps once the step that applied it was taken
 
 
-@dataclass(frozen=True)
-class Settled:
-    """What a joiner's copy of our state needs (OverlappedUpdate.settle_change)."""
-
-    phi: torch.Tensor  # change to φ: every landed round's mean in place of our Δ
-    momentum: torch.Tensor  # the same for the momentum buffer
-    in_flight: list[Applied]  # rounds whose mean has not landed yet, at_step counted back from now (≤ 0)
-
-
 def fresh_weight(mode: str, proxy: str, last_share: float | None, expected_group: int) -> float:
     """w_t: how much of our fresh Δ_t this round's step applies before the group's mean is known."""
     if mode == "delayed":

@@ -14,8 +14,8 @@ from typing import Protocol
 import torch
 
 from diloco_node.outer.averaging import AverageResult, Averaging, Own
-from diloco_node.outer.state import OuterState
-from diloco_node.outer.sync import Applied, Settled
+from diloco_node.outer.state import OuterState, Served
+from diloco_node.outer.sync import Applied
 from diloco_node.swarm.member import SwarmMember
 from diloco_node.telemetry.meter import Telemetry
 
@@ -65,8 +65,8 @@ class OuterUpdate(Protocol):
     def forget(self) -> None:
         """φ was replaced by a peer's (re-sync): nothing in flight applies to it any more."""
 
-    def settle_change(self) -> Settled | None:
-        """Under φ's lock: what a joiner's copy of our state needs (OuterState.shared)."""
+    def served(self) -> Served | None:
+        """Under φ's lock: the state a joiner gets from us when it is not φ itself (OuterState.served)."""
 
     def inherit(self, server: str, in_flight: list[Applied]) -> None:
         """After a state download: complete the rounds `server` had in flight."""
@@ -103,7 +103,7 @@ class NoPending:
     def forget(self) -> None:
         pass
 
-    def settle_change(self) -> Settled | None:
+    def served(self) -> Served | None:
         return None
 
     def inherit(self, server: str, in_flight: list[Applied]) -> None:

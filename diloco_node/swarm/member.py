@@ -17,7 +17,6 @@ config fingerprint are part of the averager's prefix.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import shutil
 import threading
@@ -42,7 +41,7 @@ from diloco_node.swarm.exchange import Fetched, PayloadExchange
 from diloco_node.swarm.groups import group_key, random_groups
 from diloco_node.swarm.isolation import Isolation
 from diloco_node.swarm.presence import Presence
-from diloco_node.swarm.statesync import StateService, download_from, mismatch, servers_in_order
+from diloco_node.swarm.statesync import StateService, download_run_state
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +52,6 @@ MATCHMAKING_SLACK = 5.0  # seconds beyond the matchmaking windows for DHT lookup
 # members fetch as soon as their own matchmaking ends, which is before ours gives up.
 MISSED_GROUP_GRACE = 2.0
 GROUP_POLL_SECONDS = 0.5  # between asks for a group whose matchmaking is under way
-STATE_RETRY_SECONDS = 1.0  # between state downloads that found no peer sharing
 
 # What a joiner downloads: the round's metadata and flat fp32 vectors (φ, momentum, rounds in flight)
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
@@ -147,29 +145,12 @@ class SwarmMember:
 
     def download_state(self, timeout: float, stop: threading.Event,
                        check_digest: bool) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        """φ and the outer state from a peer, retried over the run's verified nodes within `timeout`;
-        None when nobody else is in the run (we start it), nobody shared it in time, or `stop` was
-        set while waiting. `check_digest` (runs whose φ is the same on every node): φ must be the
-        one most of the run's records announce."""
-        deadline = time.monotonic() + timeout
-        logger.info("downloading state from peers")
-        logged: set[tuple[str, str]] = set()
-        while True:
-            others = {p: r for p, r in self.presence.compatible_peers(refresh=True).items() if p != self.peer_id}
-            if not others:
-                return None
-            reference = records.reference_state(others.values())
-            received = download_from(self._state, self._exchange.run, servers_in_order(others, reference),
-                                     functools.partial(mismatch, reference=reference, check_digest=check_digest),
-                                     deadline, logged, stop)
-            if received is not None:
-                return received
-            if time.monotonic() > deadline:
-                logger.warning("no peer shared its state within %.0fs; starting from our own φ", timeout)
-                return None
-            if stop.wait(STATE_RETRY_SECONDS):
-                logger.warning("state download stopped")
-                return None
+        """φ and the outer state from a peer (statesync.download_run_state); None when nobody else
+        is in the run (we start it), nobody shared it in time, or `stop` was set."""
+        def others() -> dict[str, records.NodeRecord]:
+            return {p: r for p, r in self.presence.compatible_peers(refresh=True).items() if p != self.peer_id}
+
+        return download_run_state(self._state, self._exchange.run, others, timeout, stop, check_digest)
 
     def _count_state(self, sent: int = 0, received: int = 0) -> None:
         with self._state_bytes_lock:  # hivemind's thread counts what it serves, ours what we download

@@ -84,17 +84,18 @@ class Presence:
             raise IncompatibleRun(f"refused: run '{self.run_id}' uses an incompatible config "
                                   f"(peer {others[0].peer_id}: {difference})")
 
-    def enter(self, round_: int, digest: str) -> None:
+    def enter(self, round_: int, digest: str, served: tuple[int, str]) -> None:
         """Announce ourselves as a member at `round_`, after any state download: a joiner that the
         others counted while it downloads would hold up their barrier for as long."""
         self.check_compatible()
-        self.announce(round_, ready_round=round_ - 1, digest=digest)
+        self.announce(round_, ready_round=round_ - 1, digest=digest, served=served)
         self._heartbeat.start()
 
-    def announce(self, round_: int, ready_round: int, digest: str) -> None:
+    def announce(self, round_: int, ready_round: int, digest: str, served: tuple[int, str]) -> None:
+        """`digest`: φ's at the start of `round_`; `served`: the (round, digest) of the state we serve."""
         with self._record_lock:
             self._record = dataclasses.replace(self._record, round=round_, ready_round=ready_round, digest=digest,
-                                               stats=self._stats)
+                                               served_round=served[0], served_digest=served[1], stats=self._stats)
             self._publish()
 
     def mark_exchanged(self, round_: int) -> None:

@@ -68,6 +68,8 @@ class NodeValue(pydantic.BaseModel):
     ready_round: pydantic.StrictInt
     exchanged_round: pydantic.StrictInt
     digest: pydantic.StrictStr
+    served_round: pydantic.StrictInt = -1
+    served_digest: pydantic.StrictStr = ""
     left: pydantic.StrictBool = False
     stats: NodeStats = NodeStats()
     admission: Token = ""  # type: ignore[valid-type]  # permissioned runs: the owner's token for this peer
@@ -118,6 +120,10 @@ class NodeRecord:
     exchanged_round: int = -1  # the last round whose exchange this node completed
     admission: str = ""
     vouched: tuple[str, ...] = ()  # joiners we handed rounds in flight: they may fetch those rounds' payloads
+    # the state the node serves to joiners (OuterState.served): its round and the digest of φ and
+    # the momentum exactly as sent; equal on the nodes that applied the same means
+    served_round: int = -1
+    served_digest: str = ""
 
     def may_still_fetch(self, round_: int) -> bool:
         """Whether this node may still fetch a payload of `round_`: it has neither completed that
@@ -128,7 +134,8 @@ class NodeRecord:
     def to_wire(self) -> dict[str, Any]:
         return {"peer_id": self.peer_id, "fingerprint": self.fingerprint, "config": self.config,
                 "round": self.round, "ready_round": self.ready_round, "exchanged_round": self.exchanged_round,
-                "digest": self.digest, "left": False,
+                "digest": self.digest, "served_round": self.served_round, "served_digest": self.served_digest,
+                "left": False,
                 # every field spelled out: the DHT's SchemaValidator refuses values that need defaults filled in
                 "stats": NodeStats(**self.stats).dict(), "admission": self.admission,
                 "vouched": list(self.vouched)}
@@ -144,7 +151,7 @@ class NodeRecord:
             return None
         return cls(parsed.peer_id, parsed.fingerprint, parsed.config, parsed.round, parsed.ready_round,
                    parsed.digest, parsed.stats.dict(), parsed.exchanged_round, parsed.admission,
-                   tuple(parsed.vouched))
+                   tuple(parsed.vouched), parsed.served_round, parsed.served_digest)
 
 
 def records_key(run_id: str) -> str:
@@ -224,15 +231,19 @@ def canonical_digest(nodes: Iterable[NodeRecord], round_: int) -> str | None:
 
 
 def reference_state(nodes: Iterable[NodeRecord]) -> tuple[int, str] | None:
-    """The (round, φ digest) most nodes announce (ties: the later round, then the smaller digest):
-    the state a joiner takes, so that one peer's claim alone cannot choose it."""
+    """The served state (round, digest) most nodes announce (ties: the later round, then the
+    smaller digest): the one a joiner takes, so that one peer's claim alone cannot choose it.
+    None when two or more nodes serve and no two of them announce the same state: then nothing
+    tells an honest server from a lying one."""
     counts: dict[tuple[int, str], int] = {}
     for record in nodes:
-        if record.digest:
-            counts[(record.round, record.digest)] = counts.get((record.round, record.digest), 0) + 1
+        if record.served_digest:
+            state = (record.served_round, record.served_digest)
+            counts[state] = counts.get(state, 0) + 1
     if not counts:
         return None
-    return min(counts, key=lambda state: (-counts[state], -state[0], state[1]))
+    best = min(counts, key=lambda state: (-counts[state], -state[0], state[1]))
+    return best if counts[best] >= 2 or sum(counts.values()) == 1 else None
 
 
 def config_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> str:

@@ -15,6 +15,7 @@ one after another, each of the model's size.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import threading
@@ -26,7 +27,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 
 from diloco_node.replica.layout import digest
-from diloco_node.swarm.records import NodeRecord
+from diloco_node.swarm.records import NodeRecord, reference_state
 from diloco_node.swarm.streams import HEADER_LEN, receive, send
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,10 @@ SHARE_WAIT_SECONDS = 6.0  # a request waits this long for us to share again (bel
 SHARE_POLL_SECONDS = 0.1
 NOT_SHARING = "it is not sharing its state now"  # a blocking node mid-exchange: asked again, not demoted
 SETUP_SECONDS = 10.0  # beyond the transfer at LEAST_RATE: connecting, the server's snapshot
+STATE_RETRY_SECONDS = 1.0  # between state downloads that found no peer sharing
+# how long a joiner waits for two nodes to announce the same state before taking one unchecked:
+# a few rounds, for nodes one round apart to meet
+AGREEMENT_WAIT_SECONDS = 30.0
 
 SharedState = tuple[dict[str, Any], list[torch.Tensor]]  # metadata, flat fp32 vectors (φ first)
 # Our state for the peer that asks (its id); None while we do not share.
@@ -160,21 +165,24 @@ class StateService:
 
 
 def servers_in_order(others: dict[str, NodeRecord], reference: tuple[int, str] | None) -> list[str]:
-    """Whom to ask for the run's state, in order: the nodes holding the state most of the run
+    """Whom to ask for the run's state, in order: the nodes serving the state most of the run
     announces, then the others, furthest round first."""
-    return sorted(others, key=lambda p: ((others[p].round, others[p].digest) != reference, -others[p].round, p))
+    return sorted(others, key=lambda p: ((others[p].served_round, others[p].served_digest) != reference,
+                                         -others[p].round, p))
 
 
 def mismatch(peer: str, shared: tuple[dict[str, Any], list[torch.Tensor]],
                     reference: tuple[int, str] | None, check_digest: bool) -> str | None:
     """Why a downloaded state is not the one most of the run's records announce (None: it is, or
-    φ differs from node to node in this run and cannot be compared)."""
+    the state differs from node to node in this run and cannot be compared). The digest covers
+    everything sent, φ and the momentum, as the server's record announces it (outer/state.Served)."""
     if not check_digest or reference is None:
         return None
     metadata, vectors = shared
-    got = (metadata.get("round"), digest(vectors[:1]))
+    got = (metadata.get("round"), digest(vectors))
     if got != reference:
-        return f"its φ (round {got[0]}, digest {got[1]}) is not the run's (round {reference[0]}, digest {reference[1]})"
+        return (f"its state (round {got[0]}, digest {got[1]}) is not the run's "
+                f"(round {reference[0]}, digest {reference[1]})")
     return None
 
 
@@ -204,3 +212,46 @@ def download_from(service: StateService, run: Callable[[Any, float, threading.Ev
             logged.add((peer, why))
             logger.warning("state from peer=%s not taken: %s; trying another peer", peer, why)
     return None
+
+
+def download_run_state(service: StateService, run: Callable[[Any, float, threading.Event], Any],
+                       peers: Callable[[], dict[str, NodeRecord]], timeout: float, stop: threading.Event,
+                       check_digest: bool) -> SharedState | None:
+    """The run's state, retried over the verified nodes `peers` gives (fresh records each time)
+    within `timeout`. `check_digest` (runs whose nodes serve the same state): the state must be
+    the one most records announce, and we wait up to AGREEMENT_WAIT_SECONDS for two nodes to
+    announce the same (one may be ahead by a round); after that we take one unchecked, and say so.
+    None when nobody else is in the run, nobody shared it in time, or `stop` was set."""
+    started = time.monotonic()
+    deadline = started + timeout
+    logger.info("downloading state from peers")
+    logged: set[tuple[str, str]] = set()
+    while True:
+        others = peers()
+        if not others:
+            return None
+        reference = reference_state(others.values())
+        check = check_digest
+        if check and reference is None and time.monotonic() - started < AGREEMENT_WAIT_SECONDS:
+            _log_once(logged, "", "no two peers announce the same state yet; waiting")
+        else:
+            if check and reference is None:
+                _log_once(logged, "", "no two peers announce the same state; taking one unchecked")
+                check = False
+            received = download_from(service, run, servers_in_order(others, reference),
+                                     functools.partial(mismatch, reference=reference, check_digest=check),
+                                     deadline, logged, stop)
+            if received is not None:
+                return received
+        if time.monotonic() > deadline:
+            logger.warning("no peer shared its state within %.0fs; starting from our own φ", timeout)
+            return None
+        if stop.wait(STATE_RETRY_SECONDS):
+            logger.warning("state download stopped")
+            return None
+
+
+def _log_once(logged: set[tuple[str, str]], peer: str, line: str) -> None:
+    if (peer, line) not in logged:
+        logged.add((peer, line))
+        logger.warning("%s", line)

@@ -135,7 +135,7 @@ def test_our_record_keeps_both_threads_fields_and_exchanged_round_never_goes_bac
 
     def announcing() -> None:
         for round_ in range(6, 400):
-            presence.announce(round_, round_ - 1, "d")
+            presence.announce(round_, round_ - 1, "d", (round_, "s"))
 
     def marking() -> None:
         for round_ in range(6, 400):
@@ -222,13 +222,21 @@ def test_a_joiner_takes_the_state_most_records_announce() -> None:
 
     from diloco_node.replica.layout import digest
 
-    phi = torch.arange(4, dtype=torch.float32)
-    honest = digest([phi])
-    others = {"a": record("a", 7, honest), "b": record("b", 7, honest), "liar": record("liar", 10**6, "fake")}
+    phi, momentum = torch.arange(4, dtype=torch.float32), torch.ones(4)
+    honest = digest([phi, momentum])
+
+    def serving(peer: str, round_: int, served: str) -> NodeRecord:
+        return dataclasses.replace(record(peer, round_, "d"), served_round=round_, served_digest=served)
+
+    others = {"a": serving("a", 7, honest), "b": serving("b", 7, honest), "liar": serving("liar", 10**6, "fake")}
     reference = reference_state(others.values())
     assert reference == (7, honest)
     assert servers_in_order(others, reference) == ["a", "b", "liar"]  # the liar's far-ahead claim comes last
-    assert mismatch("a", ({"round": 7}, [phi, phi]), reference, check_digest=True) is None
-    poisoned = ({"round": 7}, [phi + 1, phi])
+    assert mismatch("a", ({"round": 7}, [phi, momentum]), reference, check_digest=True) is None
+    poisoned = ({"round": 7}, [phi + 1, momentum])
     assert "not the run's" in str(mismatch("liar", poisoned, reference, check_digest=True))
-    assert mismatch("liar", poisoned, reference, check_digest=False) is None  # φ differs by design
+    assert "not the run's" in str(mismatch("liar", ({"round": 7}, [phi, momentum * 1e6]), reference, True))
+    assert mismatch("liar", poisoned, reference, check_digest=False) is None  # NoLoCo: φ differs by design
+    # no two servers alike: nothing tells the honest one from a liar; one server alone is the run's
+    assert reference_state([others["a"], serving("liar", 10**6, "fake")]) is None
+    assert reference_state([others["a"]]) == (7, honest)

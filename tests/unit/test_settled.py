@@ -1,0 +1,109 @@
+"""What an overlapped node serves joiners (OverlappedUpdate.served): φ with only the landed means
+applied, the same bit for bit on nodes whose own Δs differ, and what a blocking node would hold.
+The swarm and the averaging are stand-ins for their seams; the ledger and the optimizer are real."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from diloco_node.config import NodeConfig
+from diloco_node.outer.averaging import AverageResult, Own
+from diloco_node.outer.diloco import OuterOptimizer
+from diloco_node.outer.overlapped import OverlappedUpdate
+from diloco_node.outer.state import OuterState
+from diloco_node.outer.update import UpdateContext
+from diloco_node.swarm.member import Gathered
+
+NUMEL = 6
+
+
+class Averaging:
+    """Round r's mean is `means[r]`, whatever our own Δ was: both nodes of the group get it."""
+
+    def __init__(self, means: list[torch.Tensor]):
+        self.means = means
+
+    def encode(self, round_: int, delta: torch.Tensor, tokens: float) -> Own:
+        return Own(b"payload", delta.clone(), tokens, 0.0)
+
+    def mean(self, own: Own, gathered: Gathered) -> AverageResult:
+        return AverageResult(("a", "b"), self.means[gathered.round].clone(), 0.5, 0.0)
+
+
+class Swarm:
+    def __init__(self) -> None:
+        self.presence = SimpleNamespace(compatible_peers=lambda: {"a": None, "b": None},
+                                        mark_exchanged=lambda round_: None)
+
+    def offer(self, round_: int, payload: bytes | None, tokens: float) -> None:
+        pass
+
+    def gather(self, round_: int, contributing: bool, stop: threading.Event) -> Gathered:
+        return Gathered("together", round_)
+
+
+class Telemetry:
+    def update(self, **values: object) -> None:
+        pass
+
+    def clear_if(self, key: str, value: object) -> None:
+        pass
+
+
+def node(sync: str, means: list[torch.Tensor]) -> OverlappedUpdate:
+    phi = [torch.linspace(-1.0, 1.0, NUMEL).reshape(2, 3)]
+    state = OuterState(phi, OuterOptimizer(phi, 0.7, 0.9))
+    ctx = UpdateContext(state, Averaging(means), Swarm(), Telemetry(),  # type: ignore[arg-type]
+                        threading.Event(), threading.Event())
+    return OverlappedUpdate(ctx, state.optimizer, NodeConfig(sync=sync))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("sync", ["eager", "delayed"])
+def test_nodes_with_different_own_deltas_serve_the_same_state_as_a_blocking_node(sync: str) -> None:
+    generator = torch.Generator().manual_seed(3)
+    rounds = 5
+    own = {name: [torch.randn(NUMEL, generator=generator) for _ in range(rounds)] for name in "ab"}
+    means = [(x + y) / 2 for x, y in zip(own["a"], own["b"], strict=True)]
+    a, b = node(sync, means), node(sync, means)
+    for round_ in range(rounds):
+        for update, name in ((a, "a"), (b, "b")):
+            update.finish_round(round_, own[name][round_], 100.0)
+            update.pending.wait(round_, 5.0)  # each exchange lands before the next round ends
+    served_a, served_b = a.ctx.state.served(a.served), b.ctx.state.served(b.served)
+    assert served_a.digest() == served_b.digest()  # what joiners check, bit for bit
+    if sync == "eager":
+        assert a.ctx.state.digest() != b.ctx.state.digest()  # while each φ holds its own Δ early
+    assert served_a.round == rounds and served_a.in_flight == [rounds - 1]  # the last mean is not taken yet
+
+    blocking = [torch.linspace(-1.0, 1.0, NUMEL).reshape(2, 3)]
+    optimizer = OuterOptimizer(blocking, 0.7, 0.9)
+    for mean in means[:-1]:
+        optimizer.step([mean.reshape(2, 3)])
+    assert torch.equal(served_a.phi, blocking[0].flatten())
+    assert torch.equal(served_a.momentum, optimizer.momentum_buffers()[0].flatten())
+
+
+def test_a_joiner_of_the_served_state_holds_every_mean_once() -> None:
+    """The joiner installs the settled copy and applies the round in flight whole when it lands."""
+    generator = torch.Generator().manual_seed(5)
+    means = [torch.randn(NUMEL, generator=generator) for _ in range(3)]
+    server = node("eager", means)
+    for round_ in range(2):
+        server.finish_round(round_, torch.randn(NUMEL, generator=generator), 100.0)
+        server.pending.wait(round_, 5.0)
+    metadata, vectors = server.ctx.state.shared("fp", "server", server.served)
+    assert metadata["round"] == 2 and metadata["in_flight"] == [1] and len(vectors) == 2
+
+    joiner = node("eager", means)
+    installed = joiner.ctx.state.install_shared(metadata, vectors, "fp")
+    assert installed is not None
+    _, in_flight = installed
+    assert [(a.round, a.weight) for a in in_flight] == [(1, 0.0)]
+    # a server may not claim rounds ahead of its own, or more than it can have pending
+    assert joiner.ctx.state.install_shared({**metadata, "in_flight": [2]}, vectors, "fp") is None
+    assert joiner.ctx.state.install_shared({**metadata, "in_flight": list(range(9))}, vectors, "fp") is None
+    assert joiner.ctx.state.install_shared(metadata, [*vectors, vectors[0]], "fp") is None
