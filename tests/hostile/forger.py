@@ -71,8 +71,9 @@ def make_identity(below: list[str] | None = None) -> tuple[Path, RSASignatureVal
     return path, RSASignatureValidator(wrapped), peer_id
 
 
-def honest_records(dht: DHT, key: str) -> list[dict]:
-    while True:
+def honest_records(dht: DHT, key: str, stop: threading.Event | None = None) -> list[dict]:
+    """The run's live records, sorted by peer id, once there are any ([] once `stop` is set)."""
+    while stop is None or not stop.is_set():
         found = dht.get(key, latest=True)
         if found is not None and isinstance(found.value, dict):
             values = [dict(item.value) for item in found.value.values()
@@ -80,6 +81,7 @@ def honest_records(dht: DHT, key: str) -> list[dict]:
             if values:
                 return sorted(values, key=lambda v: v["peer_id"])
         time.sleep(0.5)
+    return []
 
 
 async def ask(p2p, peer: str, handler: str, request: dict, limit: int = 1 << 26) -> list[bytes]:
@@ -159,7 +161,10 @@ def contribute(dht: DHT, p2p, run, namespace: str, key: str, me: str, signer, mo
     run(p2p.add_binary_stream_handler(f"{namespace}_payload", serve))
     done = -1
     while not stop.is_set():
-        honest = [r for r in honest_records(dht, key) if r["peer_id"] != me]
+        honest = [r for r in honest_records(dht, key, stop) if r["peer_id"] != me]
+        if not honest:  # the honest nodes have left (the run is over): wait for SIGTERM
+            stop.wait(0.2)
+            continue
         forged = {**honest[0], "peer_id": me}
         dht.store(key, subkey=me.encode() + signer.local_public_key, value=forged,
                   expiration_time=get_dht_time() + TTL)
