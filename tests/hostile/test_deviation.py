@@ -1,4 +1,5 @@
-"""How far a hostile contributor moves φ (#15): no further than the clip rule allows.
+"""How far a hostile contributor moves φ (#15): no further than the clip rule allows, and not
+at all when its payload is rejected; honest nodes' memory stays that of the clean run.
 
 Two honest nodes train the same run twice from the same identities, seeds and options: once alone
 (the clean twin) and once with forger.py's "huge" peer in the groups from the first rounds on (a
@@ -153,11 +154,40 @@ def twin_run(spawn: NodeFactory, label: str, keys: dict[str, Path], attack: str 
     return twin
 
 
-def test_a_huge_contributor_moves_phi_no_further_than_the_clip_bound(spawn: NodeFactory, tmp_path: Path) -> None:
+MEMORY_SLACK = 64 << 20  # bytes of peak RSS an honest node may hold beyond its clean twin's
+
+
+def peak_memory(twin: Twin) -> int:
+    return max(int(log.stats["peak_memory_bytes"][0]) for node in twin.nodes for log in node.rounds.values())
+
+
+@pytest.fixture
+def clean_and_keys(spawn: NodeFactory, tmp_path: Path) -> tuple[Twin, dict[str, Path]]:
     keys = {name: tmp_path / f"{name}.key" for name in "ab"}
     for path in keys.values():
         create(path)  # the same peer ids, so the same data orders, in both runs
-    clean = twin_run(spawn, "clean", keys)
+    return twin_run(spawn, "clean", keys), keys
+
+
+def test_a_damaged_contribution_leaves_phi_exactly_as_in_the_clean_run(
+        spawn: NodeFactory, clean_and_keys: tuple[Twin, dict[str, Path]]) -> None:
+    """A payload that does not decode is rejected by both honest nodes: their mean is the clean
+    twin's, bit for bit, however many rounds the forger was in."""
+    clean, keys = clean_and_keys
+    hostile = twin_run(spawn, "hostile", keys, attack="fuzz")
+    in_group = [int(line.split()[1]) for line in hostile.forged if line.split()[2] == "3"]
+    assert in_group, f"the forger never averaged\n{hostile.nodes[0].log_text()[-3000:]}"
+    assert torch.equal(hostile.phi(hostile.nodes[0]), clean.phi(clean.nodes[0]))
+    for r in range(1, ROUNDS + 1):
+        assert hostile.nodes[0].rounds[r].digest == clean.nodes[0].rounds[r].digest, r
+    assert peak_memory(hostile) <= peak_memory(clean) + MEMORY_SLACK
+    print(f"forger rejected in rounds {in_group}: ‖φ_hostile − φ_clean‖ = 0; peak memory "
+          f"{peak_memory(hostile) >> 20} MiB (clean {peak_memory(clean) >> 20} MiB)")
+
+
+def test_a_huge_contributor_moves_phi_no_further_than_the_clip_bound(
+        spawn: NodeFactory, clean_and_keys: tuple[Twin, dict[str, Path]]) -> None:
+    clean, keys = clean_and_keys
     hostile = twin_run(spawn, "hostile", keys, attack="huge")
 
     clips = hostile.clips()
@@ -186,5 +216,7 @@ def test_a_huge_contributor_moves_phi_no_further_than_the_clip_bound(spawn: Node
     unclipped = math.sqrt(unclipped)
     deviation = float((hostile.phi(hostile.nodes[0]) - clean.phi(clean.nodes[0])).norm())
     print(f"forger clipped in rounds {sorted(clips)}; ‖φ_hostile − φ_clean‖ = {deviation:.4g}, bound {bound:.4g} "
-          f"({deviation / bound:.3f} of it); unclipped it would be ~{unclipped:.4g}")
+          f"({deviation / bound:.3f} of it); unclipped it would be ~{unclipped:.4g}; peak memory "
+          f"{peak_memory(hostile) >> 20} MiB (clean {peak_memory(clean) >> 20} MiB)")
     assert deviation <= bound, (deviation, bound, clips, clean_norms, hostile_norms)
+    assert peak_memory(hostile) <= peak_memory(clean) + MEMORY_SLACK
