@@ -328,10 +328,10 @@ class Node:
         self.swarm.presence.announce(round_, round_ if ready else round_ - 1, self.state.digest(), self._served())
 
     def _served(self) -> tuple[int, str]:
-        """The (round, digest) of the state we serve joiners, for our record."""
+        """The (settled round, digest) of the state we serve joiners, for our record."""
         assert self.update is not None
         served = self.state.served(self.update.served)
-        return served.round, served.digest()
+        return served.settled_round, served.digest()
 
     def _finish_round(self, losses: list[float], report: RoundReport, timing: RoundTiming) -> None:
         """Everything the round leaves behind: telemetry, the swarm table, the log line, a checkpoint.

@@ -50,6 +50,7 @@ class OverlappedUpdate:
         self.restored: list[Applied] = []  # from a checkpoint: applied at the next step, as averaged alone
         self.inherited: list[tuple[str, Applied]] = []  # from a state download: (server, its round in flight)
         self.settled: SettledCopy | None = None  # made from φ when nothing of ours is in it early
+        self.last_group: tuple[str, ...] = ()  # of the last exchange of ours that landed
 
     def finish_round(self, round_: int, pseudo_gradient: torch.Tensor, tokens: float) -> RoundReport:
         ctx = self.ctx
@@ -59,8 +60,9 @@ class OverlappedUpdate:
         self.pending.wait(round_ - 1, self.sync_timeout)
         self.pending.make_room(self.settle_timeout)
         inherited = self._resolve_inherited()
+        diverged = self._diverged()
         # taking the landed exchanges and applying them is one step under φ's lock: a joiner's state
-        # (settle_change) sees each exchange either pending or applied, never neither
+        # (served) sees each exchange either pending or applied, never neither
         with ctx.state.lock:
             self._settled_copy()
             finished = inherited + self.pending.take_finished()
@@ -76,7 +78,17 @@ class OverlappedUpdate:
             ctx.state.round += 1
             applied = Applied(round_, fresh, weight, ctx.state.steps)
             self.pending.start(applied, lambda: self._exchange(round_, own))
-        return RoundReport(last.verdict if last else "lost", own, last.result if last else None)
+        return RoundReport(last.verdict if last else "lost", own, last.result if last else None, diverged=diverged)
+
+    def _diverged(self) -> bool:
+        """Whether the state we serve differs from the one our last group serves, settled up to the
+        same round: an exchange that failed on one side only (averaged alone) splits it for good,
+        and our φ with it. Compared before this round's take, so the group has had a round to
+        announce the state we have held since the last one."""
+        if not self.last_group:
+            return False
+        served = self.ctx.state.served(self.served)
+        return self.ctx.swarm.presence.diverged(served.settled_round, served.digest(), self.last_group, served=True)
 
     def _settled_copy(self) -> SettledCopy:
         """Under φ's lock. Made when φ holds nothing of ours early: at the start, after a state
@@ -101,6 +113,7 @@ class OverlappedUpdate:
             settled.step(self.ctx.state, mean if mean is not None else applied.own)
             if outcome is not None and outcome.result is not None and outcome.result.own_share > 0:
                 self.last_share = outcome.result.own_share  # ours, not an inherited round's
+                self.last_group = outcome.result.group
         return total
 
     def _exchange(self, round_: int, own: Own) -> Outcome:
@@ -171,7 +184,7 @@ class OverlappedUpdate:
     def forget(self) -> None:
         self.pending.drop()
         self.restored, self.inherited = [], []
-        self.last_share = None
+        self.last_share, self.last_group = None, ()
         self.settled = None  # φ was replaced: the next copy is made from it
 
 

@@ -38,6 +38,12 @@ class Served:
         """Equal on every node that serves the same state, bit for bit (records announce it)."""
         return digest([self.phi, self.momentum])
 
+    @property
+    def settled_round(self) -> int:
+        """The first round whose mean is not in φ: nodes that applied the same means agree on
+        (settled_round, digest) whatever round each is at."""
+        return min(self.in_flight, default=self.round)
+
 
 class OuterState:
     def __init__(self, phi: list[torch.Tensor], optimizer: OuterOptimizer | NoLoCoOptimizer):
@@ -88,7 +94,7 @@ class OuterState:
 
     def served(self, settled: Callable[[], Served | None]) -> Served:
         """The state a joiner gets from us: `settled` (overlapped modes: φ with only the landed
-        means applied, OverlappedUpdate.settled), else φ itself. Both are taken under our lock."""
+        means applied, OverlappedUpdate.served), else φ itself. Both are taken under our lock."""
         with self.lock:
             served = settled()
             if served is None:

@@ -197,9 +197,10 @@ class Presence:
         """Whether most other live nodes of the run have already exchanged `round_` (we are behind)."""
         return moved_on([r for p, r in self.compatible_peers(refresh=True).items() if p != self.peer_id], round_)
 
-    def diverged(self, round_: int, digest: str, among: Collection[str]) -> bool:
+    def diverged(self, round_: int, digest: str, among: Collection[str], served: bool = False) -> bool:
         """Whether our φ differs from the canonical φ for the start of `round_` of `among`, the
-        group we averaged that round with (ourselves included).
+        group we averaged that round with (ourselves included); `served`: whether the state we
+        serve, settled up to `round_`, differs from the one the group serves (overlapped modes).
 
         φ can split when an exchange fails on one side only (one node got the other's payload,
         the other did not); the nodes holding a non-canonical φ re-sync. Only the group's records
@@ -207,7 +208,7 @@ class Presence:
         number, cannot outvote the group and make us drop our φ.
         """
         group = [r for p, r in self.compatible_peers().items() if p in among]
-        canonical = records.canonical_digest(group, round_)
+        canonical = records.canonical_digest(group, round_, served)
         return canonical is not None and digest != canonical
 
     def leave(self) -> None:

@@ -120,8 +120,8 @@ class NodeRecord:
     exchanged_round: int = -1  # the last round whose exchange this node completed
     admission: str = ""
     vouched: tuple[str, ...] = ()  # joiners we handed rounds in flight: they may fetch those rounds' payloads
-    # the state the node serves to joiners (OuterState.served): its round and the digest of φ and
-    # the momentum exactly as sent; equal on the nodes that applied the same means
+    # the state the node serves to joiners (OuterState.served): the first round whose mean it
+    # lacks and the digest of φ and the momentum as sent; equal on nodes that applied the same means
     served_round: int = -1
     served_digest: str = ""
 
@@ -216,15 +216,17 @@ def fetch(dht: DHT, run_id: str) -> tuple[dict[str, NodeRecord], dict[str, NodeR
     return live, departed
 
 
-def canonical_digest(nodes: Iterable[NodeRecord], round_: int) -> str | None:
-    """The φ digest most nodes at the start of `round_` hold; a tie goes to the smallest peer id's.
+def canonical_digest(nodes: Iterable[NodeRecord], round_: int, served: bool = False) -> str | None:
+    """The φ digest most nodes at the start of `round_` hold (`served`: the digest of the state
+    most nodes serve with `round_` as its settled round); a tie goes to the smallest peer id's.
 
     Every node evaluates this on the same records, so all reach the same verdict.
     """
     holders: dict[str, list[str]] = {}
     for record in nodes:
-        if record.round == round_ and record.digest:
-            holders.setdefault(record.digest, []).append(record.peer_id)
+        at, digest = (record.served_round, record.served_digest) if served else (record.round, record.digest)
+        if at == round_ and digest:
+            holders.setdefault(digest, []).append(record.peer_id)
     if not holders:
         return None
     return min(holders, key=lambda digest: (-len(holders[digest]), min(holders[digest])))

@@ -172,17 +172,23 @@ def servers_in_order(others: dict[str, NodeRecord], reference: tuple[int, str] |
 
 
 def mismatch(peer: str, shared: tuple[dict[str, Any], list[torch.Tensor]],
-                    reference: tuple[int, str] | None, check_digest: bool) -> str | None:
+             reference: tuple[int, str] | None, check_digest: bool) -> str | None:
     """Why a downloaded state is not the one most of the run's records announce (None: it is, or
-    the state differs from node to node in this run and cannot be compared). The digest covers
-    everything sent, φ and the momentum, as the server's record announces it (outer/state.Served)."""
+    the state differs from node to node in this run and cannot be compared). Records announce
+    the first round whose mean the state lacks and the digest of all it sends, φ and the
+    momentum (outer/state.Served)."""
     if not check_digest or reference is None:
         return None
     metadata, vectors = shared
-    got = (metadata.get("round"), digest(vectors))
+    in_flight = metadata.get("in_flight") or []
+    rounds = [metadata.get("round"), *in_flight] if isinstance(in_flight, list) else [None]
+    settled = [r for r in rounds if isinstance(r, int)]
+    if len(settled) != len(rounds):
+        return "malformed rounds"
+    got = (min(settled), digest(vectors))
     if got != reference:
-        return (f"its state (round {got[0]}, digest {got[1]}) is not the run's "
-                f"(round {reference[0]}, digest {reference[1]})")
+        return (f"its state (settled round {got[0]}, digest {got[1]}) is not the run's "
+                f"(settled round {reference[0]}, digest {reference[1]})")
     return None
 
 

@@ -233,6 +233,9 @@ def test_a_joiner_takes_the_state_most_records_announce() -> None:
     assert reference == (7, honest)
     assert servers_in_order(others, reference) == ["a", "b", "liar"]  # the liar's far-ahead claim comes last
     assert mismatch("a", ({"round": 7}, [phi, momentum]), reference, check_digest=True) is None
+    # a node two rounds on serves the same state while those rounds' means are in flight
+    assert mismatch("b", ({"round": 9, "in_flight": [7, 8]}, [phi, momentum]), reference, True) is None
+    assert mismatch("b", ({"round": 9, "in_flight": "78"}, [phi, momentum]), reference, True) == "malformed rounds"
     poisoned = ({"round": 7}, [phi + 1, momentum])
     assert "not the run's" in str(mismatch("liar", poisoned, reference, check_digest=True))
     assert "not the run's" in str(mismatch("liar", ({"round": 7}, [phi, momentum * 1e6]), reference, True))
@@ -240,3 +243,8 @@ def test_a_joiner_takes_the_state_most_records_announce() -> None:
     # no two servers alike: nothing tells the honest one from a liar; one server alone is the run's
     assert reference_state([others["a"], serving("liar", 10**6, "fake")]) is None
     assert reference_state([others["a"]]) == (7, honest)
+    # the state a group serves, settled up to a round: the majority's, a tie to the smaller peer id
+    group = [others["a"], others["b"], serving("c", 7, "split")]
+    assert canonical_digest(group, 7, served=True) == honest
+    assert canonical_digest([others["b"], serving("c", 7, "split")], 7, served=True) == honest
+    assert canonical_digest(group, 8, served=True) is None

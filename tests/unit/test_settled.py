@@ -22,22 +22,26 @@ NUMEL = 6
 
 
 class Averaging:
-    """Round r's mean is `means[r]`, whatever our own Δ was: both nodes of the group get it."""
+    """Round r's mean is `means[r]`, whatever our own Δ was: both nodes of the group get it; in a
+    round of `alone` we found nobody (the exchange failed on our side only)."""
 
-    def __init__(self, means: list[torch.Tensor]):
-        self.means = means
+    def __init__(self, means: list[torch.Tensor], alone: tuple[int, ...] = ()):
+        self.means, self.alone = means, alone
 
     def encode(self, round_: int, delta: torch.Tensor, tokens: float) -> Own:
         return Own(b"payload", delta.clone(), tokens, 0.0)
 
     def mean(self, own: Own, gathered: Gathered) -> AverageResult:
+        if gathered.round in self.alone:
+            return AverageResult((), torch.zeros(NUMEL), 0.0, 0.0)
         return AverageResult(("a", "b"), self.means[gathered.round].clone(), 0.5, 0.0)
 
 
 class Swarm:
     def __init__(self) -> None:
         self.presence = SimpleNamespace(compatible_peers=lambda: {"a": None, "b": None},
-                                        mark_exchanged=lambda round_: None)
+                                        mark_exchanged=lambda round_: None,
+                                        diverged=lambda round_, digest, among, served: False)
 
     def offer(self, round_: int, payload: bytes | None, tokens: float) -> None:
         pass
@@ -54,10 +58,10 @@ class Telemetry:
         pass
 
 
-def node(sync: str, means: list[torch.Tensor]) -> OverlappedUpdate:
+def node(sync: str, means: list[torch.Tensor], alone: tuple[int, ...] = ()) -> OverlappedUpdate:
     phi = [torch.linspace(-1.0, 1.0, NUMEL).reshape(2, 3)]
     state = OuterState(phi, OuterOptimizer(phi, 0.7, 0.9))
-    ctx = UpdateContext(state, Averaging(means), Swarm(), Telemetry(),  # type: ignore[arg-type]
+    ctx = UpdateContext(state, Averaging(means, alone), Swarm(), Telemetry(),  # type: ignore[arg-type]
                         threading.Event(), threading.Event())
     return OverlappedUpdate(ctx, state.optimizer, NodeConfig(sync=sync))  # type: ignore[arg-type]
 
@@ -78,6 +82,7 @@ def test_nodes_with_different_own_deltas_serve_the_same_state_as_a_blocking_node
     if sync == "eager":
         assert a.ctx.state.digest() != b.ctx.state.digest()  # while each φ holds its own Δ early
     assert served_a.round == rounds and served_a.in_flight == [rounds - 1]  # the last mean is not taken yet
+    assert served_a.settled_round == rounds - 1
 
     blocking = [torch.linspace(-1.0, 1.0, NUMEL).reshape(2, 3)]
     optimizer = OuterOptimizer(blocking, 0.7, 0.9)
@@ -85,6 +90,20 @@ def test_nodes_with_different_own_deltas_serve_the_same_state_as_a_blocking_node
         optimizer.step([mean.reshape(2, 3)])
     assert torch.equal(served_a.phi, blocking[0].flatten())
     assert torch.equal(served_a.momentum, optimizer.momentum_buffers()[0].flatten())
+
+
+def test_a_round_averaged_alone_on_one_side_splits_the_served_state() -> None:
+    """What the group's records then show (presence.diverged(served=True) re-syncs the minority)."""
+    generator = torch.Generator().manual_seed(4)
+    means = [torch.randn(NUMEL, generator=generator) for _ in range(4)]
+    a, b = node("eager", means, alone=(1,)), node("eager", means)
+    for round_ in range(4):
+        for update in (a, b):
+            update.finish_round(round_, torch.randn(NUMEL, generator=generator), 100.0)
+            update.pending.wait(round_, 5.0)
+    served_a, served_b = a.ctx.state.served(a.served), b.ctx.state.served(b.served)
+    assert served_a.settled_round == served_b.settled_round == 3
+    assert served_a.digest() != served_b.digest()
 
 
 def test_a_joiner_of_the_served_state_holds_every_mean_once() -> None:
