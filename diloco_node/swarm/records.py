@@ -233,10 +233,10 @@ def canonical_digest(nodes: Iterable[NodeRecord], round_: int, served: bool = Fa
 
 
 def reference_state(nodes: Iterable[NodeRecord]) -> tuple[int, str] | None:
-    """The served state (round, digest) most nodes announce (ties: the later round, then the
-    smaller digest): the one a joiner takes, so that one peer's claim alone cannot choose it.
-    None when two or more nodes serve and no two of them announce the same state: then nothing
-    tells an honest server from a lying one."""
+    """The served state (settled round, digest) most nodes announce: the one a joiner takes, so
+    that one peer's claim alone cannot choose it. None when two or more nodes serve and no state
+    has more announcers than every other and at least two of them: then nothing tells an honest
+    server from a lying one (a tie never goes to the later round, which anyone can claim)."""
     counts: dict[tuple[int, str], int] = {}
     for record in nodes:
         if record.served_digest:
@@ -244,8 +244,12 @@ def reference_state(nodes: Iterable[NodeRecord]) -> tuple[int, str] | None:
             counts[state] = counts.get(state, 0) + 1
     if not counts:
         return None
-    best = min(counts, key=lambda state: (-counts[state], -state[0], state[1]))
-    return best if counts[best] >= 2 or sum(counts.values()) == 1 else None
+    ranked = sorted(counts.values(), reverse=True)
+    if len(counts) == 1 and ranked[0] == 1:
+        return next(iter(counts))  # the only node serving
+    if ranked[0] < 2 or (len(ranked) > 1 and ranked[1] == ranked[0]):
+        return None
+    return max(counts, key=lambda state: counts[state])
 
 
 def config_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> str:

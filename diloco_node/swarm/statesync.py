@@ -15,7 +15,6 @@ one after another, each of the model's size.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import threading
@@ -45,6 +44,7 @@ STATE_RETRY_SECONDS = 1.0  # between state downloads that found no peer sharing
 # how long a joiner waits for two nodes to announce the same state before taking one unchecked:
 # a few rounds, for nodes one round apart to meet
 AGREEMENT_WAIT_SECONDS = 30.0
+AGREEMENT_POLLS, AGREEMENT_POLL_SECONDS = 10, 0.5  # reading the records again after a download
 
 SharedState = tuple[dict[str, Any], list[torch.Tensor]]  # metadata, flat fp32 vectors (φ first)
 # Our state for the peer that asks (its id); None while we do not share.
@@ -171,25 +171,39 @@ def servers_in_order(others: dict[str, NodeRecord], reference: tuple[int, str] |
                                          -others[p].round, p))
 
 
-def mismatch(peer: str, shared: tuple[dict[str, Any], list[torch.Tensor]],
-             reference: tuple[int, str] | None, check_digest: bool) -> str | None:
-    """Why a downloaded state is not the one most of the run's records announce (None: it is, or
-    the state differs from node to node in this run and cannot be compared). Records announce
-    the first round whose mean the state lacks and the digest of all it sends, φ and the
-    momentum (outer/state.Served)."""
-    if not check_digest or reference is None:
-        return None
+def settled_state(shared: SharedState) -> tuple[int, str] | None:
+    """What a downloaded state's server announces for it: the first round whose mean it lacks and
+    the digest of all it sends, φ and the momentum (outer/state.Served); None when malformed."""
     metadata, vectors = shared
     in_flight = metadata.get("in_flight") or []
     rounds = [metadata.get("round"), *in_flight] if isinstance(in_flight, list) else [None]
     settled = [r for r in rounds if isinstance(r, int)]
-    if len(settled) != len(rounds):
+    return (min(settled), digest(vectors)) if len(settled) == len(rounds) else None
+
+
+def agreement(shared: SharedState, peers: Callable[[], dict[str, NodeRecord]], started: float,
+              stop: threading.Event) -> str | None:
+    """Why a downloaded state is not the one the run's records agree on (reference_state), None
+    when it is. The records are read again after the download, for a few seconds: a blocking
+    server shares its next state as soon as it has stepped, before every record says so. After
+    AGREEMENT_WAIT_SECONDS without any two nodes announcing the same state, the state is taken
+    unchecked (returns None) and the caller is told so in the log."""
+    got = settled_state(shared)
+    if got is None:
         return "malformed rounds"
-    got = (min(settled), digest(vectors))
-    if got != reference:
-        return (f"its state (settled round {got[0]}, digest {got[1]}) is not the run's "
-                f"(settled round {reference[0]}, digest {reference[1]})")
-    return None
+    reference = None
+    for _ in range(AGREEMENT_POLLS):
+        reference = reference_state(peers().values())
+        if got == reference:
+            return None
+        if stop.wait(AGREEMENT_POLL_SECONDS):
+            break
+    if reference is None and time.monotonic() - started > AGREEMENT_WAIT_SECONDS:
+        logger.warning("no two peers announce the same state; taking one unchecked")
+        return None
+    wanted = "no state two nodes agree on" if reference is None else \
+        f"settled round {reference[0]}, digest {reference[1]}"
+    return f"its state (settled round {got[0]}, digest {got[1]}) is not the run's ({wanted})"
 
 
 def download_from(service: StateService, run: Callable[[Any, float, threading.Event], Any],
@@ -225,39 +239,27 @@ def download_run_state(service: StateService, run: Callable[[Any, float, threadi
                        check_digest: bool) -> SharedState | None:
     """The run's state, retried over the verified nodes `peers` gives (fresh records each time)
     within `timeout`. `check_digest` (runs whose nodes serve the same state): the state must be
-    the one most records announce, and we wait up to AGREEMENT_WAIT_SECONDS for two nodes to
-    announce the same (one may be ahead by a round); after that we take one unchecked, and say so.
-    None when nobody else is in the run, nobody shared it in time, or `stop` was set."""
+    the one the records agree on (`agreement`). None when nobody else is in the run, nobody
+    shared it in time, or `stop` was set."""
     started = time.monotonic()
     deadline = started + timeout
     logger.info("downloading state from peers")
     logged: set[tuple[str, str]] = set()
+
+    def accept(_peer: str, shared: SharedState) -> str | None:
+        return agreement(shared, peers, started, stop) if check_digest else None
+
     while True:
         others = peers()
         if not others:
             return None
-        reference = reference_state(others.values())
-        check = check_digest
-        if check and reference is None and time.monotonic() - started < AGREEMENT_WAIT_SECONDS:
-            _log_once(logged, "", "no two peers announce the same state yet; waiting")
-        else:
-            if check and reference is None:
-                _log_once(logged, "", "no two peers announce the same state; taking one unchecked")
-                check = False
-            received = download_from(service, run, servers_in_order(others, reference),
-                                     functools.partial(mismatch, reference=reference, check_digest=check),
-                                     deadline, logged, stop)
-            if received is not None:
-                return received
+        received = download_from(service, run, servers_in_order(others, reference_state(others.values())),
+                                 accept, deadline, logged, stop)
+        if received is not None:
+            return received
         if time.monotonic() > deadline:
             logger.warning("no peer shared its state within %.0fs; starting from our own φ", timeout)
             return None
         if stop.wait(STATE_RETRY_SECONDS):
             logger.warning("state download stopped")
             return None
-
-
-def _log_once(logged: set[tuple[str, str]], peer: str, line: str) -> None:
-    if (peer, line) not in logged:
-        logged.add((peer, line))
-        logger.warning("%s", line)

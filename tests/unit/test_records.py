@@ -10,12 +10,12 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from diloco_node import identity
 from diloco_node.admission import Claims, Gate, sign
-from diloco_node.swarm import records
+from diloco_node.swarm import records, statesync
 from diloco_node.swarm.groups import random_groups
 from diloco_node.swarm.member import SwarmMember
 from diloco_node.swarm.presence import Presence, round_state
 from diloco_node.swarm.records import NodeRecord, canonical_digest, config_difference, reference_state
-from diloco_node.swarm.statesync import mismatch, servers_in_order
+from diloco_node.swarm.statesync import agreement, servers_in_order
 
 
 def record(peer: str, round_: int, digest: str) -> NodeRecord:
@@ -217,7 +217,10 @@ def test_a_permissioned_presence_ignores_records_without_a_valid_admission(monke
     assert presence.known("a") and not presence.known("b", refresh=True)
 
 
-def test_a_joiner_takes_the_state_most_records_announce() -> None:
+def test_a_joiner_takes_the_state_most_records_announce(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import threading
+    import time
+
     import torch
 
     from diloco_node.replica.layout import digest
@@ -232,17 +235,28 @@ def test_a_joiner_takes_the_state_most_records_announce() -> None:
     reference = reference_state(others.values())
     assert reference == (7, honest)
     assert servers_in_order(others, reference) == ["a", "b", "liar"]  # the liar's far-ahead claim comes last
-    assert mismatch("a", ({"round": 7}, [phi, momentum]), reference, check_digest=True) is None
+    never = threading.Event()
+    now = time.monotonic()
+
+    def agrees(shared: tuple, peers: dict[str, NodeRecord] = others) -> str | None:
+        return agreement(shared, lambda: peers, now, never)
+
+    assert agrees(({"round": 7}, [phi, momentum])) is None
     # a node two rounds on serves the same state while those rounds' means are in flight
-    assert mismatch("b", ({"round": 9, "in_flight": [7, 8]}, [phi, momentum]), reference, True) is None
-    assert mismatch("b", ({"round": 9, "in_flight": "78"}, [phi, momentum]), reference, True) == "malformed rounds"
-    poisoned = ({"round": 7}, [phi + 1, momentum])
-    assert "not the run's" in str(mismatch("liar", poisoned, reference, check_digest=True))
-    assert "not the run's" in str(mismatch("liar", ({"round": 7}, [phi, momentum * 1e6]), reference, True))
-    assert mismatch("liar", poisoned, reference, check_digest=False) is None  # NoLoCo: φ differs by design
-    # no two servers alike: nothing tells the honest one from a liar; one server alone is the run's
-    assert reference_state([others["a"], serving("liar", 10**6, "fake")]) is None
-    assert reference_state([others["a"]]) == (7, honest)
+    assert agrees(({"round": 9, "in_flight": [7, 8]}, [phi, momentum])) is None
+    assert agrees(({"round": 9, "in_flight": "78"}, [phi, momentum])) == "malformed rounds"
+    monkeypatch.setattr(statesync, "AGREEMENT_POLLS", 1)  # a refusal looks at the records once here
+    assert "not the run's" in str(agrees(({"round": 7}, [phi + 1, momentum])))
+    assert "not the run's" in str(agrees(({"round": 7}, [phi, momentum * 1e6])))
+    # no two servers alike: nothing tells the honest one from a liar, until the wait is over
+    split = {"a": others["a"], "liar": serving("liar", 10**6, "fake")}
+    assert "no state two nodes agree on" in str(agrees(({"round": 7}, [phi, momentum]), split))
+    assert agreement(({"round": 7}, [phi, momentum]), lambda: split,
+                     now - statesync.AGREEMENT_WAIT_SECONDS - 1, never) is None
+    assert reference_state(split.values()) is None
+    assert reference_state([others["a"]]) == (7, honest)  # one node alone serves the run's state
+    two_liars = [*others.values(), serving("liar2", 10**6, "fake")]
+    assert reference_state(two_liars) is None  # a tie never goes to the later round
     # the state a group serves, settled up to a round: the majority's, a tie to the smaller peer id
     group = [others["a"], others["b"], serving("c", 7, "split")]
     assert canonical_digest(group, 7, served=True) == honest
