@@ -37,7 +37,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/codecs.py
 	$(PY) benchmarks/noloco.py
 	$(PY) benchmarks/eager_loss.py --h 40 --rounds 12
-	$(PY) benchmarks/matchmaking.py --syncs eager
+	$(PY) benchmarks/matchmaking.py --syncs eager,blocking
 	$(PY) benchmarks/wide_area.py  # network namespaces: needs root
 	$(PY) benchmarks/partition.py  # network namespaces: needs root
 	$(PY) benchmarks/islands.py  # docker/compose.yaml on a Docker engine: needs root
