@@ -14,7 +14,7 @@ from diloco_node.outer.diloco import OuterOptimizer
 from diloco_node.outer.state import OuterState, Served
 from diloco_node.outer.sync import Applied, PendingExchanges, correction, fresh_weight
 from diloco_node.outer.update import RoundReport, UpdateContext, exchanging
-from diloco_node.replica.layout import flatten
+from diloco_node.replica.layout import flatten, unflatten
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +29,8 @@ class SettledCopy:
         self.phi = [p.clone() for p in state.phi]
         self.optimizer = optimizer.copy(self.phi)
 
-    def step(self, state: OuterState, mean: torch.Tensor) -> None:
-        self.optimizer.step(state.shaped(mean))
+    def step(self, mean: torch.Tensor) -> None:
+        self.optimizer.step(unflatten(mean, self.phi))
 
 
 @dataclass(frozen=True)
@@ -84,11 +84,9 @@ class OverlappedUpdate:
         """Whether the state we serve differs from the one our last group serves, settled up to the
         same round: an exchange that failed on one side only (averaged alone) splits it for good,
         and our φ with it. Compared before this round's take, so the group has had a round to
-        announce the state we have held since the last one."""
-        if not self.last_group:
-            return False
-        served = self.ctx.state.served(self.served)
-        return self.ctx.swarm.presence.diverged(served.settled_round, served.digest(), self.last_group, served=True)
+        announce the state we have held since the last one (our record announced it as the inner
+        phase ended, and nothing has stepped the settled copy since)."""
+        return bool(self.last_group) and self.ctx.swarm.presence.served_diverged(self.last_group)
 
     def _settled_copy(self) -> SettledCopy:
         """Under φ's lock. Made when φ holds nothing of ours early: at the start, after a state
@@ -96,7 +94,7 @@ class OverlappedUpdate:
         if self.settled is None:
             self.settled = SettledCopy(self.ctx.state, self.optimizer)
             if self.restored:
-                self.settled.step(self.ctx.state, torch.stack([correction(a, None) for a in self.restored]).sum(0))
+                self.settled.step(torch.stack([correction(a, None) for a in self.restored]).sum(0))
         return self.settled
 
     def _corrections(self, finished: list[tuple[Applied, Outcome | None]]) -> torch.Tensor:
@@ -110,7 +108,7 @@ class OverlappedUpdate:
         for applied, outcome in finished:
             total += correction(applied, _mean(outcome))
             mean = _mean(outcome)
-            settled.step(self.ctx.state, mean if mean is not None else applied.own)
+            settled.step(mean if mean is not None else applied.own)
             if outcome is not None and outcome.result is not None and outcome.result.own_share > 0:
                 self.last_share = outcome.result.own_share  # ours, not an inherited round's
                 self.last_group = outcome.result.group

@@ -197,6 +197,13 @@ class Presence:
         """Whether most other live nodes of the run have already exchanged `round_` (we are behind)."""
         return moved_on([r for p, r in self.compatible_peers(refresh=True).items() if p != self.peer_id], round_)
 
+    def served_diverged(self, among: Collection[str]) -> bool:
+        """Whether the state we serve, as our record last announced it, differs from the one most
+        of `among` serve settled up to the same round (overlapped modes; see `diverged`)."""
+        with self._record_lock:
+            ours = self._record
+        return self.diverged(ours.served_round, ours.served_digest, among, served=True)
+
     def diverged(self, round_: int, digest: str, among: Collection[str], served: bool = False) -> bool:
         """Whether our φ differs from the canonical φ for the start of `round_` of `among`, the
         group we averaged that round with (ourselves included); `served`: whether the state we

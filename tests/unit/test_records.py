@@ -168,6 +168,19 @@ def test_only_the_groups_records_decide_that_our_phi_diverged(monkeypatch) -> No
     assert presence.diverged(5, "ours", among=["a", "b", "us", "sybil0", "sybil1", "sybil2"])  # had they averaged
 
 
+def test_the_state_we_announced_serving_is_compared_with_our_groups(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    def serving(peer: str, served: str) -> NodeRecord:
+        return dataclasses.replace(record(peer, 9, "d"), served_round=7, served_digest=served)
+
+    presence = presence_seeing(monkeypatch, [serving("a", "theirs"), serving("b", "theirs")])
+    presence.announce(9, 9, "d", (7, "ours"))  # a round we averaged alone on our side only
+    presence.compatible_peers(refresh=True)
+    assert presence.served_diverged(["a", "b", "us"])
+    assert not presence.served_diverged(["us"])
+    presence.announce(9, 9, "d", (7, "theirs"))
+    assert not presence.served_diverged(["a", "b", "us"])
+
+
 def test_one_record_with_another_config_does_not_keep_us_out(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import pytest
 

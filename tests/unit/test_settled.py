@@ -41,7 +41,7 @@ class Swarm:
     def __init__(self) -> None:
         self.presence = SimpleNamespace(compatible_peers=lambda: {"a": None, "b": None},
                                         mark_exchanged=lambda round_: None,
-                                        diverged=lambda round_, digest, among, served: False)
+                                        served_diverged=lambda among: False)
 
     def offer(self, round_: int, payload: bytes | None, tokens: float) -> None:
         pass
