@@ -32,6 +32,7 @@ EAGER_MOMENTUM = 0.6
 # 0.3, 1.17× with 0 (benchmarks/eager_loss.py --modes
 # blocking,delayed:0.9,delayed:0.6,delayed:0.3,delayed:0 --repeats 1).
 DELAYED_MOMENTUM = 0.0
+AUTO_BUTTERFLY_FROM = 3  # see NodeConfig.butterfly_from and benchmarks/scale.py
 SYNC_MOMENTUM = {"blocking": DILOCO_MOMENTUM, "delayed": DELAYED_MOMENTUM, "eager": EAGER_MOMENTUM}
 
 
@@ -103,6 +104,11 @@ class NodeConfig(BaseModel):
     aggregator: str = Field("clip", pattern=r"^(mean|clip|trimmed|centered-clip)$",
                             description="how the group's pseudo-gradients are averaged: mean, clip (each to 4x "
                             "the median norm), trimmed or centered-clip (see README, trust)")
+    exchange: str = Field("auto", pattern=r"^(auto|allgather|butterfly)$",
+                          description="how a group's pseudo-gradients travel: allgather (every member fetches every "
+                          "payload), butterfly (each member averages one part: traffic that does not grow with the "
+                          "group) or auto (butterfly for groups of 3 or more in a --run-owner run, else allgather; "
+                          "see README, scale)")
     max_tokens_per_round: int = Field(0, ge=0, description="most tokens a peer's contribution to a round counts "
                                       "for (0: only 4x the group's median declaration)")
 
@@ -221,6 +227,40 @@ class NodeConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _butterfly_fits(self) -> NodeConfig:
+        if self.exchange == "butterfly" and (why := self._no_butterfly()):
+            raise ValueError(f"exchange butterfly {why}")
+        return self
+
+    def _no_butterfly(self) -> str | None:
+        """Why this run cannot exchange by butterfly; None when it can."""
+        if self.algorithm == "noloco":
+            return "is for DiLoCo: NoLoCo's groups are small by design (--group-size), so all-gather costs the same"
+        if self.compression == "topk":
+            return "needs a dense codec: averaging sparse parts and sparsifying again would drop what top-k keeps"
+        if self.aggregator == "centered-clip":
+            return "cannot run centered-clip, which measures distances between whole vectors"
+        return None
+
+    @property
+    def butterfly_from(self) -> int | None:
+        """Groups of at least this many members exchange by butterfly; None: always all-gather.
+
+        auto: from 3 (at 2 both move one payload each way, and all-gather needs no second encoding),
+        and only in permissioned runs: a part's owner computes that part's mean for everyone, which
+        admitted peers can be trusted with; in an open run every member checks every contribution."""
+        if self.exchange == "allgather" or self._no_butterfly():
+            return None
+        if self.exchange == "butterfly":
+            return 2
+        return AUTO_BUTTERFLY_FROM if self.run_owner else None
+
+    @property
+    def part_align(self) -> int:
+        """Where butterfly parts may be cut: on the codec's blocks, so a part encodes as its slice of the whole."""
+        return self.block_size if self.compression in ("int8", "int4") else 1
+
+    @model_validator(mode="after")
     def _local_ranks_fit(self) -> NodeConfig:
         k, layers = self.local_ranks, PRESETS[self.model].n_layer
         if self.parallel == "none" and k > 1:
@@ -301,6 +341,7 @@ class NodeConfig(BaseModel):
             "algorithm": self.algorithm, "sync": self.sync, **self._outer_fingerprint(), **self.codec_fingerprint(),
             "aggregator": self.aggregator, "max_tokens_per_round": self.max_tokens_per_round,
             **({"run_owner": self.run_owner} if self.run_owner else {}),
+            **({"butterfly_from": self.butterfly_from} if self.butterfly_from is not None else {}),
         }
 
     def _outer_fingerprint(self) -> dict[str, Any]:

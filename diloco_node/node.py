@@ -107,7 +107,8 @@ class Node:
         self.swarm = self._join_swarm()
         self.update = make_update(self.cfg, UpdateContext(
             self.state, Averaging(self.codec, self.state.numel, self.swarm.peer_id, self.phi_codec,
-                                  self.cfg.aggregator, self.cfg.max_tokens_per_round or None), self.swarm,
+                                  self.cfg.aggregator, self.cfg.max_tokens_per_round or None,
+                                  self.cfg.part_align if self.cfg.butterfly_from is not None else None), self.swarm,
             self.telemetry, self.stop_requested, self.abandon_exchange))
         self.update.restore(outstanding or [])
         if outstanding is None:  # a fresh node gets its own data order, derived from its identity
@@ -142,7 +143,8 @@ class Node:
             run_id=self.cfg.run_id, fingerprint=self.cfg.fingerprint(), config=self.cfg.fingerprint_fields(),
             initial_peers=self.cfg.peer, listen=self.cfg.listen, announce=self.cfg.announce,
             matchmaking_time=self.cfg.matchmaking_time, round_timeout=self.cfg.round_timeout,
-            group_size=self.cfg.group_size if self.gossip else None, identity=self.cfg.identity_path, gate=self.gate)
+            group_size=self.cfg.group_size if self.gossip else None, identity=self.cfg.identity_path, gate=self.gate,
+            butterfly_from=self.cfg.butterfly_from)
         swarm = SwarmMember(settings, self.state.numel, self._shared_state, MAX_SHARED_VECTORS,
                             payload_parts=2 if self.gossip else 1)
         self.signals.install()  # again: hivemind's averager has just set SIGINT to SIG_IGN in this process

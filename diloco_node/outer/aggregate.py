@@ -18,6 +18,11 @@ The reference norm is the group's median norm. In a group of two the median is t
 norms, which a single huge contribution drags up with it, so there it is our own Δ's norm (`own`),
 or the smaller norm when ours is not among them.
 
+A butterfly part's owner (swarm/butterfly.py) aggregates one slice of each Δ: clipping then scales
+the slice by the whole Δ's norm its peer declared (outer/averaging.py drops a slice longer than that),
+so it scales exactly as the whole would. centered-clip measures distances between whole vectors and
+so runs over all-gather only.
+
 Declared tokens count at most TOKEN_CAP_MULTIPLE × the group's median declaration (of two: the
 smaller) and at most the run's `max_tokens_per_round` when set: a peer that claims more is counted
 at the cap (and reported as clipped), so it cannot outweigh the group. Nodes may differ in H and
@@ -44,7 +49,8 @@ CENTERED_CLIP_ITERATIONS = 3
 class Contribution:
     peer_id: str
     tokens: float
-    pseudo_gradient: torch.Tensor  # flat fp32
+    pseudo_gradient: torch.Tensor  # flat fp32: the whole Δ, or one butterfly part of it
+    norm: float | None = None  # the whole Δ's norm when `pseudo_gradient` is a part (declared by the peer)
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,7 @@ def aggregate(contributions: list[Contribution], method: str = "clip", own: str 
     if not finite:
         raise ValueError("no usable contribution")
     finite, capped = _cap_tokens(finite, max_tokens)
-    norms = torch.stack([c.pseudo_gradient.norm() for c in finite])
+    norms = torch.stack([c.pseudo_gradient.norm() if c.norm is None else torch.tensor(c.norm) for c in finite])
     reference = _reference_norm(finite, norms, own)
     total = sum(c.tokens for c in finite)
     weights = [c.tokens / total for c in finite]
@@ -100,7 +106,7 @@ def _cap_tokens(finite: list[Contribution], max_tokens: float | None) -> tuple[l
     capped = [c.peer_id for c in finite if c.tokens > cap]
     for peer in capped:
         logger.warning("capped the tokens of peer=%s at %.0f", peer, cap)
-    return [Contribution(c.peer_id, min(c.tokens, cap), c.pseudo_gradient) for c in finite], capped
+    return [Contribution(c.peer_id, min(c.tokens, cap), c.pseudo_gradient, c.norm) for c in finite], capped
 
 
 def _clipped(finite: list[Contribution], norms: torch.Tensor,

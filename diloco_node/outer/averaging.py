@@ -6,13 +6,16 @@ averages through this one class.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from diloco_node.codec import Codec, CodecError, split_first
 from diloco_node.outer.aggregate import NORM_CLIP_MULTIPLE, Contribution, aggregate, bounded_phi_mean
+from diloco_node.swarm.butterfly import PartIn, PartSource, part_bounds
 from diloco_node.swarm.member import Gathered
 
 logger = logging.getLogger(__name__)
@@ -29,6 +32,7 @@ class Own:
     # NoLoCo: our exact flat φ. Unlike Δ, the group need not agree on the mean φ to the bit, and our
     # own rounding in it would pull φ toward the codec's grid through the consensus term.
     phi: torch.Tensor | None = None
+    delta: torch.Tensor | None = None  # butterfly: our exact flat Δ, whose slices we encode for their owners
 
     @property
     def payload_bytes(self) -> int:
@@ -50,12 +54,14 @@ class AverageResult:
 
 class Averaging:
     def __init__(self, codec: Codec, numel: int, peer_id: str, phi_codec: Codec | None = None,
-                 aggregator: str = "clip", max_tokens: float | None = None):
+                 aggregator: str = "clip", max_tokens: float | None = None, part_align: int | None = None):
         """`phi_codec`, given for NoLoCo, encodes the φ that travels after each Δ (its consensus term);
-        `aggregator` and `max_tokens` bound each peer's weight (outer/aggregate.py)."""
+        `aggregator` and `max_tokens` bound each peer's weight (outer/aggregate.py); `part_align`, when
+        the run may exchange by butterfly, is where parts may be cut (the codec's block size)."""
         self.codec, self.phi_codec = codec, phi_codec
         self.numel, self.peer_id = numel, peer_id
         self.aggregator, self.max_tokens = aggregator, max_tokens
+        self.part_align = part_align
 
     def encode(self, round_: int, pseudo_gradient: torch.Tensor, tokens: float,
                phi: torch.Tensor | None = None) -> Own:
@@ -74,7 +80,64 @@ class Averaging:
         except CodecError as exc:  # our inner phase blew up (NaN/inf): send nothing, take the others'
             logger.warning("round=%d not contributing: %s", round_, exc)
             return Own(None, None, tokens, time.perf_counter() - started)
-        return Own(payload, decoded, tokens, time.perf_counter() - started, phi)
+        delta = pseudo_gradient.detach().reshape(-1).float() if self.part_align else None
+        return Own(payload, decoded, tokens, time.perf_counter() - started, phi, delta)
+
+    # --- butterfly (swarm/butterfly.py): we encode our parts and reduce the one we own ------------
+
+    def parts(self, round_: int, own: Own) -> PartSource | None:
+        """What we bring to `round_` if its group exchanges by butterfly; None when the run never does."""
+        if not self.part_align:
+            return None
+        delta = own.delta if own.decoded is not None else None
+        encode = (lambda start, end: self.codec.encode(delta[start:end])) if delta is not None else None
+        norm = float(own.decoded.norm()) if own.decoded is not None else 0.0
+        return PartSource(own.tokens, norm, encode, self.reduce_part, self.part_align)
+
+    def reduce_part(self, round_: int, bounds: tuple[int, int], parts: list[PartIn]) -> tuple[bytes, dict[str, Any]]:
+        """The bounded mean of one part of the group's Δs, encoded with the run's codec, and what went
+        into it. A part longer than its peer's declared whole norm is a lie and left out."""
+        start, end = bounds
+        contributions, rejected = [], []
+        for part in parts:
+            if not part.payload:
+                continue  # that member had nothing to contribute this round
+            try:
+                values = self.codec.decode(part.payload, end - start)
+            except CodecError as exc:
+                logger.warning("round=%d dropped part from peer=%s: %s", round_, part.peer, exc)
+                rejected.append(part.peer)
+                continue
+            if not math.isfinite(part.norm) or float(values.norm()) > part.norm * (1 + 1e-4) + 1e-12:
+                logger.warning("round=%d dropped part from peer=%s: longer than the norm %.3g it declared",
+                               round_, part.peer, part.norm)
+                rejected.append(part.peer)
+                continue
+            contributions.append(Contribution(part.peer, part.tokens, values, part.norm))
+        report: dict[str, Any] = {"used": [], "tokens": [], "clipped": [], "rejected": sorted(rejected)}
+        if not contributions:
+            return b"", report
+        result = aggregate(contributions, self.aggregator, own=self.peer_id, max_tokens=self.max_tokens)
+        report.update(used=list(result.used), tokens=list(result.tokens), clipped=list(result.clipped),
+                      rejected=sorted(set(rejected) | set(result.rejected)))
+        return self.codec.encode(result.mean), report
+
+    def _combined(self, gathered: Gathered) -> tuple[torch.Tensor, list[str]]:
+        """The mean Δ from a butterfly's averaged parts (a part nobody delivered stays zero: every
+        member skips it alike), and the parts' members that contributed to them."""
+        reduced = gathered.reduced
+        assert reduced is not None and self.part_align
+        mean, used = torch.zeros(self.numel), set()
+        for index, (start, end) in enumerate(part_bounds(self.numel, reduced.count, self.part_align)):
+            averaged, report = reduced.parts.get(index, (b"", {}))
+            try:
+                mean[start:end] = self.codec.decode(averaged, end - start) if averaged else 0.0
+            except CodecError as exc:  # every member holds the same bytes, so every member skips it
+                logger.warning("round=%d skipped averaged part %d: %s", gathered.round, index, exc)
+                continue
+            if averaged:
+                used.update(p for p in report.get("used", []) if isinstance(p, str))
+        return mean, sorted(used & set(reduced.group))
 
     def alone(self, own: Own) -> AverageResult:
         """The 'mean' of a round we average by ourselves."""
@@ -83,6 +146,9 @@ class Averaging:
     def mean_of(self, gathered: Gathered, member: str) -> torch.Tensor | None:
         """The mean `member` computed over its group's payloads (all gathered, its own included):
         what a joiner needs for a round its server averaged (OverlappedUpdate.inherit)."""
+        if gathered.reduced is not None:
+            mean, used = self._combined(gathered)
+            return mean if member in used else None
         contributions = []
         for peer, (payload, tokens) in sorted(gathered.payloads.items()):
             try:
@@ -95,6 +161,8 @@ class Averaging:
 
     def mean(self, own: Own, gathered: Gathered) -> AverageResult:
         """The bounded token-weighted mean over ours and the gathered payloads (NoLoCo: and mean φ)."""
+        if gathered.reduced is not None:
+            return self._butterfly_mean(own, gathered)
         contributions = [Contribution(self.peer_id, own.tokens, own.decoded)] if own.decoded is not None else []
         phis = {self.peer_id: own.phi} if own.phi is not None else {}
         undecodable = []
@@ -127,3 +195,29 @@ class Averaging:
         return AverageResult(result.used, result.mean, share, codec_seconds, gathered.transfer_seconds,
                              gathered.received_bytes, mean_phi, tuple(sorted(clipped)),
                              tuple(sorted(set(result.rejected) | set(undecodable))))
+
+    def _butterfly_mean(self, own: Own, gathered: Gathered) -> AverageResult:
+        """The mean from the averaged parts; clipped and rejected peers are those of the part we
+        reduced (each owner counts its own), and our share that part's token weight of ours."""
+        started = time.perf_counter()
+        mean, used = self._combined(gathered)
+        reduced = gathered.reduced
+        assert reduced is not None
+        held = reduced.parts.get(reduced.own_index) if reduced.own_index is not None else None
+        report = held[1] if held else next(iter(reduced.parts.values()), (b"", {}))[1]
+        share = _share(report, self.peer_id)
+        codec_seconds = own.codec_seconds + time.perf_counter() - started
+        return AverageResult(tuple(used), mean, share, codec_seconds, gathered.transfer_seconds,
+                             gathered.received_bytes, clipped=tuple(report.get("clipped", ()) if held else ()),
+                             rejected=tuple(report.get("rejected", ()) if held else ()))
+
+
+def _share(report: dict[str, Any], peer: str) -> float:
+    """Our token weight in a part's mean, from its owner's report (0 when we are not in it)."""
+    used, tokens = report.get("used", []), report.get("tokens", [])
+    try:
+        counted = dict(zip(used, (float(t) for t in tokens), strict=True))
+        total = sum(counted.values())
+        return min(1.0, max(0.0, counted.get(peer, 0.0) / total)) if total > 0 else 0.0
+    except (TypeError, ValueError):  # a malformed report from a peer: no share taken from it
+        return 0.0

@@ -15,7 +15,7 @@ class BlockingUpdate(NoPending):
     def finish_round(self, round_: int, pseudo_gradient: torch.Tensor, tokens: float) -> RoundReport:
         ctx = self.ctx
         own = ctx.averaging.encode(round_, pseudo_gradient, tokens)
-        ctx.swarm.offer(round_, own.payload, tokens)
+        ctx.swarm.offer(round_, own.payload, tokens, ctx.averaging.parts(round_, own))
         with exchanging(ctx.telemetry, round_):
             # Once the group forms, a joiner that downloaded φ would hold this round's start while
             # the group goes on without it: it would average alone and split off. It retries until

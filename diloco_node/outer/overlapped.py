@@ -55,7 +55,7 @@ class OverlappedUpdate:
     def finish_round(self, round_: int, pseudo_gradient: torch.Tensor, tokens: float) -> RoundReport:
         ctx = self.ctx
         own = ctx.averaging.encode(round_, pseudo_gradient, tokens)
-        ctx.swarm.offer(round_, own.payload, tokens)
+        ctx.swarm.offer(round_, own.payload, tokens, ctx.averaging.parts(round_, own))
         fresh = own.decoded if own.decoded is not None else torch.zeros(ctx.state.numel)
         self.pending.wait(round_ - 1, self.sync_timeout)
         self.pending.make_room(self.settle_timeout)

@@ -107,7 +107,7 @@ class PayloadExchange:
                     future.cancel()
                     raise
 
-    def _count(self, sent: int = 0, received: int = 0) -> None:
+    def count(self, sent: int = 0, received: int = 0) -> None:
         with self._counter_lock:
             self.bytes_sent += sent
             self.bytes_received += received
@@ -121,12 +121,13 @@ class PayloadExchange:
                 if old <= round_ - (AWAITED_KEPT_ROUNDS if kept.awaited else KEPT_ROUNDS):
                     del self._offers[old]
 
-    def expect(self, round_: int, group: Sequence[str], ourselves: str) -> None:
-        """`group` (ourselves included) averages `round_`: each other member will fetch our payload."""
+    def expect(self, round_: int, group: Sequence[str], ourselves: str, fetched: bool = True) -> None:
+        """`group` (ourselves included) averages `round_`: each other member will fetch our payload
+        (`fetched`; a butterfly's members do not, but a joiner may still ask us for the group)."""
         with self._offers_changed:
             if offer := self._offers.get(round_):
                 offer.group = tuple(sorted(group))
-                offer.awaited = set(group) - offer.served - {ourselves}
+                offer.awaited = set(group) - offer.served - {ourselves} if fetched else set()
                 self._offers_changed.notify_all()
 
     def served(self, round_: int, timeout: float) -> set[str]:
@@ -187,7 +188,7 @@ class PayloadExchange:
                     offer.served.add(str(info.peer_id))
                     offer.awaited.discard(str(info.peer_id))
                     self._offers_changed.notify_all()
-            self._count(sent=2 * HEADER_LEN + len(meta) + len(payload),
+            self.count(sent=2 * HEADER_LEN + len(meta) + len(payload),
                         received=HEADER_LEN + len(request) + acknowledged)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError) as exc:
             logger.warning("payload request failed: %s", type(exc).__name__)
@@ -242,7 +243,7 @@ class PayloadExchange:
             await writer.drain()
         finally:
             writer.close()
-        self._count(sent=HEADER_LEN + len(request) + len(RECEIVED), received=2 * HEADER_LEN + len(meta) + len(payload))
+        self.count(sent=HEADER_LEN + len(request) + len(RECEIVED), received=2 * HEADER_LEN + len(meta) + len(payload))
         if not payload:
             return None
         tokens, group = _parse_meta(json.loads(meta))

@@ -36,6 +36,7 @@ from diloco_node import identity
 from diloco_node.admission import Gate
 from diloco_node.codec import max_payload_bytes
 from diloco_node.swarm import records
+from diloco_node.swarm.butterfly import Butterfly, PartSource, Reduced, owners
 from diloco_node.swarm.contacts import Contacts
 from diloco_node.swarm.exchange import Fetched, PayloadExchange
 from diloco_node.swarm.groups import group_key, random_groups
@@ -53,6 +54,10 @@ MATCHMAKING_SLACK = 5.0  # seconds beyond the matchmaking windows for DHT lookup
 # after ours gave up (seen in CI: a fetch 75 ms past a 2 s grace, and the round split).
 MISSED_GROUP_GRACE = 5.0
 GROUP_POLL_SECONDS = 0.5  # between asks for a group whose matchmaking is under way
+# A leaving node waits this long for its last butterfly group to read the part it averaged (their
+# pushes are answered as soon as it reduced the part: this is only the answers still on the wire)
+ANSWER_DRAIN_SECONDS = 10.0
+PART_SLACK = 15.0  # beyond the round timeout: a butterfly's recovery of parts whose owner vanished
 
 # What a joiner downloads: the round's metadata and flat fp32 vectors (φ, momentum, rounds in flight)
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
@@ -75,6 +80,9 @@ class SwarmSettings:
     group_size: int | None = None  # NoLoCo: at most this many per group; None: one group for everyone
     identity: Path | None = None  # libp2p key file (identity.py); None: a new peer id each start
     gate: Gate | None = None  # who is admitted (admission.py); None: an open run
+    # groups of at least this many exchange by butterfly (butterfly.py), smaller ones by all-gather;
+    # None: always all-gather. Fingerprinted config decides it, so every member of a group agrees.
+    butterfly_from: int | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,7 @@ class Gathered:
     payloads: dict[str, tuple[bytes, float]] = dataclasses.field(default_factory=dict)  # peer → (payload, tokens)
     transfer_seconds: float = 0.0
     received_bytes: int = 0
+    reduced: Reduced | None = None  # butterfly: the averaged parts (then `payloads` is empty)
 
 
 class SwarmMember:
@@ -117,6 +126,12 @@ class SwarmMember:
                                    self._serve_state, self.gate.refusal, self.gate.token,
                                    on_moved=lambda sent, received: self._count_state(sent, received))
         self._exchange.run(self._state.attach(), timeout=30)
+        self._butterfly = Butterfly(self._exchange.p2p, self._exchange.loop, namespace,
+                                    payload_parts * max_payload_bytes(numel), self._may_fetch_payload,
+                                    self.gate.token, self._exchange.count, settings.round_timeout)
+        self._exchange.run(self._butterfly.attach(), timeout=30)
+        self._sources: dict[int, PartSource] = {}  # butterfly: what we bring to each round we offered
+        self._numel = numel
         # hivemind's averager talks to its process over a pipe that is not safe to share between
         # threads; the exchange may run on a background thread (sync modes), so every call is locked.
         self._averager_lock = threading.Lock()
@@ -181,10 +196,20 @@ class SwarmMember:
 
     # --- rounds: the transport (DESIGN §2) ----------------------------------------------------
 
-    def offer(self, round_: int, payload: bytes | None, tokens: float) -> None:
-        """Make our encoded contribution to `round_` fetchable by its group (None: we have none)."""
+    def offer(self, round_: int, payload: bytes | None, tokens: float, parts: PartSource | None = None) -> None:
+        """Make our encoded contribution to `round_` fetchable by its group (None: we have none);
+        `parts`: what we push and reduce if the round's group exchanges by butterfly."""
         if payload is not None:
             self._exchange.offer(round_, payload, tokens)
+        if parts is not None:
+            self._sources[round_] = parts
+            for old in [r for r in self._sources if r < round_ - 2]:
+                del self._sources[old]
+
+    def _butterfly_for(self, round_: int, group_size: int) -> PartSource | None:
+        """What we bring to `round_`'s butterfly, when a group of `group_size` exchanges by butterfly."""
+        threshold = self.settings.butterfly_from
+        return self._sources.get(round_) if threshold is not None and group_size >= threshold else None
 
     def gather(self, round_: int, contributing: bool, stop: threading.Event,
                among: Collection[str] | None = None, on_ready: Callable[[], None] | None = None) -> Gathered:
@@ -203,6 +228,17 @@ class SwarmMember:
         if not others:
             logger.warning("round=%d no peer averaged with us", round_)
         started = time.perf_counter()  # the transfer, once the group is known
+        if (source := self._butterfly_for(round_, len(others) + 1)) is not None:
+            self._exchange.expect(round_, [self.peer_id, *others], self.peer_id, fetched=False)
+            try:
+                reduced = self._exchange.run(self._butterfly.exchange(
+                    round_, [self.peer_id, *others], self.peer_id, (), self._numel, source,
+                    self.settings.round_timeout), timeout=self.settings.round_timeout + PART_SLACK, stop=stop)
+            except TimeoutError:
+                return Gathered("stopped" if stop.is_set() else verdict, round_)
+            return Gathered(verdict, round_, {}, time.perf_counter() - started,
+                            sum(len(part) for part, _ in reduced.parts.values()), reduced)
+        self._exchange.run(self._butterfly.close(round_), timeout=5)  # nobody waits on us for a part
         if contributing:
             self._exchange.expect(round_, [self.peer_id, *others], self.peer_id)
         fetched.update(self._exchange.fetch_all([p for p in others if p not in fetched], round_,
@@ -225,10 +261,30 @@ class SwarmMember:
             time.sleep(GROUP_POLL_SECONDS)
         if first is None or first.group is None or member not in first.group:
             return Gathered("alone", round_)
+        threshold = self.settings.butterfly_from
+        if threshold is not None and len(first.group) >= threshold:
+            return self._parts_held_by(member, round_, deadline)
         others = [peer for peer in first.group if peer not in (member, self.peer_id)]
         fetched = {member: first, **self._exchange.fetch_all(others, round_, self.settings.round_timeout)}
         payloads = {peer: (item.payload, item.tokens) for peer, item in fetched.items() if item is not None}
         return Gathered("together", round_, payloads)
+
+    def _parts_held_by(self, member: str, round_: int, deadline: float) -> Gathered:
+        """The averaged parts of a butterfly round `member` took part in, once its exchange has ended."""
+        while True:
+            try:
+                held = self._exchange.run(self._butterfly.fetch_parts(member, round_, self.settings.round_timeout),
+                                          timeout=self.settings.round_timeout)
+            except Exception as exc:  # a network or peer failure: that round is lost for us
+                logger.warning("round=%d could not fetch the averaged parts from peer=%s: %s", round_, member,
+                               type(exc).__name__)
+                return Gathered("alone", round_)
+            if held is not None:
+                group, parts = held
+                return Gathered("together", round_, reduced=Reduced(group, len(owners(group)), parts, None))
+            if time.monotonic() > deadline:
+                return Gathered("alone", round_)
+            time.sleep(GROUP_POLL_SECONDS)
 
     def drawn_groups(self, round_: int) -> list[list[str]]:
         """NoLoCo: the groups of `round_` as we see the run, drawn once per round so that waiting
@@ -259,11 +315,26 @@ class SwarmMember:
         timed out (a loaded machine). The members then fetch our payload and take it into their
         mean; averaging alone would split our φ from theirs. So we ask a peer that fetched ours for
         its group and fetch the members' payloads: the same contributions, hence the same mean.
+        Under butterfly the members push us the part we own instead, each naming the group.
         """
-        fetchers = sorted(p for p in self._exchange.served(round_, timeout=MISSED_GROUP_GRACE)
-                          if self.presence.known(p))
-        if not fetchers:
-            return [], {}
+        deadline = time.monotonic() + MISSED_GROUP_GRACE
+        while True:  # a fetch of our payload (all-gather) or a push of our part (butterfly) tells us
+            fetchers = sorted(p for p in self._exchange.served(round_, timeout=GROUP_POLL_SECONDS / 2)
+                              if self.presence.known(p))
+            if fetchers:
+                break
+            if claimed := self._exchange.run(self._butterfly.claimed_group(round_, self.peer_id), timeout=5):
+                others = [p for p in claimed if p != self.peer_id]
+                if self._butterfly_for(round_, len(claimed)) is None or \
+                        not all(self.presence.known(p, refresh=True) for p in others):
+                    logger.warning("round=%d ignored the butterfly group pushed to us: not all verified nodes",
+                                   round_)
+                    return [], {}
+                logger.info("round=%d our matchmaking failed but %s pushed us their parts; joining that group",
+                            round_, ", ".join(others))
+                return others, {}
+            if time.monotonic() >= deadline:
+                return [], {}
         fetched = self._exchange.fetch_all(fetchers[:1], round_, self.settings.round_timeout)
         first = fetched[fetchers[0]]
         if first is None or first.group is None or not {self.peer_id, fetchers[0]} <= set(first.group):
@@ -336,8 +407,15 @@ class SwarmMember:
         admitted = self.gate.refusal(self.peer_id, self.gate.token) is None  # revoked: nobody fetches from us
         if admitted and not self._exchange.drain(self.settings.round_timeout, self._may_still_fetch):
             logger.warning("leaving before every group member fetched our last pseudo-gradient")
+        deadline = time.monotonic() + ANSWER_DRAIN_SECONDS
+        while admitted and self._exchange.run(self._butterfly.unanswered(), timeout=5):
+            if time.monotonic() > deadline:
+                logger.warning("leaving before every group member read the part we averaged")
+                break
+            time.sleep(GROUP_POLL_SECONDS / 2)
         self.presence.leave()
         try:
+            self._exchange.run(self._butterfly.detach(), timeout=5)
             self._exchange.run(self._state.detach(), timeout=5)
         except Exception as exc:  # leaving must not fail; the handler goes with the daemon anyway
             logger.debug("closing the state service failed: %r", exc)

@@ -1,0 +1,378 @@
+"""Butterfly exchange: reduce-scatter, then all-gather of the averaged parts (DESIGN §2, transport).
+
+In an all-gather every member fetches every other member's payload: (M−1) payloads per node and
+round. Here the vector is cut into M parts, member j owns part j: every member pushes its encoded
+part j to j, j takes the bounded mean of what it received (the reducer, outer/averaging.py) and
+answers each push with that averaged part, encoded again with the run's codec. Each node then
+moves about 2·(M−1)/M payloads each way, whatever M is; every member holds the same bytes for every
+part, so φ stays bit-identical across the group.
+
+Why our own streams rather than hivemind's AllReduceRunner: its reducer adds (mean − local) to each
+member's tensor (a few ulps apart per node), averages raw tensors with no per-peer bound, and would
+need our aggregators, token caps and admission checks inside hivemind's internals.
+
+A push is one request-answer on one stream the pusher opens: a member that accepts no inbound
+connection (behind a NAT) can still push its parts and receive the averaged ones; it simply owns no
+part. A part whose owner vanished is asked of the other members (any that received it holds the
+same bytes); when nobody has it, every member skips it alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hivemind.p2p import P2P, PeerID
+
+from diloco_node.swarm.streams import HEADER_LEN, receive, send
+
+logger = logging.getLogger(__name__)
+
+MAX_REQUEST_BYTES = 1 << 16  # round, part, tokens, norm, the group's peer ids and an admission
+KEPT_ROUNDS = 4  # rounds whose parts we hold (late members, joiners completing a round in flight)
+PART_RECOVERY_SECONDS = 10.0  # how long a member asks the others for a part whose owner vanished
+RECEIVED = b"\x01"  # an acknowledgement: the whole answer was read
+
+
+@dataclass(frozen=True)
+class PartIn:
+    """One member's encoded part of its pseudo-gradient, as its owner received it."""
+
+    peer: str
+    payload: bytes  # empty: the member has nothing to contribute this round
+    tokens: float
+    norm: float  # the member's declared norm of its whole decoded Δ (clipping needs the whole)
+
+
+# (round, (start, end), parts) → (the averaged part encoded, a JSON-able report of what went in)
+Reducer = Callable[[int, tuple[int, int], list[PartIn]], tuple[bytes, dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class PartSource:
+    """What we bring to a butterfly round (made by outer/averaging.py; the transport never decodes)."""
+
+    tokens: float
+    norm: float
+    encode: Callable[[int, int], bytes] | None  # our Δ[start:end] encoded; None: nothing to contribute
+    reduce: Reducer
+    align: int  # part boundaries fall on multiples of this (the codec's blocks)
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """The averaged parts of a round, by index (their bounds: part_bounds(numel, count, align)); a part
+    nobody could deliver is missing."""
+
+    group: tuple[str, ...]
+    count: int
+    parts: dict[int, tuple[bytes, dict[str, Any]]]  # index → (averaged part encoded, its owner's report)
+    own_index: int | None  # the part we reduced (None: we own none)
+
+
+def part_bounds(numel: int, parts: int, align: int) -> tuple[tuple[int, int], ...]:
+    """[start, end) of each of `parts` contiguous slices, on multiples of `align` but the last."""
+    blocks = math.ceil(numel / align)
+    cuts = [min(numel, align * (blocks * index // parts)) for index in range(parts + 1)]
+    return tuple((cuts[i], cuts[i + 1]) for i in range(parts))
+
+
+def owners(group: Sequence[str], clients: Sequence[str] = ()) -> tuple[str, ...]:
+    """The members owning a part each, in peer order: all but those that accept no connection."""
+    return tuple(sorted(p for p in group if p not in set(clients)))
+
+
+@dataclass
+class _Round:
+    """One round's butterfly state on this node (touched on the event loop only)."""
+
+    group: tuple[str, ...] | None = None  # once our matchmaking has told us
+    owned: int | None = None
+    received: dict[str, tuple[int, PartIn, tuple[str, ...]]] = field(default_factory=dict)  # peer → (part, it, group)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Event = field(default_factory=asyncio.Event)  # our part is reduced, or we will not reduce one
+    held: dict[int, tuple[bytes, dict[str, Any]]] = field(default_factory=dict)  # averaged parts we hold
+    awaited: set[str] = field(default_factory=set)  # members that pushed and have not read our answer yet
+    owning: tuple[str, ...] = ()  # the part owners, in part order
+    finished: bool = False  # our exchange of the round has ended: what we hold is all we will hold
+
+
+# Why `peer`, showing admission `token`, may not take part in `round`'s exchange whose group (None:
+# not known yet) is `group`; None when it may. Runs off the event loop: it may look up the DHT.
+Policy = Callable[[str, int, str, "tuple[str, ...] | None"], "str | None"]
+
+
+class Butterfly:
+    def __init__(self, p2p: P2P, loop: asyncio.AbstractEventLoop, namespace: str, max_part_bytes: int,
+                 may_take_part: Policy, token: str, count: Callable[..., None], wait_seconds: float):
+        """`count(sent=, received=)` adds to the node's payload traffic; a push waits up to
+        `wait_seconds` (the round timeout) for us to reduce its part."""
+        self.p2p, self.loop, self._wait = p2p, loop, wait_seconds
+        self._reduce_name, self._part_name = f"{namespace}_reduce", f"{namespace}_part"
+        self._max_part = max_part_bytes
+        self._may, self._token, self._count = may_take_part, token, count
+        self._rounds: dict[int, _Round] = {}
+        self._refusals_logged: set[tuple[str, str]] = set()
+
+    async def attach(self) -> None:
+        await self.p2p.add_binary_stream_handler(self._reduce_name, self._serve_reduce)
+        await self.p2p.add_binary_stream_handler(self._part_name, self._serve_part)
+
+    async def detach(self) -> None:
+        for name in (self._reduce_name, self._part_name):
+            await self.p2p.remove_binary_stream_handler(name)
+
+    def _round(self, round_: int) -> _Round | None:
+        """The round's state, made on first touch; None for a round older than those we keep."""
+        if round_ in self._rounds:
+            return self._rounds[round_]
+        if self._rounds and round_ <= max(self._rounds) - KEPT_ROUNDS:
+            return None
+        self._rounds[round_] = _Round()
+        for old in [r for r in self._rounds if r <= max(self._rounds) - KEPT_ROUNDS]:
+            self._rounds.pop(old).done.set()  # a push still waiting on it gets an empty answer
+        return self._rounds[round_]
+
+    # --- the round, from a member's side -----------------------------------------------------
+
+    async def claimed_group(self, round_: int, ourselves: str) -> tuple[str, ...] | None:
+        """The group that pushed us a part of `round_` (so counted us as an owner) although our own
+        matchmaking did not find it; None unless every push so far names the same group with us."""
+        rnd = self._round(round_)
+        groups = {group for _, _, group in rnd.received.values()} if rnd else set()
+        if len(groups) != 1:
+            return None
+        group = next(iter(groups))
+        return group if ourselves in group else None
+
+    async def close(self, round_: int) -> None:
+        """We will not reduce a part of `round_` (we averaged alone): pushes get an empty answer now."""
+        if rnd := self._round(round_):
+            rnd.done.set()
+
+    async def exchange(self, round_: int, group: Sequence[str], ourselves: str, clients: Sequence[str],
+                       numel: int, source: PartSource, timeout: float) -> Reduced:
+        """Push our parts to their owners, reduce ours, and collect every averaged part."""
+        group = tuple(sorted(group))
+        owning = owners(group, clients)
+        bounds = part_bounds(numel, len(owning), source.align)
+        rnd = self._round(round_) or _Round()
+        rnd.group, rnd.owning = group, owning
+        rnd.owned = owning.index(ourselves) if ourselves in owning else None
+        rnd.arrived.set()  # pushes that came before we knew the group are checked against it now
+        deadline = self.loop.time() + timeout
+        pushes = {index: asyncio.ensure_future(self._push(owner, round_, index, group, bounds[index], source, deadline))
+                  for index, owner in enumerate(owning) if owner != ourselves}
+        try:
+            if rnd.owned is not None:
+                await self._reduce_ours(round_, rnd, group, bounds, ourselves, source, deadline)
+            for index, push in pushes.items():
+                if (answer := await push) is not None:
+                    rnd.held[index] = answer
+        finally:
+            for push in pushes.values():
+                push.cancel()
+            rnd.done.set()
+        missing = [index for index in range(len(owning)) if index not in rnd.held]
+        if missing:
+            await self._recover(round_, rnd, group, owning, missing, ourselves)
+        rnd.finished = True
+        return Reduced(group, len(owning), {i: rnd.held[i] for i in range(len(owning)) if i in rnd.held}, rnd.owned)
+
+    async def _reduce_ours(self, round_: int, rnd: _Round, group: tuple[str, ...], bounds: tuple[tuple[int, int], ...],
+                           ourselves: str, source: PartSource, deadline: float) -> None:
+        """Wait for every member's push of our part (or the deadline), then reduce it."""
+        index = rnd.owned
+        assert index is not None
+        members = set(group) - {ourselves}
+        while True:
+            fitting = {peer for peer, (part, _, their) in rnd.received.items()
+                       if peer in members and part == index and their == group}
+            left = deadline - self.loop.time()
+            if fitting == members or left <= 0:
+                break
+            rnd.arrived.clear()
+            try:
+                await asyncio.wait_for(rnd.arrived.wait(), left)
+            except TimeoutError:
+                pass
+        for peer in sorted(members - fitting):
+            logger.warning("round=%d part %d: no part from peer=%s in time", round_, index, peer)
+        start, end = bounds[index]
+        parts = [rnd.received[peer][1] for peer in sorted(fitting)]
+        if source.encode is not None:
+            parts.append(PartIn(ourselves, source.encode(start, end), source.tokens, source.norm))
+        parts.sort(key=lambda part: part.peer)
+        answer = await self.loop.run_in_executor(None, source.reduce, round_, (start, end), parts)
+        rnd.held[index] = answer
+        rnd.awaited = set(fitting)
+        rnd.done.set()
+
+    async def _push(self, owner: str, round_: int, index: int, group: tuple[str, ...], bounds: tuple[int, int],
+                    source: PartSource, deadline: float) -> tuple[bytes, dict[str, Any]] | None:
+        """Our part `index` to its owner; its answer is the averaged part (None: failed or empty)."""
+        payload = source.encode(*bounds) if source.encode is not None else b""
+        request = json.dumps({"round": round_, "part": index, "group": list(group), "admission": self._token,
+                              "tokens": source.tokens if payload else 0.0, "norm": source.norm}).encode()
+        try:
+            averaged, report = await self._ask(owner, self._reduce_name, request, payload, deadline)
+            return (averaged, report) if averaged else None
+        except Exception as exc:  # any network or peer failure loses this part from this owner only
+            logger.warning("round=%d part %d: owner peer=%s did not answer (%s)", round_, index, owner,
+                           type(exc).__name__)
+            return None
+
+    async def _ask(self, peer: str, handler: str, request: bytes, payload: bytes,
+                   deadline: float) -> tuple[bytes, dict[str, Any]]:
+        """One request-answer on a stream we open: (the averaged part, empty when none; its report)."""
+        timeout = max(deadline - self.loop.time(), 1.0)
+        _, reader, writer = await asyncio.wait_for(
+            self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler), timeout)
+        try:
+            await send(writer, request)
+            await send(writer, payload)
+            meta = await receive(reader, MAX_REQUEST_BYTES, max(deadline - self.loop.time(), 1.0))
+            averaged = await receive(reader, self._max_part, max(deadline - self.loop.time(), 1.0))
+            writer.write(RECEIVED)
+            await writer.drain()
+        finally:
+            writer.close()
+        self._count(sent=3 * HEADER_LEN + len(request) + len(payload) + 1,
+                    received=2 * HEADER_LEN + len(meta) + len(averaged))
+        report = json.loads(meta)
+        if not isinstance(report, dict):
+            raise ValueError("the answer's report is not an object")
+        return averaged, report
+
+    async def _recover(self, round_: int, rnd: _Round, group: tuple[str, ...], owning: tuple[str, ...],
+                       missing: list[int], ourselves: str) -> None:
+        """Ask the other members for the parts whose owner did not answer us."""
+        deadline = self.loop.time() + PART_RECOVERY_SECONDS
+        others = [p for p in group if p != ourselves and p not in {owning[i] for i in missing}]
+        while missing and self.loop.time() < deadline:
+            for index in list(missing):
+                for peer in others:
+                    request = json.dumps({"round": round_, "part": index, "group": list(group),
+                                          "admission": self._token}).encode()
+                    try:
+                        averaged, report = await self._ask(peer, self._part_name, request, b"", deadline)
+                    except Exception:  # that member is gone too
+                        continue
+                    if averaged and report.get("group") == list(group):
+                        rnd.held[index] = averaged, report
+                        missing.remove(index)
+                        logger.info("round=%d part %d: owner peer=%s vanished; got it from peer=%s",
+                                    round_, index, owning[index], peer)
+                        break
+            if missing:
+                await asyncio.sleep(0.5)
+        for index in missing:
+            logger.warning("round=%d part %d: nobody holds it (owner peer=%s vanished); skipped",
+                           round_, index, owning[index])
+
+    async def fetch_parts(self, peer: str, round_: int,
+                          timeout: float) -> tuple[tuple[str, ...], dict[int, tuple[bytes, dict[str, Any]]]] | None:
+        """The averaged parts of `round_` that `peer` holds and the group they were reduced in, once
+        its exchange of that round has ended (a part it lacks was skipped by its group); None before."""
+        deadline = self.loop.time() + timeout
+        request = json.dumps({"round": round_, "part": 0, "admission": self._token}).encode()
+        averaged, report = await self._ask(peer, self._part_name, request, b"", deadline)
+        group, count = report.get("group"), report.get("parts")
+        if not (isinstance(group, list) and all(isinstance(p, str) for p in group) and isinstance(count, int)
+                and 0 < count <= len(group)):
+            return None
+        parts = {0: (averaged, report)} if averaged else {}
+        for index in range(1, count):
+            request = json.dumps({"round": round_, "part": index, "admission": self._token}).encode()
+            averaged, report = await self._ask(peer, self._part_name, request, b"", deadline)
+            if averaged:
+                parts[index] = averaged, report
+        return tuple(group), parts
+
+    # --- serving ------------------------------------------------------------------------------
+
+    async def _serve_reduce(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A member's push of its part; answered with the averaged part once we have reduced it."""
+        peer = str(info.peer_id)
+        sent = received = 0
+        try:
+            request = await receive(reader, MAX_REQUEST_BYTES, timeout=10)
+            payload = await receive(reader, self._max_part, timeout=60)
+            received = 2 * HEADER_LEN + len(request) + len(payload)
+            fields = json.loads(request)
+            round_, index, group = fields["round"], fields["part"], tuple(fields["group"])
+            tokens, norm, token = float(fields["tokens"]), float(fields["norm"]), str(fields.get("admission", ""))
+            if not (isinstance(round_, int) and isinstance(index, int) and all(isinstance(p, str) for p in group)):
+                raise ValueError("malformed push")
+            answer = b"", {}
+            rnd = self._round(round_)
+            why = await self.loop.run_in_executor(None, self._may, peer, round_, token, rnd.group if rnd else None)
+            if why is None and peer not in group:
+                why = "not in the group it names"
+            if why is not None:
+                self._log_refusal(peer, round_, why)
+            elif rnd is not None:
+                rnd.received[peer] = (index, PartIn(peer, payload, tokens if payload else 0.0, norm), group)
+                rnd.arrived.set()
+                await asyncio.wait_for(rnd.done.wait(), timeout=self._wait)
+                if rnd.owned == index and rnd.group == group and index in rnd.held:
+                    answer = rnd.held[index]
+            sent = await self._answer(writer, answer)
+            acknowledged = await asyncio.wait_for(reader.read(1), timeout=10) == RECEIVED
+            received += acknowledged
+            if acknowledged and rnd is not None:
+                rnd.awaited.discard(peer)
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("butterfly push from peer=%s failed: %s", peer, type(exc).__name__)
+        finally:
+            self._count(sent=sent, received=received)
+            writer.close()
+
+    async def _serve_part(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """An averaged part we hold, for a member whose owner vanished or a joiner completing a round."""
+        peer = str(info.peer_id)
+        sent = received = 0
+        try:
+            request = await receive(reader, MAX_REQUEST_BYTES, timeout=10)
+            await receive(reader, 0, timeout=10)
+            received = 2 * HEADER_LEN + len(request)
+            fields = json.loads(request)
+            round_, index, token = fields["round"], fields["part"], str(fields.get("admission", ""))
+            rnd = self._rounds.get(round_) if isinstance(round_, int) else None
+            answer: tuple[bytes, dict[str, Any]] = (b"", {})
+            if rnd is not None and rnd.finished and rnd.group is not None:
+                why = await self.loop.run_in_executor(None, self._may, peer, round_, token, rnd.group)
+                if why is not None:
+                    self._log_refusal(peer, round_, why)
+                else:
+                    averaged, report = rnd.held.get(index, (b"", {}))
+                    answer = averaged, {**report, "group": list(rnd.group), "parts": len(rnd.owning)}
+            sent = await self._answer(writer, answer)
+            received += await asyncio.wait_for(reader.read(1), timeout=10) == RECEIVED
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("butterfly part request from peer=%s failed: %s", peer, type(exc).__name__)
+        finally:
+            self._count(sent=sent, received=received)
+            writer.close()
+
+    @staticmethod
+    async def _answer(writer: asyncio.StreamWriter, answer: tuple[bytes, dict[str, Any]]) -> int:
+        averaged, report = answer
+        meta = json.dumps(report).encode()
+        await send(writer, meta)
+        await send(writer, averaged)
+        return 2 * HEADER_LEN + len(meta) + len(averaged)
+
+    def _log_refusal(self, peer: str, round_: int, why: str) -> None:
+        if (peer, why) not in self._refusals_logged:  # once per peer and reason: a flood stays one line
+            self._refusals_logged.add((peer, why))
+            logger.warning("round=%d refused a butterfly exchange with peer=%s: %s", round_, peer, why)
+
+    async def unanswered(self) -> set[str]:
+        """Members that pushed to us and have not read our averaged part yet (a leaving node waits)."""
+        return {peer for rnd in self._rounds.values() for peer in rnd.awaited}
