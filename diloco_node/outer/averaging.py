@@ -127,7 +127,7 @@ class Averaging:
         member skips it alike), and the parts' members that contributed to them."""
         reduced = gathered.reduced
         assert reduced is not None and self.part_align
-        mean, used = torch.zeros(self.numel), set()
+        mean, used = torch.zeros(self.numel), set[str]()
         for index, (start, end) in enumerate(part_bounds(self.numel, reduced.count, self.part_align)):
             averaged, report = reduced.parts.get(index, (b"", {}))
             try:

@@ -309,7 +309,7 @@ class Butterfly:
             tokens, norm, token = float(fields["tokens"]), float(fields["norm"]), str(fields.get("admission", ""))
             if not (isinstance(round_, int) and isinstance(index, int) and all(isinstance(p, str) for p in group)):
                 raise ValueError("malformed push")
-            answer = b"", {}
+            answer: tuple[bytes, dict[str, Any]] = (b"", {})
             rnd = self._round(round_)
             why = await self.loop.run_in_executor(None, self._may, peer, round_, token, rnd.group if rnd else None)
             if why is None and peer not in group:

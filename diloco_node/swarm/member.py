@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllreduceException
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
@@ -53,6 +54,11 @@ MATCHMAKING_SLACK = 5.0  # seconds beyond the matchmaking windows for DHT lookup
 # members fetch as soon as their own matchmaking ends, which on a loaded machine can be two seconds
 # after ours gave up (seen in CI: a fetch 75 ms past a 2 s grace, and the round split).
 MISSED_GROUP_GRACE = 5.0
+NEXT_CHUNK_TIMEOUT = 10.0  # hivemind's all-reduce: a member silent this long is dropped from it
+# After our all-reduce failed (a group had formed): its leader waits up to two of those for our part
+# before it completes without it, still counting us in (seen in CI: a fetch 9 s after our failure).
+# We stop waiting sooner once every peer has finished the round without us.
+MISSED_ALLREDUCE_GRACE = 2 * NEXT_CHUNK_TIMEOUT + 5.0
 GROUP_POLL_SECONDS = 0.5  # between asks for a group whose matchmaking is under way
 # A leaving node waits this long for its last butterfly group to read the part it averaged (their
 # pushes are answered as soon as it reduced the part: this is only the answers still on the wire)
@@ -113,7 +119,7 @@ class SwarmMember:
         self._averager = DecentralizedAverager(
             [torch.zeros(1)], self._dht, start=True, prefix=namespace,
             min_matchmaking_time=settings.matchmaking_time, request_timeout=min(3.0, settings.matchmaking_time / 2),
-            next_chunk_timeout=10.0, allreduce_timeout=settings.round_timeout, allow_state_sharing=False,
+            next_chunk_timeout=NEXT_CHUNK_TIMEOUT, allreduce_timeout=settings.round_timeout, allow_state_sharing=False,
             target_group_size=settings.group_size)
         self._draw: tuple[int, list[list[str]]] | None = None  # NoLoCo: the last round's groups
         self._exchange = PayloadExchange(self._dht, namespace, payload_parts * max_payload_bytes(numel),
@@ -303,12 +309,13 @@ class SwarmMember:
 
     def _find_group(self, round_: int, contributing: bool) -> tuple[list[str], dict[str, Fetched | None]]:
         """The other members of our group for `round_`, and any payloads already fetched from them."""
-        others = [peer for peer in self._form_group(round_) if peer != self.peer_id]
+        group, formed = self._form_group(round_)
+        others = [peer for peer in group if peer != self.peer_id]
         if others or not contributing:  # nobody fetches from a node that offered nothing
             return others, {}
-        return self._missed_group(round_)
+        return self._missed_group(round_, MISSED_ALLREDUCE_GRACE if formed else MISSED_GROUP_GRACE)
 
-    def _missed_group(self, round_: int) -> tuple[list[str], dict[str, Fetched | None]]:
+    def _missed_group(self, round_: int, grace: float) -> tuple[list[str], dict[str, Fetched | None]]:
         """The group that averaged `round_` with us although our own matchmaking failed.
 
         hivemind's matchmaking can end one-sided: a leader counts us in while our request to it
@@ -317,7 +324,7 @@ class SwarmMember:
         its group and fetch the members' payloads: the same contributions, hence the same mean.
         Under butterfly the members push us the part we own instead, each naming the group.
         """
-        deadline = time.monotonic() + MISSED_GROUP_GRACE
+        started = time.monotonic()
         while True:  # a fetch of our payload (all-gather) or a push of our part (butterfly) tells us
             fetchers = sorted(p for p in self._exchange.served(round_, timeout=GROUP_POLL_SECONDS / 2)
                               if self.presence.known(p))
@@ -333,7 +340,8 @@ class SwarmMember:
                 logger.info("round=%d our matchmaking failed but %s pushed us their parts; joining that group",
                             round_, ", ".join(others))
                 return others, {}
-            if time.monotonic() >= deadline:
+            waited = time.monotonic() - started
+            if waited >= grace or (waited >= MISSED_GROUP_GRACE and not self._anyone_may_still_fetch(round_)):
                 return [], {}
         fetched = self._exchange.fetch_all(fetchers[:1], round_, self.settings.round_timeout)
         first = fetched[fetchers[0]]
@@ -366,8 +374,13 @@ class SwarmMember:
         partners = [peer for peer in self.drawn_group(round_) if peer != self.peer_id]
         return bool(partners) and self.presence.round_state(round_, among=partners) == "together"
 
-    def _form_group(self, round_: int) -> list[str]:
-        """Matchmake with the peers averaging `round_`; returns their peer ids, ourselves included."""
+    def _anyone_may_still_fetch(self, round_: int) -> bool:
+        return any(self._may_still_fetch(peer, round_) for peer in self.presence.compatible_peers()
+                   if peer != self.peer_id)
+
+    def _form_group(self, round_: int) -> tuple[list[str], bool]:
+        """Matchmake with the peers averaging `round_`: their peer ids, ourselves included, and
+        whether a group had formed (False when matchmaking found none: then the list is just us)."""
         bits = format(round_ % 2**ROUND_BITS, f"0{ROUND_BITS}b")
         if self.settings.group_size:  # NoLoCo: only our drawn group shares the key (see groups.py)
             bits += group_key(self.peer_id, self.drawn_groups(round_))
@@ -384,7 +397,9 @@ class SwarmMember:
             gathered = control.result()
         except Exception as exc:  # hivemind surfaces timeouts and peer failures as assorted types
             logger.warning("round=%d no group formed (%s)", round_, type(exc).__name__)
-            gathered = None
+            # the group formed and its all-reduce failed on our side only: its leader may still
+            # complete it with us counted in, after its own wait for our part (sender_timeout)
+            return [self.peer_id], isinstance(exc, AllreduceException)
         group = [self.peer_id]
         for peer, info in (gathered or {}).items():
             if str(peer) == self.peer_id:
@@ -395,7 +410,7 @@ class SwarmMember:
                 logger.warning("round=%d ignored peer=%s in our group: no verified record of this run", round_, peer)
             else:
                 group.append(str(peer))
-        return group
+        return group, True
 
     # --- lifecycle ----------------------------------------------------------------------------
 
