@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 1 << 16  # round, part, tokens, norm, the group's peer ids and an admission
 KEPT_ROUNDS = 4  # rounds whose parts we hold (late members, joiners completing a round in flight)
 PART_RECOVERY_SECONDS = 10.0  # how long a member asks the others for a part whose owner vanished
+# A push waits this long beyond the owners' wait for parts: the owner reduces when its wait ends and
+# answers then, so a push must outlast it by the reduction and the answer's transfer.
+ANSWER_SLACK = 30.0
 RECEIVED = b"\x01"  # an acknowledgement: the whole answer was read
 
 
@@ -157,7 +160,8 @@ class Butterfly:
 
     async def exchange(self, round_: int, group: Sequence[str], ourselves: str, clients: Sequence[str],
                        numel: int, source: PartSource, timeout: float) -> Reduced:
-        """Push our parts to their owners, reduce ours, and collect every averaged part."""
+        """Push our parts to their owners, reduce ours, and collect every averaged part: within
+        `timeout` + ANSWER_SLACK + PART_RECOVERY_SECONDS."""
         group = tuple(sorted(group))
         owning = owners(group, clients)
         bounds = part_bounds(numel, len(owning), source.align)
@@ -165,8 +169,9 @@ class Butterfly:
         rnd.group, rnd.owning = group, owning
         rnd.owned = owning.index(ourselves) if ourselves in owning else None
         rnd.arrived.set()  # pushes that came before we knew the group are checked against it now
-        deadline = self.loop.time() + timeout
-        pushes = {index: asyncio.ensure_future(self._push(owner, round_, index, group, bounds[index], source, deadline))
+        deadline = self.loop.time() + timeout  # for the parts we own to arrive
+        pushes = {index: asyncio.ensure_future(self._push(owner, round_, index, group, bounds[index], source,
+                                                          deadline + ANSWER_SLACK))
                   for index, owner in enumerate(owning) if owner != ourselves}
         try:
             if rnd.owned is not None:
@@ -319,7 +324,7 @@ class Butterfly:
             elif rnd is not None:
                 rnd.received[peer] = (index, PartIn(peer, payload, tokens if payload else 0.0, norm), group)
                 rnd.arrived.set()
-                await asyncio.wait_for(rnd.done.wait(), timeout=self._wait)
+                await asyncio.wait_for(rnd.done.wait(), timeout=self._wait + ANSWER_SLACK)
                 if rnd.owned == index and rnd.group == group and index in rnd.held:
                     answer = rnd.held[index]
             sent = await self._answer(writer, answer)

@@ -37,7 +37,7 @@ from diloco_node import identity
 from diloco_node.admission import Gate
 from diloco_node.codec import max_payload_bytes
 from diloco_node.swarm import records
-from diloco_node.swarm.butterfly import Butterfly, PartSource, Reduced, owners
+from diloco_node.swarm.butterfly import ANSWER_SLACK, PART_RECOVERY_SECONDS, Butterfly, PartSource, Reduced, owners
 from diloco_node.swarm.contacts import Contacts
 from diloco_node.swarm.exchange import Fetched, PayloadExchange
 from diloco_node.swarm.groups import group_key, random_groups
@@ -63,7 +63,7 @@ GROUP_POLL_SECONDS = 0.5  # between asks for a group whose matchmaking is under 
 # A leaving node waits this long for its last butterfly group to read the part it averaged (their
 # pushes are answered as soon as it reduced the part: this is only the answers still on the wire)
 ANSWER_DRAIN_SECONDS = 10.0
-PART_SLACK = 15.0  # beyond the round timeout: a butterfly's recovery of parts whose owner vanished
+EXCHANGE_SLACK = ANSWER_SLACK + PART_RECOVERY_SECONDS + 5.0  # a butterfly's longest, beyond the round timeout
 
 # What a joiner downloads: the round's metadata and flat fp32 vectors (φ, momentum, rounds in flight)
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
@@ -239,7 +239,7 @@ class SwarmMember:
             try:
                 reduced = self._exchange.run(self._butterfly.exchange(
                     round_, [self.peer_id, *others], self.peer_id, (), self._numel, source,
-                    self.settings.round_timeout), timeout=self.settings.round_timeout + PART_SLACK, stop=stop)
+                    self.settings.round_timeout), timeout=self.settings.round_timeout + EXCHANGE_SLACK, stop=stop)
             except TimeoutError:
                 return Gathered("stopped" if stop.is_set() else verdict, round_)
             return Gathered(verdict, round_, {}, time.perf_counter() - started,

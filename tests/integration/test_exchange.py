@@ -11,7 +11,7 @@ import pytest
 from hivemind import DHT
 
 from diloco_node.swarm.exchange import AWAITED_KEPT_ROUNDS, KEPT_ROUNDS, Fetched, PayloadExchange, _parse_meta
-from diloco_node.swarm.member import SwarmMember
+from diloco_node.swarm.member import MISSED_ALLREDUCE_GRACE, MISSED_GROUP_GRACE, SwarmMember
 
 pytestmark = pytest.mark.integration
 
@@ -111,12 +111,19 @@ def test_a_peer_that_sends_nonsense_metadata_is_refused(meta: object) -> None:
         _parse_meta(meta)
 
 
-def member_seam(exchange: PayloadExchange, peer_id: str, verified: Callable[[str], bool] = lambda _: True
-                ) -> SimpleNamespace:
-    """What SwarmMember._missed_group uses of its member: its exchange, peer id, round timeout and
-    which peers have verified records of the run."""
+async def no_butterfly_group(*_: object) -> None:
+    return None
+
+
+def member_seam(exchange: PayloadExchange, peer_id: str, verified: Callable[[str], bool] = lambda _: True,
+                others_may_fetch: bool = False) -> SimpleNamespace:
+    """What SwarmMember._missed_group uses of its member: its exchange, peer id, round timeout,
+    which peers have verified records of the run, whether any may still fetch the round, and no
+    butterfly group pushing to it (tests/system/test_scale.py runs those)."""
     return SimpleNamespace(_exchange=exchange, peer_id=peer_id, settings=SimpleNamespace(round_timeout=10.0),
-                           presence=SimpleNamespace(known=lambda peer, refresh=False: verified(peer)))
+                           presence=SimpleNamespace(known=lambda peer, refresh=False: verified(peer)),
+                           _butterfly=SimpleNamespace(claimed_group=no_butterfly_group),
+                           _anyone_may_still_fetch=lambda round_: others_may_fetch)
 
 
 def test_a_node_whose_matchmaking_failed_joins_the_group_that_counted_it_in(
@@ -126,9 +133,35 @@ def test_a_node_whose_matchmaking_failed_joins_the_group_that_counted_it_in(
     member.offer(1, b"theirs", 300.0)
     member.expect(1, [member_id, missed_id], member_id)  # its matchmaking counted us in
     assert member.fetch_all([missed_id], 1, timeout=10)[missed_id] is not None
-    others, fetched = SwarmMember._missed_group(member_seam(missed, missed_id), 1)  # type: ignore[arg-type]
+    others, fetched = SwarmMember._missed_group(member_seam(missed, missed_id), 1, MISSED_GROUP_GRACE)  # type: ignore[arg-type]
     assert others == [member_id]
     assert fetched == {member_id: Fetched(b"theirs", 300.0, tuple(sorted([member_id, missed_id])))}
+
+
+def test_after_a_failed_all_reduce_the_node_waits_for_its_slow_leader(
+        pair: tuple[PayloadExchange, PayloadExchange, str, str]) -> None:
+    # the leader completes the all-reduce without our part only after its sender timeout, then fetches
+    missed, member, missed_id, member_id = pair
+    missed.offer(1, b"ours", 100.0)
+    member.offer(1, b"theirs", 300.0)
+    member.expect(1, [member_id, missed_id], member_id)
+    late = threading.Timer(MISSED_GROUP_GRACE + 2, lambda: member.fetch_all([missed_id], 1, timeout=10))
+    late.start()
+    try:
+        others, _ = SwarmMember._missed_group(member_seam(missed, missed_id, others_may_fetch=True), 1,
+                                              MISSED_ALLREDUCE_GRACE)
+    finally:
+        late.join()
+    assert others == [member_id]
+
+
+def test_the_long_wait_ends_once_nobody_may_still_fetch(
+        pair: tuple[PayloadExchange, PayloadExchange, str, str]) -> None:
+    missed, _, missed_id, _ = pair
+    missed.offer(1, b"ours", 100.0)
+    started = time.monotonic()
+    assert SwarmMember._missed_group(member_seam(missed, missed_id), 1, MISSED_ALLREDUCE_GRACE) == ([], {})
+    assert time.monotonic() - started < MISSED_GROUP_GRACE + 3
 
 
 def test_a_node_nobody_counted_in_averages_alone(pair: tuple[PayloadExchange, PayloadExchange, str, str]) -> None:
@@ -136,7 +169,7 @@ def test_a_node_nobody_counted_in_averages_alone(pair: tuple[PayloadExchange, Pa
     missed.offer(1, b"ours", 100.0)
     member.offer(1, b"theirs", 300.0)
     member.expect(1, [member_id], member_id)
-    assert SwarmMember._missed_group(member_seam(missed, missed_id), 1) == ([], {})  # type: ignore[arg-type]
+    assert SwarmMember._missed_group(member_seam(missed, missed_id), 1, MISSED_GROUP_GRACE) == ([], {})  # type: ignore[arg-type]
 
 
 def test_the_recovery_takes_no_group_of_unverified_or_disagreeing_members(
@@ -147,9 +180,10 @@ def test_the_recovery_takes_no_group_of_unverified_or_disagreeing_members(
     member.expect(1, [member_id, missed_id, "QmSybil"], member_id)  # names a member with no record
     assert member.fetch_all([missed_id], 1, timeout=10)[missed_id] is not None
     seam = member_seam(missed, missed_id, verified=lambda peer: peer != "QmSybil")
-    assert SwarmMember._missed_group(seam, 1) == ([], {})  # type: ignore[arg-type]
+    assert SwarmMember._missed_group(seam, 1, MISSED_GROUP_GRACE) == ([], {})  # type: ignore[arg-type]
     # a fetcher without a verified record is not asked at all
-    assert SwarmMember._missed_group(member_seam(missed, missed_id, verified=lambda _: False), 1) == ([], {})  # type: ignore[arg-type]
+    assert SwarmMember._missed_group(member_seam(missed, missed_id, verified=lambda _: False), 1,
+                                    MISSED_GROUP_GRACE) == ([], {})  # type: ignore[arg-type]
 
 
 def test_a_fetch_the_policy_refuses_gets_nothing() -> None:

@@ -31,6 +31,9 @@ class Averaging:
     def encode(self, round_: int, delta: torch.Tensor, tokens: float) -> Own:
         return Own(b"payload", delta.clone(), tokens, 0.0)
 
+    def parts(self, round_: int, own: Own) -> None:
+        return None  # an all-gather run
+
     def mean(self, own: Own, gathered: Gathered) -> AverageResult:
         if gathered.round in self.alone:
             return AverageResult((), torch.zeros(NUMEL), 0.0, 0.0)
@@ -43,7 +46,7 @@ class Swarm:
                                         mark_exchanged=lambda round_: None,
                                         served_diverged=lambda among: False)
 
-    def offer(self, round_: int, payload: bytes | None, tokens: float) -> None:
+    def offer(self, round_: int, payload: bytes | None, tokens: float, parts: None = None) -> None:
         pass
 
     def gather(self, round_: int, contributing: bool, stop: threading.Event) -> Gathered:

@@ -1,0 +1,88 @@
+"""The butterfly between three real hivemind DHT peers in this process (swarm/butterfly.py):
+every member ends with the same bytes for every part, and a vanished owner's part is skipped alike."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hivemind import DHT
+
+from diloco_node.codec import CodecConfig, make_codec
+from diloco_node.outer.averaging import Averaging
+from diloco_node.swarm.butterfly import Butterfly, Reduced
+from diloco_node.swarm.exchange import PayloadExchange
+
+pytestmark = pytest.mark.integration
+
+NUMEL = 999
+WAIT = 5.0  # the round timeout
+
+
+@pytest.fixture
+def trio() -> Iterator[list[tuple[str, PayloadExchange, Butterfly]]]:
+    first = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    dhts = [first, *(DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), start=True)
+                     for _ in range(2))]
+    anyone = lambda *_: None  # noqa: E731  (the admission policy: SwarmMember's, tested elsewhere)
+    members = []
+    for dht in dhts:
+        exchange = PayloadExchange(dht, "btest", 1 << 20, anyone)
+        butterfly = Butterfly(exchange.p2p, exchange.loop, "btest", 1 << 20, anyone, "", exchange.count, WAIT)
+        exchange.run(butterfly.attach(), timeout=10)
+        members.append((str(dht.peer_id), exchange, butterfly))
+    yield sorted(members, key=lambda member: member[0])
+    for _, exchange, butterfly in members:
+        with contextlib.suppress(Exception):  # a test may have detached it already
+            exchange.run(butterfly.detach(), timeout=10)
+        exchange.close()
+    for dht in dhts[::-1]:
+        dht.shutdown()
+
+
+def run_round(members: list[tuple[str, PayloadExchange, Butterfly]], group: list[str]) -> dict[str, Reduced]:
+    """Each member's butterfly of round 1, concurrently, with its own Δ (all ones times its index + 1)."""
+    codec = make_codec(CodecConfig(name="none"))
+    results: dict[str, Reduced] = {}
+
+    def one(index: int, peer: str, exchange: PayloadExchange, butterfly: Butterfly) -> None:
+        averaging = Averaging(codec, NUMEL, peer, part_align=1)
+        own = averaging.encode(1, torch.full((NUMEL,), float(index + 1)), 100.0)
+        source = averaging.parts(1, own)
+        assert source is not None
+        results[peer] = exchange.run(butterfly.exchange(1, group, peer, (), NUMEL, source, 5.0), timeout=60)
+
+    threads = [threading.Thread(target=one, args=(index, *member)) for index, member in enumerate(members)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=90)
+    return results
+
+
+def test_every_member_ends_with_the_same_averaged_parts(trio: list[tuple[str, PayloadExchange, Butterfly]]) -> None:
+    group = [peer for peer, _, _ in trio]
+    results = run_round(trio, group)
+    assert set(results) == set(group)
+    parts = [{index: averaged for index, (averaged, _) in reduced.parts.items()} for reduced in results.values()]
+    assert all(held == parts[0] for held in parts) and sorted(parts[0]) == [0, 1, 2]
+    codec = make_codec(CodecConfig(name="none"))
+    mean = torch.cat([codec.decode(parts[0][index], end - start) for index, (start, end)
+                      in enumerate([(0, 333), (333, 666), (666, 999)])])
+    assert torch.allclose(mean, torch.full((NUMEL,), 2.0))  # (1 + 2 + 3) / 3, equal tokens
+    assert [reduced.own_index for _, reduced in sorted(results.items())] == [0, 1, 2]
+
+
+def test_a_vanished_owners_part_is_skipped_by_every_member_alike(
+        trio: list[tuple[str, PayloadExchange, Butterfly]]) -> None:
+    group = [peer for peer, _, _ in trio]
+    _, exchange, gone = trio[2]
+    exchange.run(gone.detach(), timeout=10)  # the third owner has vanished: nobody can push to it
+    results = run_round(trio[:2], group)
+    assert set(results) == set(group[:2])
+    held = [sorted(reduced.parts) for reduced in results.values()]
+    assert held == [[0, 1], [0, 1]]
+    assert results[group[0]].parts[1] == results[group[1]].parts[1]
