@@ -104,6 +104,10 @@ class NodeConfig(BaseModel):
     aggregator: str = Field("clip", pattern=r"^(mean|clip|trimmed|centered-clip)$",
                             description="how the group's pseudo-gradients are averaged: mean, clip (each to 4x "
                             "the median norm), trimmed or centered-clip (see README, trust)")
+    reachability: str = Field("auto", pattern=r"^(auto|public|private)$",
+                              description="whether peers can connect to this node: public, private (behind a NAT: "
+                              "it joins as a client that pushes its parts and owns none) or auto (asks a peer to "
+                              "dial it back at start-up)")
     exchange: str = Field("auto", pattern=r"^(auto|allgather|butterfly)$",
                           description="how a group's pseudo-gradients travel: allgather (every member fetches every "
                           "payload), butterfly (each member averages one part: traffic that does not grow with the "
@@ -230,6 +234,9 @@ class NodeConfig(BaseModel):
     def _butterfly_fits(self) -> NodeConfig:
         if self.exchange == "butterfly" and (why := self._no_butterfly()):
             raise ValueError(f"exchange butterfly {why}")
+        if self.reachability == "private" and not self.butterfly_possible:
+            raise ValueError("reachability private needs a run that can exchange by butterfly (a client cannot be "
+                             "fetched from): " + (self._no_butterfly() or "exchange is allgather"))
         return self
 
     def _no_butterfly(self) -> str | None:
@@ -241,6 +248,11 @@ class NodeConfig(BaseModel):
         if self.aggregator == "centered-clip":
             return "cannot run centered-clip, which measures distances between whole vectors"
         return None
+
+    @property
+    def butterfly_possible(self) -> bool:
+        """Whether this run can exchange by butterfly at all: a group with a client always does."""
+        return self.exchange != "allgather" and self._no_butterfly() is None
 
     @property
     def butterfly_from(self) -> int | None:

@@ -108,7 +108,7 @@ class Node:
         self.update = make_update(self.cfg, UpdateContext(
             self.state, Averaging(self.codec, self.state.numel, self.swarm.peer_id, self.phi_codec,
                                   self.cfg.aggregator, self.cfg.max_tokens_per_round or None,
-                                  self.cfg.part_align if self.cfg.butterfly_from is not None else None), self.swarm,
+                                  self.cfg.part_align if self.cfg.butterfly_possible else None), self.swarm,
             self.telemetry, self.stop_requested, self.abandon_exchange))
         self.update.restore(outstanding or [])
         if outstanding is None:  # a fresh node gets its own data order, derived from its identity
@@ -130,6 +130,7 @@ class Node:
                 return
         self.joined = True
         self.telemetry.update(peer_id=self.swarm.peer_id, maddrs=self.swarm.visible_addresses(),
+                              reachability="client" if self.swarm.client else "public",
                               eval_loss=self._evaluate(), model_digest=self.state.digest())
         snapshot = self.telemetry.snapshot()
         self.telemetry.update(eval_loss_initial=snapshot["eval_loss"])
@@ -144,7 +145,8 @@ class Node:
             initial_peers=self.cfg.peer, listen=self.cfg.listen, announce=self.cfg.announce,
             matchmaking_time=self.cfg.matchmaking_time, round_timeout=self.cfg.round_timeout,
             group_size=self.cfg.group_size if self.gossip else None, identity=self.cfg.identity_path, gate=self.gate,
-            butterfly_from=self.cfg.butterfly_from)
+            butterfly_from=self.cfg.butterfly_from, butterfly_possible=self.cfg.butterfly_possible,
+            reachability=self.cfg.reachability)
         swarm = SwarmMember(settings, self.state.numel, self._shared_state, MAX_SHARED_VECTORS,
                             payload_parts=2 if self.gossip else 1)
         self.signals.install()  # again: hivemind's averager has just set SIGINT to SIG_IGN in this process

@@ -43,6 +43,7 @@ from diloco_node.swarm.exchange import Fetched, PayloadExchange
 from diloco_node.swarm.groups import group_key, random_groups
 from diloco_node.swarm.isolation import Isolation
 from diloco_node.swarm.presence import Presence
+from diloco_node.swarm.reachability import DialBack, detect
 from diloco_node.swarm.statesync import StateService, download_run_state
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,8 @@ class SwarmSettings:
     # groups of at least this many exchange by butterfly (butterfly.py), smaller ones by all-gather;
     # None: always all-gather. Fingerprinted config decides it, so every member of a group agrees.
     butterfly_from: int | None = None
+    butterfly_possible: bool = False  # whether the run can exchange by butterfly (a group with a client must)
+    reachability: str = "auto"  # public, private or auto (reachability.py)
 
 
 @dataclass(frozen=True)
@@ -112,15 +115,16 @@ class SwarmMember:
         self.gate = settings.gate or Gate(settings.run_id)
         self._dht, signed_by = _start_dht(settings)
         self.peer_id = str(self._dht.peer_id)
+        namespace = f"{settings.run_id}_{settings.fingerprint}"
+        self.client = _is_client(settings, self._dht, namespace)
         isolation = Isolation(Contacts(self._dht, self.peer_id, settings.initial_peers), settings.run_id)
         self.presence = Presence(self._dht, self.peer_id, settings.run_id, settings.fingerprint, settings.config,
-                                 isolation, signed_by, self.gate)
-        namespace = f"{settings.run_id}_{settings.fingerprint}"
+                                 isolation, signed_by, self.gate, self.client)
         self._averager = DecentralizedAverager(
             [torch.zeros(1)], self._dht, start=True, prefix=namespace,
             min_matchmaking_time=settings.matchmaking_time, request_timeout=min(3.0, settings.matchmaking_time / 2),
             next_chunk_timeout=NEXT_CHUNK_TIMEOUT, allreduce_timeout=settings.round_timeout, allow_state_sharing=False,
-            target_group_size=settings.group_size)
+            target_group_size=settings.group_size, client_mode=self.client)
         self._draw: tuple[int, list[list[str]]] | None = None  # NoLoCo: the last round's groups
         self._exchange = PayloadExchange(self._dht, namespace, payload_parts * max_payload_bytes(numel),
                                          self._may_fetch_payload, self.gate.token)
@@ -136,6 +140,8 @@ class SwarmMember:
                                     payload_parts * max_payload_bytes(numel), self._may_fetch_payload,
                                     self.gate.token, self._exchange.count, settings.round_timeout)
         self._exchange.run(self._butterfly.attach(), timeout=30)
+        self._dial_back = DialBack(self._exchange.p2p, namespace)
+        self._exchange.run(self._dial_back.attach(), timeout=30)
         self._sources: dict[int, PartSource] = {}  # butterfly: what we bring to each round we offered
         self._numel = numel
         # hivemind's averager talks to its process over a pipe that is not safe to share between
@@ -170,7 +176,9 @@ class SwarmMember:
         """φ and the outer state from a peer (statesync.download_run_state); None when nobody else
         is in the run (we start it), nobody shared it in time, or `stop` was set."""
         def others() -> dict[str, records.NodeRecord]:
-            return {p: r for p, r in self.presence.compatible_peers(refresh=True).items() if p != self.peer_id}
+            # a client cannot be dialled: it serves no state, and its announcements are not asked for
+            return {p: r for p, r in self.presence.compatible_peers(refresh=True).items()
+                    if p != self.peer_id and not r.client}
 
         return download_run_state(self._state, self._exchange.run, others, timeout, stop, check_digest)
 
@@ -212,10 +220,21 @@ class SwarmMember:
             for old in [r for r in self._sources if r < round_ - 2]:
                 del self._sources[old]
 
-    def _butterfly_for(self, round_: int, group_size: int) -> PartSource | None:
-        """What we bring to `round_`'s butterfly, when a group of `group_size` exchanges by butterfly."""
+    def _clients(self, group: Collection[str]) -> list[str]:
+        """The members of `group` that accept no inbound connection (reachability.py)."""
+        return sorted(p for p in group if (p == self.peer_id and self.client) or
+                      (p != self.peer_id and (record := self.presence.known(p)) is not None and record.client))
+
+    def _by_butterfly(self, group: Collection[str]) -> bool:
+        """Whether `group` exchanges by butterfly: big enough for it, or holding a client (nobody can
+        fetch a client's payload). Every member decides alike from the group and the run's config."""
         threshold = self.settings.butterfly_from
-        return self._sources.get(round_) if threshold is not None and group_size >= threshold else None
+        big = threshold is not None and len(group) >= threshold
+        return big or (self.settings.butterfly_possible and bool(self._clients(group)))
+
+    def _butterfly_for(self, round_: int, group: Collection[str]) -> PartSource | None:
+        """What we bring to `round_`'s butterfly, when `group` exchanges by butterfly."""
+        return self._sources.get(round_) if self._by_butterfly(group) else None
 
     def gather(self, round_: int, contributing: bool, stop: threading.Event,
                among: Collection[str] | None = None, on_ready: Callable[[], None] | None = None) -> Gathered:
@@ -234,11 +253,16 @@ class SwarmMember:
         if not others:
             logger.warning("round=%d no peer averaged with us", round_)
         started = time.perf_counter()  # the transfer, once the group is known
-        if (source := self._butterfly_for(round_, len(others) + 1)) is not None:
-            self._exchange.expect(round_, [self.peer_id, *others], self.peer_id, fetched=False)
+        group = [self.peer_id, *others]
+        if (source := self._butterfly_for(round_, group)) is not None:
+            self._exchange.expect(round_, group, self.peer_id, fetched=False)
+            clients = self._clients(group)
+            if len(clients) == len(group):
+                logger.warning("round=%d our group holds only clients, which cannot reach one another", round_)
+                return Gathered("alone", round_)
             try:
                 reduced = self._exchange.run(self._butterfly.exchange(
-                    round_, [self.peer_id, *others], self.peer_id, (), self._numel, source,
+                    round_, group, self.peer_id, clients, self._numel, source,
                     self.settings.round_timeout), timeout=self.settings.round_timeout + EXCHANGE_SLACK, stop=stop)
             except TimeoutError:
                 return Gathered("stopped" if stop.is_set() else verdict, round_)
@@ -267,8 +291,7 @@ class SwarmMember:
             time.sleep(GROUP_POLL_SECONDS)
         if first is None or first.group is None or member not in first.group:
             return Gathered("alone", round_)
-        threshold = self.settings.butterfly_from
-        if threshold is not None and len(first.group) >= threshold:
+        if self._by_butterfly(first.group):
             return self._parts_held_by(member, round_, deadline)
         others = [peer for peer in first.group if peer not in (member, self.peer_id)]
         fetched = {member: first, **self._exchange.fetch_all(others, round_, self.settings.round_timeout)}
@@ -332,7 +355,7 @@ class SwarmMember:
                 break
             if claimed := self._exchange.run(self._butterfly.claimed_group(round_, self.peer_id), timeout=5):
                 others = [p for p in claimed if p != self.peer_id]
-                if self._butterfly_for(round_, len(claimed)) is None or \
+                if self._butterfly_for(round_, claimed) is None or \
                         not all(self.presence.known(p, refresh=True) for p in others):
                     logger.warning("round=%d ignored the butterfly group pushed to us: not all verified nodes",
                                    round_)
@@ -430,6 +453,7 @@ class SwarmMember:
             time.sleep(GROUP_POLL_SECONDS / 2)
         self.presence.leave()
         try:
+            self._exchange.run(self._dial_back.detach(), timeout=5)
             self._exchange.run(self._butterfly.detach(), timeout=5)
             self._exchange.run(self._state.detach(), timeout=5)
         except Exception as exc:  # leaving must not fail; the handler goes with the daemon anyway
@@ -452,7 +476,7 @@ def _start_dht(settings: SwarmSettings) -> tuple[DHT, RSASignatureValidator]:
                 return DHT(initial_peers=list(settings.initial_peers), host_maddrs=list(settings.listen),
                            announce_maddrs=list(settings.announce) or None, start=True, startup_timeout=30,
                            record_validators=records.validators(settings.run_id, signed_by),
-                           identity_path=str(path)), signed_by
+                           identity_path=str(path), client_mode=settings.reachability == "private"), signed_by
             except Exception as exc:  # hivemind reports p2pd and bootstrap failures as generic errors
                 message = _explain_start_failure(settings, exc)
                 if attempt == BOOTSTRAP_ATTEMPTS or not message.startswith("cannot reach"):
@@ -462,6 +486,21 @@ def _start_dht(settings: SwarmSettings) -> tuple[DHT, RSASignatureValidator]:
     finally:
         if settings.identity is None:  # p2pd has read it; a key of a node that keeps no identity leaves no trace
             shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def _is_client(settings: SwarmSettings, dht: DHT, namespace: str) -> bool:
+    """Whether we join as a client (reachability.py): declared, or no peer could dial us back."""
+    if settings.reachability != "auto":
+        return settings.reachability == "private"
+    reachable = detect(dht, namespace, settings.initial_peers)
+    if reachable is False:
+        if not settings.butterfly_possible:
+            raise SwarmError("no peer can connect to this node (behind a NAT?), and this run exchanges by all-gather, "
+                             "which needs it: forward a port and --announce it, or join a run that can use butterfly")
+        logger.warning("no peer can connect to this node (behind a NAT?): joining as a client")
+    elif reachable is None and settings.initial_peers:
+        logger.info("no peer could tell whether it can connect to us; taking us as reachable")
+    return reachable is False
 
 
 def publish_revocation(initial_peers: Sequence[str], run_id: str, token: str) -> None:

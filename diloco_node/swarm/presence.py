@@ -53,7 +53,8 @@ class IncompatibleRun(RuntimeError):
 
 class Presence:
     def __init__(self, dht: DHT, peer_id: str, run_id: str, fingerprint: str, config: dict[str, Any],
-                 isolation: Isolation, signed_by: RSASignatureValidator, gate: Gate):
+                 isolation: Isolation, signed_by: RSASignatureValidator, gate: Gate, client: bool = False):
+        """`client`: we accept no inbound connection (reachability.py), and our record says so."""
         self._dht, self.peer_id, self.run_id = dht, peer_id, run_id
         self.isolation = isolation  # fed by the heartbeat
         self._signer, self.gate = signed_by, gate
@@ -63,7 +64,7 @@ class Presence:
         # announce (main thread) and mark_exchanged (also the exchange's thread) each rewrite our
         # record from the last one: one lock, so neither loses the other's field
         self._record_lock = threading.Lock()
-        self._record = NodeRecord(peer_id, fingerprint, config, 0, -1, "", admission=gate.token)
+        self._record = NodeRecord(peer_id, fingerprint, config, 0, -1, "", admission=gate.token, client=client)
         self._stats: dict[str, Any] = {}
         self._refused: set[str] = set()
         self._unadmitted: dict[str, str] = {}  # peer → why it was not admitted (logged once per reason)

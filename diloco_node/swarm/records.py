@@ -74,6 +74,7 @@ class NodeValue(pydantic.BaseModel):
     stats: NodeStats = NodeStats()
     admission: Token = ""  # type: ignore[valid-type]  # permissioned runs: the owner's token for this peer
     vouched: pydantic.conlist(pydantic.StrictStr, max_items=MAX_VOUCHED) = []  # type: ignore[valid-type]
+    client: pydantic.StrictBool = False
 
 
 class RunRecords(pydantic.BaseModel):
@@ -124,6 +125,7 @@ class NodeRecord:
     # lacks and the digest of φ and the momentum as sent; equal on nodes that applied the same means
     served_round: int = -1
     served_digest: str = ""
+    client: bool = False  # accepts no inbound connection (reachability.py): owns no part, serves nothing
 
     def may_still_fetch(self, round_: int) -> bool:
         """Whether this node may still fetch a payload of `round_`: it has neither completed that
@@ -138,7 +140,7 @@ class NodeRecord:
                 "left": False,
                 # every field spelled out: the DHT's SchemaValidator refuses values that need defaults filled in
                 "stats": NodeStats(**self.stats).dict(), "admission": self.admission,
-                "vouched": list(self.vouched)}
+                "vouched": list(self.vouched), "client": self.client}
 
     @classmethod
     def from_wire(cls, value: Any, left: bool = False) -> NodeRecord | None:
@@ -151,7 +153,7 @@ class NodeRecord:
             return None
         return cls(parsed.peer_id, parsed.fingerprint, parsed.config, parsed.round, parsed.ready_round,
                    parsed.digest, parsed.stats.dict(), parsed.exchanged_round, parsed.admission,
-                   tuple(parsed.vouched), parsed.served_round, parsed.served_digest)
+                   tuple(parsed.vouched), parsed.served_round, parsed.served_digest, parsed.client)
 
 
 def records_key(run_id: str) -> str:

@@ -22,7 +22,7 @@ STATUS_FIELDS = (
     "payload_bytes", "raw_bytes", "bytes_per_param", "compression_ratio", "codec_seconds", "compute_seconds",
     "wait_seconds", "utilization", "exchanging_round", "algorithm", "consensus_distance", "label",
     "model_digest", "uptime_seconds", "isolated", "isolated_since", "parallel", "local_ranks", "peak_memory_bytes",
-    "contributions_clipped", "contributions_rejected")
+    "contributions_clipped", "contributions_rejected", "reachability")
 HISTORY_LIMIT = 2000  # rounds kept for the charts; older ones drop off the front
 # Round-time histogram bounds (seconds). Counted over every round since start, not just the kept
 # history, so Prometheus never sees its buckets shrink.

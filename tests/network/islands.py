@@ -47,6 +47,7 @@ from typing import Any
 PREFIX = "dln"
 IFACE = "eth0"
 SUBNET = "10.231"
+NAT_SUBNET = "10.232"  # the LANs behind masquerading routers (Islands.behind_nat)
 COMMAND_TIMEOUT = 20.0
 
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-\S+")
@@ -241,6 +242,26 @@ class Islands:
             self._shape(ns, IFACE)      # what the island sends
             self._shape(self.hub, port)  # what the island receives
             self.islands.append(Island(self, index, ns, address))
+
+    def behind_nat(self, router: Island) -> Island:
+        """A namespace whose only way out is `router`, which masquerades it as a home router does:
+        it reaches every island, and no island can open a connection to it (no route to its LAN)."""
+        index = len(self.islands)
+        ns, lan = f"{self.prefix}-n{index}", f"{NAT_SUBNET}.{os.getpid() % 250 + 1}"
+        self._add_namespace(ns)
+        _ip("-n", router.namespace, "link", "add", f"lan{index}", "type", "veth", "peer", "name", IFACE, "netns", ns)
+        _ip("-n", router.namespace, "addr", "add", f"{lan}.1/24", "dev", f"lan{index}")
+        _ip("-n", router.namespace, "link", "set", f"lan{index}", "up")
+        _ip("-n", ns, "addr", "add", f"{lan}.2/24", "dev", IFACE)
+        _ip("-n", ns, "link", "set", IFACE, "up")
+        _ip("-n", ns, "route", "add", "default", "via", f"{lan}.1")
+        for argv in (["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"],
+                     ["iptables", "-t", "nat", "-A", "POSTROUTING", "-s", f"{lan}.0/24", "-o", IFACE,
+                      "-j", "MASQUERADE"]):
+            router.check_output(argv)
+        island = Island(self, index, ns, f"{lan}.2")
+        self.islands.append(island)
+        return island
 
     def close(self) -> None:
         """Kill what runs in the islands and delete every namespace (idempotent, never raises)."""

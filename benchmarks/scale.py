@@ -1,0 +1,185 @@
+"""Per-node traffic and round time against the swarm's size (#16): all-gather vs butterfly DiLoCo
+and NoLoCo, N = 2, 4, 8, 16 real nodes on this machine's loopback, side by side in one run; then a
+small cost model fitted to these points and to the wide-area islands (results/wide_area.json), and
+its predictions for 100 and 1,000 peers on 10 and 100 Mbit/s links.
+
+Every node runs blocking rounds of the tiny model; per node-round after the first (which carries
+the state download of joiners) we take the payload and state bytes it sent and received (the
+node's own counters), the round's seconds and its compute share (utilization). DiLoCo rounds must
+end with the same digest on every node.
+
+The cost model (seconds of a round that are not inner compute):
+
+    exchange = a + b·peers + transfer
+    transfer = bytes / link rate          (each node on its own link: the islands, real swarms)
+             = N·bytes / machine rate     (all N nodes on this machine's loopback share its cores)
+
+`peers` is who a node deals with in a round (N−1 for DiLoCo, the group's n−1 for NoLoCo), `bytes`
+what it moves each way: (N−1)·P for all-gather, 2·(N−1)/N·P for butterfly, (n−1)·P for NoLoCo (whose
+P carries Δ and φ). a (matchmaking, DHT), b (per-peer streams and lookups) and the machine rate are
+fitted by least squares on relative error; the link rates are the islands' measured raw TCP rates.
+
+Run: `.venv/bin/python benchmarks/scale.py` (about 15 minutes on 2 cores); results go to
+benchmarks/results/scale.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from common import RESULTS_DIR, machine_info, run_swarm
+
+NAME = "scale"
+KINDS = {
+    "allgather": ("DiLoCo all-gather", ["--exchange", "allgather"]),
+    "butterfly": ("DiLoCo butterfly", ["--exchange", "butterfly"]),
+    "noloco": ("NoLoCo (groups of 2)", ["--algorithm", "noloco", "--group-size", "2"]),
+}
+NODE_FLAGS = ["--sync", "blocking", "--batch-size", "4", "--seq-len", "64", "--eval-batches", "1",
+              "--round-timeout", "180", "--matchmaking-time", "2"]
+TOLERANCE = 0.20  # the model must come within this of every measured round time
+# The projection: a 124M-parameter model sent as int4 (0.49 B/param with zstd, README codecs table),
+# and 150 s of inner compute per round (H = 500 steps at 0.3 s on one consumer GPU).
+PROJECTED_PAYLOAD = 124e6 * 0.49
+PROJECTED_COMPUTE = 150.0
+
+
+def peers_of(kind: str, n: int) -> int:
+    return 1 if kind == "noloco" else n - 1
+
+
+def bytes_each_way(kind: str, n: int, payload: float) -> float:
+    if kind == "allgather" or kind == "noloco":
+        return peers_of(kind, n) * payload
+    return 2 * (n - 1) / n * payload
+
+
+def measure(kind: str, n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    label, flags = KINDS[kind]
+    logs, wall, _ = run_swarm(f"{kind}-{n}", n, args.h, args.rounds, f"scale-{kind}-{n}", work / f"{kind}-{n}",
+                              args.timeout, checkpoint_dirs=[""] * n, extra=[*NODE_FLAGS, *flags])
+    rows = [r for log in logs for r in log["rounds"] if r["round"] > 1]
+    if kind != "noloco":
+        for round_ in range(2, args.rounds + 1):
+            digests = {r["digest"] for log in logs for r in log["rounds"] if r["round"] == round_}
+            assert len(digests) == 1, f"{kind} N={n} round {round_}: φ differs across nodes"
+    median = statistics.median
+    return {
+        "kind": kind, "label": label, "n": n, "node_rounds": len(rows), "wall_seconds": round(wall, 1),
+        "payload": median(r["payload"] for r in rows),
+        "sent_ratio": median(r["sent"] / r["payload"] for r in rows),
+        "received_ratio": median(r["received"] / r["payload"] for r in rows),
+        "bytes": median(max(r["sent"], r["received"]) for r in rows),
+        "round_seconds": median(r["seconds"] for r in rows),
+        "compute_seconds": median(r["seconds"] * r["utilization"] for r in rows),
+        "full_group": all(r["group_size"] == (2 if kind == "noloco" else n) for r in rows),
+    }
+
+
+def islands() -> list[dict[str, Any]]:
+    """The wide-area islands' blocking rounds (2 nodes, each behind its own tc-limited link)."""
+    path = RESULTS_DIR / "wide_area.json"
+    if not path.exists():
+        return []
+    points = []
+    for rate in json.loads(path.read_text())["rates"]:
+        for result in rate["results"]:
+            if result.get("method") != "blocking":
+                continue
+            rows = [r for log in result["logs"] for r in log["rounds"] if r["round"] > 1]
+            points.append({"kind": "allgather", "label": f"islands {rate['rate_mbit']:.0f} Mbit/s", "n": 2,
+                           "link_bytes_per_second": rate["raw_tcp_mbit"] * 1e6 / 8,
+                           "bytes": statistics.median(max(r["sent"], r["received"]) for r in rows),
+                           "round_seconds": statistics.median(r["seconds"] for r in rows),
+                           "compute_seconds": statistics.median(r["seconds"] * r["utilization"] for r in rows)})
+    return points
+
+
+def fit(points: list[dict[str, Any]]) -> dict[str, float]:
+    """a, b and the machine rate, by least squares on each point's relative error of its exchange time."""
+    rows, targets = [], []
+    for p in points:
+        exchange = p["round_seconds"] - p["compute_seconds"]
+        if "link_bytes_per_second" in p:  # its own link: the transfer time is known
+            row, target = [1.0, peers_of(p["kind"], p["n"]), 0.0], exchange - p["bytes"] / p["link_bytes_per_second"]
+        else:
+            row, target = [1.0, peers_of(p["kind"], p["n"]), p["n"] * p["bytes"]], exchange
+        rows.append([value / p["round_seconds"] for value in row])
+        targets.append(target / p["round_seconds"])
+    (a, b, inverse_rate), *_ = np.linalg.lstsq(np.array(rows), np.array(targets), rcond=None)
+    return {"a": float(a), "b": float(b), "machine_bytes_per_second": float(1 / inverse_rate) if inverse_rate > 0
+            else float("inf")}
+
+
+def predict(model: dict[str, float], point: dict[str, Any]) -> float:
+    """A measured point's round time by the model."""
+    base = model["a"] + model["b"] * peers_of(point["kind"], point["n"])
+    if "link_bytes_per_second" in point:
+        transfer = point["bytes"] / point["link_bytes_per_second"]
+    else:
+        transfer = point["n"] * point["bytes"] / model["machine_bytes_per_second"]
+    return point["compute_seconds"] + base + transfer
+
+
+def project(model: dict[str, float], kind: str, n: int, mbit: float) -> dict[str, float]:
+    """A round of `n` peers, each on its own `mbit` link, sending the projected payload."""
+    moved = bytes_each_way(kind, n, PROJECTED_PAYLOAD * (2 if kind == "noloco" else 1))
+    seconds = PROJECTED_COMPUTE + model["a"] + model["b"] * peers_of(kind, n) + moved / (mbit * 1e6 / 8)
+    return {"round_seconds": seconds, "gb_each_way": moved / 1e9, "utilization": PROJECTED_COMPUTE / seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="2,4,8,16")
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--rounds", type=int, default=4, help="rounds per node (the first is not measured)")
+    parser.add_argument("--h", type=int, default=5, help="inner steps per round")
+    parser.add_argument("--timeout", type=float, default=900)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        measured = [measure(kind, int(n), args, Path(tmp)) for n in args.sizes.split(",")
+                    for kind in args.kinds.split(",")]
+    wide = islands()
+    model = fit(measured + wide)
+    for point in measured + wide:
+        point["predicted_seconds"] = predict(model, point)
+        point["model_error"] = point["predicted_seconds"] / point["round_seconds"] - 1
+    projection = {f"{kind}:{n}:{mbit:g}": project(model, kind, n, mbit)
+                  for kind in KINDS for n in (100, 1000) for mbit in (10.0, 100.0)}
+    report = {"machine": machine_info(), "args": vars(args), "measured": measured, "islands": wide,
+              "model": model, "projection": projection}
+    RESULTS_DIR.mkdir(exist_ok=True)
+    (RESULTS_DIR / f"{NAME}.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [f"# Scale: {args.rounds - 1} measured rounds per node, tiny model, H={args.h}, codec none, loopback",
+             "", "| N | exchange | sent / payload | received / payload | round s | compute s | model s | model error |",
+             "|---|---|---|---|---|---|---|---|"]
+    for p in measured:
+        lines.append(f"| {p['n']} | {p['label']} | {p['sent_ratio']:.2f} | {p['received_ratio']:.2f} | "
+                     f"{p['round_seconds']:.1f} | {p['compute_seconds']:.1f} | {p['predicted_seconds']:.1f} | "
+                     f"{100 * p['model_error']:+.0f} % |")
+    for p in wide:
+        lines.append(f"| 2 | {p['label']} | – | – | {p['round_seconds']:.1f} | {p['compute_seconds']:.1f} | "
+                     f"{p['predicted_seconds']:.1f} | {100 * p['model_error']:+.0f} % |")
+    worst = max(abs(p["model_error"]) for p in measured + wide)
+    lines += ["", f"Model: a = {model['a']:.2f} s, b = {model['b']:.3f} s per peer, machine rate = "
+              f"{model['machine_bytes_per_second'] / 1e6:.0f} MB/s; worst error {100 * worst:.0f} % "
+              f"({'within' if worst <= TOLERANCE else 'OUTSIDE'} {100 * TOLERANCE:.0f} %).", "",
+              f"Projection: {PROJECTED_PAYLOAD / 1e6:.0f} MB payload (124M parameters, int4), "
+              f"{PROJECTED_COMPUTE:.0f} s inner compute per round, each peer on its own link.", "",
+              "| peers | link | exchange | GB each way per node | round s | utilization |", "|---|---|---|---|---|---|"]
+    for key, value in projection.items():
+        kind, n, mbit = key.split(":")
+        lines.append(f"| {int(n):,} | {mbit} Mbit/s | {KINDS[kind][0]} | {value['gb_each_way']:.2f} | "
+                     f"{value['round_seconds']:,.0f} | {100 * value['utilization']:.1f} % |")
+    (RESULTS_DIR / f"{NAME}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

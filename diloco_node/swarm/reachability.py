@@ -1,0 +1,123 @@
+"""Whether peers can open connections to us (volunteers behind a home NAT cannot accept any).
+
+A node asks a peer it already reaches to dial it back: the peer opens a plain TCP connection to
+each address we would announce and says which succeeded. A libp2p call would not do: it reuses the
+connection we opened, which works through any NAT. A node that nobody can dial joins as a client
+(swarm/butterfly.py): it pushes its parts and receives the averaged ones on streams it opens, owns
+no part, and serves nothing (payloads, state).
+
+The dial-back handler connects and closes, sends nothing, dials at most MAX_ADDRESSES addresses per
+request and answers each peer at most once per ASK_INTERVAL seconds, so it cannot be turned into a
+scanner or an amplifier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Sequence
+
+from hivemind import DHT
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from diloco_node.swarm.streams import receive, send
+
+logger = logging.getLogger(__name__)
+
+DIAL_TIMEOUT = 3.0
+MAX_ADDRESSES = 8
+MAX_REQUEST_BYTES = 4096
+ASK_INTERVAL = 30.0  # seconds between two dial-backs for the same peer
+PEERS_ASKED = 3
+ASK_TIMEOUT = 15.0
+
+
+def handler_name(namespace: str) -> str:
+    return f"{namespace}_dialback"
+
+
+class DialBack:
+    """The answering side, on the exchange's P2P and event loop."""
+
+    def __init__(self, p2p: P2P, namespace: str):
+        self.p2p, self._name = p2p, handler_name(namespace)
+        self._last_asked: dict[str, float] = {}
+
+    async def attach(self) -> None:
+        await self.p2p.add_binary_stream_handler(self._name, self._serve)
+
+    async def detach(self) -> None:
+        await self.p2p.remove_binary_stream_handler(self._name)
+
+    async def _serve(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = str(info.peer_id)
+        try:
+            request = json.loads(await receive(reader, MAX_REQUEST_BYTES, timeout=10))
+            addresses = request.get("addresses") if isinstance(request, dict) else None
+            if not (isinstance(addresses, list) and all(isinstance(a, str) for a in addresses)):
+                raise ValueError("malformed dial-back request")
+            now = time.monotonic()
+            if now - self._last_asked.get(peer, -ASK_INTERVAL) < ASK_INTERVAL:
+                raise ValueError("asked again too soon")
+            if len(self._last_asked) > 4096:  # forget the oldest askers: the table stays small
+                self._last_asked = dict(sorted(self._last_asked.items(), key=lambda item: item[1])[-2048:])
+            self._last_asked[peer] = now
+            reached = await asyncio.gather(*(_dial(address) for address in addresses[:MAX_ADDRESSES]))
+            await send(writer, json.dumps({"reachable": list(reached)}).encode())
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError) as exc:
+            logger.info("dial-back request from peer=%s refused: %s", peer, exc)
+        finally:
+            writer.close()
+
+
+async def _dial(address: str) -> bool:
+    """Whether a TCP connection to `address` (a /ip4|ip6/…/tcp/… multiaddr) opens."""
+    try:
+        parts = Multiaddr(address).items()
+        host = next(value for protocol, value in parts if protocol.name in ("ip4", "ip6"))
+        port = int(next(value for protocol, value in parts if protocol.name == "tcp"))
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), DIAL_TIMEOUT)
+    except (OSError, TimeoutError, StopIteration, ValueError):
+        return False
+    writer.close()
+    return True
+
+
+def detect(dht: DHT, namespace: str, initial_peers: Sequence[str]) -> bool | None:
+    """Whether a peer could dial us: True as soon as one says so, False when every peer asked
+    answered and none could, None when nobody answered (we are the first node, or peers are old)."""
+    peers = [address.split("/p2p/")[-1] for address in initial_peers if "/p2p/" in address][:PEERS_ASKED]
+    addresses = [str(address) for address in dht.get_visible_maddrs()]
+    if not peers:
+        return None
+
+    async def ask_all() -> list[bool | None]:
+        p2p = await dht.replicate_p2p()
+        try:
+            return list(await asyncio.gather(*(_ask(p2p, peer, namespace, addresses) for peer in peers)))
+        finally:
+            await p2p.shutdown()
+
+    answers = asyncio.run(ask_all())
+    if any(answers):
+        return True
+    return False if answers and all(answer is False for answer in answers) else None
+
+
+async def _ask(p2p: P2P, peer: str, namespace: str, addresses: list[str]) -> bool | None:
+    try:
+        _, reader, writer = await asyncio.wait_for(
+            p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler_name(namespace)), ASK_TIMEOUT)
+        try:
+            await send(writer, json.dumps({"addresses": addresses[:MAX_ADDRESSES]}).encode())
+            answer = json.loads(await receive(reader, MAX_REQUEST_BYTES, ASK_TIMEOUT))
+        finally:
+            writer.close()
+        reached = answer.get("reachable") if isinstance(answer, dict) else None
+        return any(reached) if isinstance(reached, list) and reached else None
+    except Exception as exc:  # that peer cannot tell us: ask the others
+        logger.info("peer=%s could not dial us back: %s", peer, type(exc).__name__)
+        return None
