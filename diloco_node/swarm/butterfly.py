@@ -120,6 +120,7 @@ class Butterfly:
         self._max_part = max_part_bytes
         self._may, self._token, self._count = may_take_part, token, count
         self._rounds: dict[int, _Round] = {}
+        self._current: int | None = None  # the latest round we began to exchange
         self._refusals_logged: set[tuple[str, str]] = set()
 
     async def attach(self) -> None:
@@ -141,12 +142,21 @@ class Butterfly:
             self._rounds.pop(old).done.set()  # a push still waiting on it gets an empty answer
         return self._rounds[round_]
 
+    def _round_for_push(self, round_: int) -> _Round | None:
+        """The round a push may touch: near the one we are exchanging, so a peer pushing far-off
+        rounds can neither grow our memory nor push the current round out of those we keep."""
+        if self._current is not None and not self._current - KEPT_ROUNDS < round_ <= self._current + 2:
+            return None
+        if self._current is None and round_ not in self._rounds and len(self._rounds) >= 2:
+            return None
+        return self._round(round_)
+
     # --- the round, from a member's side -----------------------------------------------------
 
     async def claimed_group(self, round_: int, ourselves: str) -> tuple[str, ...] | None:
         """The group that pushed us a part of `round_` (so counted us as an owner) although our own
         matchmaking did not find it; None unless every push so far names the same group with us."""
-        rnd = self._round(round_)
+        rnd = self._rounds.get(round_)
         groups = {group for _, _, group in rnd.received.values()} if rnd else set()
         if len(groups) != 1:
             return None
@@ -163,6 +173,7 @@ class Butterfly:
         """Push our parts to their owners, reduce ours, and collect every averaged part: within
         `timeout` + ANSWER_SLACK + PART_RECOVERY_SECONDS."""
         group = tuple(sorted(group))
+        self._current = round_ if self._current is None else max(self._current, round_)
         owning = owners(group, clients)
         bounds = part_bounds(numel, len(owning), source.align)
         rnd = self._round(round_) or _Round()
@@ -315,7 +326,7 @@ class Butterfly:
             if not (isinstance(round_, int) and isinstance(index, int) and all(isinstance(p, str) for p in group)):
                 raise ValueError("malformed push")
             answer: tuple[bytes, dict[str, Any]] = (b"", {})
-            rnd = self._round(round_)
+            rnd = self._round_for_push(round_)
             why = await self.loop.run_in_executor(None, self._may, peer, round_, token, rnd.group if rnd else None)
             if why is None and peer not in group:
                 why = "not in the group it names"
