@@ -117,7 +117,11 @@ class Averaging:
         report: dict[str, Any] = {"used": [], "tokens": [], "clipped": [], "rejected": sorted(rejected)}
         if not contributions:
             return b"", report
-        result = aggregate(contributions, self.aggregator, own=self.peer_id, max_tokens=self.max_tokens)
+        try:
+            result = aggregate(contributions, self.aggregator, own=self.peer_id, max_tokens=self.max_tokens)
+        except ValueError:  # every part non-finite or tokenless (aggregate logged each): nothing to average
+            report["rejected"] = sorted({p.peer for p in parts if p.payload})
+            return b"", report
         report.update(used=list(result.used), tokens=list(result.tokens), clipped=list(result.clipped),
                       rejected=sorted(set(rejected) | set(result.rejected)))
         return self.codec.encode(result.mean), report

@@ -110,3 +110,11 @@ def test_a_malformed_owner_report_takes_no_share() -> None:
     own = averaging.encode(0, torch.ones(4), 1.0)
     reduced = Reduced(("a", "b"), 2, {0: (codec.encode(torch.ones(2)), {"used": ["a"], "tokens": ["x", 3]})}, 0)
     assert averaging.mean(own, Gathered("together", 0, reduced=reduced)).own_share == 0.0
+
+
+def test_an_owner_given_only_tokenless_parts_averages_nothing() -> None:
+    codec = make_codec(CodecConfig(name="none"))
+    averaging = Averaging(codec, 4, "a", part_align=1)
+    part = codec.encode(torch.ones(2))
+    averaged, report = averaging.reduce_part(0, (0, 2), [PartIn("b", part, 0.0, 2.0), PartIn("c", part, -1.0, 2.0)])
+    assert averaged == b"" and report["rejected"] == ["b", "c"]
