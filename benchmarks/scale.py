@@ -6,13 +6,21 @@ its predictions for 100 and 1,000 peers on 10 and 100 Mbit/s links.
 Every node runs blocking rounds of the tiny model; per node-round after the first (which carries
 the state download of joiners) we take the payload and state bytes it sent and received (the
 node's own counters), the round's seconds and its compute share (utilization). DiLoCo rounds must
-end with the same digest on every node.
+end with the same digest on every node (rounds where they do not are counted, not hidden).
 
 The cost model (seconds of a round that are not inner compute):
 
-    exchange = a + b·peers + transfer
-    transfer = bytes / link rate          (each node on its own link: the islands, real swarms)
-             = N·bytes / machine rate     (all N nodes on this machine's loopback share its cores)
+    each node on its own machine and link (the islands, real swarms):
+        exchange = window + a + b·peers + bytes / link rate
+    all N nodes on this machine's loopback, sharing its C cores (every CPU-bound cost stretches by
+    s = max(1, N / C), and the machine moves everyone's bytes):
+        exchange = window + s·(a + b·peers) + N·bytes / machine rate
+
+`window` is the matchmaking time a DiLoCo group waits for latecomers (--matchmaking-time, 3 s on the
+islands); a NoLoCo group stops waiting as soon as it has its target size, so 0. Here it is 2 s up
+to 8 nodes and 6 s at 16: with 16 nodes sharing 2 cores, hivemind's matchmaking did not assemble
+the whole run within 2 s (groups of 2 to 13, φ split, in both exchanges), so a big swarm on slow
+machines needs a longer window.
 
 `peers` is who a node deals with in a round (N−1 for DiLoCo, the group's n−1 for NoLoCo), `bytes`
 what it moves each way: (N−1)·P for all-gather, 2·(N−1)/N·P for butterfly, (n−1)·P for NoLoCo (whose
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -42,12 +51,27 @@ KINDS = {
     "noloco": ("NoLoCo (groups of 2)", ["--algorithm", "noloco", "--group-size", "2"]),
 }
 NODE_FLAGS = ["--sync", "blocking", "--batch-size", "4", "--seq-len", "64", "--eval-batches", "1",
-              "--round-timeout", "180", "--matchmaking-time", "2"]
+              "--round-timeout", "180"]
 TOLERANCE = 0.20  # the model must come within this of every measured round time
+ISLANDS_MATCHMAKING_TIME = 3.0  # the islands ran with the default
 # The projection: a 124M-parameter model sent as int4 (0.49 B/param with zstd, README codecs table),
 # and 150 s of inner compute per round (H = 500 steps at 0.3 s on one consumer GPU).
 PROJECTED_PAYLOAD = 124e6 * 0.49
 PROJECTED_COMPUTE = 150.0
+
+
+def matchmaking_time(n: int) -> float:
+    """--matchmaking-time for N nodes on this machine (see the module's docstring)."""
+    return 2.0 if n <= 8 else 6.0
+
+
+def window_of(kind: str, matchmaking_time: float) -> float:
+    return 0.0 if kind == "noloco" else matchmaking_time
+
+
+def stretch(n: int) -> float:
+    """How much slower CPU-bound work gets with `n` nodes sharing this machine's cores."""
+    return max(1.0, n / (os.cpu_count() or 1))
 
 
 def peers_of(kind: str, n: int) -> int:
@@ -63,22 +87,25 @@ def bytes_each_way(kind: str, n: int, payload: float) -> float:
 def measure(kind: str, n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     label, flags = KINDS[kind]
     logs, wall, _ = run_swarm(f"{kind}-{n}", n, args.h, args.rounds, f"scale-{kind}-{n}", work / f"{kind}-{n}",
-                              args.timeout, checkpoint_dirs=[""] * n, extra=[*NODE_FLAGS, *flags])
+                              args.timeout, checkpoint_dirs=[""] * n,
+                              extra=[*NODE_FLAGS, "--matchmaking-time", str(matchmaking_time(n)), *flags])
     rows = [r for log in logs for r in log["rounds"] if r["round"] > 1]
-    if kind != "noloco":
-        for round_ in range(2, args.rounds + 1):
-            digests = {r["digest"] for log in logs for r in log["rounds"] if r["round"] == round_}
-            assert len(digests) == 1, f"{kind} N={n} round {round_}: φ differs across nodes"
+    # DiLoCo under blocking: every node holds the same φ after every round (NoLoCo's differ by design)
+    split = [] if kind == "noloco" else [
+        round_ for round_ in range(2, args.rounds + 1)
+        if len({r["digest"] for log in logs for r in log["rounds"] if r["round"] == round_}) != 1]
     median = statistics.median
     return {
         "kind": kind, "label": label, "n": n, "node_rounds": len(rows), "wall_seconds": round(wall, 1),
+        "window": window_of(kind, matchmaking_time(n)),
         "payload": median(r["payload"] for r in rows),
         "sent_ratio": median(r["sent"] / r["payload"] for r in rows),
         "received_ratio": median(r["received"] / r["payload"] for r in rows),
         "bytes": median(max(r["sent"], r["received"]) for r in rows),
         "round_seconds": median(r["seconds"] for r in rows),
         "compute_seconds": median(r["seconds"] * r["utilization"] for r in rows),
-        "full_group": all(r["group_size"] == (2 if kind == "noloco" else n) for r in rows),
+        "full_group_rate": sum(r["group_size"] == (2 if kind == "noloco" else n) for r in rows) / len(rows),
+        "split_rounds": split,
     }
 
 
@@ -94,6 +121,7 @@ def islands() -> list[dict[str, Any]]:
                 continue
             rows = [r for log in result["logs"] for r in log["rounds"] if r["round"] > 1]
             points.append({"kind": "allgather", "label": f"islands {rate['rate_mbit']:.0f} Mbit/s", "n": 2,
+                           "window": ISLANDS_MATCHMAKING_TIME,
                            "link_bytes_per_second": rate["raw_tcp_mbit"] * 1e6 / 8,
                            "bytes": statistics.median(max(r["sent"], r["received"]) for r in rows),
                            "round_seconds": statistics.median(r["seconds"] for r in rows),
@@ -105,11 +133,12 @@ def fit(points: list[dict[str, Any]]) -> dict[str, float]:
     """a, b and the machine rate, by least squares on each point's relative error of its exchange time."""
     rows, targets = [], []
     for p in points:
-        exchange = p["round_seconds"] - p["compute_seconds"]
+        exchange = p["round_seconds"] - p["compute_seconds"] - p["window"]
         if "link_bytes_per_second" in p:  # its own link: the transfer time is known
             row, target = [1.0, peers_of(p["kind"], p["n"]), 0.0], exchange - p["bytes"] / p["link_bytes_per_second"]
         else:
-            row, target = [1.0, peers_of(p["kind"], p["n"]), p["n"] * p["bytes"]], exchange
+            share = stretch(p["n"])
+            row, target = [share, share * peers_of(p["kind"], p["n"]), p["n"] * p["bytes"]], exchange
         rows.append([value / p["round_seconds"] for value in row])
         targets.append(target / p["round_seconds"])
     (a, b, inverse_rate), *_ = np.linalg.lstsq(np.array(rows), np.array(targets), rcond=None)
@@ -123,14 +152,16 @@ def predict(model: dict[str, float], point: dict[str, Any]) -> float:
     if "link_bytes_per_second" in point:
         transfer = point["bytes"] / point["link_bytes_per_second"]
     else:
+        base *= stretch(point["n"])
         transfer = point["n"] * point["bytes"] / model["machine_bytes_per_second"]
-    return point["compute_seconds"] + base + transfer
+    return point["compute_seconds"] + point["window"] + base + transfer
 
 
 def project(model: dict[str, float], kind: str, n: int, mbit: float) -> dict[str, float]:
     """A round of `n` peers, each on its own `mbit` link, sending the projected payload."""
     moved = bytes_each_way(kind, n, PROJECTED_PAYLOAD * (2 if kind == "noloco" else 1))
-    seconds = PROJECTED_COMPUTE + model["a"] + model["b"] * peers_of(kind, n) + moved / (mbit * 1e6 / 8)
+    overhead = window_of(kind, ISLANDS_MATCHMAKING_TIME) + model["a"] + model["b"] * peers_of(kind, n)
+    seconds = PROJECTED_COMPUTE + overhead + moved / (mbit * 1e6 / 8)
     return {"round_seconds": seconds, "gb_each_way": moved / 1e9, "utilization": PROJECTED_COMPUTE / seconds}
 
 
@@ -141,10 +172,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="rounds per node (the first is not measured)")
     parser.add_argument("--h", type=int, default=5, help="inner steps per round")
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--refit", action="store_true", help="fit and tabulate the points of the last run again "
+                        "(results/scale.json) without measuring")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        measured = [measure(kind, int(n), args, Path(tmp)) for n in args.sizes.split(",")
-                    for kind in args.kinds.split(",")]
+    if args.refit:
+        measured = json.loads((RESULTS_DIR / f"{NAME}.json").read_text())["measured"]
+    else:
+        measured = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for n in args.sizes.split(","):
+                for kind in args.kinds.split(","):
+                    measured.append(measure(kind, int(n), args, Path(tmp)))
+                    print(json.dumps(measured[-1]), flush=True)  # a long sweep shows its points as they come
+    for point in measured:
+        point.setdefault("window", window_of(point["kind"], matchmaking_time(point["n"])))
     wide = islands()
     model = fit(measured + wide)
     for point in measured + wide:
@@ -157,15 +198,16 @@ def main() -> None:
     RESULTS_DIR.mkdir(exist_ok=True)
     (RESULTS_DIR / f"{NAME}.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [f"# Scale: {args.rounds - 1} measured rounds per node, tiny model, H={args.h}, codec none, loopback",
-             "", "| N | exchange | sent / payload | received / payload | round s | compute s | model s | model error |",
-             "|---|---|---|---|---|---|---|---|"]
+             "", "| N | exchange | sent / payload | received / payload | round s | compute s | model s | model error | "
+             "full group | rounds φ split |", "|---|---|---|---|---|---|---|---|---|---|"]
     for p in measured:
         lines.append(f"| {p['n']} | {p['label']} | {p['sent_ratio']:.2f} | {p['received_ratio']:.2f} | "
                      f"{p['round_seconds']:.1f} | {p['compute_seconds']:.1f} | {p['predicted_seconds']:.1f} | "
-                     f"{100 * p['model_error']:+.0f} % |")
+                     f"{100 * p['model_error']:+.0f} % | {100 * p['full_group_rate']:.0f} % | "
+                     f"{len(p['split_rounds'])} of {args.rounds - 1} |")
     for p in wide:
         lines.append(f"| 2 | {p['label']} | – | – | {p['round_seconds']:.1f} | {p['compute_seconds']:.1f} | "
-                     f"{p['predicted_seconds']:.1f} | {100 * p['model_error']:+.0f} % |")
+                     f"{p['predicted_seconds']:.1f} | {100 * p['model_error']:+.0f} % | – | – |")
     worst = max(abs(p["model_error"]) for p in measured + wide)
     lines += ["", f"Model: a = {model['a']:.2f} s, b = {model['b']:.3f} s per peer, machine rate = "
               f"{model['machine_bytes_per_second'] / 1e6:.0f} MB/s; worst error {100 * worst:.0f} % "
