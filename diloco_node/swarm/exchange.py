@@ -25,6 +25,7 @@ from typing import Any
 
 from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from diloco_node.swarm.streams import HEADER_LEN, receive, send
 
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 2048  # the round and the fetcher's admission token
 MAX_META_BYTES = 1 << 14  # tokens and the group's peer ids
-FETCH_ATTEMPTS = 3
+FETCH_RETRY_SECONDS = 10.0  # how long a transiently failing fetch is retried (a dead peer costs this much)
 # a slow peer may still fetch the previous round while we offer the next, and a joiner the round
 # its server had in flight when it shared its state (OverlappedUpdate.inherit)
 KEPT_ROUNDS = 3
@@ -213,19 +214,24 @@ class PayloadExchange:
         return dict(zip(peers, results, strict=True))
 
     async def _fetch(self, peer: str, round_: int, timeout: float) -> Fetched | None:
-        """One peer's payload; a stream cut short is retried, since one lost payload splits φ."""
+        """One peer's payload; a transient failure is retried for a while, since one lost payload
+        splits φ: a stream cut short, or the daemon not reaching a peer whose link just came back
+        (seen after a partition healed: ControlFailure, and the group's φ split)."""
         deadline = self.loop.time() + timeout
-        for attempt in range(1, FETCH_ATTEMPTS + 1):
+        give_up = min(deadline, self.loop.time() + FETCH_RETRY_SECONDS)
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 return await self._fetch_once(peer, round_, max(deadline - self.loop.time(), 1.0))
-            except (asyncio.IncompleteReadError, ConnectionError) as exc:
-                if attempt == FETCH_ATTEMPTS or self.loop.time() >= deadline:
+            except (asyncio.IncompleteReadError, ConnectionError, P2PDaemonError) as exc:
+                if self.loop.time() >= give_up:
                     return self._failed(peer, round_, exc)
-                logger.info("round=%d retrying fetch from peer=%s after %s", round_, peer, type(exc).__name__)
-                await asyncio.sleep(0.2 * attempt)
+                if attempt == 1:
+                    logger.info("round=%d retrying fetch from peer=%s after %s", round_, peer, type(exc).__name__)
+                await asyncio.sleep(min(0.2 * attempt, 1.0))
             except Exception as exc:  # any other network or peer failure only drops this peer's contribution
                 return self._failed(peer, round_, exc)
-        return None
 
     @staticmethod
     def _failed(peer: str, round_: int, exc: Exception) -> None:

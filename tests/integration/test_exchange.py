@@ -246,3 +246,28 @@ def test_state_downloads_are_served_bounded_and_refused() -> None:
             host.close()
         second.shutdown()
         first.shutdown()
+
+
+def test_a_fetch_is_retried_until_the_peer_can_be_reached() -> None:
+    # a peer whose link just came back (or whose handler is not up yet) fails to open a stream for a
+    # moment: dropping its payload at once would split φ from the members that did get it
+    first = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    second = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), start=True)
+    fetching = PayloadExchange(second, "xtest", 1 << 20, lambda *_: None)
+    offering: list[PayloadExchange] = []
+
+    def come_up() -> None:
+        offering.append(PayloadExchange(first, "xtest", 1 << 20, lambda *_: None))
+        offering[0].offer(1, b"late", 50.0)
+
+    later = threading.Timer(2.0, come_up)
+    later.start()
+    try:
+        fetched = fetching.fetch_all([str(first.peer_id)], 1, timeout=15)[str(first.peer_id)]
+        assert fetched is not None and fetched.payload == b"late"
+    finally:
+        later.join()
+        for exchange in [fetching, *offering]:
+            exchange.close()
+        second.shutdown()
+        first.shutdown()
