@@ -32,7 +32,9 @@ MAX_ADDRESSES = 8
 MAX_REQUEST_BYTES = 4096
 ASK_INTERVAL = 30.0  # seconds between two dial-backs for the same peer
 PEERS_ASKED = 3
-ASK_TIMEOUT = 15.0
+# A peer that cannot answer in this long (frozen, overloaded) is not waited for: start-up goes on
+# (a SIGSTOPped peer held a joiner for 15 s, long enough for the joiner to find no state to download)
+ASK_TIMEOUT = 5.0
 
 
 def handler_name(namespace: str) -> str:
