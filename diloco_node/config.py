@@ -353,7 +353,8 @@ class NodeConfig(BaseModel):
             "algorithm": self.algorithm, "sync": self.sync, **self._outer_fingerprint(), **self.codec_fingerprint(),
             "aggregator": self.aggregator, "max_tokens_per_round": self.max_tokens_per_round,
             **({"run_owner": self.run_owner} if self.run_owner else {}),
-            **({"butterfly_from": self.butterfly_from} if self.butterfly_from is not None else {}),
+            # with run_owner, codec, algorithm and aggregator this fixes which groups use butterfly
+            **({"exchange": self.exchange} if self.exchange != "auto" else {}),
         }
 
     def _outer_fingerprint(self) -> dict[str, Any]:
