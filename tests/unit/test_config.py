@@ -308,3 +308,18 @@ def test_bad_noloco_values_name_their_key(values: dict[str, Any], key: str) -> N
 def test_unknown_aggregator_is_refused() -> None:
     with pytest.raises(ValueError, match="aggregator"):
         build_config({"aggregator": "median"})
+
+
+def test_nodes_that_would_choose_their_exchange_differently_never_meet() -> None:
+    auto, allgather, butterfly = (NodeConfig(exchange=e) for e in ("auto", "allgather", "butterfly"))
+    assert len({auto.fingerprint(), allgather.fingerprint(), butterfly.fingerprint()}) == 3
+    assert "exchange" not in auto.fingerprint_fields()  # default runs keep their fingerprints
+
+
+def test_butterfly_is_refused_where_it_cannot_run_with_one_reason() -> None:
+    for options in ({"algorithm": "noloco"}, {"compression": "topk"}, {"aggregator": "centered-clip"}):
+        with pytest.raises(ValueError, match="exchange butterfly"):
+            NodeConfig(exchange="butterfly", **options)
+        assert NodeConfig(**options).butterfly_from is None  # auto falls back to all-gather
+    with pytest.raises(ValueError, match="reachability private"):
+        NodeConfig(reachability="private", compression="topk")
