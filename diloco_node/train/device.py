@@ -13,10 +13,12 @@ class DeviceError(RuntimeError):
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    elif name.startswith("cuda") and not torch.cuda.is_available():
         raise DeviceError(f"device '{name}' requested but no CUDA device is available")
-    return torch.device(name)
+    device = torch.device(name)
+    # a bare "cuda" names no GPU, and torch.cuda.set_device refuses it: it means the first one
+    return torch.device("cuda", 0) if device.type == "cuda" and device.index is None else device
 
 
 def resolve_devices(device: str, devices: str, local_ranks: int) -> tuple[str, ...]:
