@@ -130,6 +130,7 @@ class NodeConfig(BaseModel):
     block_size: int = Field(CodecConfig.block_size, gt=0, description="int8/int4: values per scale")
     topk_chunk: int = Field(CodecConfig.topk_chunk, gt=0, description="topk: values per chunk")
     topk_k: int = Field(CodecConfig.topk_k, gt=0, description="topk: values kept per chunk")
+    topk_bits: int = Field(CodecConfig.topk_bits, description="topk: bits per kept value: 8, 4, 2 or 1")
     ef_decay: float = Field(CodecConfig.ef_decay, ge=0, le=1, description="topk: error-feedback decay β")
     zstd: str = Field("auto", pattern=r"^(auto|on|off)$",
                       description="zstd as the last stage: auto (where it pays), on, off")
@@ -302,7 +303,7 @@ class NodeConfig(BaseModel):
 
     def codec_config(self) -> CodecConfig:
         return CodecConfig(name=self.compression, block_size=self.block_size, topk_chunk=self.topk_chunk,
-                           topk_k=self.topk_k, ef_decay=self.ef_decay, zstd_level=self.zstd_level,
+                           topk_k=self.topk_k, topk_bits=self.topk_bits, ef_decay=self.ef_decay, zstd_level=self.zstd_level,
                            zstd={"auto": None, "on": True, "off": False}[self.zstd])
 
     def codec_fingerprint(self) -> dict[str, Any]:
@@ -311,7 +312,7 @@ class NodeConfig(BaseModel):
         if self.compression in ("int8", "int4"):
             params["block_size"] = self.block_size
         if self.compression == "topk":
-            params.update(topk_chunk=self.topk_chunk, topk_k=self.topk_k)
+            params.update(topk_chunk=self.topk_chunk, topk_k=self.topk_k, topk_bits=self.topk_bits)
         return params
 
     @property

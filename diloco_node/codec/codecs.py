@@ -41,6 +41,7 @@ class CodecConfig:
     # wire ((2 + 8·2) / 256 = 0.070 before zstd), inside the 0.05–0.1 target.
     topk_chunk: int = 256
     topk_k: int = 8
+    topk_bits: int = 8  # bits per kept value: 8, 4, 2 or 1 (sparse.py)
     ef_decay: float = 1.0  # error feedback β: 1 = nothing unsent is ever forgotten
     zstd_level: int = 3
     zstd: bool | None = None  # None = ZSTD_PAYS[name]
@@ -82,8 +83,10 @@ def _transform(cfg: CodecConfig) -> Transform:
         t = Transform(codec_id, wire.DTYPE_INT4, (bs, 0), quantize.int4_length,
                       partial(quantize.encode_int4, block=bs), lambda raw, n, a, b: quantize.decode_int4(raw, n, a))
     else:
-        t = Transform(codec_id, wire.DTYPE_INT8, (chunk, k), sparse.topk_length,
-                      partial(sparse.encode_topk, chunk=chunk, k=k), sparse.decode_topk)
+        bits = cfg.topk_bits
+        t = Transform(codec_id, wire.DTYPE_BITS.get(bits, wire.DTYPE_INT8), (chunk, k),
+                      partial(sparse.topk_length, bits=bits), partial(sparse.encode_topk, chunk=chunk, k=k, bits=bits),
+                      partial(sparse.decode_topk, bits=bits))
     t.raw_length(1, *t.params)  # a bad config fails here, at start-up, not in the first round
     return t
 

@@ -39,7 +39,7 @@ def check_finite(values: torch.Tensor, what: str) -> None:
         raise CodecError(f"{what} holds non-finite values")
 
 
-def scales_up(absmax: torch.Tensor, levels: int) -> torch.Tensor:
+def scales_up(absmax: torch.Tensor, levels: float) -> torch.Tensor:
     """bf16 scales ≥ absmax / levels: round to nearest, then step one ulp up where that fell short.
     Positive bf16 values order like their bit patterns, so +1 on the int16 view is the next one up."""
     exact = absmax / levels

@@ -32,7 +32,8 @@ VERSION = 2
 HEADER = struct.Struct("<4sBBBBQIIQQI")
 
 CODEC_IDS = {"none": 0, "fp16": 1, "bf16": 2, "int8": 3, "int4": 4, "topk": 5}
-DTYPE_FP32, DTYPE_FP16, DTYPE_BF16, DTYPE_INT8, DTYPE_INT4 = 0, 1, 2, 3, 4
+DTYPE_FP32, DTYPE_FP16, DTYPE_BF16, DTYPE_INT8, DTYPE_INT4, DTYPE_INT2, DTYPE_INT1 = 0, 1, 2, 3, 4, 5, 6
+DTYPE_BITS = {8: DTYPE_INT8, 4: DTYPE_INT4, 2: DTYPE_INT2, 1: DTYPE_INT1}  # top-k's values
 FLAG_ZSTD = 1
 KNOWN_FLAGS = FLAG_ZSTD
 MAX_CHUNK = 1 << 16  # top-k offsets are at most uint16

@@ -88,6 +88,23 @@ def test_topk_keeps_the_largest_per_chunk_quantized_and_zeroes_the_rest() -> Non
         assert ((out[kept] - row[kept]).abs() <= scale / 2 * (1 + 1e-6)).all()
 
 
+@pytest.mark.parametrize("bits", [4, 2, 1])
+def test_topk_low_bit_values_keep_the_same_entries_within_half_a_step(bits: int) -> None:
+    chunk, k, half = 64, 12, ((1 << bits) - 1) / 2
+    x = heavy_tailed(1000, seed=bits)
+    decoded = roundtrip("topk", x, topk_chunk=chunk, topk_k=k, topk_bits=bits)
+    eight = roundtrip("topk", x, topk_chunk=chunk, topk_k=k)
+    assert torch.equal(decoded != 0, eight != 0)  # the same k entries per chunk as with int8 values
+    for start in range(0, 1000, chunk):
+        row, out = x[start:start + chunk], decoded[start:start + chunk]
+        kept = out != 0
+        scale = float(row.abs().max()) / half * (1 + 2**-7)
+        assert ((out[kept] - row[kept]).abs() <= scale / 2 * (1 + 1e-6)).all()
+        assert torch.equal(out[kept].sign(), row[kept].sign())  # no zero level: signs always survive
+        # codes are (c − half)·scale for integer c: a handful of levels per chunk
+        assert out[kept].unique().numel() <= 1 << bits
+
+
 def test_topk_with_uint16_offsets() -> None:
     x = heavy_tailed(5000)
     decoded = roundtrip("topk", x, topk_chunk=1024, topk_k=16)
@@ -106,6 +123,18 @@ def test_bytes_per_parameter(name: str, pseudo_gradient: torch.Tensor) -> None:
     payload = make_codec(CodecConfig(name=name)).encode(pseudo_gradient)
     assert len(payload) / n <= BYTES_PER_PARAM[name]
     assert len(payload) <= max_payload_bytes(n)
+
+
+@pytest.mark.parametrize(("k", "bits", "limit"), [(24, 2, 0.09), (32, 1, 0.1), (11, 8, 0.085)])
+def test_topk_gap_coded_offsets_buy_more_entries_per_byte(pseudo_gradient: torch.Tensor, k: int, bits: int,
+                                                          limit: float) -> None:
+    """Sorted offsets as gaps shrink under zstd (≈ 5 of 8 bits): 24 2-bit values per 256 fit in
+    0.1 B/param with room to spare, where raw offsets alone would take 0.094."""
+    n = pseudo_gradient.numel()
+    payload = make_codec(CodecConfig(name="topk", topk_k=k, topk_bits=bits)).encode(pseudo_gradient)
+    chunks = -(-n // 256)
+    raw = chunks * (2 + k) + -(-chunks * k * bits // 8)
+    assert len(payload) / n <= limit and len(payload) < 0.9 * raw
 
 
 def test_topk_default_sits_in_the_target_band(pseudo_gradient: torch.Tensor) -> None:
@@ -162,7 +191,8 @@ def test_non_finite_input_is_refused_and_leaves_the_residual_alone() -> None:
 @pytest.mark.parametrize(
     "cfg",
     [CodecConfig(name="zip"), CodecConfig(name="int8", block_size=0), CodecConfig(name="topk", topk_k=300),
-     CodecConfig(name="topk", topk_chunk=1 << 17, topk_k=4), CodecConfig(name="topk", ef_decay=1.5)],
+     CodecConfig(name="topk", topk_chunk=1 << 17, topk_k=4), CodecConfig(name="topk", ef_decay=1.5),
+     CodecConfig(name="topk", topk_bits=3), CodecConfig(name="topk", topk_bits=0)],
 )
 def test_bad_config_fails_at_construction(cfg: CodecConfig) -> None:
     with pytest.raises(ValueError):
@@ -285,3 +315,25 @@ def test_out_of_range_codes_are_refused() -> None:
     body[4] = 250  # an offset past the chunk of 200 (2 chunks → 4 bytes of scales first)
     with pytest.raises(CodecError, match="offset"):
         make_codec(CodecConfig(name="topk")).decode(forge(payload, body=bytes(body), reseal=True), 256)
+
+
+@pytest.mark.parametrize("bits", [8, 2])
+def test_topk_gaps_that_sum_past_the_chunk_are_refused(bits: int) -> None:
+    """Each gap is in range, but together they walk off the chunk's end."""
+    x = heavy_tailed(256)
+    cfg = CodecConfig(name="topk", topk_chunk=200, topk_k=4, topk_bits=bits, zstd=False)
+    payload = make_codec(cfg).encode(x)
+    body = bytearray(payload[wire.HEADER.size:])
+    body[4:8] = bytes([60, 60, 60, 60])  # offsets 60, 121, 182, 243 in the first chunk
+    with pytest.raises(CodecError, match="offset"):
+        make_codec(cfg).decode(forge(payload, body=bytes(body), reseal=True), 256)
+    body[4:8] = bytes([60, 60, 60, 16])  # offsets 60, 121, 182, 199: the last one in the chunk
+    assert make_codec(cfg).decode(forge(payload, body=bytes(body), reseal=True), 256)[199] != 0
+
+
+def test_topk_value_bits_must_match() -> None:
+    x = heavy_tailed(256)
+    payload = make_codec(CodecConfig(name="topk", topk_bits=2)).encode(x)
+    for bits in (8, 4, 1):
+        with pytest.raises(CodecError, match="dtype"):
+            make_codec(CodecConfig(name="topk", topk_bits=bits)).decode(payload, 256)

@@ -161,6 +161,8 @@ def test_fingerprint_covers_only_the_codec_parameters_in_use() -> None:
         {"compression": "int8", "block_size": 128}).fingerprint()
     assert build_config({"compression": "topk"}).fingerprint() != build_config(
         {"compression": "topk", "topk_k": 4}).fingerprint()
+    assert build_config({"compression": "topk"}).fingerprint() != build_config(
+        {"compression": "topk", "topk_bits": 2}).fingerprint()
     # zstd is flagged in every payload and error feedback is local: peers may differ there
     assert build_config({"compression": "topk"}).fingerprint() == build_config(
         {"compression": "topk", "zstd": "off", "ef_decay": 0.9, "block_size": 128}).fingerprint()
@@ -176,6 +178,8 @@ def test_bad_codec_settings_name_their_key(values: dict[str, Any], key: str) -> 
 def test_codec_parameters_out_of_range_are_one_clear_line() -> None:
     with pytest.raises(ConfigError, match="invalid configuration: .*top-k"):
         build_config({"compression": "topk", "topk_k": 300})
+    with pytest.raises(ConfigError, match="invalid configuration: .*top-k value bits must be one of 8, 4, 2, 1"):
+        build_config({"compression": "topk", "topk_bits": 3})
 
 
 # --- precedence through the real CLI ----------------------------------------------------------

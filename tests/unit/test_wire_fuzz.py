@@ -15,6 +15,8 @@ FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCh
 # Small parameters so that valid-looking headers are reachable, and both offset widths get exercised.
 CONFIGS = {name: CodecConfig(name=name, block_size=32, topk_chunk=64, topk_k=4) for name in CODECS}
 CONFIGS["topk16"] = CodecConfig(name="topk", topk_chunk=300, topk_k=8)
+CONFIGS["topk2bit"] = CodecConfig(name="topk", topk_chunk=64, topk_k=12, topk_bits=2)
+CONFIGS["topk1bit"] = CodecConfig(name="topk", topk_chunk=300, topk_k=5, topk_bits=1)
 
 VECTOR = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0)) * torch.logspace(-6, 1, NUMEL)
 VALID = {key: make_codec(cfg).encode(VECTOR) for key, cfg in CONFIGS.items()}
