@@ -236,14 +236,16 @@ def run_swarm(label: str, n: int, h: int, rounds: int, run_id: str, work: Path, 
 
 def parse_node_log(node: NodeProcess) -> dict[str, Any]:
     """What a node reported, from its events (its warnings from its log): `joined`, `rounds` (one entry
-    per round event, in order), `synced_round` (the last sync from peers), `settled` and `warnings`."""
+    per round event, in order), `synced_round` (the last sync from peers), `settled` and `warnings`.
+    `time`: when the node emitted the event (unix seconds)."""
     node.node.drain()  # a node that has exited: its last events may still be in the pipe
     parsed: dict[str, Any] = {"rounds": [], "joined": None, "synced_round": None, "settled": None, "warnings": []}
     for event in list(node.events):
         kind = event["event"]
         if kind == "round":
             parsed["rounds"].append({
-                "round": int(event["round"]), "loss": float(event["loss"]), "eval_loss": float(event["eval_loss"]),
+                "round": int(event["round"]), "time": float(event["time"]), "loss": float(event["loss"]),
+                "eval_loss": float(event["eval_loss"]),
                 "group_size": int(event["group_size"]), "sent": int(event["bytes_sent"]),
                 "received": int(event["bytes_received"]), "seconds": float(event["round_seconds"]),
                 "digest": event["digest"], "payload": int(event["payload_bytes"]),
@@ -252,12 +254,14 @@ def parse_node_log(node: NodeProcess) -> dict[str, Any]:
                 "utilization": float(event["utilization"]), "transfer_bytes": int(event["transfer_bytes"] or 0),
                 "transfer_seconds": float(event["transfer_seconds"] or 0.0)})
         elif kind == "joined":
-            parsed["joined"] = {"round": int(event["round"]), "eval_loss": float(event["eval_loss"]),
+            parsed["joined"] = {"round": int(event["round"]), "time": float(event["time"]),
+                                "eval_loss": float(event["eval_loss"]),
                                 "parameters": int(event["parameters"]), "digest": event["digest"]}
         elif kind == "synced":
             parsed["synced_round"] = int(event["round"])
         elif kind == "settled":
-            parsed["settled"] = {"round": int(event["round"]), "eval_loss": float(event["eval_loss"]),
+            parsed["settled"] = {"round": int(event["round"]), "time": float(event["time"]),
+                                 "eval_loss": float(event["eval_loss"]),
                                  "digest": event["digest"]}
     parsed["warnings"] = [line for line in node.lines["stderr"] if WARNING_RE.search(line)]
     if parsed["joined"] is None or not parsed["rounds"]:

@@ -53,13 +53,16 @@ RUNS = {"blocking": ["--sync", "blocking"], "delayed": ["--sync", "delayed"], "e
 
 # --- data-parallel across the link ------------------------------------------------------------
 
-def ddp_worker(rank: int, master: str, port: int, steps: int) -> None:
-    """One DDP rank inside an island; prints its timings as JSON. Started by run_ddp_on_link."""
+def ddp_worker(rank: int, master: str, port: int, steps: int, eval_every: int = 0) -> None:
+    """One DDP rank inside an island; prints its timings as JSON. Started by run_ddp_on_link.
+
+    With `eval_every`, rank 0 also evaluates the held-out loss every that many steps and after the
+    last: (step, unix time, seconds the evaluation took, eval loss) each."""
     import torch.distributed as dist
     from common import inner_config
 
     from diloco_node.train.data import ByteDataset, load_corpus
-    from diloco_node.train.inner import InnerTrainer
+    from diloco_node.train.inner import InnerTrainer, evaluate
     from diloco_node.train.model import build_model
 
     os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
@@ -81,7 +84,10 @@ def ddp_worker(rank: int, master: str, port: int, steps: int) -> None:
     for param in model.parameters():
         param.register_post_accumulate_grad_hook(average_gradient)
     trainer = InnerTrainer(model, inner_config(cfg, steps))
-    step_seconds, comm_seconds = [], []
+    eval_batches = dataset.eval_batches(cfg.batch_size, cfg.eval_batches) if eval_every and rank == 0 else []
+    step_seconds: list[float] = []
+    comm_seconds: list[float] = []
+    evals: list[tuple[int, float, float, float]] = []
     for step in range(steps):
         x, y = dataset.train_batch(cfg.batch_size, 1000 + rank, step)
         communicating[0] = 0.0
@@ -89,15 +95,22 @@ def ddp_worker(rank: int, master: str, port: int, steps: int) -> None:
         trainer.train_step(x, y)
         step_seconds.append(time.perf_counter() - started)
         comm_seconds.append(communicating[0])
+        if eval_batches and ((step + 1) % eval_every == 0 or step + 1 == steps):
+            started = time.perf_counter()
+            loss = evaluate(model, eval_batches)
+            evals.append((step + 1, time.time(), time.perf_counter() - started, loss))
     dist.destroy_process_group()
-    print(json.dumps({"step_seconds": step_seconds, "comm_seconds": comm_seconds}), flush=True)
+    print(json.dumps({"step_seconds": step_seconds, "comm_seconds": comm_seconds, "evals": evals}), flush=True)
 
 
-def run_ddp_on_link(islands: Islands, steps: int, timeout: float) -> dict[str, Any]:
+def run_ddp_on_link(islands: Islands, steps: int, timeout: float, eval_every: int = 0) -> dict[str, Any]:
+    """DDP between islands 0 and 1 for `steps` steps (see ddp_worker for `eval_every`)."""
     a, b = islands[0], islands[1]
     port = 29500
     before = wire_bytes(islands)
-    workers = [island.run([sys.executable, __file__, "ddp-worker", str(rank), a.address, str(port), str(steps)],
+    launched = time.time()
+    workers = [island.run([sys.executable, __file__, "ddp-worker", str(rank), a.address, str(port), str(steps),
+                           str(eval_every)],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for rank, island in enumerate((a, b))]
     outputs = []
@@ -112,7 +125,9 @@ def run_ddp_on_link(islands: Islands, steps: int, timeout: float) -> dict[str, A
     step = statistics.mean(timings["step_seconds"][warm])
     comm = statistics.mean(timings["comm_seconds"][warm])
     return {"method": "ddp", "steps": steps, "seconds_per_step": step, "comm_seconds_per_step": comm,
-            "utilization": (step - comm) / step, "wire_bytes_per_step": wire / steps}
+            "utilization": (step - comm) / step, "wire_bytes_per_step": wire / steps, "launched_at": launched,
+            "step_seconds": timings["step_seconds"], "comm_seconds": timings["comm_seconds"],
+            "evals": timings["evals"]}
 
 
 # --- DiLoCo across the link -------------------------------------------------------------------
@@ -123,7 +138,7 @@ def run_diloco_on_link(islands: Islands, name: str, h: int, rounds: int, work: P
     run_id = f"wide-{os.getpid()}-{int(time.time())}"
     work.mkdir(parents=True)
     before = wire_bytes(islands)
-    started = time.monotonic()
+    started, launched = time.monotonic(), time.time()
     first = NodeProcess("node1", node_args(h, rounds, run_id, work / "ck1", options, host=a.address), work,
                         launcher=a.command)
     nodes = [first]
@@ -142,7 +157,8 @@ def run_diloco_on_link(islands: Islands, name: str, h: int, rounds: int, work: P
             raise RuntimeError(f"{name}: {node.name} exited with {node.proc.returncode}\n{node.tail()}")
     logs = [parse_node_log(node) for node in nodes]
     wire = wire_bytes(islands, before)
-    return summarize(name, h, rounds, logs, wall, wire, outer_difference(run_id, work / "ck1", work / "ck2"))
+    return {**summarize(name, h, rounds, logs, wall, wire, outer_difference(run_id, work / "ck1", work / "ck2")),
+            "launched_at": launched}
 
 
 def summarize(name: str, h: int, rounds: int, logs: list[dict[str, Any]], wall: float, wire: int,
@@ -265,7 +281,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "ddp-worker":
-        ddp_worker(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+        ddp_worker(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
         return
     args = parse_args()
     if (problem := require_netns()) is not None:

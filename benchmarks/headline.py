@@ -1,0 +1,394 @@
+"""Headline: time and bytes to a target loss over a 10 Mbit/s link, data-parallel vs DiLoCo vs NoLoCo.
+
+Two network namespaces ("islands", tests/network/islands.py), each access line shaped to --rate
+Mbit/s with `tc tbf`. Side by side in one run on that link, the same model, data and eval batches:
+
+- DDP: 2 gloo ranks, gradients all-reduced across the link every step (wide_area.ddp_worker); rank 0
+  evaluates the held-out loss every --eval-every steps. Its eval loss after --steps steps (the token
+  budget) is the TARGET every other method has to reach.
+- DiLoCo blocking, fp32 (`--sync blocking --compression none`): DiLoCo as published (outer Nesterov,
+  lr 0.7, momentum 0.9), H = --blocking-h.
+- Candidates for our best configuration: `--sync eager` with a compressed codec at a few H
+  (--candidates codec:H,...). The best one is chosen from this run's own measurements: the
+  candidate, among those that reach the target, closest to both targets (max of
+  min(time ratio / 10, bytes ratio / 2000)).
+- NoLoCo (`--algorithm noloco`, --noloco-compression, H = --noloco-h).
+
+The nodes are the real CLI (`diloco-node join`), one per island, node 2 pointed at node 1. They may
+train up to --max-token-factor x the budget (rounds = ceil(factor x steps / H), the LR schedule over
+that many steps): what counts is when they first reach the target.
+
+For each method: wall-clock seconds from launching its processes to the first evaluation at or
+below the target (no interpolation; DiLoCo/NoLoCo: the later of the two nodes' round events, and
+both nodes' eval loss must be at or below it; DDP's clock leaves out its own evaluations), tokens
+(both workers) trained by then, bytes on the wire to that moment (tx counters of both islands'
+veth links, sampled every --sample-seconds in a background thread; the first sample after the
+moment counts), of which the start-up (until both nodes joined: DHT bootstrap and node 2's download
+of φ and the outer momentum in fp32), compute utilization (compute seconds / wall seconds to the
+target, start-up included) and the compute time per step.
+
+Run as root: `.venv/bin/python benchmarks/headline.py` (about 25 minutes on 2 cores; --quick: a
+smoke test of about 4 minutes). Results: benchmarks/results/headline.{json,md,png}
+(--quick: headline_quick.*).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import datetime as dt
+import json
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the island harness lives in tests/network
+
+from common import RESULTS_DIR, WORLD, final_eval_loss, machine_info, pyplot  # noqa: E402
+from wide_area import run_ddp_on_link, run_diloco_on_link, wire_bytes  # noqa: E402
+
+from diloco_node.config import NodeConfig  # noqa: E402
+from tests.network.islands import Islands, require_netns  # noqa: E402
+
+NAME = "headline"
+TIME_TARGET = 10.0  # our best reaches the target this many times sooner than DDP
+BYTES_TARGET = 2000.0  # ... with this many times fewer bytes on the wire
+
+
+class WireSampler:
+    """Both islands' veth tx counters, sampled with their unix time in a background thread."""
+
+    def __init__(self, islands: Islands, interval: float):
+        self.islands, self.interval = islands, interval
+        self.samples: list[tuple[float, int]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="wire-sampler", daemon=True)
+
+    def __enter__(self) -> WireSampler:
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def sample(self) -> tuple[float, int]:
+        """Take a sample now (the time is the one before reading the counters)."""
+        at = time.time()
+        value = wire_bytes(self.islands)
+        with self._lock:
+            self.samples.append((at, value))
+            self.samples.sort()
+        return at, value
+
+    def at_or_after(self, moment: float) -> int:
+        """The counters at the first sample taken at or after `moment` (the last one if none is later)."""
+        with self._lock:
+            index = bisect.bisect_left(self.samples, (moment, -1))
+            return self.samples[min(index, len(self.samples) - 1)][1]
+
+
+# --- the methods ------------------------------------------------------------------------------
+
+def ddp_method(islands: Islands, sampler: WireSampler, args: argparse.Namespace) -> dict[str, Any]:
+    _, baseline = sampler.sample()
+    result = run_ddp_on_link(islands, args.steps, args.timeout, eval_every=args.eval_every)
+    launched, tokens_per_step = result["launched_at"], tokens_per_worker_step()
+    compute = [s - c for s, c in zip(result["step_seconds"], result["comm_seconds"], strict=True)]
+    points, evaluating = [], 0.0
+    for step, at, eval_seconds, loss in result["evals"]:
+        evaluating += eval_seconds
+        points.append({"seconds": at - launched - evaluating, "tokens": WORLD * step * tokens_per_step,
+                       "eval_loss": loss, "bytes": sampler.at_or_after(at) - baseline, "step": step,
+                       "compute_seconds": sum(compute[:step])})
+    return {"method": "DDP (gloo all-reduce every step)", "kind": "ddp", "H": 1, "steps": args.steps,
+            "points": points, "startup_bytes": 0, "compute_seconds_per_step": statistics.mean(compute[2:]),
+            "seconds_per_step": result["seconds_per_step"], "final_eval_loss": points[-1]["eval_loss"],
+            "run": {k: v for k, v in result.items() if k not in ("step_seconds", "comm_seconds")}}
+
+
+def node_method(islands: Islands, sampler: WireSampler, args: argparse.Namespace, work: Path, label: str,
+                kind: str, h: int, options: list[str]) -> dict[str, Any]:
+    rounds = math.ceil(args.max_token_factor * args.steps / h)
+    _, baseline = sampler.sample()
+    result = run_diloco_on_link(islands, label, h, rounds, work, args.timeout, options)
+    launched, logs, tokens_per_step = result["launched_at"], result["logs"], tokens_per_worker_step()
+    joined = max(log["joined"]["time"] for log in logs)
+    by_round: dict[int, list[dict[str, Any]]] = {}
+    for log in logs:
+        for entry in log["rounds"]:
+            by_round.setdefault(entry["round"], []).append(entry)
+    # the start: both nodes joined, nothing trained yet (what the start-up cost in time and bytes)
+    points = [{"seconds": joined - launched, "tokens": 0, "eval_loss": max(log["joined"]["eval_loss"] for log in logs),
+               "bytes": sampler.at_or_after(joined) - baseline, "round": 0, "compute_seconds": 0.0}]
+    for index, round_ in enumerate(sorted(by_round), start=1):
+        entries = by_round[round_]
+        if len(entries) < WORLD:
+            continue  # a round only one node logged: the swarm's loss is unknown there
+        at = max(e["time"] for e in entries)
+        points.append({"seconds": at - launched, "tokens": WORLD * index * h * tokens_per_step,
+                       "eval_loss": max(e["eval_loss"] for e in entries), "bytes": sampler.at_or_after(at) - baseline,
+                       "round": round_, "compute_seconds": statistics.mean(
+                           sum(r["seconds"] * r["utilization"] for r in log["rounds"] if r["round"] <= round_)
+                           for log in logs)})
+    if all(log["settled"] for log in logs):  # delayed / eager apply the last exchange on leaving
+        at = max(log["settled"]["time"] for log in logs)
+        points.append({**points[-1], "seconds": at - launched, "bytes": sampler.at_or_after(at) - baseline,
+                       "eval_loss": max(log["settled"]["eval_loss"] for log in logs), "round": "settled"})
+    compute = sum(r["seconds"] * r["utilization"] for log in logs for r in log["rounds"])
+    steps = sum(len(log["rounds"]) * h for log in logs)
+    return {"method": label, "kind": kind, "H": h, "rounds": rounds, "options": options, "points": points,
+            "startup_bytes": sampler.at_or_after(joined) - baseline, "startup_seconds": joined - launched,
+            "compute_seconds_per_step": compute / steps, "final_eval_loss": statistics.mean(
+                final_eval_loss(log) for log in logs), "run": result}
+
+
+def tokens_per_worker_step() -> int:
+    cfg = NodeConfig()
+    return cfg.batch_size * cfg.seq_len
+
+
+def reach(method: dict[str, Any], target: float, ddp: dict[str, Any] | None) -> None:
+    """Add what it took `method` to reach `target` (and its ratios against `ddp`)."""
+    hit = next((p for p in method["points"] if p["eval_loss"] <= target), None)
+    method["best_eval_loss"] = min(p["eval_loss"] for p in method["points"])
+    method["reached"] = hit
+    if hit is None:
+        return
+    hit["utilization"] = hit["compute_seconds"] / hit["seconds"]
+    hit["bytes_after_startup"] = hit["bytes"] - method["startup_bytes"]
+    if ddp is not None and ddp["reached"] is not None:
+        base = ddp["reached"]
+        hit["time_ratio"] = base["seconds"] / hit["seconds"]
+        hit["bytes_ratio"] = base["bytes"] / hit["bytes"]
+        hit["bytes_ratio_after_startup"] = base["bytes"] / max(1, hit["bytes_after_startup"])
+
+
+def score(method: dict[str, Any]) -> float:
+    """How close a candidate comes to both targets (≥ 1: both met)."""
+    hit = method["reached"]
+    return -math.inf if hit is None else min(hit["time_ratio"] / TIME_TARGET, hit["bytes_ratio"] / BYTES_TARGET)
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    with Islands(count=2, rate_mbit=args.rate) as islands:
+        raw = statistics.median(islands.measure_tcp_mbit(islands[0], islands[1]) for _ in range(2))
+        print(f"{args.rate:g} Mbit/s link: raw TCP {raw:.2f} Mbit/s", flush=True)
+        with WireSampler(islands, args.sample_seconds) as sampler:
+            ddp = ddp_method(islands, sampler, args)
+            target = ddp["final_eval_loss"]
+            reach(ddp, target, None)
+            reach(ddp, target, ddp)
+            print(f"  DDP: {args.steps} steps, {ddp['seconds_per_step']:.2f} s/step, target eval loss {target:.4f} "
+                  f"at {ddp['reached']['seconds']:.0f} s, {ddp['reached']['bytes'] / 1e6:.1f} MB", flush=True)
+            plan = [("DiLoCo blocking fp32", "blocking", args.blocking_h,
+                     ["--sync", "blocking", "--compression", "none"])]
+            for candidate in args.candidates.split(","):
+                codec, h = candidate.split(":")
+                plan.append((f"DiLoCo eager {codec}", "candidate", int(h), ["--sync", "eager", "--compression", codec]))
+            plan.append((f"NoLoCo {args.noloco_compression}", "noloco", args.noloco_h,
+                         ["--algorithm", "noloco", "--compression", args.noloco_compression]))
+            methods = [ddp]
+            for index, (label, kind, h, options) in enumerate(plan):
+                method = node_method(islands, sampler, args, work / str(index), f"{label} H={h}", kind, h, options)
+                reach(method, target, ddp)
+                methods.append(method)
+                hit = method["reached"]
+                print(f"  {method['method']}: " + (
+                    f"target at {hit['seconds']:.0f} s ({hit['time_ratio']:.1f}x sooner), {hit['bytes']:,} B "
+                    f"({hit['bytes_ratio']:.0f}x fewer; {hit['bytes_ratio_after_startup']:.0f}x after start-up)"
+                    if hit else f"never reached the target; best {method['best_eval_loss']:.4f}"), flush=True)
+    candidates = [m for m in methods if m["kind"] == "candidate"]
+    best = max(candidates, key=lambda m: (score(m), -m["best_eval_loss"]))
+    best["best"] = True
+    return {"rate_mbit": args.rate, "raw_tcp_mbit": raw, "target_eval_loss": target, "methods": methods,
+            "best": best["method"]}
+
+
+# --- report -----------------------------------------------------------------------------------
+
+def verdict(measured: float | None, target: float) -> str:
+    if measured is None:
+        return "**miss** (target loss not reached)"
+    if measured >= target:
+        return "pass"
+    return f"**miss** ({measured / target:.2f} of the target: {target / measured:.1f}x short)"
+
+
+def markdown(payload: dict[str, Any]) -> str:
+    run_, args = payload["run"], payload["args"]
+    ddp = run_["methods"][0]
+    lines = [f"# Headline: time and bytes to DDP's loss over a {run_['rate_mbit']:g} Mbit/s link "
+             f"({payload['date']}, {payload['machine']['nproc']} CPU cores, torch {payload['machine']['torch']})", "",
+             f"Target: DDP's eval loss after {args['steps']} steps x {WORLD} workers "
+             f"({ddp['reached']['tokens']:,} tokens) = **{run_['target_eval_loss']:.4f}**. "
+             f"Link: `tc tbf` {run_['rate_mbit']:g} Mbit/s per island (raw TCP {run_['raw_tcp_mbit']:.2f} Mbit/s).", "",
+             "| method | time to target | sooner than DDP | wire bytes to target | fewer than DDP | "
+             "of which start-up | fewer than DDP, start-up left out | tokens to target | utilization | "
+             "compute s/step | best eval loss | final eval loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m in run_["methods"]:
+        hit = m["reached"]
+        name = f"**{m['method']}** (best)" if m.get("best") else m["method"]
+        tail = f"{m['compute_seconds_per_step']:.3f} | {m['best_eval_loss']:.4f} | {m['final_eval_loss']:.4f} |"
+        if hit is None:
+            lines.append(f"| {name} | not reached | – | – | – | {m['startup_bytes']:,} | – | – | – | {tail}")
+            continue
+        is_ddp = m["kind"] == "ddp"
+        time_ratio = "1x" if is_ddp else f"{hit['time_ratio']:.1f}x"
+        bytes_ratio = "1x" if is_ddp else f"{hit['bytes_ratio']:.0f}x"
+        startup = "–" if is_ddp else f"{m['startup_bytes']:,}"
+        after_startup = "–" if is_ddp else f"{hit['bytes_ratio_after_startup']:.0f}x"
+        lines.append(f"| {name} | {hit['seconds']:.0f} s | {time_ratio} | {hit['bytes']:,} | {bytes_ratio} | "
+                     f"{startup} | {after_startup} | {hit['tokens']:,} | {hit['utilization']:.1%} | {tail}")
+    best = next(m for m in run_["methods"] if m.get("best"))
+    hit = best["reached"]
+    rows = [(f"≥ {TIME_TARGET:g}x sooner than DDP to the target", "time_ratio", TIME_TARGET, "{:.1f}x"),
+            (f"≥ {BYTES_TARGET:g}x fewer wire bytes than DDP to the target", "bytes_ratio", BYTES_TARGET, "{:.0f}x"),
+            ("(the same, node 2's start-up download and the DHT bootstrap left out)", "bytes_ratio_after_startup",
+             BYTES_TARGET, "{:.0f}x")]
+    lines += ["", f"## Targets (our best configuration: {best['method']})", "", "| target | measured | result |",
+              "|---|---|---|"]
+    for text, key, goal, fmt in rows:
+        measured = None if hit is None else hit[key]
+        lines.append(f"| {text} | {'–' if measured is None else fmt.format(measured)} | {verdict(measured, goal)} |")
+    return "\n".join(lines)
+
+
+def notes(payload: dict[str, Any]) -> str:
+    run_, args = payload["run"], payload["args"]
+    ddp = run_["methods"][0]
+    cfg = NodeConfig()
+    lines = [
+        f"Model `{cfg.model}` ({ddp['run'].get('parameters', 462336):,} parameters), batch {cfg.batch_size} x seq "
+        f"{cfg.seq_len} bytes per worker step, embedded corpus, {cfg.eval_batches} held-out eval batches, one torch "
+        f"thread per process, 2 islands (one worker / node each). DDP: {args['steps']} steps, the node's AdamW "
+        f"and warmup+cosine schedule over them, eval every {args['eval_every']} steps. DiLoCo / NoLoCo: up to "
+        f"{args['max_token_factor']:g}x DDP's tokens, the schedule over their own steps.",
+        "Time to target: from launching the method's processes (start-up, DHT, joining and node 2's state "
+        "download included) to the first evaluation at or below the target; DiLoCo / NoLoCo evaluate once per "
+        "round (the later node's round event, both nodes at or below the target), DDP every "
+        f"{args['eval_every']} steps (its evaluations left out of its clock). Bytes: tx counters of both "
+        "islands' veth links (every byte on the link: payloads, DHT, matchmaking, TCP/IP headers, ACKs), "
+        f"sampled every {args['sample_seconds']:g} s; the first sample after the moment counts.",
+        "Start-up bytes: until both nodes reported `joined`: the DHT bootstrap and node 2's download of φ and "
+        "the outer momentum (fp32, ~8 B/param). Both nodes build the same initial φ from --seed, so this "
+        "download is redundant at round 0, but the node has no way to skip it: it is counted, and also shown "
+        "left out.",
+        "Utilization: compute seconds / wall seconds to the target (start-up included); compute s/step: "
+        "DDP's step less its all-reduce, a node's round seconds x its logged utilization / H.",
+        f"Our best configuration is chosen in this run among the eager candidates ({args['candidates']}): "
+        "the one that reaches the target closest to both targets, max of min(time ratio / 10, bytes ratio / 2000).",
+    ]
+    ddp_hit = ddp["reached"]
+    lines.append(f"DDP: {ddp['seconds_per_step']:.2f} s per step on the link, of which compute "
+                 f"{ddp['compute_seconds_per_step']:.3f} s; {ddp_hit['bytes'] / args['steps'] / 1e6:.2f} MB on the "
+                 "wire per step (both links).")
+    for m in run_["methods"][1:]:
+        r = m["run"]
+        lines.append(f"{m['method']}: {r['rounds']} rounds x H={m['H']}, `{' '.join(m['options'])}`, start-up "
+                     f"{m['startup_seconds']:.0f} s, median round {r['seconds_per_round']:.1f} s, steady-state "
+                     f"utilization {r['utilization']:.1%}, φ max |diff| between the nodes at the end "
+                     f"{r['outer_params_difference']['max_abs'] or 0:.2e}, node warnings "
+                     f"{sum(len(log['warnings']) for log in r['logs'])}.")
+    return "\n".join(f"- {line}" for line in lines)
+
+
+def plot(payload: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    run_ = payload["run"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for m in run_["methods"]:
+        style = {"marker": "." if m["kind"] == "ddp" else "o", "markersize": 4,
+                 "linewidth": 2.5 if m.get("best") else 1.2}
+        label = m["method"] + (" (best)" if m.get("best") else "")
+        xs_time = [p["seconds"] for p in m["points"]]
+        xs_bytes = [max(p["bytes"], 1) / 1e6 for p in m["points"]]
+        ys = [p["eval_loss"] for p in m["points"]]
+        axes[0].plot(xs_time, ys, label=label, **style)
+        axes[1].plot(xs_bytes, ys, label=label, **style)
+    for ax, xlabel in zip(axes, ("wall-clock seconds from launch", "MB on the wire (both links, log)"), strict=True):
+        ax.axhline(run_["target_eval_loss"], color="grey", linestyle="--", linewidth=1, label="target (DDP's loss)")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("held-out eval loss (nats/byte)")
+        ax.grid(alpha=0.3)
+    axes[0].set_xscale("log")
+    axes[1].set_xscale("log")
+    axes[0].set_title(f"eval loss vs time, {run_['rate_mbit']:g} Mbit/s link")
+    axes[1].set_title("eval loss vs bytes on the wire")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --- main -------------------------------------------------------------------------------------
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke test: a short budget, small H (~4 minutes)")
+    parser.add_argument("--rate", type=float, default=10.0, help="link rate in Mbit/s")
+    parser.add_argument("--steps", type=int, default=300, help="DDP steps per worker: the token budget")
+    parser.add_argument("--eval-every", type=int, default=10, help="DDP evaluates every this many steps")
+    parser.add_argument("--max-token-factor", type=float, default=2.0,
+                        help="DiLoCo / NoLoCo train up to this many times DDP's tokens")
+    parser.add_argument("--blocking-h", type=int, default=100, help="H of DiLoCo blocking fp32")
+    parser.add_argument("--candidates", default="int4:100,int4:200,int4:300,topk:100",
+                        help="eager configurations to choose our best from, codec:H,...")
+    parser.add_argument("--noloco-h", type=int, default=100)
+    parser.add_argument("--noloco-compression", default="int4")
+    parser.add_argument("--sample-seconds", type=float, default=0.5, help="veth counter sampling interval")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds allowed per method")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.eval_every, args.blocking_h, args.noloco_h = 30, 5, 20, 20
+        args.candidates = "int4:20,topk:30"
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if (problem := require_netns()) is not None:
+        raise SystemExit(f"{NAME}: {problem}")
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix=f"{NAME}_work_"))
+    try:
+        result = run(args, work)
+    except BaseException:
+        print(f"node logs kept in {work}")
+        raise
+    shutil.rmtree(work, ignore_errors=True)
+    for method in result["methods"]:
+        for log in method["run"].get("logs", []):
+            log["warnings"] = log["warnings"][:20]
+    name = f"{NAME}_quick" if args.quick else NAME
+    payload = {"benchmark": NAME, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+               "machine": machine_info(), "seconds": time.monotonic() - started, "run": result}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"{name}.json").write_text(json.dumps(payload, indent=1))
+    text = (f"{markdown(payload)}\n\n## Notes\n\n{notes(payload)}\n\nTotal benchmark time: {payload['seconds']:.0f} s. "
+            f"Reproduce (root): `.venv/bin/python benchmarks/headline.py{' --quick' if args.quick else ''}`. "
+            f"Plot: `{name}.png`.\n")
+    (args.out_dir / f"{name}.md").write_text(text)
+    plot(payload, args.out_dir / f"{name}.png")
+    print(f"\n{text}\nresults in {args.out_dir}")
+
+
+if __name__ == "__main__":
+    main()
