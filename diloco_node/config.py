@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from diloco_node.admission import parse_public_key
-from diloco_node.codec import CODECS, CodecConfig, make_codec
+from diloco_node.codec import CODECS, FEEDBACK, CodecConfig, make_codec
 from diloco_node.replica.base import ReplicaSettings
 from diloco_node.swarm.addresses import check_multiaddr
 from diloco_node.train.device import resolve_devices
@@ -131,7 +131,10 @@ class NodeConfig(BaseModel):
     topk_chunk: int = Field(CodecConfig.topk_chunk, gt=0, description="topk: values per chunk")
     topk_k: int = Field(CodecConfig.topk_k, gt=0, description="topk: values kept per chunk")
     topk_bits: int = Field(CodecConfig.topk_bits, description="topk: bits per kept value: 8, 4, 2 or 1")
-    ef_decay: float = Field(CodecConfig.ef_decay, ge=0, le=1, description="topk: error-feedback decay β")
+    sign_block: int = Field(CodecConfig.sign_block, gt=0, description="sign: values per scale (a multiple of 8)")
+    sign_keep: float = Field(CodecConfig.sign_keep, gt=0, le=1, description="sign: share of blocks sent per round "
+                             "(the largest)")
+    ef_decay: float = Field(CodecConfig.ef_decay, ge=0, le=1, description="topk, sign: error-feedback decay β")
     zstd: str = Field("auto", pattern=r"^(auto|on|off)$",
                       description="zstd as the last stage: auto (where it pays), on, off")
     zstd_level: int = Field(CodecConfig.zstd_level, ge=-7, le=22, description="zstd compression level")
@@ -244,8 +247,9 @@ class NodeConfig(BaseModel):
         """Why this run cannot exchange by butterfly; None when it can."""
         if self.algorithm == "noloco":
             return "is for DiLoCo: NoLoCo's groups are small by design (--group-size), so all-gather costs the same"
-        if self.compression == "topk":
-            return "needs a dense codec: averaging sparse parts and sparsifying again would drop what top-k keeps"
+        if self.compression in FEEDBACK:
+            return (f"needs a dense codec: averaging sparse parts and sparsifying again would drop what "
+                    f"{self.compression} keeps")
         if self.aggregator == "centered-clip":
             return "cannot run centered-clip, which measures distances between whole vectors"
         return None
@@ -303,7 +307,8 @@ class NodeConfig(BaseModel):
 
     def codec_config(self) -> CodecConfig:
         return CodecConfig(name=self.compression, block_size=self.block_size, topk_chunk=self.topk_chunk,
-                           topk_k=self.topk_k, topk_bits=self.topk_bits, ef_decay=self.ef_decay, zstd_level=self.zstd_level,
+                           topk_k=self.topk_k, topk_bits=self.topk_bits, sign_block=self.sign_block,
+                           sign_keep=self.sign_keep, ef_decay=self.ef_decay, zstd_level=self.zstd_level,
                            zstd={"auto": None, "on": True, "off": False}[self.zstd])
 
     def codec_fingerprint(self) -> dict[str, Any]:
@@ -313,6 +318,8 @@ class NodeConfig(BaseModel):
             params["block_size"] = self.block_size
         if self.compression == "topk":
             params.update(topk_chunk=self.topk_chunk, topk_k=self.topk_k, topk_bits=self.topk_bits)
+        if self.compression == "sign":
+            params.update(sign_block=self.sign_block, sign_keep=self.sign_keep)
         return params
 
     @property

@@ -5,7 +5,7 @@
     flat = codec.decode(payload, expected_numel)  # or CodecError: drop that peer's contribution
 """
 
-from diloco_node.codec.codecs import CODECS, Codec, CodecConfig, make_codec
+from diloco_node.codec.codecs import CODECS, FEEDBACK, Codec, CodecConfig, make_codec
 from diloco_node.codec.wire import CodecError, max_payload_bytes, split_first
 
-__all__ = ["CODECS", "Codec", "CodecConfig", "CodecError", "make_codec", "max_payload_bytes", "split_first"]
+__all__ = ["CODECS", "FEEDBACK", "Codec", "CodecConfig", "CodecError", "make_codec", "max_payload_bytes", "split_first"]

@@ -15,6 +15,14 @@ Values are int8 in [-127, 127] (`bits` = 8), or b-bit codes c (b = 4, 2, 1) pack
 kept value is never the smallest of its chunk (b = 1 sends sign × absmax). Fewer bits per value
 buy more values per byte: at 2 bits, k = 18 of 256 costs what k = 10 costs at 8.
 
+`sign` is the same idea at block granularity, for AdamW's pseudo-gradient, whose values are near
+±constant within a tensor (Adam normalizes each step): a block of B values goes as B sign bits and
+one bf16 scale, its mean |x| (the L2-best scale for signs), which keeps ≈ 85 % of its energy where
+top-k at the same bytes keeps ≈ 20 %. Only the blocks of largest norm are sent, a fixed share per
+mille p of the m = ⌈n/B⌉ blocks (q = max(1, ⌊m·p/1000⌋) of them), named by a bitmap. Body:
+
+    q bf16 scales | ⌈m/8⌉ bytes of bitmap (block i at bit i % 8 of byte i // 8) | q·B/8 bytes of signs (1 = negative)
+
 What is not sent is not lost: ErrorFeedback keeps it in a residual that joins the next round's
 pseudo-gradient (DESIGN §3: e ← β·e + Δ; send C(e); e ← e − D(C(e))).
 """
@@ -98,6 +106,43 @@ def decode_topk(raw: bytearray, numel: int, chunk: int, k: int, bits: int = 8) -
     values = codes.view(chunks, k).mul_(scales[:, None])
     rows = torch.zeros(chunks, chunk)
     rows.scatter_(1, offsets, values)
+    return rows.view(-1)[:numel]
+
+
+def sign_blocks(numel: int, block: int, per_mille: int) -> tuple[int, int]:
+    """(m blocks, q of them sent)."""
+    if not (8 <= block <= MAX_CHUNK and block % 8 == 0 and 1 <= per_mille <= 1000):
+        raise CodecError(f"sign parameters block={block}, per mille={per_mille} are out of range (block a multiple "
+                         f"of 8 in [8, {MAX_CHUNK}], 1 ≤ per mille ≤ 1000)")
+    blocks = -(-numel // block)
+    return blocks, max(1, blocks * per_mille // 1000)
+
+
+def sign_length(numel: int, block: int, per_mille: int) -> int:
+    blocks, sent = sign_blocks(numel, block, per_mille)
+    return sent * (2 + block // 8) + -(-blocks // 8)
+
+
+def encode_sign(flat: torch.Tensor, block: int, per_mille: int) -> bytes:
+    blocks, sent = sign_blocks(flat.numel(), block, per_mille)
+    rows = torch.nn.functional.pad(flat, (0, blocks * block - flat.numel())).view(blocks, block)
+    chosen = rows.square().sum(dim=1).topk(sent, sorted=False).indices.sort().values
+    bitmap = torch.zeros(blocks, dtype=torch.uint8).index_fill_(0, chosen, 1)
+    kept = rows[chosen]
+    scales = kept.abs().mean(dim=1).to(torch.bfloat16)
+    return to_bytes(scales) + pack_codes(bitmap, 1) + pack_codes((kept < 0).to(torch.uint8).view(-1), 1)
+
+
+def decode_sign(raw: bytearray, numel: int, block: int, per_mille: int) -> torch.Tensor:
+    blocks, sent = sign_blocks(numel, block, per_mille)
+    scales = read_scales(raw, sent)
+    chosen = unpack_codes(from_bytes(raw, 2 * sent, -(-blocks // 8), torch.uint8), blocks, 1).bool()
+    if int(chosen.sum()) != sent:
+        raise CodecError(f"sign bitmap names {int(chosen.sum())} blocks, the header {sent}")
+    negative = unpack_codes(from_bytes(raw, 2 * sent + -(-blocks // 8), sent * block // 8, torch.uint8),
+                            sent * block, 1).view(sent, block)
+    rows = torch.zeros(blocks, block)
+    rows[chosen] = (1.0 - 2.0 * negative.float()).mul_(scales[:, None])
     return rows.view(-1)[:numel]
 
 

@@ -31,7 +31,7 @@ MAGIC = b"DLCP"
 VERSION = 2
 HEADER = struct.Struct("<4sBBBBQIIQQI")
 
-CODEC_IDS = {"none": 0, "fp16": 1, "bf16": 2, "int8": 3, "int4": 4, "topk": 5}
+CODEC_IDS = {"none": 0, "fp16": 1, "bf16": 2, "int8": 3, "int4": 4, "topk": 5, "sign": 6}
 DTYPE_FP32, DTYPE_FP16, DTYPE_BF16, DTYPE_INT8, DTYPE_INT4, DTYPE_INT2, DTYPE_INT1 = 0, 1, 2, 3, 4, 5, 6
 DTYPE_BITS = {8: DTYPE_INT8, 4: DTYPE_INT4, 2: DTYPE_INT2, 1: DTYPE_INT1}  # top-k's values
 FLAG_ZSTD = 1

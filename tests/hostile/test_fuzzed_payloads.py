@@ -23,6 +23,8 @@ pytestmark = pytest.mark.integration
 NUMEL = 256
 PAYLOADS = 100_000
 CODEC_CONFIG = {name: CodecConfig(name=name, block_size=32, topk_chunk=64, topk_k=8) for name in CODECS}
+CODEC_CONFIG["topk-2bit"] = CodecConfig(name="topk", topk_chunk=64, topk_k=12, topk_bits=2)
+CODEC_CONFIG["sign"] = CodecConfig(name="sign", sign_block=32, sign_keep=0.5)
 
 
 def damaged(valid: bytes, rng: np.random.Generator) -> bytes:

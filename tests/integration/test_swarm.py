@@ -90,13 +90,16 @@ def test_a_node_that_leaves_is_not_waited_for(spawn: NodeFactory) -> None:
 
 
 # Three runs at a time, each a pair that only ever meets its own run: every codec in a third of the time.
-CODEC_BATCHES = [("none", "fp16", "bf16"), ("int8", "int4", "topk")]
+CODEC_BATCHES = [("none", "fp16", "bf16"), ("int8", "int4", "topk"), ("topk-2bit", "topk-1bit", "sign")]
+CODEC_FLAGS = {"topk-2bit": ("--compression", "topk", "--topk-bits", "2", "--topk-k", "24"),
+               "topk-1bit": ("--compression", "topk", "--topk-bits", "1", "--topk-chunk", "300", "--topk-k", "20")}
 
 
 @pytest.mark.parametrize("codecs", CODEC_BATCHES, ids="-".join)
 def test_two_nodes_complete_rounds_with_every_codec(spawn: NodeFactory, codecs: tuple[str, ...]) -> None:
     def options(codec: str) -> tuple[str, ...]:
-        return ("--inner-steps", "5", "--max-outer-steps", "2", "--min-peers", "2", "--compression", codec)
+        return ("--inner-steps", "5", "--max-outer-steps", "2", "--min-peers", "2",
+                *CODEC_FLAGS.get(codec, ("--compression", codec)))
 
     firsts = {codec: spawn(f"{codec}-a", *options(codec), run_id=f"codec-{codec}", checkpoint=False)
               for codec in codecs}

@@ -9,7 +9,7 @@ import pytest
 import torch
 import zstandard
 
-from diloco_node.codec import CODECS, CodecConfig, CodecError, make_codec, max_payload_bytes, wire
+from diloco_node.codec import CODECS, FEEDBACK, CodecConfig, CodecError, make_codec, max_payload_bytes, wire
 from diloco_node.train.data import ByteDataset, embedded_corpus
 from diloco_node.train.inner import InnerConfig, InnerTrainer
 from diloco_node.train.model import build_model
@@ -105,6 +105,22 @@ def test_topk_low_bit_values_keep_the_same_entries_within_half_a_step(bits: int)
         assert out[kept].unique().numel() <= 1 << bits
 
 
+def test_sign_sends_the_largest_blocks_as_sign_times_their_mean_magnitude() -> None:
+    block, n = 64, 1000  # 16 blocks, the last one partly padded; keep 0.5 → the 8 of largest norm
+    x = heavy_tailed(n, seed=3)
+    decoded = roundtrip("sign", x, sign_block=block, sign_keep=0.5)
+    rows = torch.nn.functional.pad(x, (0, 16 * block - n)).view(16, block)
+    out = torch.nn.functional.pad(decoded, (0, 16 * block - n)).view(16, block)
+    chosen = set(rows.square().sum(dim=1).topk(8).indices.tolist())
+    for i in range(16):
+        if i not in chosen:
+            assert (out[i] == 0).all()
+            continue
+        scale = float(rows[i].abs().mean())
+        assert torch.allclose(out[i].abs(), torch.full((block,), scale), rtol=2**-8, atol=0)
+        assert torch.equal(out[i] < 0, rows[i] < 0)
+
+
 def test_topk_with_uint16_offsets() -> None:
     x = heavy_tailed(5000)
     decoded = roundtrip("topk", x, topk_chunk=1024, topk_k=16)
@@ -114,7 +130,7 @@ def test_topk_with_uint16_offsets() -> None:
 
 # --- bytes per parameter on a real pseudo-gradient ----------------------------------------------
 
-BYTES_PER_PARAM = {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.05, "int4": 0.55, "topk": 0.1}
+BYTES_PER_PARAM = {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.05, "int4": 0.55, "topk": 0.1, "sign": 0.1}
 
 
 @pytest.mark.parametrize("name", CODECS)
@@ -145,8 +161,9 @@ def test_topk_default_sits_in_the_target_band(pseudo_gradient: torch.Tensor) -> 
 # --- error feedback ------------------------------------------------------------------------------
 
 
-def test_error_feedback_conserves_the_sum_of_inputs(pseudo_gradient: torch.Tensor) -> None:
-    codec = make_codec(CodecConfig(name="topk"))
+@pytest.mark.parametrize("name", FEEDBACK)
+def test_error_feedback_conserves_the_sum_of_inputs(pseudo_gradient: torch.Tensor, name: str) -> None:
+    codec = make_codec(CodecConfig(name=name))
     n = pseudo_gradient.numel()
     inputs, sent = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
     for step in range(6):
@@ -172,7 +189,7 @@ def test_error_feedback_state_dict_round_trip() -> None:
 
 
 def test_stateless_codecs_have_empty_state() -> None:
-    for name in CODECS[:-1]:
+    for name in set(CODECS) - set(FEEDBACK):
         assert make_codec(CodecConfig(name=name)).state_dict() == {}
 
 
@@ -192,7 +209,9 @@ def test_non_finite_input_is_refused_and_leaves_the_residual_alone() -> None:
     "cfg",
     [CodecConfig(name="zip"), CodecConfig(name="int8", block_size=0), CodecConfig(name="topk", topk_k=300),
      CodecConfig(name="topk", topk_chunk=1 << 17, topk_k=4), CodecConfig(name="topk", ef_decay=1.5),
-     CodecConfig(name="topk", topk_bits=3), CodecConfig(name="topk", topk_bits=0)],
+     CodecConfig(name="topk", topk_bits=3), CodecConfig(name="topk", topk_bits=0),
+     CodecConfig(name="sign", sign_block=12), CodecConfig(name="sign", sign_keep=0.0001),
+     CodecConfig(name="sign", sign_keep=1.5)],
 )
 def test_bad_config_fails_at_construction(cfg: CodecConfig) -> None:
     with pytest.raises(ValueError):
@@ -329,6 +348,23 @@ def test_topk_gaps_that_sum_past_the_chunk_are_refused(bits: int) -> None:
         make_codec(cfg).decode(forge(payload, body=bytes(body), reseal=True), 256)
     body[4:8] = bytes([60, 60, 60, 16])  # offsets 60, 121, 182, 199: the last one in the chunk
     assert make_codec(cfg).decode(forge(payload, body=bytes(body), reseal=True), 256)[199] != 0
+
+
+def test_sign_bitmap_that_disagrees_with_its_header_is_refused() -> None:
+    x = heavy_tailed(1000)
+    cfg = CodecConfig(name="sign", sign_block=64, sign_keep=0.5)  # 16 blocks, 8 sent: 16 B of scales, 2 of bitmap
+    payload = make_codec(cfg).encode(x)
+    assert len(payload) == wire.HEADER.size + 8 * (2 + 8) + 2
+    for bitmap in (b"\xff\xff", b"\x00\x00", b"\x0f\x00"):  # 16, 0 and 4 blocks named
+        body = bytearray(payload[wire.HEADER.size:])
+        body[16:18] = bitmap
+        with pytest.raises(CodecError, match="bitmap"):
+            make_codec(cfg).decode(forge(payload, body=bytes(body), reseal=True), 1000)
+    body = bytearray(payload[wire.HEADER.size:])
+    body[16:18] = b"\xff\x00"  # 8 blocks, other ones than the encoder chose: a valid vector all the same
+    assert int((make_codec(cfg).decode(forge(payload, body=bytes(body), reseal=True), 1000)[:512] != 0).sum()) == 512
+    with pytest.raises(CodecError, match="raw length"):  # another share of blocks than the header implies
+        make_codec(cfg).decode(forge(payload, param_b=400, reseal=True), 1000)
 
 
 def test_topk_value_bits_must_match() -> None:

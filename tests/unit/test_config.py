@@ -150,7 +150,7 @@ def test_fingerprint_ignores_local_settings() -> None:
 
 @pytest.mark.parametrize("change", [{"model": "small"}, {"outer_lr": 0.5}, {"outer_momentum": 0.8},
                                     {"compression": "int8"}, {"compression": "topk"}, {"algorithm": "noloco"},
-                                    {"aggregator": "trimmed"}, {"max_tokens_per_round": 4096}])
+                                    {"compression": "sign"}, {"aggregator": "trimmed"}, {"max_tokens_per_round": 4096}])
 def test_fingerprint_covers_model_and_outer_optimizer(change: dict[str, Any]) -> None:
     assert build_config({}).fingerprint() != build_config(change).fingerprint()
     assert build_config(change).fingerprint() == build_config(dict(change)).fingerprint()  # deterministic
@@ -163,13 +163,16 @@ def test_fingerprint_covers_only_the_codec_parameters_in_use() -> None:
         {"compression": "topk", "topk_k": 4}).fingerprint()
     assert build_config({"compression": "topk"}).fingerprint() != build_config(
         {"compression": "topk", "topk_bits": 2}).fingerprint()
+    assert build_config({"compression": "sign"}).fingerprint() != build_config(
+        {"compression": "sign", "sign_keep": 0.5}).fingerprint()
     # zstd is flagged in every payload and error feedback is local: peers may differ there
     assert build_config({"compression": "topk"}).fingerprint() == build_config(
         {"compression": "topk", "zstd": "off", "ef_decay": 0.9, "block_size": 128}).fingerprint()
 
 
 @pytest.mark.parametrize(("values", "key"), [({"compression": "zip"}, "compression"), ({"zstd": "maybe"}, "zstd"),
-                                             ({"zstd_level": 30}, "zstd_level"), ({"ef_decay": 2}, "ef_decay")])
+                                             ({"zstd_level": 30}, "zstd_level"), ({"ef_decay": 2}, "ef_decay"),
+                                             ({"sign_keep": 0}, "sign_keep")])
 def test_bad_codec_settings_name_their_key(values: dict[str, Any], key: str) -> None:
     with pytest.raises(ConfigError, match=f"'{key}'"):
         build_config(values)
@@ -180,6 +183,8 @@ def test_codec_parameters_out_of_range_are_one_clear_line() -> None:
         build_config({"compression": "topk", "topk_k": 300})
     with pytest.raises(ConfigError, match="invalid configuration: .*top-k value bits must be one of 8, 4, 2, 1"):
         build_config({"compression": "topk", "topk_bits": 3})
+    with pytest.raises(ConfigError, match="invalid configuration: .*sign parameters block=100"):
+        build_config({"compression": "sign", "sign_block": 100})
 
 
 # --- precedence through the real CLI ----------------------------------------------------------
@@ -321,7 +326,8 @@ def test_nodes_that_would_choose_their_exchange_differently_never_meet() -> None
 
 
 def test_butterfly_is_refused_where_it_cannot_run_with_one_reason() -> None:
-    for options in ({"algorithm": "noloco"}, {"compression": "topk"}, {"aggregator": "centered-clip"}):
+    for options in ({"algorithm": "noloco"}, {"compression": "topk"}, {"compression": "sign"},
+                    {"aggregator": "centered-clip"}):
         with pytest.raises(ValueError, match="exchange butterfly"):
             NodeConfig(exchange="butterfly", **options)
         assert NodeConfig(**options).butterfly_from is None  # auto falls back to all-gather

@@ -17,6 +17,7 @@ CONFIGS = {name: CodecConfig(name=name, block_size=32, topk_chunk=64, topk_k=4) 
 CONFIGS["topk16"] = CodecConfig(name="topk", topk_chunk=300, topk_k=8)
 CONFIGS["topk2bit"] = CodecConfig(name="topk", topk_chunk=64, topk_k=12, topk_bits=2)
 CONFIGS["topk1bit"] = CodecConfig(name="topk", topk_chunk=300, topk_k=5, topk_bits=1)
+CONFIGS["sign64"] = CodecConfig(name="sign", sign_block=64, sign_keep=0.5)
 
 VECTOR = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0)) * torch.logspace(-6, 1, NUMEL)
 VALID = {key: make_codec(cfg).encode(VECTOR) for key, cfg in CONFIGS.items()}
