@@ -2,6 +2,12 @@
 
     .venv/bin/python benchmarks/codecs.py            # ~12 min on 2 CPU cores
     .venv/bin/python benchmarks/codecs.py --quick    # smoke test, ~2 min, results in a temp folder
+    .venv/bin/python benchmarks/codecs.py --codecs none --none-runs 1 --merge \
+        --variant "topk-2bit=--compression topk --topk-k 24 --topk-bits 2"   # add runs to the results
+
+A variant is a labelled run with node flags of its own (a codec and its options, or the outer
+optimizer as well); `--merge` adds runs to the JSON already in --out-dir, replacing runs of the
+same label, and rewrites the report, so a new variant lands beside the codecs measured before.
 
 (a) Throughput, in this process on one core (torch.set_num_threads(1)): a realistic pseudo-gradient
     Δ = φ − θ after 20 AdamW steps of the node's model (the package's build_model, ByteDataset and
@@ -58,7 +64,8 @@ from diloco_node.train.model import build_model
 
 NAME = "codecs"
 # codec → (max payload bytes per parameter per round, max eval-loss gap to `none` in %)
-TARGETS: dict[str, tuple[float, float]] = {"int8": (1.05, 0.5), "int4": (0.55, 1.0), "topk": (0.1, 2.0)}
+TARGETS: dict[str, tuple[float, float]] = {"int8": (1.05, 0.5), "int4": (0.55, 1.0), "topk": (0.1, 2.0),
+                                           "sign": (0.1, 2.0)}
 CODEC_SHARE_TARGET = 5.0  # % of round time spent encoding + decoding, every codec
 SAMPLE_STEPS = 20  # AdamW steps behind the throughput benchmark's pseudo-gradient
 JOIN_TIMEOUT = 90.0  # seconds for both nodes to join; they normally take 8-20 s on 2 cores
@@ -78,8 +85,16 @@ def sample_pseudo_gradient(cfg: NodeConfig, steps: int) -> torch.Tensor:
     return torch.cat([d.reshape(-1) for d in pseudo_gradient(outer, list(model.parameters()))]).contiguous()
 
 
-def measure_codec(name: str, flat: torch.Tensor, min_seconds: float, min_reps: int = 5) -> dict[str, Any]:
-    codec_cfg = NodeConfig(compression=name).codec_config()
+def flag_options(flags: list[str]) -> dict[str, str]:
+    """["--topk-k", "24", ...] → {"topk_k": "24", ...}: node flags as NodeConfig keys."""
+    if len(flags) % 2 or not all(f.startswith("--") for f in flags[::2]):
+        raise ValueError(f"flags must come as --name value pairs: {' '.join(flags)}")
+    return {name[2:].replace("-", "_"): value for name, value in zip(flags[::2], flags[1::2], strict=True)}
+
+
+def measure_codec(name: str, flat: torch.Tensor, min_seconds: float, min_reps: int = 5,
+                  flags: list[str] | None = None) -> dict[str, Any]:
+    codec_cfg = NodeConfig(**flag_options(flags or ["--compression", name])).codec_config()
     numel = flat.numel()
     payload = make_codec(codec_cfg).encode(flat)  # warm-up, and the numbers of one round trip
     decoded = make_codec(codec_cfg).decode(payload, numel)
@@ -106,13 +121,13 @@ def topk_energy(flat: torch.Tensor, chunk: int, k: int) -> float:
     return float(rows.abs().topk(k, dim=1).values.square().sum() / rows.square().sum())
 
 
-def run_throughput(cfg: NodeConfig, codecs: list[str], min_seconds: float) -> dict[str, Any]:
+def run_throughput(cfg: NodeConfig, runs: dict[str, list[str]], min_seconds: float) -> dict[str, Any]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         started = time.monotonic()
         flat = sample_pseudo_gradient(cfg, SAMPLE_STEPS)
-        per_codec = {name: measure_codec(name, flat, min_seconds) for name in codecs}
+        per_codec = {label: measure_codec(label, flat, min_seconds, flags=flags) for label, flags in runs.items()}
     finally:
         torch.set_num_threads(threads)
     return {"sample": {"steps": SAMPLE_STEPS, "numel": flat.numel(), "l2_norm": float(flat.norm()),
@@ -123,7 +138,7 @@ def run_throughput(cfg: NodeConfig, codecs: list[str], min_seconds: float) -> di
 
 # --- (b) training through the real CLI --------------------------------------------------------
 
-def run_codec(label: str, codec: str, h: int, rounds: int, cfg: NodeConfig, work: Path,
+def run_codec(label: str, flags: list[str], h: int, rounds: int, cfg: NodeConfig, work: Path,
               timeout: float) -> dict[str, Any]:
     """One 2-node run; a pair that stalls before joining is recorded and started once more."""
     stalled = []
@@ -131,7 +146,7 @@ def run_codec(label: str, codec: str, h: int, rounds: int, cfg: NodeConfig, work
         run_id = f"bench-codec-{label}-{os.getpid()}-{int(time.time())}"
         try:
             logs, wall, lo_node = run_pair(label, h, rounds, run_id, work / f"attempt{attempt}", timeout,
-                                           checkpoint_dirs=("", ""), extra=["--compression", codec, *BLOCKING_FLAGS],
+                                           checkpoint_dirs=("", ""), extra=[*BLOCKING_FLAGS, *flags],
                                            join_timeout=JOIN_TIMEOUT)
         except StartupStalled as exc:
             print(f"  {label}: the nodes did not join within {JOIN_TIMEOUT:.0f}s (attempt {attempt}); "
@@ -142,8 +157,8 @@ def run_codec(label: str, codec: str, h: int, rounds: int, cfg: NodeConfig, work
             if attempt == START_ATTEMPTS:
                 raise
             continue
-        result = summarize(label, codec, h, rounds, cfg, logs, wall, lo_node)
-        result["stalled_starts"] = stalled
+        result = summarize(label, flag_options(flags)["compression"], h, rounds, cfg, logs, wall, lo_node)
+        result["stalled_starts"], result["flags"] = stalled, flags
         return result
     raise AssertionError("unreachable")
 
@@ -235,60 +250,81 @@ def format_raw_length(name: str, cfg: NodeConfig) -> str:
         return f"1 + 2/{cfg.block_size} = {1 + 2 / cfg.block_size:.3f}"
     if name == "int4":
         return f"0.5 + 2/{cfg.block_size} = {0.5 + 2 / cfg.block_size:.3f}"
-    return f"(2 + 2·{cfg.topk_k})/{cfg.topk_chunk} = {(2 + 2 * cfg.topk_k) / cfg.topk_chunk:.3f}"
+    if name == "sign":
+        return (f"{cfg.sign_keep:g}·(2 + {cfg.sign_block}/8)/{cfg.sign_block} = "
+                f"{cfg.sign_keep * (2 + cfg.sign_block / 8) / cfg.sign_block:.3f}")
+    per_chunk = 2 + cfg.topk_k * (1 + cfg.topk_bits / 8)
+    return f"(2 + {cfg.topk_k}·(1 + {cfg.topk_bits}/8))/{cfg.topk_chunk} = {per_chunk / cfg.topk_chunk:.3f}"
+
+
+def run_config(res: dict[str, Any]) -> NodeConfig:
+    """The node settings a run used: the benchmark's, then its own flags."""
+    return NodeConfig(**{"sync": "blocking", **flag_options(res.get("flags", ["--compression", res["codec"]]))})
+
+
+def gap_reason(res: dict[str, Any], payload: dict[str, Any], max_bpp: float) -> str:
+    """Why a lossy codec's run ended behind `none`, from its curve and its settings."""
+    base = next(r for r in payload["results"] if r["label"] == "none")
+    cfg, name, gap = run_config(res), res["codec"], gap_percent(res, base)
+    tp = payload["throughput"]["codecs"]
+    err = tp.get(res["label"], tp.get(name, {})).get("relative_l2_error", float("nan"))
+    mid, trend, stalled = gap_trend(res, base)
+    curve = (f"{trend}: {mid:+.1f} % at round {res['rounds'] // 2}, {gap:+.1f} % at the end"
+             + (f"; no better since round {stalled}" if stalled is not None else ""))
+    if name not in ("topk", "sign"):
+        return (f"quantization error (rel. L2 error {err:.3f} per round trip) is not fed back; error "
+                "feedback as topk and sign have, or a smaller --block-size, would reduce it")
+    if cfg.outer_momentum > 0:
+        return (f"error feedback (β = {cfg.ef_decay:g}) under outer Nesterov momentum {cfg.outer_momentum:g}: "
+                "the residual sends each value late, and momentum then keeps pushing what was already sent, so φ "
+                f"overshoots and stalls ({curve}; rel. L2 error {err:.2f} per round trip); with error feedback in "
+                "place of momentum (--outer-momentum 0 --outer-lr 1 --ef-decay 0.95, the default for these "
+                "codecs) see the other rows")
+    sample = payload["throughput"]["sample"]
+    if name == "topk":
+        return (f"AdamW's pseudo-gradient is spread almost evenly (max |Δ| = "
+                f"{sample['abs_max'] / sample['abs_mean']:.1f}x the mean |Δ|), so {cfg.topk_k} of {cfg.topk_chunk} "
+                f"values per chunk carry little of its energy (rel. L2 error {err:.2f} per round trip) and error "
+                f"feedback sends the rest rounds late ({curve}); sign bits of whole blocks carry more per byte")
+    keep_max = max_bpp * cfg.sign_block / (2 + cfg.sign_block / 8)
+    return (f"{cfg.sign_keep:g} of the blocks per round as sign × mean |x| (rel. L2 error {err:.2f} per round "
+            f"trip); error feedback sends the rest a round or more late ({curve}). More blocks per round "
+            f"(--sign-keep) cost bytes: {max_bpp} B/param allows about {keep_max:.2f}")
 
 
 def check_targets(payload: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per target: what, measured, pass, and for a miss why and what would reach it."""
-    results = {res["label"]: res for res in payload["results"]}
-    base, cfg, noise = results["none"], NodeConfig(sync="blocking"), payload.get("noise_percent")
-    throughput = payload["throughput"]["codecs"]
+    """One row per target and run (variants included): what, measured, pass, and for a miss why and what
+    would reach it."""
+    results = payload["results"]
+    base, noise = next(r for r in results if r["label"] == "none"), payload.get("noise_percent")
     rows = []
-    for name, (max_bpp, max_gap) in TARGETS.items():
-        if name not in results:
+    for res in results:
+        name, label = res["codec"], res["label"]
+        if name not in TARGETS or "#" in label:  # the noise run repeats `none`
             continue
-        res = results[name]
+        max_bpp, max_gap = TARGETS[name]
         bpp = res["payload_bytes_per_param"]
         why = ""
         if bpp > max_bpp:
-            why = (f"the format alone is {format_raw_length(name, cfg)} B/param before zstd and zstd left "
-                   f"{bpp:.3f}; " + ("a larger --block-size (fewer scales) or zstd on this codec would lower it"
-                                     if name != "topk" else "a smaller --topk-k or a larger --topk-chunk "
-                                     "(fewer kept values / scales per parameter) would lower it"))
-        rows.append({"codec": name, "target": f"≤ {max_bpp} B/param per round (payload, median round)",
+            why = (f"the format alone is {format_raw_length(name, run_config(res))} B/param before zstd and zstd "
+                   f"left {bpp:.3f}; fewer values or scales per parameter would lower it")
+        rows.append({"codec": label, "target": f"≤ {max_bpp} B/param per round (payload, median round)",
                      "measured": f"{bpp:.3f}", "pass": bpp <= max_bpp, "why": why})
         gap = gap_percent(res, base)
         why = ""
         if gap > max_gap:
-            err = throughput[name]["relative_l2_error"] if name in throughput else float("nan")
             if noise is not None and gap <= max_gap + noise:
                 why = (f"the gap is within the run-to-run noise ({noise:.2f} % between two `none` runs), so this "
                        "run cannot tell; more rounds or averaging several runs per codec would settle it")
-            elif name == "topk":
-                sample = payload["throughput"]["sample"]
-                mid, trend, stalled = gap_trend(res, base)
-                longer = ("A longer run alone is unlikely to help: its eval loss has not improved since round "
-                          f"{stalled}, so" if stalled is not None else "A longer run may close part of it;")
-                k_max = int((max_bpp * cfg.topk_chunk - 2) // 2)
-                why = (f"AdamW's pseudo-gradient is spread almost evenly (max |Δ| = "
-                       f"{sample['abs_max'] / sample['abs_mean']:.1f}x the mean |Δ|), so the {cfg.topk_k} largest of "
-                       f"{cfg.topk_chunk} values per chunk carry only {100 * sample['topk_energy_fraction']:.0f} % "
-                       f"of its energy (one round trip: rel. L2 error {err:.2f}); error feedback sends the rest "
-                       f"rounds late, so φ trails `none` ({trend}: {mid:+.1f} % at round {res['rounds'] // 2}, "
-                       f"{gap:+.1f} % at the end). {longer} within {max_bpp} B/param the cheap thing to try is "
-                       f"--topk-k {k_max} ({(2 + 2 * k_max) / cfg.topk_chunk:.3f} B/param before zstd); beyond "
-                       "that the codec needs more signal per byte than top-k of an evenly spread Δ gives (e.g. "
-                       "sign or low-rank compression)")
             else:
-                why = (f"quantization error (rel. L2 error {err:.3f} per round trip) is not fed back; error "
-                       "feedback as top-k has, or a smaller --block-size, would reduce it")
+                why = gap_reason(res, payload, max_bpp)
             if noise is None:
                 why += "; run with --none-runs 2 to see how much of it is run-to-run noise"
-        rows.append({"codec": name, "target": f"eval loss within {max_gap} % of none", "measured": f"{gap:+.2f} %",
+        rows.append({"codec": label, "target": f"eval loss within {max_gap} % of none", "measured": f"{gap:+.2f} %",
                      "pass": gap <= max_gap, "why": why})
-    for res in payload["results"]:
-        if res["label"] != res["codec"]:
-            continue  # the noise run repeats `none`
+    for res in results:
+        if "#" in res["label"]:
+            continue
         share = res["codec_share_percent"]
         why = ""
         if share > CODEC_SHARE_TARGET:
@@ -296,7 +332,7 @@ def check_targets(payload: dict[str, Any]) -> list[dict[str, Any]]:
             why = (f"{per_round * 1000:.0f} ms of codec work per round against a {res['median_round_seconds']:.1f} s "
                    f"round (H={res['H']} inner steps of a small model); the share falls as 1/H, and a faster "
                    "encoder (fewer passes over Δ, zstd off where it gains little) would cut it")
-        rows.append({"codec": res["codec"], "target": f"codec time ≤ {CODEC_SHARE_TARGET:g} % of the round",
+        rows.append({"codec": res["label"], "target": f"codec time ≤ {CODEC_SHARE_TARGET:g} % of the round",
                      "measured": f"{share:.2f} %", "pass": share <= CODEC_SHARE_TARGET, "why": why})
     return rows
 
@@ -309,7 +345,7 @@ def markdown(payload: dict[str, Any]) -> str:
             "final eval loss | gap vs none | enc+dec MB/s/core | codec share of round | rel. L2 error |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
-        tp = throughput.get(res["codec"], {})
+        tp = throughput.get(res["label"], throughput.get(res["codec"], {}))
         ratio = base["sent_bytes_per_param"] / res["sent_bytes_per_param"] if res["sent_bytes_per_param"] else 0
         rows.append(
             f"| {res['label']} | {res['payload_bytes_per_param']:.4f} | {res['sent_bytes_per_param']:.4f} | "
@@ -351,6 +387,11 @@ def notes(payload: dict[str, Any]) -> str:
         "Codec share of round: Σ codec_seconds / Σ round seconds over both nodes' logs; a round here also waits "
         f"matchmaking_time ({cfg.matchmaking_time:g} s) for its group, so the share against compute alone is higher.",
     ]
+    variants = [f"{res['label']} `{' '.join(res['flags'])}`" for res in results
+                if res.get("flags", ["--compression", res["codec"]]) != ["--compression", res["codec"]]]
+    if variants:
+        lines.append("Variants, each a run with its own node flags (after `--sync blocking`, the rest as above): "
+                     + "; ".join(variants) + ".")
     if payload.get("noise_percent") is not None:
         lines.append(f"Run-to-run noise: two `none` runs differ by {payload['noise_percent']:.2f} % in final eval "
                      "loss (each node's data order comes from its random peer id).")
@@ -363,7 +404,7 @@ def notes(payload: dict[str, Any]) -> str:
         lines.append("A node's data order comes from its random peer id, so every run differs a little; "
                      "`--none-runs 2` measures that noise.")
     for res in results:
-        tpc = tp["codecs"].get(res["codec"], {})
+        tpc = tp["codecs"].get(res["label"], tp["codecs"].get(res["codec"], {}))
         lines.append(
             f"{res['label']}: rounds per node {pair(res['rounds_per_node'])}, exchanges per node "
             f"{pair(res['exchanges_per_node'])}, final φ bit-identical on both nodes: {res['replicas_identical']}, "
@@ -451,7 +492,8 @@ def rewrite_report(out: Path) -> str:
     for i, res in enumerate(payload["results"]):
         fresh = summarize(res["label"], res["codec"], res["H"], res["rounds"], cfg, res["logs"],
                           res["wall_seconds"], res["lo_bytes_per_node_upper_bound"])
-        payload["results"][i] = {**fresh, "stalled_starts": res.get("stalled_starts", [])}
+        payload["results"][i] = {**fresh, "stalled_starts": res.get("stalled_starts", []),
+                                 "flags": res.get("flags", ["--compression", res["codec"]])}
     results = payload["results"]
     repeat = next((r for r in results if r["label"] == "none#2"), None)
     payload["noise_percent"] = abs(gap_percent(repeat, results[0])) if repeat else None
@@ -460,13 +502,30 @@ def rewrite_report(out: Path) -> str:
     return write_report(payload, out)
 
 
+def merge(out: Path, results: list[dict[str, Any]], throughput: dict[str, Any], seconds: float) -> str:
+    """--merge: these runs join (or replace, by label) those in out's JSON; the report is rewritten."""
+    payload = json.loads((out / f"{NAME}.json").read_text())
+    new = {res["label"]: res for res in results}
+    payload["results"] = [new.pop(res["label"], res) for res in payload["results"]] + list(new.values())
+    payload["throughput"]["codecs"].update(throughput["codecs"])
+    payload["total_seconds"] += seconds
+    payload.setdefault("merged", []).append(dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
+    (out / f"{NAME}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    return rewrite_report(out)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--inner-steps", type=int, help="H, inner steps per round (default 20; --quick 5)")
     parser.add_argument("--rounds", type=int, help="outer rounds per codec (default 12; --quick 2)")
     parser.add_argument("--codecs", type=str, default=",".join(CODECS),
-                        help="comma-separated codecs to compare; `none` is always run (default: all)")
+                        help="comma-separated codecs to compare; `none` is always run unless --merge (default: all)")
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL=FLAGS",
+                        help="a run of its own with these node flags, e.g. 'topk-2bit=--compression topk "
+                        "--topk-bits 2' (repeatable)")
+    parser.add_argument("--merge", action="store_true", help="add these runs to the JSON in --out-dir "
+                        "(replacing runs of the same label) instead of starting a new one")
     parser.add_argument("--none-runs", type=int, choices=(1, 2),
                         help="2 = run `none` a second time to measure run-to-run noise (default 2; --quick 1)")
     parser.add_argument("--throughput-seconds", type=float, help="time spent per codec on the throughput "
@@ -487,7 +546,18 @@ def parse_args() -> argparse.Namespace:
     unknown = [c for c in codecs if c not in CODECS]
     if unknown:
         parser.error(f"unknown codec(s) {', '.join(unknown)} (known: {', '.join(CODECS)})")
-    args.codecs = ["none"] + [c for c in CODECS if c in codecs and c != "none"]
+    args.codecs = ([] if args.merge and "none" not in codecs else ["none"]) + [
+        c for c in CODECS if c in codecs and c != "none"]
+    args.runs = {c: ["--compression", c] for c in args.codecs}
+    for variant in args.variant:
+        label, _, flags = variant.partition("=")
+        try:
+            if "compression" not in flag_options(flags.split()) or label in args.runs or "#" in label:
+                raise ValueError("it needs a new label without '#' and flags that name --compression")
+            NodeConfig(**flag_options(flags.split()))
+        except ValueError as exc:
+            parser.error(f"variant '{variant}': {str(exc).splitlines()[0]}")
+        args.runs[label] = flags.split()
     if args.out_dir is None:
         args.out_dir = Path(tempfile.mkdtemp(prefix=f"{NAME}_quick_")) if args.quick else RESULTS_DIR
     return args
@@ -500,18 +570,19 @@ def main() -> None:
         return
     cfg = NodeConfig(sync="blocking")
     started = time.monotonic()
-    print(f"throughput: {', '.join(args.codecs)} on one core ...", flush=True)
-    throughput = run_throughput(cfg, args.codecs, args.throughput_seconds)
+    print(f"throughput: {', '.join(args.runs)} on one core ...", flush=True)
+    throughput = run_throughput(cfg, args.runs, args.throughput_seconds)
     for name, tp in throughput["codecs"].items():
         print(f"  {name:5s} encode+decode {tp['roundtrip_mb_s']:7.0f} MB/s  {tp['bytes_per_param']:.4f} B/param",
               flush=True)
-    runs = [(c, c) for c in args.codecs] + ([("none", "none#2")] if args.none_runs == 2 else [])
+    runs = [*args.runs.items()] + ([("none#2", args.runs["none"])] if args.none_runs == 2 and "none" in args.runs
+                                   else [])
     work = Path(tempfile.mkdtemp(prefix=f"{NAME}_work_"))
     keep, results = args.keep_logs, []
     try:
-        for codec, label in runs:
+        for label, flags in runs:
             print(f"{label}: {WORLD} nodes, H={args.inner_steps}, {args.rounds} rounds ...", flush=True)
-            res = run_codec(label.replace("#", "-"), codec, args.inner_steps, args.rounds, cfg,
+            res = run_codec(label.replace("#", "-"), flags, args.inner_steps, args.rounds, cfg,
                             work / label.replace("#", "-"), args.timeout)
             res["label"] = label
             results.append(res)
@@ -529,6 +600,9 @@ def main() -> None:
     for res in results:
         for log in res["logs"]:  # raw per-round numbers stay in the JSON; the full log lines do not
             log["warnings"] = log["warnings"][:20]
+    if args.merge:
+        print(merge(args.out_dir, results, throughput, time.monotonic() - started))
+        return
     repeat = next((r for r in results if r["label"] == "none#2"), None)
     noise = abs(gap_percent(repeat, results[0])) if repeat else None
     tokens = {t for res in results for t in res["tokens_per_node"]}

@@ -22,7 +22,8 @@ FEEDBACK: tuple[str, ...] = ("topk", "sign")  # the codecs that drop values, and
 
 # zstd where it pays, measured on a real pseudo-gradient (tiny model, 20 AdamW steps, level 3):
 #   none 4.00 → 3.57 B/param (−11 %)   fp16 2.00 → 1.79 (−11 %)   bf16 2.00 → 1.51 (−24 %)
-#   int8 1.031 → 1.022 (−1 %)          int4 0.531 → 0.486 (−8.5 %) topk 0.070 → 0.065 (−8 %)
+#   int8 1.031 → 1.022 (−1 %)          int4 0.531 → 0.486 (−8.5 %) topk 0.070 → 0.055 (−22 %, gap-coded
+#   offsets)                           sign 0.0935 → no gain (sign bits are random)
 # zstd level 3 runs at ≥ 300 MB/s of fp32 input per core, faster than any link it saves bytes on,
 # so it is on wherever it saves a few percent; int8 codes are near-uniform after absmax scaling
 # and gain ≈ 1 %, not worth ~20 % of the encode time. pack() also sends a body raw when zstd
@@ -39,8 +40,8 @@ class CodecConfig:
     # 64 keeps int4 ≤ 0.49 B/param after zstd while holding more outliers to a small block.
     block_size: int = 64  # int8 / int4: values per bf16 scale
     # top-k: C = 256 keeps offsets at 1 byte, and captures the most energy per byte sent (1.33 vs
-    # 1.14–1.24 for C = 128, 512, 1024, 4096 at equal budget); k = 8 lands at 0.065 B/param on the
-    # wire ((2 + 8·2) / 256 = 0.070 before zstd), inside the 0.05–0.1 target.
+    # 1.14–1.24 for C = 128, 512, 1024, 4096 at equal budget); k = 8 lands at 0.055 B/param on the
+    # wire ((2 + 8·2) / 256 = 0.070 before zstd, which codes the offset gaps in ≈ 5 bits).
     topk_chunk: int = 256
     topk_k: int = 8
     topk_bits: int = 8  # bits per kept value: 8, 4, 2 or 1 (sparse.py)

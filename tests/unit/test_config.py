@@ -290,6 +290,21 @@ def test_unset_outer_momentum_follows_the_sync_mode(tmp_path: Path) -> None:
     assert "eager_proxy" not in load_config(None, {"sync": "blocking"}).fingerprint_fields()
 
 
+def test_error_feedback_codecs_take_its_outer_settings_where_unset() -> None:
+    for codec in ("topk", "sign"):
+        for sync in ("blocking", "eager", "delayed"):
+            cfg = load_config(None, {"compression": codec, "sync": sync})
+            assert (cfg.outer_momentum, cfg.outer_lr, cfg.ef_decay) == (0.0, 2.0, 0.95)
+        cfg = load_config(None, {"compression": codec, "outer_momentum": 0.9, "outer_lr": 0.7, "ef_decay": 1.0})
+        assert (cfg.outer_momentum, cfg.outer_lr, cfg.ef_decay) == (0.9, 0.7, 1.0)  # what is set stays
+        noloco = load_config(None, {"compression": codec, "algorithm": "noloco"})
+        assert (noloco.outer_momentum, noloco.outer_lr, noloco.ef_decay) == (0.9, 0.7, 1.0)
+    assert load_config(None, {"compression": "int4", "sync": "blocking"}).outer_lr == 0.7
+    # peers on the same codec flags agree; a peer that sets DiLoCo's outer optimizer does not meet them
+    assert build_config({"compression": "sign"}).fingerprint() != build_config(
+        {"compression": "sign", "outer_momentum": 0.9, "outer_lr": 0.7}).fingerprint()
+
+
 def test_noloco_options_and_their_fingerprint() -> None:
     noloco = build_config({"algorithm": "noloco"})
     assert noloco.consensus_weight == noloco.noloco_alpha == 0.7 and noloco.group_size == 2
