@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -198,7 +199,10 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--refit", action="store_true", help="fit and tabulate the points of the last run again "
                         "(results/<name>.json, on the machine that measured them) without measuring")
-    parser.add_argument("--name", default=NAME, help="results/<name>.{json,md}")
+    # the run of record needs a core per node (16); a smaller machine's run is kept beside it, by its size
+    cores = os.cpu_count() or 1
+    parser.add_argument("--name", default=NAME if cores >= 16 else f"{NAME}-{cores}cores",
+                        help="results/<name>.{json,md} (default: scale on 16 cores or more, else scale-<C>cores)")
     args = parser.parse_args()
     if args.refit:
         last = json.loads((RESULTS_DIR / f"{args.name}.json").read_text())
