@@ -118,7 +118,7 @@ class Node:
         # holds our Δs awaiting their rounds' means (a crash under eager) lacks those means, which
         # the run's state holds exactly once. Either way the run's state replaces ours.
         if outstanding is None or outstanding or self.swarm.presence.ahead_of(self.state.round):
-            self._sync_from_peers()
+            self._sync_from_peers(fresh=outstanding is None)
         if self.stop_requested.is_set():
             return  # stopped during the state download: nothing of ours is worth saving
         self.swarm.presence.enter(self.state.round, self.state.digest(), self._served())
@@ -169,13 +169,15 @@ class Node:
         self.events.emit("resumed", round=self.state.round)
         return resumed.outstanding
 
-    def _sync_from_peers(self) -> bool:
-        """Download φ, outer momentum and the round from a peer; False when we are the first node."""
+    def _sync_from_peers(self, fresh: bool = False) -> bool:
+        """Download φ, outer momentum and the round from a peer; False when we are the first node,
+        or (`fresh`: no checkpoint) the run's state is the one we built from the seed already."""
         assert self.swarm is not None and self.replica is not None
         # DiLoCo nodes serve the same state (φ under blocking, the settled copy when overlapped),
         # so the one downloaded must be the one most nodes announce; NoLoCo's φ differs by design
         received = self.swarm.download_state(STATE_DOWNLOAD_TIMEOUT + self.cfg.round_timeout,
-                                            self.stop_requested, check_digest=not self.gossip)
+                                            self.stop_requested, check_digest=not self.gossip,
+                                            held=self._served() if fresh else None)
         if received is None:
             return False
         installed = self.state.install_shared(*received, self.cfg.fingerprint())

@@ -171,16 +171,17 @@ class SwarmMember:
             self.presence.vouch(peer)
         return metadata, vectors
 
-    def download_state(self, timeout: float, stop: threading.Event,
-                       check_digest: bool) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+    def download_state(self, timeout: float, stop: threading.Event, check_digest: bool,
+                       held: tuple[int, str] | None = None) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         """φ and the outer state from a peer (statesync.download_run_state); None when nobody else
-        is in the run (we start it), nobody shared it in time, or `stop` was set."""
+        is in the run (we start it), the run's state is `held` already, nobody shared it in time,
+        or `stop` was set."""
         def others() -> dict[str, records.NodeRecord]:
             # a client cannot be dialled: it serves no state, and its announcements are not asked for
             return {p: r for p, r in self.presence.compatible_peers(refresh=True).items()
                     if p != self.peer_id and not r.client}
 
-        return download_run_state(self._state, self._exchange.run, others, timeout, stop, check_digest)
+        return download_run_state(self._state, self._exchange.run, others, timeout, stop, check_digest, held)
 
     def _count_state(self, sent: int = 0, received: int = 0) -> None:
         with self._state_bytes_lock:  # hivemind's thread counts what it serves, ours what we download

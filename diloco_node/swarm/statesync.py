@@ -234,13 +234,24 @@ def download_from(service: StateService, run: Callable[[Any, float, threading.Ev
     return None
 
 
+def holds_run_state(others: dict[str, NodeRecord], held: tuple[int, str]) -> bool:
+    """Whether the state the run's records agree on is `held`, the (settled round, digest) of the
+    state we would serve ourselves, with no round in flight on any node announcing it: downloading
+    it would hand us the bytes we have. A fresh run's nodes all build φ0 and a zero momentum from
+    the seed, so none of them needs the first node's copy (8 B/param of start-up traffic)."""
+    announcers = [r for r in others.values() if (r.served_round, r.served_digest) == held]
+    return (reference_state(others.values()) == held and bool(announcers)
+            and all(r.round == held[0] for r in announcers))
+
+
 def download_run_state(service: StateService, run: Callable[[Any, float, threading.Event], Any],
                        peers: Callable[[], dict[str, NodeRecord]], timeout: float, stop: threading.Event,
-                       check_digest: bool) -> SharedState | None:
+                       check_digest: bool, held: tuple[int, str] | None = None) -> SharedState | None:
     """The run's state, retried over the verified nodes `peers` gives (fresh records each time)
     within `timeout`. `check_digest` (runs whose nodes serve the same state): the state must be
-    the one the records agree on (`agreement`). None when nobody else is in the run, nobody
-    shared it in time, or `stop` was set."""
+    the one the records agree on (`agreement`). None when nobody else is in the run, the run's
+    state is the one we hold (`held`, see holds_run_state), nobody shared it in time, or `stop`
+    was set."""
     started = time.monotonic()
     deadline = started + timeout
     logger.info("downloading state from peers")
@@ -252,6 +263,9 @@ def download_run_state(service: StateService, run: Callable[[Any, float, threadi
     while True:
         others = peers()
         if not others:
+            return None
+        if held is not None and holds_run_state(others, held):
+            logger.info("the run's state is the one we hold (settled round %d, digest %s): nothing to download", *held)
             return None
         received = download_from(service, run, servers_in_order(others, reference_state(others.values())),
                                  accept, deadline, logged, stop)

@@ -26,6 +26,10 @@ def test_three_nodes_agree_every_round_and_learn(spawn: NodeFactory) -> None:
     assert_same_digests(nodes, range(1, 5))
     for node in nodes:
         assert node.joined_round == 0
+        # a fresh run: every node builds φ0 from the seed, so nobody downloads the first node's copy
+        assert "synced state" not in node.log_text(), node.log_text()[-3000:]
+    for node in nodes[1:]:
+        assert "the run's state is the one we hold" in node.log_text(), node.log_text()[-3000:]
         assert [node.rounds[r].group_size for r in range(1, 5)] == [3] * 4
         losses = [node.joined_eval_loss] + [node.rounds[r].eval_loss for r in range(1, 5)]
         assert losses[-1] < losses[0] - 0.5, f"{node.name}: eval loss did not fall: {losses}"

@@ -275,3 +275,20 @@ def test_a_joiner_takes_the_state_most_records_announce(monkeypatch) -> None:  #
     assert canonical_digest(group, 7, served=True) == honest
     assert canonical_digest([others["b"], serving("c", 7, "split")], 7, served=True) == honest
     assert canonical_digest(group, 8, served=True) is None
+
+
+def test_a_fresh_node_skips_downloading_the_state_it_built_itself() -> None:
+    from diloco_node.swarm.statesync import holds_run_state
+
+    def serving(peer: str, round_: int, settled: int, served: str) -> NodeRecord:
+        return dataclasses.replace(record(peer, round_, "d"), served_round=settled, served_digest=served)
+
+    phi0 = (0, "phi0")
+    assert holds_run_state({"a": serving("a", 0, 0, "phi0")}, phi0)  # the first node, waiting at round 0
+    assert holds_run_state({"a": serving("a", 0, 0, "phi0"), "b": serving("b", 0, 0, "phi0")}, phi0)
+    # round 0's mean in flight (eager, round 1 training): the run's state is more than φ0
+    assert not holds_run_state({"a": serving("a", 1, 0, "phi0")}, phi0)
+    assert not holds_run_state({"a": serving("a", 3, 3, "phi3")}, phi0)  # the run moved on
+    assert not holds_run_state({"a": serving("a", 0, 0, "other seed")}, phi0)
+    # no state two servers agree on: the usual checked download decides
+    assert not holds_run_state({"a": serving("a", 0, 0, "phi0"), "b": serving("b", 0, 0, "x")}, phi0)
