@@ -56,7 +56,7 @@ from common import (
 )
 
 from diloco_node.codec import CODECS, make_codec
-from diloco_node.config import NodeConfig
+from diloco_node.config import FEEDBACK_OUTER, NodeConfig
 from diloco_node.outer.diloco import pseudo_gradient
 from diloco_node.train.data import ByteDataset, load_corpus
 from diloco_node.train.inner import InnerTrainer
@@ -277,9 +277,9 @@ def gap_reason(res: dict[str, Any], payload: dict[str, Any], max_bpp: float) -> 
     if cfg.outer_momentum > 0:
         return (f"error feedback (β = {cfg.ef_decay:g}) under outer Nesterov momentum {cfg.outer_momentum:g}: "
                 "the residual sends each value late, and momentum then keeps pushing what was already sent, so φ "
-                f"overshoots and stalls ({curve}; rel. L2 error {err:.2f} per round trip); with error feedback in "
-                "place of momentum (--outer-momentum 0 --outer-lr 1 --ef-decay 0.95, the default for these "
-                "codecs) see the other rows")
+                f"overshoots and stalls ({curve}; rel. L2 error {err:.2f} per round trip); error feedback in "
+                "place of momentum (" + " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in FEEDBACK_OUTER.items())
+                + ", what these codecs take where unset) is in the other rows")
     sample = payload["throughput"]["sample"]
     if name == "topk":
         return (f"AdamW's pseudo-gradient is spread almost evenly (max |Δ| = "
