@@ -243,6 +243,10 @@ class SwarmMember:
         group) is ready, call `on_ready`, form the group, fetch. Safe off the main thread; `stop`
         ends the wait."""
         verdict = self.presence.wait_for_round(round_, self.settings.round_timeout, stop, among=among)
+        if verdict == "alone":
+            # our offer says so: a joiner that took our state with this round in flight completes it
+            # from our payload at once, instead of waiting a round timeout for a group never formed
+            self._exchange.expect(round_, [self.peer_id], self.peer_id)
         if verdict in ("stopped", "behind", "alone"):
             return Gathered(verdict, round_)
         if on_ready is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 
@@ -129,3 +130,18 @@ def test_overlapped_sync_modes_train_and_exchange(spawn: NodeFactory, sync: str)
         assert node.wait_exit() == 0
         # at the planned end, the last round's exchange is applied too, not dropped
         assert "settled round=3 " in node.log_text(), node.log_text()
+
+
+def test_a_joiner_completes_a_round_its_server_averaged_alone_at_once(spawn: NodeFactory) -> None:
+    """A node training alone serves a state whose last round it averaged by itself, still in flight
+    under eager: the joiner completes that round from the server's own payload, at once. It waited
+    a whole round timeout for a group that never formed, then lost the round and re-synced."""
+    options = ("--inner-steps", "10", "--sync", "eager", "--round-timeout", "60")
+    first = spawn("a", *options, checkpoint=False)
+    first.wait_for_round(2)
+    joiner = spawn("b", *options, peer=first, checkpoint=False)
+    joiner.wait_joined()
+    joined = time.monotonic()
+    joiner.wait_until(lambda: len(joiner.rounds) >= 1, 120, "a first round")
+    assert time.monotonic() - joined < 30, joiner.log_text()[-3000:]
+    assert "could not fetch the mean" not in joiner.log_text(), joiner.log_text()[-3000:]
