@@ -23,9 +23,9 @@ below the target (no interpolation; DiLoCo/NoLoCo: the later of the two nodes' r
 both nodes' eval loss must be at or below it; DDP's clock leaves out its own evaluations), tokens
 (both workers) trained by then, bytes on the wire to that moment (tx counters of both islands'
 veth links, sampled every --sample-seconds in a background thread; the first sample after the
-moment counts), of which the start-up (until both nodes joined: DHT bootstrap and node 2's download
-of φ and the outer momentum in fp32), compute utilization (compute seconds / wall seconds to the
-target, start-up included) and the compute time per step.
+moment counts), of which the start-up (until both nodes joined: the DHT bootstrap; both nodes build
+φ and the momentum from the seed, so node 2 downloads nothing), compute utilization (compute seconds /
+wall seconds to the target, start-up included) and the compute time per step.
 
 Run as root: `.venv/bin/python benchmarks/headline.py` (about 25 minutes on 2 cores; --quick: a
 smoke test of about 4 minutes). Results: benchmarks/results/headline.{json,md,png}
@@ -41,6 +41,7 @@ import json
 import math
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -59,6 +60,7 @@ from tests.network.islands import Islands, require_netns  # noqa: E402
 NAME = "headline"
 TIME_TARGET = 10.0  # our best reaches the target this many times sooner than DDP
 BYTES_TARGET = 2000.0  # ... with this many times fewer bytes on the wire
+JOIN_TIMEOUT = 180.0  # seconds for both nodes of a method to join (a node refusing the other never does)
 
 
 class WireSampler:
@@ -123,7 +125,12 @@ def node_method(islands: Islands, sampler: WireSampler, args: argparse.Namespace
                 kind: str, h: int, options: list[str]) -> dict[str, Any]:
     rounds = math.ceil(args.max_token_factor * args.steps / h)
     _, baseline = sampler.sample()
-    result = run_diloco_on_link(islands, label, h, rounds, work, args.timeout, options)
+    try:
+        result = run_diloco_on_link(islands, label, h, rounds, work, args.timeout, options, join_timeout=JOIN_TIMEOUT)
+    except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as exc:
+        print(f"  {label}: FAILED: {str(exc)[:2000]}", flush=True)
+        return {"method": label, "kind": kind, "H": h, "rounds": rounds, "options": options, "points": [],
+                "failed": str(exc)[:2000]}
     launched, logs, tokens_per_step = result["launched_at"], result["logs"], tokens_per_worker_step()
     joined = max(log["joined"]["time"] for log in logs)
     by_round: dict[int, list[dict[str, Any]]] = {}
@@ -132,7 +139,7 @@ def node_method(islands: Islands, sampler: WireSampler, args: argparse.Namespace
             by_round.setdefault(entry["round"], []).append(entry)
     # the start: both nodes joined, nothing trained yet (what the start-up cost in time and bytes)
     points = [{"seconds": joined - launched, "tokens": 0, "eval_loss": max(log["joined"]["eval_loss"] for log in logs),
-               "bytes": sampler.at_or_after(joined) - baseline, "round": 0, "compute_seconds": 0.0}]
+               "bytes": sampler.at_or_after(joined) - baseline, "round": 0, "compute_seconds": 0.0, "averaged": 0}]
     for index, round_ in enumerate(sorted(by_round), start=1):
         entries = by_round[round_]
         if len(entries) < WORLD:
@@ -142,11 +149,16 @@ def node_method(islands: Islands, sampler: WireSampler, args: argparse.Namespace
                        "eval_loss": max(e["eval_loss"] for e in entries), "bytes": sampler.at_or_after(at) - baseline,
                        "round": round_, "compute_seconds": statistics.mean(
                            sum(r["seconds"] * r["utilization"] for r in log["rounds"] if r["round"] <= round_)
-                           for log in logs)})
+                           for log in logs),
+                       # exchanges whose group mean φ holds by then (a round event's group_size is that of
+                       # the exchange the round applied: under eager, the previous round's)
+                       "averaged": min(sum(1 for r in log["rounds"] if r["round"] <= round_ and r["group_size"] >= 2)
+                                       for log in logs)})
     if all(log["settled"] for log in logs):  # delayed / eager apply the last exchange on leaving
         at = max(log["settled"]["time"] for log in logs)
         points.append({**points[-1], "seconds": at - launched, "bytes": sampler.at_or_after(at) - baseline,
-                       "eval_loss": max(log["settled"]["eval_loss"] for log in logs), "round": "settled"})
+                       "eval_loss": max(log["settled"]["eval_loss"] for log in logs), "round": "settled",
+                       "averaged": points[-1]["averaged"] + 1})
     compute = sum(r["seconds"] * r["utilization"] for log in logs for r in log["rounds"])
     steps = sum(len(log["rounds"]) * h for log in logs)
     return {"method": label, "kind": kind, "H": h, "rounds": rounds, "options": options, "points": points,
@@ -161,9 +173,13 @@ def tokens_per_worker_step() -> int:
 
 
 def reach(method: dict[str, Any], target: float, ddp: dict[str, Any] | None) -> None:
-    """Add what it took `method` to reach `target` (and its ratios against `ddp`)."""
-    hit = next((p for p in method["points"] if p["eval_loss"] <= target), None)
-    method["best_eval_loss"] = min(p["eval_loss"] for p in method["points"])
+    """Add what it took `method` to reach `target` (and its ratios against `ddp`): its first evaluation at or
+    below the target of a model that holds at least one average of the nodes' work. The first one at or
+    below it at all is kept too (`reached_unaveraged`): under eager a node's φ after round 1 holds only its
+    own pseudo-gradient, and on a small budget that alone may reach DDP's loss."""
+    method["best_eval_loss"] = min((p["eval_loss"] for p in method["points"]), default=math.inf)
+    method["reached_unaveraged"] = next((p for p in method["points"] if p["eval_loss"] <= target), None)
+    hit = next((p for p in method["points"] if p["eval_loss"] <= target and p.get("averaged", 1) >= 1), None)
     method["reached"] = hit
     if hit is None:
         return
@@ -206,6 +222,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 reach(method, target, ddp)
                 methods.append(method)
                 hit = method["reached"]
+                if method.get("failed"):
+                    continue
                 print(f"  {method['method']}: " + (
                     f"target at {hit['seconds']:.0f} s ({hit['time_ratio']:.1f}x sooner), {hit['bytes']:,} B "
                     f"({hit['bytes_ratio']:.0f}x fewer; {hit['bytes_ratio_after_startup']:.0f}x after start-up)"
@@ -236,28 +254,33 @@ def markdown(payload: dict[str, Any]) -> str:
              f"({ddp['reached']['tokens']:,} tokens) = **{run_['target_eval_loss']:.4f}**. "
              f"Link: `tc tbf` {run_['rate_mbit']:g} Mbit/s per island (raw TCP {run_['raw_tcp_mbit']:.2f} Mbit/s).", "",
              "| method | time to target | sooner than DDP | wire bytes to target | fewer than DDP | "
-             "of which start-up | fewer than DDP, start-up left out | tokens to target | utilization | "
-             "compute s/step | best eval loss | final eval loss |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "of which start-up | fewer than DDP, start-up left out | tokens to target | averages in the model | "
+             "utilization | compute s/step | best eval loss | final eval loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in run_["methods"]:
         hit = m["reached"]
         name = f"**{m['method']}** (best)" if m.get("best") else m["method"]
+        if m.get("failed"):
+            lines.append(f"| {name} | failed: {m['failed'].splitlines()[0][:200]} |" + " – |" * 11)
+            continue
         tail = f"{m['compute_seconds_per_step']:.3f} | {m['best_eval_loss']:.4f} | {m['final_eval_loss']:.4f} |"
         if hit is None:
-            lines.append(f"| {name} | not reached | – | – | – | {m['startup_bytes']:,} | – | – | – | {tail}")
+            lines.append(f"| {name} | not reached | – | – | – | {m['startup_bytes']:,} | – | – | – | – | {tail}")
             continue
         is_ddp = m["kind"] == "ddp"
+        averaged = "every step" if is_ddp else str(hit["averaged"])
         time_ratio = "1x" if is_ddp else f"{hit['time_ratio']:.1f}x"
         bytes_ratio = "1x" if is_ddp else f"{hit['bytes_ratio']:.0f}x"
         startup = "–" if is_ddp else f"{m['startup_bytes']:,}"
         after_startup = "–" if is_ddp else f"{hit['bytes_ratio_after_startup']:.0f}x"
         lines.append(f"| {name} | {hit['seconds']:.0f} s | {time_ratio} | {hit['bytes']:,} | {bytes_ratio} | "
-                     f"{startup} | {after_startup} | {hit['tokens']:,} | {hit['utilization']:.1%} | {tail}")
+                     f"{startup} | {after_startup} | {hit['tokens']:,} | {averaged} | {hit['utilization']:.1%} | "
+                     f"{tail}")
     best = next(m for m in run_["methods"] if m.get("best"))
     hit = best["reached"]
     rows = [(f"≥ {TIME_TARGET:g}x sooner than DDP to the target", "time_ratio", TIME_TARGET, "{:.1f}x"),
             (f"≥ {BYTES_TARGET:g}x fewer wire bytes than DDP to the target", "bytes_ratio", BYTES_TARGET, "{:.0f}x"),
-            ("(the same, node 2's start-up download and the DHT bootstrap left out)", "bytes_ratio_after_startup",
+            ("(the same, the start-up's DHT bootstrap left out)", "bytes_ratio_after_startup",
              BYTES_TARGET, "{:.0f}x")]
     lines += ["", f"## Targets (our best configuration: {best['method']})", "", "| target | measured | result |",
               "|---|---|---|"]
@@ -283,10 +306,10 @@ def notes(payload: dict[str, Any]) -> str:
         f"{args['eval_every']} steps (its evaluations left out of its clock). Bytes: tx counters of both "
         "islands' veth links (every byte on the link: payloads, DHT, matchmaking, TCP/IP headers, ACKs), "
         f"sampled every {args['sample_seconds']:g} s; the first sample after the moment counts.",
-        "Start-up bytes: until both nodes reported `joined`: the DHT bootstrap and node 2's download of φ and "
-        "the outer momentum (fp32, ~8 B/param). Both nodes build the same initial φ from --seed, so this "
-        "download is redundant at round 0, but the node has no way to skip it: it is counted, and also shown "
-        "left out.",
+        "Start-up bytes: until both nodes reported `joined`: the DHT bootstrap, presence records and the "
+        "reachability check. Both nodes build the same initial φ and momentum from --seed, and a fresh node "
+        "skips the state download (fp32 φ + momentum, ~8 B/param) when the run's records agree on that state; "
+        "a node joining a run already under way downloads it (3.7 MB for this model).",
         "Utilization: compute seconds / wall seconds to the target (start-up included); compute s/step: "
         "DDP's step less its all-reduce, a node's round seconds x its logged utilization / H.",
         f"Our best configuration is chosen in this run among the eager candidates ({args['candidates']}): "
@@ -296,7 +319,21 @@ def notes(payload: dict[str, Any]) -> str:
     lines.append(f"DDP: {ddp['seconds_per_step']:.2f} s per step on the link, of which compute "
                  f"{ddp['compute_seconds_per_step']:.3f} s; {ddp_hit['bytes'] / args['steps'] / 1e6:.2f} MB on the "
                  "wire per step (both links).")
+    lines.append("Averages in the model: how many exchanges (group means of both nodes' pseudo-gradients) the "
+                 "nodes' φ held at that evaluation. A point counts as reaching the target only with at least one: "
+                 "under eager, a node's φ after round 1 holds only its own work, the first mean landing in round 2.")
     for m in run_["methods"][1:]:
+        if m.get("failed"):
+            lines.append(f"{m['method']}: failed ({m['failed'].splitlines()[0][:300]}).")
+            continue
+        early, hit = m["reached_unaveraged"], m["reached"]
+        if early is not None and early is not hit and ddp_hit is not None:
+            lines.append(f"{m['method']}: at or below the target already at round {early['round']} before any "
+                         f"average ({early['eval_loss']:.4f} at {early['seconds']:.0f} s, {early['bytes']:,} B: "
+                         f"{ddp_hit['seconds'] / early['seconds']:.1f}x sooner, "
+                         f"{ddp_hit['bytes'] / early['bytes']:.0f}x fewer bytes, "
+                         f"{ddp_hit['bytes'] / max(1, early['bytes'] - m['startup_bytes']):.0f}x with the start-up "
+                         "left out); not counted.")
         r = m["run"]
         lines.append(f"{m['method']}: {r['rounds']} rounds x H={m['H']}, `{' '.join(m['options'])}`, start-up "
                      f"{m['startup_seconds']:.0f} s, median round {r['seconds_per_round']:.1f} s, steady-state "
@@ -347,7 +384,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-token-factor", type=float, default=2.0,
                         help="DiLoCo / NoLoCo train up to this many times DDP's tokens")
     parser.add_argument("--blocking-h", type=int, default=100, help="H of DiLoCo blocking fp32")
-    parser.add_argument("--candidates", default="int4:100,int4:200,int4:300,topk:100",
+    parser.add_argument("--candidates", default="int4:100,int4:200,int4:300,topk:100,topk:300",
                         help="eager configurations to choose our best from, codec:H,...")
     parser.add_argument("--noloco-h", type=int, default=100)
     parser.add_argument("--noloco-compression", default="int4")
@@ -357,7 +394,7 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.quick:
         args.steps, args.eval_every, args.blocking_h, args.noloco_h = 30, 5, 20, 20
-        args.candidates = "int4:20,topk:30"
+        args.candidates = "int4:20,int4:30,topk:30"
     return args
 
 
@@ -374,7 +411,7 @@ def main() -> None:
         raise
     shutil.rmtree(work, ignore_errors=True)
     for method in result["methods"]:
-        for log in method["run"].get("logs", []):
+        for log in method.get("run", {}).get("logs", []):
             log["warnings"] = log["warnings"][:20]
     name = f"{NAME}_quick" if args.quick else NAME
     payload = {"benchmark": NAME, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

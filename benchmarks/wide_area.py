@@ -133,7 +133,9 @@ def run_ddp_on_link(islands: Islands, steps: int, timeout: float, eval_every: in
 # --- DiLoCo across the link -------------------------------------------------------------------
 
 def run_diloco_on_link(islands: Islands, name: str, h: int, rounds: int, work: Path, timeout: float,
-                       options: list[str]) -> dict[str, Any]:
+                       options: list[str], join_timeout: float | None = None) -> dict[str, Any]:
+    """A pair of nodes, one per island, to their last round. With `join_timeout`: raises when they have
+    not both joined the run within that many seconds of the launch (e.g. one refused the other)."""
     a, b = islands[0], islands[1]
     run_id = f"wide-{os.getpid()}-{int(time.time())}"
     work.mkdir(parents=True)
@@ -146,6 +148,8 @@ def run_diloco_on_link(islands: Islands, name: str, h: int, rounds: int, work: P
         address = first.wait_for("stdout", "peer address:", 60)
         nodes.append(NodeProcess("node2", node_args(h, rounds, run_id, work / "ck2", options, host=b.address)
                                  + ["--peer", address], work, launcher=b.command))
+        for node in nodes if join_timeout is not None else []:
+            node.wait_joined(max(1.0, started + join_timeout - time.monotonic()))
         for node in nodes:
             node.proc.wait(timeout=max(1.0, started + timeout - time.monotonic()))
     finally:
