@@ -373,7 +373,11 @@ def notes(payload: dict[str, Any]) -> str:
         f"H = {config['H']} inner steps x {config['rounds']} rounds, batch {cfg.batch_size} x seq {cfg.seq_len} "
         f"bytes, embedded corpus; tokens per node {pair(sorted({t for r in results for t in r['tokens_per_node']}))}"
         f" for every codec (from the logs). Codec options: block {cfg.block_size}, top-k {cfg.topk_k} of "
-        f"{cfg.topk_chunk} with error feedback β = {cfg.ef_decay}, zstd `{cfg.zstd}` (level {cfg.zstd_level}).",
+        f"{cfg.topk_chunk} ({cfg.topk_bits}-bit values), sign: the {cfg.sign_keep:g} of {cfg.sign_block}-value blocks "
+        f"of largest norm, zstd `{cfg.zstd}` (level {cfg.zstd_level}). Outer step: Nesterov, lr {cfg.outer_lr:g}, "
+        f"momentum {cfg.outer_momentum:g}; topk and sign take error feedback in place of momentum where these are "
+        f"unset: momentum {FEEDBACK_OUTER['outer_momentum']:g}, lr {FEEDBACK_OUTER['outer_lr']:g}, error-feedback "
+        f"β = {FEEDBACK_OUTER['ef_decay']:g}.",
         "payload B/param/round: the encoded pseudo-gradient with its wire header, the median round over both "
         "nodes. sent B/param/round: that plus the exchange's request and length framing, i.e. (Σ sent − Σ payload) "
         "/ exchanges of the joining node, which serves no state (median "
@@ -477,7 +481,8 @@ def write_report(payload: dict[str, Any], out: Path) -> str:
     checks = check_targets(payload)
     (out / f"{NAME}.md").write_text(
         f"# Pseudo-gradient codecs side by side ({payload['date']}, {machine['nproc']} CPU cores, "
-        f"torch {machine['torch']})\n\n{table}\n\n## Targets\n\n{targets_markdown(checks)}\n\n## Node problems\n\n"
+        f"torch {machine['torch']})\n\n" + (f"{payload['note']}\n\n" if payload.get("note") else "")
+        + f"{table}\n\n## Targets\n\n{targets_markdown(checks)}\n\n## Node problems\n\n"
         f"{problems(payload)}\n\n## Notes\n\n{notes(payload)}\n\n"
         f"Total benchmark time: {payload['total_seconds']:.0f} s. "
         f"Reproduce: `.venv/bin/python benchmarks/{NAME}.py`. Plot: `{NAME}.png`.\n")
