@@ -39,6 +39,7 @@ import bisect
 import datetime as dt
 import json
 import math
+import os
 import shutil
 import statistics
 import subprocess
@@ -192,6 +193,24 @@ def reach(method: dict[str, Any], target: float, ddp: dict[str, Any] | None) -> 
         hit["bytes_ratio_after_startup"] = base["bytes"] / max(1, hit["bytes_after_startup"])
 
 
+def add_payloads(run_: dict[str, Any]) -> None:
+    """Payload bytes to the target, beside the wire's: DDP's gradients (ring all-reduce at M = 2: 4 B/param
+    per worker per step), the nodes' pseudo-gradients as their round events count them (`sent`)."""
+    params = next(m["run"]["logs"][0]["joined"]["parameters"] for m in run_["methods"] if m.get("run", {}).get("logs"))
+    ddp = run_["methods"][0]
+    for m in run_["methods"]:
+        hit = m.get("reached")
+        if hit is None:
+            continue
+        if m["kind"] == "ddp":
+            hit["payload_bytes"] = hit["step"] * WORLD * params * 4
+            continue
+        last = max(r["round"] for log in m["run"]["logs"] for r in log["rounds"]) if hit["round"] == "settled" \
+            else hit["round"]
+        hit["payload_bytes"] = sum(r["sent"] for log in m["run"]["logs"] for r in log["rounds"] if r["round"] <= last)
+        hit["payload_ratio"] = ddp["reached"]["payload_bytes"] / max(1, hit["payload_bytes"])
+
+
 def score(method: dict[str, Any]) -> float:
     """How close a candidate comes to both targets (≥ 1: both met)."""
     hit = method["reached"]
@@ -203,7 +222,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         raw = statistics.median(islands.measure_tcp_mbit(islands[0], islands[1]) for _ in range(2))
         print(f"{args.rate:g} Mbit/s link: raw TCP {raw:.2f} Mbit/s", flush=True)
         with WireSampler(islands, args.sample_seconds) as sampler:
+            load = os.getloadavg()[0]
             ddp = ddp_method(islands, sampler, args)
+            ddp["load_average"] = [load, os.getloadavg()[0]]
             target = ddp["final_eval_loss"]
             reach(ddp, target, None)
             reach(ddp, target, ddp)
@@ -218,7 +239,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                          ["--algorithm", "noloco", "--compression", args.noloco_compression]))
             methods = [ddp]
             for index, (label, kind, h, options) in enumerate(plan):
+                load = os.getloadavg()[0]
                 method = node_method(islands, sampler, args, work / str(index), f"{label} H={h}", kind, h, options)
+                method["load_average"] = [load, os.getloadavg()[0]]
                 reach(method, target, ddp)
                 methods.append(method)
                 hit = method["reached"]
@@ -254,33 +277,39 @@ def markdown(payload: dict[str, Any]) -> str:
              f"({ddp['reached']['tokens']:,} tokens) = **{run_['target_eval_loss']:.4f}**. "
              f"Link: `tc tbf` {run_['rate_mbit']:g} Mbit/s per island (raw TCP {run_['raw_tcp_mbit']:.2f} Mbit/s).", "",
              "| method | time to target | sooner than DDP | wire bytes to target | fewer than DDP | "
-             "of which start-up | fewer than DDP, start-up left out | tokens to target | averages in the model | "
-             "utilization | compute s/step | best eval loss | final eval loss |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "of which start-up | fewer than DDP, start-up left out | payload bytes to target | fewer than DDP | "
+             "tokens to target | averages in the model | utilization | compute s/step | best eval loss | "
+             "final eval loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in run_["methods"]:
         hit = m["reached"]
         name = f"**{m['method']}** (best)" if m.get("best") else m["method"]
         if m.get("failed"):
-            lines.append(f"| {name} | failed: {m['failed'].splitlines()[0][:200]} |" + " – |" * 11)
+            lines.append(f"| {name} | failed: {m['failed'].splitlines()[0][:200]} |" + " – |" * 13)
             continue
         tail = f"{m['compute_seconds_per_step']:.3f} | {m['best_eval_loss']:.4f} | {m['final_eval_loss']:.4f} |"
         if hit is None:
-            lines.append(f"| {name} | not reached | – | – | – | {m['startup_bytes']:,} | – | – | – | – | {tail}")
+            lines.append(f"| {name} | not reached | – | – | – | {m['startup_bytes']:,} | – | – | – | – | – | – | "
+                         f"{tail}")
             continue
         is_ddp = m["kind"] == "ddp"
         averaged = "every step" if is_ddp else str(hit["averaged"])
+        payload_ratio = "1x" if is_ddp else f"{hit['payload_ratio']:.0f}x"
         time_ratio = "1x" if is_ddp else f"{hit['time_ratio']:.1f}x"
         bytes_ratio = "1x" if is_ddp else f"{hit['bytes_ratio']:.0f}x"
         startup = "–" if is_ddp else f"{m['startup_bytes']:,}"
         after_startup = "–" if is_ddp else f"{hit['bytes_ratio_after_startup']:.0f}x"
         lines.append(f"| {name} | {hit['seconds']:.0f} s | {time_ratio} | {hit['bytes']:,} | {bytes_ratio} | "
-                     f"{startup} | {after_startup} | {hit['tokens']:,} | {averaged} | {hit['utilization']:.1%} | "
+                     f"{startup} | {after_startup} | {hit['payload_bytes']:,} | {payload_ratio} | "
+                     f"{hit['tokens']:,} | {averaged} | {hit['utilization']:.1%} | "
                      f"{tail}")
     best = next(m for m in run_["methods"] if m.get("best"))
     hit = best["reached"]
     rows = [(f"≥ {TIME_TARGET:g}x sooner than DDP to the target", "time_ratio", TIME_TARGET, "{:.1f}x"),
             (f"≥ {BYTES_TARGET:g}x fewer wire bytes than DDP to the target", "bytes_ratio", BYTES_TARGET, "{:.0f}x"),
             ("(the same, the start-up's DHT bootstrap left out)", "bytes_ratio_after_startup",
+             BYTES_TARGET, "{:.0f}x"),
+            ("(payload bytes only: gradients vs pseudo-gradients, as the processes count them)", "payload_ratio",
              BYTES_TARGET, "{:.0f}x")]
     lines += ["", f"## Targets (our best configuration: {best['method']})", "", "| target | measured | result |",
               "|---|---|---|"]
@@ -300,8 +329,8 @@ def notes(payload: dict[str, Any]) -> str:
         f"thread per process, 2 islands (one worker / node each). DDP: {args['steps']} steps, the node's AdamW "
         f"and warmup+cosine schedule over them, eval every {args['eval_every']} steps. DiLoCo / NoLoCo: up to "
         f"{args['max_token_factor']:g}x DDP's tokens, the schedule over their own steps.",
-        "Time to target: from launching the method's processes (start-up, DHT, joining and node 2's state "
-        "download included) to the first evaluation at or below the target; DiLoCo / NoLoCo evaluate once per "
+        "Time to target: from launching the method's processes (start-up, DHT and joining included) to the "
+        "first evaluation at or below the target; DiLoCo / NoLoCo evaluate once per "
         "round (the later node's round event, both nodes at or below the target), DDP every "
         f"{args['eval_every']} steps (its evaluations left out of its clock). Bytes: tx counters of both "
         "islands' veth links (every byte on the link: payloads, DHT, matchmaking, TCP/IP headers, ACKs), "
@@ -327,7 +356,7 @@ def notes(payload: dict[str, Any]) -> str:
             lines.append(f"{m['method']}: failed ({m['failed'].splitlines()[0][:300]}).")
             continue
         early, hit = m["reached_unaveraged"], m["reached"]
-        if early is not None and early is not hit and ddp_hit is not None:
+        if early is not None and (hit is None or early["seconds"] < hit["seconds"]) and ddp_hit is not None:
             lines.append(f"{m['method']}: at or below the target already at round {early['round']} before any "
                          f"average ({early['eval_loss']:.4f} at {early['seconds']:.0f} s, {early['bytes']:,} B: "
                          f"{ddp_hit['seconds'] / early['seconds']:.1f}x sooner, "
@@ -340,6 +369,23 @@ def notes(payload: dict[str, Any]) -> str:
                      f"utilization {r['utilization']:.1%}, φ max |diff| between the nodes at the end "
                      f"{r['outer_params_difference']['max_abs'] or 0:.2e}, node warnings "
                      f"{sum(len(log['warnings']) for log in r['logs'])}.")
+    best = next((m for m in run_["methods"] if m.get("best")), None)
+    if best is not None and best["reached"] is not None and ddp_hit is not None:
+        hit = best["reached"]
+        lines.append(
+            f"What limits our best ({best['method']}): time: DDP takes {ddp['seconds_per_step']:.2f} s per step on "
+            f"the link; the nodes {best['compute_seconds_per_step']:.3f} s of compute per step, but they needed "
+            f"{hit['tokens'] / ddp_hit['tokens']:.1f}x DDP's tokens (the first round whose φ holds an average and is "
+            f"at or below the target) and {best['startup_seconds']:.0f} s of start-up. Bytes: the link carried "
+            f"{hit['bytes']:,} B to the target, {hit['bytes'] / max(1, hit['payload_bytes']):.1f}x the "
+            f"{hit['payload_bytes']:,} B of pseudo-gradient payloads the nodes exchanged; DDP's link carried "
+            f"{ddp_hit['bytes'] / ddp_hit['payload_bytes']:.2f}x its gradients. The rest is the nodes' traffic "
+            "besides the payloads (DHT, matchmaking, presence, the exchange's requests and TCP framing): on the "
+            "small int4 payloads it dominates.")
+    lines.append("Machine load (1-minute load average before / after each method; 2 cores, the method itself "
+                 "adds about 2 while its nodes train): " + ", ".join(
+                     f"{m['method']} {m['load_average'][0]:.1f} / {m['load_average'][1]:.1f}" for m in run_["methods"])
+                 + ".")
     return "\n".join(f"- {line}" for line in lines)
 
 
@@ -363,6 +409,8 @@ def plot(payload: dict[str, Any], path: Path) -> None:
         ax.set_xlabel(xlabel)
         ax.set_ylabel("held-out eval loss (nats/byte)")
         ax.grid(alpha=0.3)
+        lowest = min(p["eval_loss"] for m in run_["methods"] for p in m["points"])
+        ax.set_ylim(lowest - 0.05, run_["target_eval_loss"] + 1.0)  # the approach to the target
     axes[0].set_xscale("log")
     axes[1].set_xscale("log")
     axes[0].set_title(f"eval loss vs time, {run_['rate_mbit']:g} Mbit/s link")
@@ -391,6 +439,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sample-seconds", type=float, default=0.5, help="veth counter sampling interval")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds allowed per method")
+    parser.add_argument("--report-only", action="store_true", help="rewrite the md and png from the JSON of a run")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.eval_every, args.blocking_h, args.noloco_h = 30, 5, 20, 20
@@ -398,8 +447,24 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def write_report(payload: dict[str, Any], out_dir: Path, name: str, quick: bool) -> str:
+    add_payloads(payload["run"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=1))
+    text = (f"{markdown(payload)}\n\n## Notes\n\n{notes(payload)}\n\nTotal benchmark time: {payload['seconds']:.0f} s. "
+            f"Reproduce (root): `.venv/bin/python benchmarks/headline.py{' --quick' if quick else ''}`. "
+            f"Plot: `{name}.png`.\n")
+    (out_dir / f"{name}.md").write_text(text)
+    plot(payload, out_dir / f"{name}.png")
+    return text
+
+
 def main() -> None:
     args = parse_args()
+    name = f"{NAME}_quick" if args.quick else NAME
+    if args.report_only:  # the tables, notes and plot again from the run's JSON
+        print(write_report(json.loads((args.out_dir / f"{name}.json").read_text()), args.out_dir, name, args.quick))
+        return
     if (problem := require_netns()) is not None:
         raise SystemExit(f"{NAME}: {problem}")
     started = time.monotonic()
@@ -413,17 +478,10 @@ def main() -> None:
     for method in result["methods"]:
         for log in method.get("run", {}).get("logs", []):
             log["warnings"] = log["warnings"][:20]
-    name = f"{NAME}_quick" if args.quick else NAME
     payload = {"benchmark": NAME, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "machine": machine_info(), "seconds": time.monotonic() - started, "run": result}
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{name}.json").write_text(json.dumps(payload, indent=1))
-    text = (f"{markdown(payload)}\n\n## Notes\n\n{notes(payload)}\n\nTotal benchmark time: {payload['seconds']:.0f} s. "
-            f"Reproduce (root): `.venv/bin/python benchmarks/headline.py{' --quick' if args.quick else ''}`. "
-            f"Plot: `{name}.png`.\n")
-    (args.out_dir / f"{name}.md").write_text(text)
-    plot(payload, args.out_dir / f"{name}.png")
+    text = write_report(payload, args.out_dir, name, args.quick)
     print(f"\n{text}\nresults in {args.out_dir}")
 
 
