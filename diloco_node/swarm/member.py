@@ -42,11 +42,14 @@ from diloco_node.swarm.contacts import Contacts
 from diloco_node.swarm.exchange import Fetched, PayloadExchange
 from diloco_node.swarm.groups import group_key, random_groups
 from diloco_node.swarm.isolation import Isolation
+from diloco_node.swarm.pacing import pace_leader_search
 from diloco_node.swarm.presence import Presence
 from diloco_node.swarm.reachability import DialBack, detect
 from diloco_node.swarm.statesync import StateService, download_run_state
 
 logger = logging.getLogger(__name__)
+
+pace_leader_search()  # before any averager is forked (swarm/pacing.py)
 
 ROUND_BITS = 24  # group key bits carrying the round number (mod 2**24)
 BOOTSTRAP_ATTEMPTS = 3
