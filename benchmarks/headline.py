@@ -27,7 +27,7 @@ moment counts), of which the start-up (until both nodes joined: the DHT bootstra
 φ and the momentum from the seed, so node 2 downloads nothing), compute utilization (compute seconds /
 wall seconds to the target, start-up included) and the compute time per step.
 
-Run as root: `.venv/bin/python benchmarks/headline.py` (about 25 minutes on 2 cores; --quick: a
+Run as root: `.venv/bin/python benchmarks/headline.py` (about 17 minutes on 2 cores; --quick: a
 smoke test of about 4 minutes). Results: benchmarks/results/headline.{json,md,png}
 (--quick: headline_quick.*).
 """
@@ -432,7 +432,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-token-factor", type=float, default=2.0,
                         help="DiLoCo / NoLoCo train up to this many times DDP's tokens")
     parser.add_argument("--blocking-h", type=int, default=100, help="H of DiLoCo blocking fp32")
-    parser.add_argument("--candidates", default="int4:100,int4:200,int4:300,topk:100,topk:300",
+    parser.add_argument("--candidates", default="int4:100,int4:300,sign:100,sign:200,sign:300",
                         help="eager configurations to choose our best from, codec:H,...")
     parser.add_argument("--noloco-h", type=int, default=100)
     parser.add_argument("--noloco-compression", default="int4")
