@@ -236,12 +236,13 @@ def download_from(service: StateService, run: Callable[[Any, float, threading.Ev
 
 def holds_run_state(others: dict[str, NodeRecord], held: tuple[int, str]) -> bool:
     """Whether the state the run's records agree on is `held`, the (settled round, digest) of the
-    state we would serve ourselves, with no round in flight on any node announcing it: downloading
-    it would hand us the bytes we have. A fresh run's nodes all build φ0 and a zero momentum from
-    the seed, so none of them needs the first node's copy (8 B/param of start-up traffic)."""
+    state we would serve ourselves, with every node announcing it still before that round's inner
+    phase (no round in flight, and no training a lagging record may not show yet): downloading it
+    would hand us the bytes we have. A fresh run's nodes all build φ0 and a zero momentum from the
+    seed, so none of them needs the first node's copy (8 B/param of start-up traffic)."""
     announcers = [r for r in others.values() if (r.served_round, r.served_digest) == held]
     return (reference_state(others.values()) == held and bool(announcers)
-            and all(r.round == held[0] for r in announcers))
+            and all(r.round == held[0] and r.ready_round < held[0] for r in announcers))
 
 
 def download_run_state(service: StateService, run: Callable[[Any, float, threading.Event], Any],

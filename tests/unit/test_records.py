@@ -289,6 +289,9 @@ def test_a_fresh_node_skips_downloading_the_state_it_built_itself() -> None:
     # round 0's mean in flight (eager, round 1 training): the run's state is more than φ0
     assert not holds_run_state({"a": serving("a", 1, 0, "phi0")}, phi0)
     assert not holds_run_state({"a": serving("a", 3, 3, "phi3")}, phi0)  # the run moved on
+    # done with round 0's inner phase: its record may lag a node that already trained on
+    trained = dataclasses.replace(serving("a", 0, 0, "phi0"), ready_round=0)
+    assert not holds_run_state({"a": trained}, phi0)
     assert not holds_run_state({"a": serving("a", 0, 0, "other seed")}, phi0)
     # no state two servers agree on: the usual checked download decides
     assert not holds_run_state({"a": serving("a", 0, 0, "phi0"), "b": serving("b", 0, 0, "x")}, phi0)
