@@ -8,8 +8,9 @@ Mbit/s with `tc tbf`. Side by side in one run on that link, the same model, data
   budget) is the TARGET every other method has to reach.
 - DiLoCo blocking, fp32 (`--sync blocking --compression none`): DiLoCo as published (outer Nesterov,
   lr 0.7, momentum 0.9), H = --blocking-h.
-- Candidates for our best configuration: `--sync eager` with a compressed codec at a few H
-  (--candidates codec:H,...). The best one is chosen from this run's own measurements: the
+- Candidates for our best configuration: a compressed codec at a few H, eager unless told
+  (--candidates [SYNC/]CODEC[@BLOCK]:H,..., e.g. `int4:300`, `blocking/int4@256:300`: blocking
+  int4 with 256 values per scale). The best one is chosen from this run's own measurements: the
   candidate, among those that reach the target, closest to both targets (max of
   min(time ratio / 10, bytes ratio / 2000)).
 - NoLoCo (`--algorithm noloco`, --noloco-compression, H = --noloco-h).
@@ -211,6 +212,15 @@ def add_payloads(run_: dict[str, Any]) -> None:
         hit["payload_ratio"] = ddp["reached"]["payload_bytes"] / max(1, hit["payload_bytes"])
 
 
+def parse_candidate(text: str) -> tuple[str, int, list[str]]:
+    """`[SYNC/]CODEC[@BLOCK]:H` → (label, H, join options); SYNC defaults to eager."""
+    spec, h = text.rsplit(":", 1)
+    sync, _, codec = spec.rpartition("/")
+    codec, _, block = codec.partition("@")
+    options = ["--sync", sync or "eager", "--compression", codec, *(["--block-size", block] if block else [])]
+    return f"DiLoCo {sync or 'eager'} {codec}" + (f" (block {block})" if block else ""), int(h), options
+
+
 def score(method: dict[str, Any]) -> float:
     """How close a candidate comes to both targets (≥ 1: both met)."""
     hit = method["reached"]
@@ -233,8 +243,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             plan = [("DiLoCo blocking fp32", "blocking", args.blocking_h,
                      ["--sync", "blocking", "--compression", "none"])]
             for candidate in args.candidates.split(","):
-                codec, h = candidate.split(":")
-                plan.append((f"DiLoCo eager {codec}", "candidate", int(h), ["--sync", "eager", "--compression", codec]))
+                label, h, options = parse_candidate(candidate)
+                plan.append((label, "candidate", h, options))
             plan.append((f"NoLoCo {args.noloco_compression}", "noloco", args.noloco_h,
                          ["--algorithm", "noloco", "--compression", args.noloco_compression]))
             methods = [ddp]
@@ -341,7 +351,7 @@ def notes(payload: dict[str, Any]) -> str:
         "a node joining a run already under way downloads it (3.7 MB for this model).",
         "Utilization: compute seconds / wall seconds to the target (start-up included); compute s/step: "
         "DDP's step less its all-reduce, a node's round seconds x its logged utilization / H.",
-        f"Our best configuration is chosen in this run among the eager candidates ({args['candidates']}): "
+        f"Our best configuration is chosen in this run among the candidates ({args['candidates']}): "
         "the one that reaches the target closest to both targets, max of min(time ratio / 10, bytes ratio / 2000).",
     ]
     ddp_hit = ddp["reached"]

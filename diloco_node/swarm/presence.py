@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -22,9 +23,20 @@ from diloco_node.swarm.records import NodeRecord
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_SECONDS = 3.0
+# What the heartbeat costs: each DHT read returns every node's signed record (~4.4 KB on the wire
+# for two nodes) and each store first runs a lookup that reads them too (~7 KB). At one of each
+# every 3 s that was 7.6 KB/s for an idle pair, more than an int4 payload per round at H = 300
+# (benchmarks/idle.py). So the heartbeat reads only when nothing else has read the run's records
+# for HEARTBEAT_SECONDS, and stores only when our record has not gone out for REFRESH_SECONDS.
+HEARTBEAT_SECONDS = 6.0
+REFRESH_SECONDS = 8.0  # records.RECORD_TTL (20 s) survives one lost refresh
 ISOLATED_HEARTBEAT_SECONDS = 1.0
+TICK_SECONDS = 0.5  # how often the heartbeat thread checks whether a read or a refresh is due
 WAITING_LOG_SECONDS = 30.0
+# The barrier polls the records from 0.3 s apart, backing off to 1 s: a peer that arrives at once is
+# seen at once, and a long wait for a slow peer costs a read a second, not three.
+BARRIER_FIRST_POLL = 0.3
+BARRIER_MAX_POLL = 1.0
 
 
 def round_state(others: Collection[NodeRecord], round_: int) -> str:
@@ -66,6 +78,7 @@ class Presence:
         self._record_lock = threading.Lock()
         self._record = NodeRecord(peer_id, fingerprint, config, 0, -1, "", admission=gate.token, client=client)
         self._stats: dict[str, Any] = {}
+        self._published_at = self._read_at = -math.inf  # monotonic times of our last store and read
         self._refused: set[str] = set()
         self._unadmitted: dict[str, str] = {}  # peer → why it was not admitted (logged once per reason)
         self._live: dict[str, NodeRecord] = {}
@@ -124,6 +137,7 @@ class Presence:
     def _publish(self) -> None:
         with self._dht_lock:
             records.publish(self._dht, self.run_id, self._record, self._signer)
+            self._published_at = time.monotonic()
 
     def publish_stats(self, **stats: Any) -> None:
         """Stats for the swarm table (see records.NodeStats); they go out with the next announcement."""
@@ -162,6 +176,7 @@ class Presence:
         or "stopped" (the node was asked to stop while waiting).
         """
         deadline = time.monotonic() + timeout
+        poll = BARRIER_FIRST_POLL
         while True:
             others = self._others(among)
             state = round_state(others.values(), round_)
@@ -171,8 +186,9 @@ class Presence:
                 waiting = sorted(p for p, r in others.items() if r.ready_round < round_)
                 logger.warning("round=%d barrier timed out; not waiting for %s", round_, ", ".join(waiting))
                 return "timeout"
-            if stop.wait(0.3):
+            if stop.wait(poll):
                 return "stopped"
+            poll = min(1.5 * poll, BARRIER_MAX_POLL)
 
     def round_state(self, round_: int, among: Collection[str] | None = None) -> str:
         """Where the others (of `among`, when given) stand on `round_` right now; see `round_state`."""
@@ -234,6 +250,7 @@ class Presence:
     def _fetch(self) -> dict[str, NodeRecord]:
         with self._dht_lock:
             found, departed = records.fetch(self._dht, self.run_id)
+            self._read_at = time.monotonic()
         found, departed = self._admitted(found), self._admitted(departed)
         self._live = {p: r for p, r in found.items() if r.fingerprint == self.fingerprint}
         self._departed = {p: r for p, r in departed.items() if r.fingerprint == self.fingerprint}
@@ -268,14 +285,20 @@ class Presence:
                 self.on_revoked()
 
     def _heartbeat_loop(self) -> None:
-        # Faster while isolated: a peer that answers a dial is seen (and sees us) a second later.
-        while not self._stop.wait(ISOLATED_HEARTBEAT_SECONDS if self.isolation.since else HEARTBEAT_SECONDS):
+        while not self._stop.wait(TICK_SECONDS):
+            # Faster while isolated: a peer that answers a dial is seen (and sees us) a second later.
+            every = ISOLATED_HEARTBEAT_SECONDS if self.isolation.since else HEARTBEAT_SECONDS
             try:
-                self._check_revocations()
-                with self._dht_lock:
-                    records.publish(self._dht, self.run_id, self._record, self._signer)
-                self._fetch()
-                with self._dht_lock:
-                    self.isolation.observe([p for p in self._live if p != self.peer_id], list(self._departed))
+                if time.monotonic() - self._published_at >= min(every, REFRESH_SECONDS):
+                    self._publish()
+                if time.monotonic() - self._read_at >= every:
+                    self._heartbeat_read()
             except Exception as exc:  # a missed heartbeat is retried; the loop must outlive it
                 logger.warning("heartbeat failed: %r", exc)
+
+    def _heartbeat_read(self) -> None:
+        """The run's records and revocations, and what they tell the isolation watch."""
+        self._check_revocations()
+        self._fetch()
+        with self._dht_lock:
+            self.isolation.observe([p for p in self._live if p != self.peer_id], list(self._departed))

@@ -33,7 +33,7 @@ from diloco_node.identity import peer_id_of_public_key
 
 logger = logging.getLogger(__name__)
 
-RECORD_TTL = 15.0  # seconds; a node silent for this long is treated as gone
+RECORD_TTL = 20.0  # seconds; a node silent for this long is treated as gone (presence.REFRESH_SECONDS)
 REVOCATION_TTL = 365 * 86400.0  # a revocation stays for as long as any admission is likely to
 MAX_VOUCHED = 8
 Token = pydantic.constr(strict=True, max_length=1024)
