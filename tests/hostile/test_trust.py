@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from diloco_node.swarm.presence import HEARTBEAT_SECONDS
 from tests.hostile.test_forged_records import forging_process
 from tests.integration.conftest import NodeFactory
 from tests.integration.test_swarm import assert_same_digests
 
 pytestmark = pytest.mark.integration
 
-HEARTBEAT_SECONDS = 3.0
 
 
 def cli(*args: str) -> str:
