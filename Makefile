@@ -40,6 +40,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/matchmaking.py --syncs eager,blocking
 	$(PY) benchmarks/wide_area.py  # network namespaces: needs root
 	$(PY) benchmarks/headline.py  # network namespaces: needs root; time and bytes to DDP's loss
+	$(PY) benchmarks/background.py  # network namespaces: needs root; an idle pair's bytes per second
 	$(PY) benchmarks/scale.py  # after wide_area.py: its cost model is also fitted to the islands
 	$(PY) benchmarks/partition.py  # network namespaces: needs root
 	$(PY) benchmarks/islands.py  # docker/compose.yaml on a Docker engine: needs root

@@ -16,15 +16,13 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the island harness lives in tests/network
 
-from common import RESULTS_DIR, WORLD, NodeProcess, machine_info, node_args  # noqa: E402
+from common import RESULTS_DIR, WORLD, NodeProcess, machine_info, node_args, work_dir  # noqa: E402
 from wide_area import wire_bytes  # noqa: E402
 
 from tests.network.islands import Islands, require_netns  # noqa: E402
@@ -70,13 +68,8 @@ def main() -> None:
     args = parser.parse_args()
     if (problem := require_netns()) is not None:
         raise SystemExit(f"{NAME}: {problem}")
-    work = Path(tempfile.mkdtemp(prefix=f"{NAME}_"))
-    try:
+    with work_dir(f"{NAME}_") as work:
         result = measure(args, work)
-    except BaseException:
-        print(f"node logs kept in {work}")
-        raise
-    shutil.rmtree(work, ignore_errors=True)
     result["payload_equivalent_seconds"] = args.payload_bytes / result["bytes_per_second_per_node"]
     payload = {"benchmark": NAME, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

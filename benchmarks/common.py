@@ -12,12 +12,14 @@ import contextlib
 import os
 import platform
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,19 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # A diloco_node warning on a node's stderr (the log format of cli.setup_logging; hivemind's log
 # setup renames WARNING to WARN). Warnings are log lines, not events.
 WARNING_RE = re.compile(r" WARN(ING)? diloco_node")
+
+
+@contextlib.contextmanager
+def work_dir(prefix: str) -> Iterator[Path]:
+    """A scratch folder for a benchmark's node logs: removed after a run that succeeds, kept (and
+    named) after one that fails, since the logs then say why."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield work
+    except BaseException:
+        print(f"node logs kept in {work}")
+        raise
+    shutil.rmtree(work, ignore_errors=True)
 
 
 def read_lo_bytes() -> int | None:

@@ -41,11 +41,9 @@ import datetime as dt
 import json
 import math
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -53,7 +51,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the island harness lives in tests/network
 
-from common import RESULTS_DIR, WORLD, final_eval_loss, machine_info, pyplot  # noqa: E402
+from common import RESULTS_DIR, WORLD, final_eval_loss, machine_info, pyplot, work_dir  # noqa: E402
 from wide_area import run_ddp_on_link, run_diloco_on_link, wire_bytes  # noqa: E402
 
 from diloco_node.config import NodeConfig  # noqa: E402
@@ -478,13 +476,8 @@ def main() -> None:
     if (problem := require_netns()) is not None:
         raise SystemExit(f"{NAME}: {problem}")
     started = time.monotonic()
-    work = Path(tempfile.mkdtemp(prefix=f"{NAME}_work_"))
-    try:
+    with work_dir(f"{NAME}_work_") as work:
         result = run(args, work)
-    except BaseException:
-        print(f"node logs kept in {work}")
-        raise
-    shutil.rmtree(work, ignore_errors=True)
     for method in result["methods"]:
         for log in method.get("run", {}).get("logs", []):
             log["warnings"] = log["warnings"][:20]

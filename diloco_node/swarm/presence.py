@@ -26,8 +26,9 @@ logger = logging.getLogger(__name__)
 # What the heartbeat costs: each DHT read returns every node's signed record (~4.4 KB on the wire
 # for two nodes) and each store first runs a lookup that reads them too (~7 KB). At one of each
 # every 3 s that was 7.6 KB/s for an idle pair, more than an int4 payload per round at H = 300
-# (benchmarks/idle.py). So the heartbeat reads only when nothing else has read the run's records
-# for HEARTBEAT_SECONDS, and stores only when our record has not gone out for REFRESH_SECONDS.
+# (benchmarks/background.py). So the heartbeat looks every HEARTBEAT_SECONDS but reads the records
+# only when nothing else has read them meanwhile, and stores our record only when it has not gone
+# out for REFRESH_SECONDS.
 HEARTBEAT_SECONDS = 6.0
 REFRESH_SECONDS = 8.0  # records.RECORD_TTL (20 s) survives one lost refresh
 ISOLATED_HEARTBEAT_SECONDS = 1.0
@@ -285,20 +286,25 @@ class Presence:
                 self.on_revoked()
 
     def _heartbeat_loop(self) -> None:
+        looked_at = time.monotonic()
         while not self._stop.wait(TICK_SECONDS):
             # Faster while isolated: a peer that answers a dial is seen (and sees us) a second later.
             every = ISOLATED_HEARTBEAT_SECONDS if self.isolation.since else HEARTBEAT_SECONDS
             try:
                 if time.monotonic() - self._published_at >= min(every, REFRESH_SECONDS):
                     self._publish()
-                if time.monotonic() - self._read_at >= every:
-                    self._heartbeat_read()
+                if time.monotonic() - looked_at >= every:
+                    looked_at = time.monotonic()
+                    self._look(every)
             except Exception as exc:  # a missed heartbeat is retried; the loop must outlive it
                 logger.warning("heartbeat failed: %r", exc)
 
-    def _heartbeat_read(self) -> None:
-        """The run's records and revocations, and what they tell the isolation watch."""
+    def _look(self, every: float) -> None:
+        """Revocations, and what the run's records tell the isolation watch. The records are read
+        again only when nobody else read them within `every` s (the barrier reads them often);
+        revocations only the heartbeat reads."""
         self._check_revocations()
-        self._fetch()
+        if time.monotonic() - self._read_at >= every:
+            self._fetch()
         with self._dht_lock:
             self.isolation.observe([p for p in self._live if p != self.peer_id], list(self._departed))
