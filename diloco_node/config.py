@@ -6,8 +6,6 @@ and a flag --<key> always mean the same thing. Precedence: flag > env > file > d
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import tomllib
 from pathlib import Path
@@ -17,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from diloco_node.admission import parse_public_key
 from diloco_node.codec import CODECS, FEEDBACK, CodecConfig, make_codec
+from diloco_node.fingerprint import fingerprint_of
 from diloco_node.replica.base import ReplicaSettings
 from diloco_node.swarm.addresses import check_multiaddr
 from diloco_node.train.device import resolve_devices
@@ -384,8 +383,7 @@ class NodeConfig(BaseModel):
                 **({"eager_proxy": self.eager_proxy} if self.sync == "eager" else {})}
 
     def fingerprint(self) -> str:
-        canonical = json.dumps(self.fingerprint_fields(), sort_keys=True)
-        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+        return fingerprint_of(self.fingerprint_fields())
 
 
 def describe_fields(fields: dict[str, Any]) -> str:

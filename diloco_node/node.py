@@ -121,8 +121,7 @@ class Node:
             self._sync_from_peers(fresh=outstanding is None)
         if self.stop_requested.is_set():
             return  # stopped during the state download: nothing of ours is worth saving
-        self.swarm.presence.enter(self.state.round, self.state.digest(), self._served())
-        self._announce(ready=False)
+        self.swarm.presence.enter(self.state.round, self.state.digest(), self._served())  # announces us
         self.swarm.share_state()
         if self.cfg.min_peers > 1:
             self.say(f"waiting for {self.cfg.min_peers} nodes in run {self.cfg.run_id}")

@@ -10,7 +10,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 from hivemind import DHT
@@ -29,15 +29,23 @@ logger = logging.getLogger(__name__)
 # (benchmarks/background.py). So the heartbeat looks every HEARTBEAT_SECONDS but reads the records
 # only when nothing else has read them meanwhile, and stores our record only when it has not gone
 # out for REFRESH_SECONDS.
-HEARTBEAT_SECONDS = 6.0
-REFRESH_SECONDS = 8.0  # records.RECORD_TTL (20 s) survives one lost refresh
+HEARTBEAT_SECONDS = 10.0
+REFRESH_SECONDS = 10.0  # records.RECORD_TTL (25 s) survives one lost refresh
 ISOLATED_HEARTBEAT_SECONDS = 1.0
 TICK_SECONDS = 0.5  # how often the heartbeat thread checks whether a read or a refresh is due
 WAITING_LOG_SECONDS = 30.0
-# The barrier polls the records from 0.3 s apart, backing off to 1 s: a peer that arrives at once is
-# seen at once, and a long wait for a slow peer costs a read a second, not three.
-BARRIER_FIRST_POLL = 0.3
-BARRIER_MAX_POLL = 1.0
+# Waits on the records (the barrier, peers at start-up) read them 0.3 s apart at first, backing off
+# to 1 s: a peer that arrives at once is seen at once, and a long wait costs a read a second, not three.
+FIRST_POLL_SECONDS = 0.3
+MAX_POLL_SECONDS = 1.0
+
+
+def polls() -> Iterator[float]:
+    """The pauses between two reads of a wait on the records."""
+    poll = FIRST_POLL_SECONDS
+    while True:
+        yield poll
+        poll = min(1.5 * poll, MAX_POLL_SECONDS)
 
 
 def round_state(others: Collection[NodeRecord], round_: int) -> str:
@@ -77,9 +85,11 @@ class Presence:
         # announce (main thread) and mark_exchanged (also the exchange's thread) each rewrite our
         # record from the last one: one lock, so neither loses the other's field
         self._record_lock = threading.Lock()
-        self._record = NodeRecord(peer_id, fingerprint, config, 0, -1, "", admission=gate.token, client=client)
+        self._record = NodeRecord(peer_id, fingerprint, 0, -1, "", admission=gate.token, client=client)
         self._stats: dict[str, Any] = {}
-        self._published_at = self._read_at = -math.inf  # monotonic times of our last store and read
+        # monotonic times of our last store of the record, read of the records, store of our config
+        self._published_at = self._read_at = self._config_published_at = -math.inf
+        self._configs: dict[str, dict[str, Any] | None] = {}  # refused fingerprints → their published configs
         self._refused: set[str] = set()
         self._unadmitted: dict[str, str] = {}  # peer → why it was not admitted (logged once per reason)
         self._live: dict[str, NodeRecord] = {}
@@ -95,9 +105,8 @@ class Presence:
         others = [r for r in found if r.fingerprint != self.fingerprint]
         if others and len(others) == len(found):
             self._publish()  # so that the run's nodes see, and log, whom they refused
-            difference = records.config_difference(self.config, others[0].config)
             raise IncompatibleRun(f"refused: run '{self.run_id}' uses an incompatible config "
-                                  f"(peer {others[0].peer_id}: {difference})")
+                                  f"(peer {others[0].peer_id}: {self._difference(others[0].fingerprint)})")
 
     def enter(self, round_: int, digest: str, served: tuple[int, str]) -> None:
         """Announce ourselves as a member at `round_`, after any state download: a joiner that the
@@ -114,11 +123,12 @@ class Presence:
             self._publish()
 
     def mark_exchanged(self, round_: int) -> None:
-        """Our exchange of `round_` is over: a node still waiting to exchange it is behind."""
+        """Our exchange of `round_` is over: a node still waiting to exchange it is behind. It goes
+        out with our next store (the next announcement or refresh, within REFRESH_SECONDS), not one
+        of its own: each store costs a read of every record too (see HEARTBEAT_SECONDS)."""
         with self._record_lock:  # never backwards: an overlapped exchange may report an older round late
             self._record = dataclasses.replace(self._record,
                                                exchanged_round=max(round_, self._record.exchanged_round))
-            self._publish()
 
     def vouch(self, peer: str) -> None:
         """`peer` took our state with rounds in flight: it may fetch those rounds' payloads from our
@@ -137,8 +147,22 @@ class Presence:
 
     def _publish(self) -> None:
         with self._dht_lock:
+            if time.monotonic() - self._config_published_at >= records.CONFIG_TTL / 2:
+                # first, so that a node refusing our record finds what differs
+                records.publish_config(self._dht, self.run_id, self.config)
+                self._config_published_at = time.monotonic()
             records.publish(self._dht, self.run_id, self._record, self._signer)
             self._published_at = time.monotonic()
+
+    def _difference(self, fingerprint: str) -> str:
+        """What differs between our config and the one `fingerprint` names, as far as it is published."""
+        if fingerprint not in self._configs:
+            with self._dht_lock:
+                self._configs[fingerprint] = records.fetch_config(self._dht, self.run_id, fingerprint)
+        theirs = self._configs[fingerprint]
+        if theirs is None:
+            return f"fingerprint={fingerprint} (ours: {self.fingerprint}); its config is not published"
+        return records.config_difference(self.config, theirs)
 
     def publish_stats(self, **stats: Any) -> None:
         """Stats for the swarm table (see records.NodeStats); they go out with the next announcement."""
@@ -159,8 +183,9 @@ class Presence:
     def wait_for_peers(self, count: int, stop: threading.Event) -> bool:
         """Block until `count` compatible nodes (ourselves included) are in the run; False if stopped."""
         started = time.monotonic()
+        pauses = polls()
         while (present := len(self.compatible_peers(refresh=True))) < count:
-            if stop.wait(0.5):
+            if stop.wait(next(pauses)):
                 return False
             if time.monotonic() - started > WAITING_LOG_SECONDS:
                 logger.info("still waiting for nodes present=%d wanted=%d", present, count)
@@ -177,7 +202,7 @@ class Presence:
         or "stopped" (the node was asked to stop while waiting).
         """
         deadline = time.monotonic() + timeout
-        poll = BARRIER_FIRST_POLL
+        pauses = polls()
         while True:
             others = self._others(among)
             state = round_state(others.values(), round_)
@@ -187,9 +212,8 @@ class Presence:
                 waiting = sorted(p for p, r in others.items() if r.ready_round < round_)
                 logger.warning("round=%d barrier timed out; not waiting for %s", round_, ", ".join(waiting))
                 return "timeout"
-            if stop.wait(poll):
+            if stop.wait(next(pauses)):
                 return "stopped"
-            poll = min(1.5 * poll, BARRIER_MAX_POLL)
 
     def round_state(self, round_: int, among: Collection[str] | None = None) -> str:
         """Where the others (of `among`, when given) stand on `round_` right now; see `round_state`."""
@@ -259,8 +283,7 @@ class Presence:
         for peer, record in found.items():
             if record.fingerprint != self.fingerprint and peer not in self._refused:
                 self._refused.add(peer)
-                difference = records.config_difference(self.config, record.config)
-                logger.warning("refused peer %s: incompatible config (%s)", peer, difference)
+                logger.warning("refused peer %s: incompatible config (%s)", peer, self._difference(record.fingerprint))
         return found
 
     def _admitted(self, found: dict[str, NodeRecord]) -> dict[str, NodeRecord]:

@@ -11,6 +11,11 @@ cannot break the barrier or the dashboard.
 A permissioned run's revocations live under `<run_id>_revoked`, one subkey per owner-signed token
 (the subkey, not the value: a value can be replaced by anyone storing a later one, a subkey cannot
 be taken away).
+
+The fingerprinted config is not in the record: every DHT read of the records returns all of them and
+every heartbeat sends ours, and the config is needed only to tell a refused peer what differs. It
+lives under `<run_id>_configs`, one subkey per fingerprint, stored once an hour; a reader takes it
+only when its fingerprint hashes to that subkey, so nobody can pin another config on a fingerprint.
 """
 
 from __future__ import annotations
@@ -29,11 +34,13 @@ from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from diloco_node.fingerprint import fingerprint_of
 from diloco_node.identity import peer_id_of_public_key
 
 logger = logging.getLogger(__name__)
 
-RECORD_TTL = 20.0  # seconds; a node silent for this long is treated as gone (presence.REFRESH_SECONDS)
+CONFIG_TTL = 3600.0  # seconds a published config stays; nodes store theirs again every half of it
+RECORD_TTL = 25.0  # seconds; a node silent for this long is treated as gone (presence.REFRESH_SECONDS)
 REVOCATION_TTL = 365 * 86400.0  # a revocation stays for as long as any admission is likely to
 MAX_VOUCHED = 8
 Token = pydantic.constr(strict=True, max_length=1024)
@@ -63,7 +70,6 @@ class NodeStats(pydantic.BaseModel):
 class NodeValue(pydantic.BaseModel):
     peer_id: pydantic.StrictStr
     fingerprint: pydantic.StrictStr
-    config: dict[pydantic.StrictStr, Any]
     round: pydantic.StrictInt
     ready_round: pydantic.StrictInt
     exchanged_round: pydantic.StrictInt
@@ -80,6 +86,7 @@ class NodeValue(pydantic.BaseModel):
 class RunRecords(pydantic.BaseModel):
     nodes: dict[BytesWithPublicKey, NodeValue]  # type: ignore[valid-type]
     revoked: dict[Token, pydantic.StrictBool]  # type: ignore[valid-type]
+    configs: dict[pydantic.constr(strict=True, max_length=64), dict[pydantic.StrictStr, Any]]  # type: ignore[valid-type]
 
 
 def signer(identity: Any) -> RSASignatureValidator:
@@ -113,7 +120,6 @@ def bound_peer_id(subkey: bytes) -> str | None:
 class NodeRecord:
     peer_id: str
     fingerprint: str
-    config: dict[str, Any]
     round: int  # the round the node is training or averaging
     ready_round: int  # the last round whose inner phase it finished (-1: none yet)
     digest: str  # hash of the node's φ at the start of `round`
@@ -134,8 +140,8 @@ class NodeRecord:
         return self.exchanged_round < round_ and self.round <= round_ + 1
 
     def to_wire(self) -> dict[str, Any]:
-        return {"peer_id": self.peer_id, "fingerprint": self.fingerprint, "config": self.config,
-                "round": self.round, "ready_round": self.ready_round, "exchanged_round": self.exchanged_round,
+        return {"peer_id": self.peer_id, "fingerprint": self.fingerprint, "round": self.round,
+                "ready_round": self.ready_round, "exchanged_round": self.exchanged_round,
                 "digest": self.digest, "served_round": self.served_round, "served_digest": self.served_digest,
                 "left": False,
                 # every field spelled out: the DHT's SchemaValidator refuses values that need defaults filled in
@@ -151,7 +157,7 @@ class NodeRecord:
             return None
         if parsed.left != left:
             return None
-        return cls(parsed.peer_id, parsed.fingerprint, parsed.config, parsed.round, parsed.ready_round,
+        return cls(parsed.peer_id, parsed.fingerprint, parsed.round, parsed.ready_round,
                    parsed.digest, parsed.stats.dict(), parsed.exchanged_round, parsed.admission,
                    tuple(parsed.vouched), parsed.served_round, parsed.served_digest, parsed.client)
 
@@ -162,6 +168,10 @@ def records_key(run_id: str) -> str:
 
 def revocations_key(run_id: str) -> str:
     return f"{run_id}_revoked"
+
+
+def configs_key(run_id: str) -> str:
+    return f"{run_id}_configs"
 
 
 def owned_subkey(peer_id: str, signed_by: RSASignatureValidator) -> bytes:
@@ -185,6 +195,19 @@ def fetch_revocations(dht: DHT, run_id: str) -> list[str]:
     if found is None or not isinstance(found.value, dict):
         return []
     return [subkey for subkey in found.value if isinstance(subkey, str)]
+
+
+def publish_config(dht: DHT, run_id: str, config: dict[str, Any]) -> None:
+    dht.store(configs_key(run_id), subkey=fingerprint_of(config), value=config,
+              expiration_time=get_dht_time() + CONFIG_TTL)
+
+
+def fetch_config(dht: DHT, run_id: str, fingerprint: str) -> dict[str, Any] | None:
+    """The config published for `fingerprint`, None when none hashes to it."""
+    found = dht.get(configs_key(run_id), latest=True)
+    item = found.value.get(fingerprint) if found is not None and isinstance(found.value, dict) else None
+    config = item.value if isinstance(item, ValueWithExpiration) else None
+    return config if isinstance(config, dict) and fingerprint_of(config) == fingerprint else None
 
 
 def withdraw(dht: DHT, run_id: str, record: NodeRecord, signed_by: RSASignatureValidator) -> None:

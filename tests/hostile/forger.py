@@ -4,7 +4,7 @@ changes it, signs it with its own libp2p key (so the record is validly its own) 
 
 Usage: forger.py PEER_MULTIADDR RUN_ID MODE
 - ahead: the record claims a far-ahead round (config and fingerprint as the honest one's);
-- config: the record claims another config (fingerprint and one config value changed);
+- config: the record claims another config (another fingerprint, whose config is not published);
 - intruder: a permissioned run: the record carries an honest node's admission; every second it
   also asks each honest node for its payloads and its state, printing what it got;
 - poison: serves the run's state with φ shifted by 1 (copied from an honest node, then changed),
@@ -239,7 +239,7 @@ def main() -> None:
         if mode == "ahead":
             forged.update(round=FAR_AHEAD, ready_round=FAR_AHEAD, exchanged_round=FAR_AHEAD)
         elif mode == "config":
-            forged.update(fingerprint="0" * 16, config={**source["config"], "model": "forged"})
+            forged.update(fingerprint="0" * 16)
         stored = dht.store(key, subkey=me.encode() + signer.local_public_key, value=forged,
                            expiration_time=get_dht_time() + TTL)
         if stored and not announced:

@@ -19,11 +19,11 @@ from diloco_node.swarm.statesync import agreement, servers_in_order
 
 
 def record(peer: str, round_: int, digest: str) -> NodeRecord:
-    return NodeRecord(peer, "fp", {}, round_, round_ - 1, digest)
+    return NodeRecord(peer, "fp", round_, round_ - 1, digest)
 
 
 def test_round_trip_through_the_wire() -> None:
-    original = NodeRecord("peer", "fp", {"model": "tiny"}, 3, 2, "abc", {"label": "eu", "rounds": 3})
+    original = NodeRecord("peer", "fp", 3, 2, "abc", {"label": "eu", "rounds": 3})
     parsed = NodeRecord.from_wire(original.to_wire())
     assert parsed is not None
     assert (parsed.peer_id, parsed.round, parsed.digest) == ("peer", 3, "abc")
@@ -31,12 +31,12 @@ def test_round_trip_through_the_wire() -> None:
 
 
 def test_malformed_or_left_records_are_ignored() -> None:
-    good = NodeRecord("p", "fp", {}, 1, 0, "d").to_wire()
+    good = NodeRecord("p", "fp", 1, 0, "d").to_wire()
     assert NodeRecord.from_wire(good) is not None
     assert NodeRecord.from_wire("nonsense") is None
     assert NodeRecord.from_wire({**good, "round": "1"}) is None
     assert NodeRecord.from_wire({**good, "digest": None}) is None
-    assert NodeRecord.from_wire({k: v for k, v in good.items() if k != "config"}) is None
+    assert NodeRecord.from_wire({k: v for k, v in good.items() if k != "digest"}) is None
     assert NodeRecord.from_wire({**good, "left": True}) is None
     # a departed node's record is read only when asked for, and a live one is not mistaken for it
     assert NodeRecord.from_wire({**good, "left": True}, left=True) is not None
@@ -69,7 +69,7 @@ def test_config_difference_names_the_keys() -> None:
 
 
 def peer_at(peer: str, ready_round: int, exchanged_round: int = -1) -> NodeRecord:
-    return NodeRecord(peer, "fp", {}, ready_round + 1, ready_round, "d", exchanged_round=exchanged_round)
+    return NodeRecord(peer, "fp", ready_round + 1, ready_round, "d", exchanged_round=exchanged_round)
 
 
 def test_round_state_of_the_peers_we_average_with() -> None:
@@ -128,9 +128,12 @@ def test_our_record_keeps_both_threads_fields_and_exchanged_round_never_goes_bac
 
     published: list[NodeRecord] = []
     monkeypatch.setattr(records, "publish", lambda _dht, _run, record, _signer: published.append(record))
+    monkeypatch.setattr(records, "publish_config", lambda _dht, _run, _config: None)
     presence = Presence(SimpleNamespace(), "us", "run", "fp", {}, SimpleNamespace(), None, Gate("run"))  # type: ignore[arg-type]
     presence.mark_exchanged(5)
     presence.mark_exchanged(3)  # an overlapped exchange's late report of an older round
+    assert not published, "the exchanged round goes out with the next store, not one of its own"
+    presence.announce(5, 5, "d", (5, "s"))
     assert published[-1].exchanged_round == 5
 
     def announcing() -> None:
@@ -146,9 +149,10 @@ def test_our_record_keeps_both_threads_fields_and_exchanged_round_never_goes_bac
         thread.start()
     for thread in threads:
         thread.join()
+    presence.announce(400, 399, "d", (400, "s"))
     exchanged = [r.exchanged_round for r in published]
     assert exchanged == sorted(exchanged), "exchanged_round went backwards"
-    assert published[-1].exchanged_round == 399 and presence._record.round == 399
+    assert published[-1].exchanged_round == 399 and presence._record.round == 400
 
 
 def presence_seeing(monkeypatch, found: list[NodeRecord]) -> Presence:  # type: ignore[no-untyped-def]
@@ -156,6 +160,8 @@ def presence_seeing(monkeypatch, found: list[NodeRecord]) -> Presence:  # type: 
 
     monkeypatch.setattr(records, "fetch", lambda _dht, _run: ({r.peer_id: r for r in found}, {}))
     monkeypatch.setattr(records, "publish", lambda _dht, _run, _record, _signer: None)
+    monkeypatch.setattr(records, "publish_config", lambda _dht, _run, _config: None)
+    monkeypatch.setattr(records, "fetch_config", lambda _dht, _run, _fingerprint: None)
     return Presence(SimpleNamespace(), "us", "run", "fp", {}, SimpleNamespace(), None, Gate("run"))  # type: ignore[arg-type]
 
 
@@ -224,6 +230,8 @@ def test_a_permissioned_presence_ignores_records_without_a_valid_admission(monke
     monkeypatch.setattr(records, "fetch", lambda _dht, _run: ({r.peer_id: r for r in
                                                                (admitted, wrong_peer, self_made, none)}, {}))
     monkeypatch.setattr(records, "publish", lambda _dht, _run, _record, _signer: None)
+    monkeypatch.setattr(records, "publish_config", lambda _dht, _run, _config: None)
+    monkeypatch.setattr(records, "fetch_config", lambda _dht, _run, _fingerprint: None)
     presence = Presence(SimpleNamespace(), "us", "run", "fp", {}, SimpleNamespace(), None,  # type: ignore[arg-type]
                         Gate("run", owner.public_key(), sign(owner, Claims("admit", "run", "us"))))
     assert sorted(presence.compatible_peers(refresh=True)) == ["a", "us"]
@@ -295,3 +303,33 @@ def test_a_fresh_node_skips_downloading_the_state_it_built_itself() -> None:
     assert not holds_run_state({"a": serving("a", 0, 0, "other seed")}, phi0)
     # no state two servers agree on: the usual checked download decides
     assert not holds_run_state({"a": serving("a", 0, 0, "phi0"), "b": serving("b", 0, 0, "x")}, phi0)
+
+
+def test_a_published_config_counts_only_under_its_own_fingerprint() -> None:
+    from diloco_node.config import NodeConfig
+
+    config = NodeConfig().fingerprint_fields()
+    ours = NodeConfig().fingerprint()
+    forged = {**config, "model": "small"}
+    stored = {ours: ValueWithExpiration(config, 1e12), "f" * 16: ValueWithExpiration(forged, 1e12)}
+    dht = SimpleNamespace(get=lambda key, latest: ValueWithExpiration(stored, 1e12))
+    assert records.fetch_config(dht, "run", ours) == config  # type: ignore[arg-type]
+    stored[ours] = ValueWithExpiration(forged, 1e12)  # someone stored another config under our fingerprint
+    assert records.fetch_config(dht, "run", ours) is None  # type: ignore[arg-type]
+    assert records.fetch_config(dht, "run", "f" * 16) is None  # type: ignore[arg-type]
+
+
+def test_a_refusal_names_what_differs_or_that_the_config_is_unknown(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import pytest
+
+    from diloco_node.swarm.presence import IncompatibleRun
+
+    other = dataclasses.replace(record("them", 5, "d"), fingerprint="other")
+    presence = presence_seeing(monkeypatch, [other])
+    presence.config = {"model": "tiny"}
+    with pytest.raises(IncompatibleRun, match=r"fingerprint=other \(ours: fp\); its config is not published"):
+        presence.check_compatible()
+    monkeypatch.setattr(records, "fetch_config", lambda _dht, _run, _fingerprint: {"model": "small"})
+    presence._configs.clear()
+    with pytest.raises(IncompatibleRun, match=r"model=small \(ours: tiny\)"):
+        presence.check_compatible()

@@ -361,7 +361,7 @@ def test_swarm_rows_count_what_our_aggregator_bounded_per_peer() -> None:
     from diloco_node.swarm.records import NodeRecord
     from diloco_node.telemetry.swarm_table import swarm_row
 
-    record = NodeRecord("peer", "fp", {}, 3, 2, "d", {"label": "x"})
+    record = NodeRecord("peer", "fp", 3, 2, "d", {"label": "x"})
     assert (swarm_row(record, False)["clipped"], swarm_row(record, False)["rejected"]) == (0, 0)
     row = swarm_row(record, False, bounded=(3, 1))
     assert (row["clipped"], row["rejected"]) == (3, 1)
