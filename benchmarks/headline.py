@@ -28,7 +28,7 @@ moment counts), of which the start-up (until both nodes joined: the DHT bootstra
 φ and the momentum from the seed, so node 2 downloads nothing), compute utilization (compute seconds /
 wall seconds to the target, start-up included) and the compute time per step.
 
-Run as root: `.venv/bin/python benchmarks/headline.py` (about 17 minutes on 2 cores; --quick: a
+Run as root: `.venv/bin/python benchmarks/headline.py` (about 20 minutes on 2 cores; --quick: a
 smoke test of about 4 minutes). Results: benchmarks/results/headline.{json,md,png}
 (--quick: headline_quick.*).
 """
