@@ -14,8 +14,9 @@ be taken away).
 
 The fingerprinted config is not in the record: every DHT read of the records returns all of them and
 every heartbeat sends ours, and the config is needed only to tell a refused peer what differs. It
-lives under `<run_id>_configs`, one subkey per fingerprint, stored once an hour; a reader takes it
-only when its fingerprint hashes to that subkey, so nobody can pin another config on a fingerprint.
+lives under `<run_id>_configs`, one subkey per fingerprint, stored for CONFIG_TTL and again every
+half of it; a reader takes it only when its fingerprint hashes to that subkey, so nobody can pin
+another config on a fingerprint.
 """
 
 from __future__ import annotations
