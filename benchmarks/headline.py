@@ -61,9 +61,10 @@ from tests.network.islands import Islands, require_netns  # noqa: E402
 NAME = "headline"
 TIME_TARGET = 10.0  # our best reaches the target this many times sooner than DDP
 BYTES_TARGET = 2000.0  # ... with this many times fewer bytes on the wire
-# the run of record's: eager int4 at H = 100 and 300; int4 with one scale per 256 or 512 values (10 % fewer bytes)
-# eager at H = 200 and blocking at H = 300, where one round's average reaches the target; blocking takes
-# eager's outer momentum 0.6 (0.9 overshoots at H = 300: 2.29 after round 1, 2.33 after round 2)
+# The run of record's candidates: eager int4 at H = 100 and 300; int4 with one scale per 256 or 512
+# values (~10 % fewer bytes), eager at H = 200 and blocking at H = 300, where one round's average
+# reaches the target. Blocking takes eager's outer momentum 0.6: with 0.9 the first outer step
+# overshoots at H = 300 (2.29 after round 1, 2.33 after round 2).
 CANDIDATES = ["100:--compression int4", "300:--compression int4",
               "200:--compression int4 --block-size 256",
               "300:--sync blocking --compression int4 --block-size 256 --outer-momentum 0.6",

@@ -19,7 +19,6 @@ from tests.integration.test_swarm import assert_same_digests
 pytestmark = pytest.mark.integration
 
 
-
 def cli(*args: str) -> str:
     return subprocess.run([sys.executable, "-m", "diloco_node", *args], capture_output=True, text=True,
                           check=True, timeout=120).stdout.strip()

@@ -155,13 +155,16 @@ def test_our_record_keeps_both_threads_fields_and_exchanged_round_never_goes_bac
     assert published[-1].exchanged_round == 399 and presence._record.round == 400
 
 
-def presence_seeing(monkeypatch, found: list[NodeRecord]) -> Presence:  # type: ignore[no-untyped-def]
-    from diloco_node.swarm import records
-
+def offline(monkeypatch, found: list[NodeRecord]) -> None:  # type: ignore[no-untyped-def]
+    """The DHT as records.py sees it: `found` are the run's records, stores go nowhere, no config is published."""
     monkeypatch.setattr(records, "fetch", lambda _dht, _run: ({r.peer_id: r for r in found}, {}))
     monkeypatch.setattr(records, "publish", lambda _dht, _run, _record, _signer: None)
     monkeypatch.setattr(records, "publish_config", lambda _dht, _run, _config: None)
     monkeypatch.setattr(records, "fetch_config", lambda _dht, _run, _fingerprint: None)
+
+
+def presence_seeing(monkeypatch, found: list[NodeRecord]) -> Presence:  # type: ignore[no-untyped-def]
+    offline(monkeypatch, found)
     return Presence(SimpleNamespace(), "us", "run", "fp", {}, SimpleNamespace(), None, Gate("run"))  # type: ignore[arg-type]
 
 
@@ -227,11 +230,7 @@ def test_a_permissioned_presence_ignores_records_without_a_valid_admission(monke
     wrong_peer = dataclasses.replace(record("b", 5, "d"), admission=sign(owner, Claims("admit", "run", "a")))
     self_made = dataclasses.replace(record("c", 5, "d"), admission=sign(stranger, Claims("admit", "run", "c")))
     none = record("e", 5, "d")
-    monkeypatch.setattr(records, "fetch", lambda _dht, _run: ({r.peer_id: r for r in
-                                                               (admitted, wrong_peer, self_made, none)}, {}))
-    monkeypatch.setattr(records, "publish", lambda _dht, _run, _record, _signer: None)
-    monkeypatch.setattr(records, "publish_config", lambda _dht, _run, _config: None)
-    monkeypatch.setattr(records, "fetch_config", lambda _dht, _run, _fingerprint: None)
+    offline(monkeypatch, [admitted, wrong_peer, self_made, none])
     presence = Presence(SimpleNamespace(), "us", "run", "fp", {}, SimpleNamespace(), None,  # type: ignore[arg-type]
                         Gate("run", owner.public_key(), sign(owner, Claims("admit", "run", "us"))))
     assert sorted(presence.compatible_peers(refresh=True)) == ["a", "us"]
