@@ -39,6 +39,10 @@ PART_RECOVERY_SECONDS = 10.0  # how long a member asks the others for a part who
 # A push waits this long beyond the owners' wait for parts: the owner reduces when its wait ends and
 # answers then, so a push must outlast it by the reduction and the answer's transfer.
 ANSWER_SLACK = 30.0
+# How long a finished exchange waits for our averaged part to be written to every member that
+# pushed to us, so the round's traffic counts its own answers; a member that reads slower than this
+# is counted in the next round.
+WRITE_WAIT_SECONDS = 10.0
 RECEIVED = b"\x01"  # an acknowledgement: the whole answer was read
 
 
@@ -101,6 +105,8 @@ class _Round:
     done: asyncio.Event = field(default_factory=asyncio.Event)  # our part is reduced, or we will not reduce one
     held: dict[int, tuple[bytes, dict[str, Any]]] = field(default_factory=dict)  # averaged parts we hold
     awaited: set[str] = field(default_factory=set)  # members that pushed and have not read our answer yet
+    unwritten: set[str] = field(default_factory=set)  # members whose answer we have not written yet
+    written: asyncio.Event = field(default_factory=asyncio.Event)  # `unwritten` is empty
     owning: tuple[str, ...] = ()  # the part owners, in part order
     finished: bool = False  # our exchange of the round has ended: what we hold is all we will hold
 
@@ -198,6 +204,11 @@ class Butterfly:
         if missing:
             await self._recover(round_, rnd, group, owning, missing, ourselves)
         rnd.finished = True
+        if rnd.unwritten:  # our answers' writers wake on `done` and may not have run yet
+            try:
+                await asyncio.wait_for(rnd.written.wait(), WRITE_WAIT_SECONDS)
+            except TimeoutError:
+                pass
         return Reduced(group, len(owning), {i: rnd.held[i] for i in range(len(owning)) if i in rnd.held}, rnd.owned)
 
     async def _reduce_ours(self, round_: int, rnd: _Round, group: tuple[str, ...], bounds: tuple[tuple[int, int], ...],
@@ -226,7 +237,7 @@ class Butterfly:
         parts.sort(key=lambda part: part.peer)
         answer = await self.loop.run_in_executor(None, source.reduce, round_, (start, end), parts)
         rnd.held[index] = answer
-        rnd.awaited = set(fitting)
+        rnd.awaited, rnd.unwritten = set(fitting), set(fitting)
         rnd.done.set()
 
     async def _push(self, owner: str, round_: int, index: int, group: tuple[str, ...], bounds: tuple[int, int],
@@ -315,11 +326,11 @@ class Butterfly:
     async def _serve_reduce(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A member's push of its part; answered with the averaged part once we have reduced it."""
         peer = str(info.peer_id)
-        sent = received = 0
+        rnd: _Round | None = None
         try:
             request = await receive(reader, MAX_REQUEST_BYTES, timeout=10)
             payload = await receive(reader, self._max_part, timeout=60)
-            received = 2 * HEADER_LEN + len(request) + len(payload)
+            self._count(received=2 * HEADER_LEN + len(request) + len(payload))
             fields = json.loads(request)
             round_, index, group = fields["round"], fields["part"], tuple(fields["group"])
             tokens, norm, token = float(fields["tokens"]), float(fields["norm"]), str(fields.get("admission", ""))
@@ -338,16 +349,26 @@ class Butterfly:
                 await asyncio.wait_for(rnd.done.wait(), timeout=self._wait + ANSWER_SLACK)
                 if rnd.owned == index and rnd.group == group and index in rnd.held:
                     answer = rnd.held[index]
-            sent = await self._answer(writer, answer)
+            # counted as soon as written: the round's traffic is read when our exchange returns
+            self._count(sent=await self._answer(writer, answer))
+            self._written(rnd, peer)
             acknowledged = await asyncio.wait_for(reader.read(1), timeout=10) == RECEIVED
-            received += acknowledged
+            self._count(received=int(acknowledged))
             if acknowledged and rnd is not None:
                 rnd.awaited.discard(peer)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError) as exc:
             logger.warning("butterfly push from peer=%s failed: %s", peer, type(exc).__name__)
         finally:
-            self._count(sent=sent, received=received)
+            self._written(rnd, peer)
             writer.close()
+
+    @staticmethod
+    def _written(rnd: _Round | None, peer: str) -> None:
+        """Our answer to `peer`'s push is written, or will never be."""
+        if rnd is not None and peer in rnd.unwritten:
+            rnd.unwritten.discard(peer)
+            if not rnd.unwritten:
+                rnd.written.set()
 
     async def _serve_part(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """An averaged part we hold, for a member whose owner vanished or a joiner completing a round."""
