@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from diloco_node.admission import parse_public_key
 from diloco_node.codec import CODECS, FEEDBACK, CodecConfig, make_codec
-from diloco_node.fingerprint import fingerprint_of
+from diloco_node.fingerprint import PROTOCOL, fingerprint_of
 from diloco_node.replica.base import ReplicaSettings
 from diloco_node.swarm.addresses import check_multiaddr
 from diloco_node.train.device import resolve_devices
@@ -362,9 +362,11 @@ class NodeConfig(BaseModel):
             devices=resolve_devices(self.device, self.devices, self.local_ranks), threads=self.rank_threads())
 
     def fingerprint_fields(self) -> dict[str, Any]:
-        """What peers must share to average together: the model's shape and the outer algorithm."""
+        """What peers must share to average together: the protocol, the model's shape and the outer
+        algorithm."""
         arch = PRESETS[self.model]
         return {
+            "protocol": PROTOCOL,
             "model": self.model, "n_layer": arch.n_layer, "d_model": arch.d_model, "n_head": arch.n_head,
             "vocab_size": arch.vocab_size, "max_seq_len": arch.max_seq_len,
             "algorithm": self.algorithm, "sync": self.sync, **self._outer_fingerprint(), **self.codec_fingerprint(),
@@ -384,6 +386,13 @@ class NodeConfig(BaseModel):
 
     def fingerprint(self) -> str:
         return fingerprint_of(self.fingerprint_fields())
+
+    def checkpoint_fingerprint(self) -> str:
+        """What a checkpoint must match to be resumed: the fingerprint less the protocol version,
+        which changes how nodes talk, not the state they keep (an upgrade resumes its checkpoints)."""
+        fields = self.fingerprint_fields()
+        del fields["protocol"]
+        return fingerprint_of(fields)
 
 
 def describe_fields(fields: dict[str, Any]) -> str:

@@ -159,7 +159,7 @@ class Node:
     def _resume(self) -> list[Applied] | None:
         """Load the checkpoint, if any; None when there was none."""
         assert self.replica is not None
-        resumed = resume(self.store, self.cfg.fingerprint(), self.state, self.replica, self.codec) \
+        resumed = resume(self.store, self.cfg.checkpoint_fingerprint(), self.state, self.replica, self.codec) \
             if self.store else None
         if resumed is None:
             return None
@@ -366,9 +366,10 @@ class Node:
 
     def save_checkpoint(self) -> None:
         assert self.store is not None and self.replica is not None and self.update is not None
-        state = {"fingerprint": self.cfg.fingerprint(), **self.state.saved(), "inner": self.replica.inner_state(),
-                 "codec": self.codec.state_dict(), "data_position": self.data_position,
-                 "stream_seed": self.stream_seed, "outstanding": [asdict(a) for a in self.update.outstanding()]}
+        state = {"fingerprint": self.cfg.checkpoint_fingerprint(), **self.state.saved(),
+                 "inner": self.replica.inner_state(), "codec": self.codec.state_dict(),
+                 "data_position": self.data_position, "stream_seed": self.stream_seed,
+                 "outstanding": [asdict(a) for a in self.update.outstanding()]}
         self.store.save(state)
 
     def abort(self) -> None:

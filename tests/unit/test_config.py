@@ -340,6 +340,19 @@ def test_nodes_that_would_choose_their_exchange_differently_never_meet() -> None
     assert "exchange" not in auto.fingerprint_fields()  # default runs keep their fingerprints
 
 
+def test_nodes_of_another_protocol_version_are_told_apart_by_name(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import diloco_node.config as config_module
+    from diloco_node.swarm.records import config_difference
+
+    ours, our_fields = NodeConfig().fingerprint(), NodeConfig().fingerprint_fields()
+    checkpoint = NodeConfig().checkpoint_fingerprint()
+    monkeypatch.setattr(config_module, "PROTOCOL", config_module.PROTOCOL + 1)
+    assert NodeConfig().fingerprint() != ours
+    assert NodeConfig().checkpoint_fingerprint() == checkpoint  # an upgraded node resumes its checkpoint
+    assert config_difference(our_fields, NodeConfig().fingerprint_fields()) == \
+        f"protocol={config_module.PROTOCOL} (ours: {config_module.PROTOCOL - 1})"
+
+
 def test_butterfly_is_refused_where_it_cannot_run_with_one_reason() -> None:
     for options in ({"algorithm": "noloco"}, {"compression": "topk"}, {"compression": "sign"},
                     {"aggregator": "centered-clip"}):
