@@ -14,6 +14,7 @@ from hivemind import DHT
 
 from diloco_node.codec import CodecConfig, make_codec
 from diloco_node.outer.averaging import Averaging
+from diloco_node.swarm import butterfly as butterfly_module
 from diloco_node.swarm.butterfly import Butterfly, Reduced
 from diloco_node.swarm.exchange import PayloadExchange
 
@@ -85,7 +86,8 @@ def test_every_member_ends_with_the_same_averaged_parts(trio: list[tuple[str, Pa
 
 
 def test_a_vanished_owners_part_is_skipped_by_every_member_alike(
-        trio: list[tuple[str, PayloadExchange, Butterfly]]) -> None:
+        trio: list[tuple[str, PayloadExchange, Butterfly]], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(butterfly_module, "PART_RECOVERY_SECONDS", 2.0)  # nobody holds the part: do not ask long
     group = [peer for peer, _, _ in trio]
     _, exchange, gone = trio[2]
     exchange.run(gone.detach(), timeout=10)  # the third owner has vanished: nobody can push to it
@@ -105,5 +107,5 @@ def test_each_member_has_counted_its_rounds_traffic_when_its_exchange_returns(
     group = [peer for peer, _, _ in trio]
     sent: dict[str, int] = {}
     run_round(trio, group, late=group[2], sent=sent)
-    time.sleep(2.0)  # every stream of the round has ended
+    time.sleep(1.0)  # every stream of the round has ended
     assert sent == {peer: exchange.bytes_sent for peer, exchange, _ in trio}
