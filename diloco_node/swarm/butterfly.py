@@ -20,6 +20,7 @@ same bytes); when nobody has it, every member skips it alike.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -43,6 +44,9 @@ ANSWER_SLACK = 30.0
 # pushed to us, so the round's traffic counts its own answers; a member that reads slower than this
 # is counted in the next round.
 WRITE_WAIT_SECONDS = 10.0
+# The longest an exchange runs beyond its timeout: a push's wait, the recovery of vanished parts,
+# the writes of our answers.
+BEYOND_TIMEOUT = ANSWER_SLACK + PART_RECOVERY_SECONDS + WRITE_WAIT_SECONDS
 RECEIVED = b"\x01"  # an acknowledgement: the whole answer was read
 
 
@@ -177,7 +181,7 @@ class Butterfly:
     async def exchange(self, round_: int, group: Sequence[str], ourselves: str, clients: Sequence[str],
                        numel: int, source: PartSource, timeout: float) -> Reduced:
         """Push our parts to their owners, reduce ours, and collect every averaged part: within
-        `timeout` + ANSWER_SLACK + PART_RECOVERY_SECONDS."""
+        `timeout` + BEYOND_TIMEOUT."""
         group = tuple(sorted(group))
         self._current = round_ if self._current is None else max(self._current, round_)
         owning = owners(group, clients)
@@ -205,10 +209,8 @@ class Butterfly:
             await self._recover(round_, rnd, group, owning, missing, ourselves)
         rnd.finished = True
         if rnd.unwritten:  # our answers' writers wake on `done` and may not have run yet
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(rnd.written.wait(), WRITE_WAIT_SECONDS)
-            except TimeoutError:
-                pass
         return Reduced(group, len(owning), {i: rnd.held[i] for i in range(len(owning)) if i in rnd.held}, rnd.owned)
 
     async def _reduce_ours(self, round_: int, rnd: _Round, group: tuple[str, ...], bounds: tuple[tuple[int, int], ...],

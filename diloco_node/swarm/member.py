@@ -37,7 +37,7 @@ from diloco_node import identity
 from diloco_node.admission import Gate
 from diloco_node.codec import max_payload_bytes
 from diloco_node.swarm import records
-from diloco_node.swarm.butterfly import ANSWER_SLACK, PART_RECOVERY_SECONDS, Butterfly, PartSource, Reduced, owners
+from diloco_node.swarm.butterfly import BEYOND_TIMEOUT, Butterfly, PartSource, Reduced, owners
 from diloco_node.swarm.contacts import Contacts
 from diloco_node.swarm.exchange import Fetched, PayloadExchange
 from diloco_node.swarm.groups import group_key, random_groups
@@ -67,7 +67,7 @@ GROUP_POLL_SECONDS = 0.5  # between asks for a group whose matchmaking is under 
 # A leaving node waits this long for its last butterfly group to read the part it averaged (their
 # pushes are answered as soon as it reduced the part: this is only the answers still on the wire)
 ANSWER_DRAIN_SECONDS = 10.0
-EXCHANGE_SLACK = ANSWER_SLACK + PART_RECOVERY_SECONDS + 5.0  # a butterfly's longest, beyond the round timeout
+EXCHANGE_SLACK = BEYOND_TIMEOUT + 5.0  # a butterfly's longest, beyond the round timeout
 
 # What a joiner downloads: the round's metadata and flat fp32 vectors (φ, momentum, rounds in flight)
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
