@@ -29,8 +29,8 @@ test-docker: $(VENV)/.installed
 	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=15 -s tests/docker
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check diloco_node tests benchmarks
-	$(VENV)/bin/mypy diloco_node --ignore-missing-imports
+	$(VENV)/bin/ruff check diloco_node harness tests benchmarks
+	$(VENV)/bin/mypy diloco_node harness --ignore-missing-imports
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/diloco_vs_ddp.py

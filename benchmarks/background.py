@@ -2,7 +2,7 @@
 
 What a volunteer pays for being in a run when no pseudo-gradient is moving: presence heartbeats
 (signed records stored in and read from the DHT), DHT upkeep and libp2p keep-alives. Two nodes, one
-per network-namespace island (tests/network/islands.py, `tc tbf` at --rate Mbit/s), run a long inner
+per network-namespace island (harness/islands.py, `tc tbf` at --rate Mbit/s), run a long inner
 phase (H = --inner-steps, eager int4); once both have joined and --settle seconds have passed, both
 islands' veth tx counters are read --window seconds apart. Reported per node: bytes per second, MB per
 day, and the seconds of such traffic that weigh as much as one int4 payload of the tiny model.
@@ -16,16 +16,14 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the island harness lives in tests/network
-
-from common import RESULTS_DIR, WORLD, NodeProcess, machine_info, node_args, work_dir  # noqa: E402
-from wide_area import wire_bytes  # noqa: E402
-
-from tests.network.islands import Islands, require_netns  # noqa: E402
+from diloco_node.launch import NodeProcess
+from harness.bench import RESULTS_DIR, machine_info, work_dir
+from harness.islands import Islands, require_netns
+from harness.nodes import WORLD, node_args, start_node, stop
+from harness.wire import wire_bytes
 
 NAME = "background"
 
@@ -34,24 +32,25 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, float]:
     options = ["--sync", "eager", "--compression", "int4"]
     with Islands(count=WORLD, rate_mbit=args.rate) as islands:
         run_id = f"background-{int(time.time())}"
-        nodes = [NodeProcess("node1", node_args(args.inner_steps, 1, run_id, work / "ck1", options,
-                                                host=islands[0].address), work, launcher=islands[0].command)]
+        nodes: list[NodeProcess] = [start_node("node1", node_args(args.inner_steps, 1, run_id, work / "ck1", options,
+                                                                  host=islands[0].address), work,
+                                               wrap=islands[0].command)]
         try:
-            address = nodes[0].wait_for("stdout", "peer address:", 60)
-            nodes.append(NodeProcess("node2", node_args(args.inner_steps, 1, run_id, work / "ck2", options,
-                                                        host=islands[1].address) + ["--peer", address],
-                                     work, launcher=islands[1].command))
+            address = nodes[0].wait_for_address(60)
+            nodes.append(start_node("node2", node_args(args.inner_steps, 1, run_id, work / "ck2", options,
+                                                       host=islands[1].address) + ["--peer", address],
+                                    work, wrap=islands[1].command))
             for node in nodes:
                 node.wait_joined(120)
             time.sleep(args.settle)
             before, started = wire_bytes(islands), time.monotonic()
             time.sleep(args.window)
             moved, seconds = wire_bytes(islands, before), time.monotonic() - started
-            if any(event["event"] == "round" for node in nodes for event in node.events):
+            if any(node.events_of("round") for node in nodes):
                 raise RuntimeError("a round ended inside the window: raise --inner-steps")
         finally:
             for node in nodes:
-                node.stop()
+                stop(node)
     per_node = moved / seconds / WORLD
     return {"bytes_per_second_per_node": per_node, "mb_per_day_per_node": per_node * 86400 / 1e6,
             "window_seconds": seconds}

@@ -43,24 +43,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import (
-    BLOCKING_FLAGS,
-    RESULTS_DIR,
-    WORLD,
-    StartupStalled,
-    inner_config,
-    machine_info,
-    pair,
-    pyplot,
-    run_pair,
-)
 
-from diloco_node.codec import CODECS, make_codec
+from diloco_node.codec import CODECS, codec_config_of, make_codec
 from diloco_node.config import FEEDBACK_OUTER, NodeConfig
 from diloco_node.outer.diloco import pseudo_gradient
 from diloco_node.train.data import ByteDataset, load_corpus
 from diloco_node.train.inner import InnerTrainer
 from diloco_node.train.model import build_model
+from harness.bench import RESULTS_DIR, StartupStalled, inner_config, machine_info, pair, pyplot, run_pair
+from harness.nodes import BLOCKING_FLAGS, WORLD
 
 NAME = "codecs"
 # codec → (max payload bytes per parameter per round, max eval-loss gap to `none` in %)
@@ -94,7 +85,7 @@ def flag_options(flags: list[str]) -> dict[str, str]:
 
 def measure_codec(name: str, flat: torch.Tensor, min_seconds: float, min_reps: int = 5,
                   flags: list[str] | None = None) -> dict[str, Any]:
-    codec_cfg = NodeConfig(**flag_options(flags or ["--compression", name])).codec_config()
+    codec_cfg = codec_config_of(NodeConfig(**flag_options(flags or ["--compression", name])))
     numel = flat.numel()
     payload = make_codec(codec_cfg).encode(flat)  # warm-up, and the numbers of one round trip
     decoded = make_codec(codec_cfg).decode(payload, numel)

@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/diloco_vs_ddp.py            # ~10 min on 2 CPU cores
     .venv/bin/python benchmarks/diloco_vs_ddp.py --quick    # smoke test, ~1-2 min
 
-(a) DDP: 2 worker processes joined by torch.distributed (gloo, TCP store on 127.0.0.1). Every step
-    each rank backpropagates its own batch, the gradients are all-reduced (averaged) and the
+(a) DDP (harness/ddp.py): 2 worker processes joined by torch.distributed (gloo, TCP store on
+    127.0.0.1). Every step each rank backpropagates its own batch, the gradients are all-reduced (averaged) and the
     package's own InnerTrainer clips and takes the AdamW step, with the same hyperparameters and
     warmup+cosine schedule as a node whose R*H equals the DDP step count.
 (b) DiLoCo: 2 nodes of the real CLI (`diloco-node join`) on loopback, for each H in --h-values,
@@ -36,113 +36,17 @@ import shutil
 import statistics
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from common import (
-    BLOCKING_FLAGS,
-    RESULTS_DIR,
-    WORLD,
-    free_port,
-    inner_config,
-    lo_per_node,
-    machine_info,
-    pair,
-    pyplot,
-    read_lo_bytes,
-    run_pair,
-)
-
-from diloco_node.checkpoint import CheckpointStore
 from diloco_node.config import NodeConfig
-from diloco_node.train.data import ByteDataset, load_corpus
-from diloco_node.train.inner import InnerTrainer, evaluate
-from diloco_node.train.model import build_model, count_parameters
+from harness.bench import RESULTS_DIR, machine_info, outer_difference, pair, pyplot, run_pair
+from harness.ddp import run_ddp
+from harness.nodes import BLOCKING_FLAGS, WORLD
 
 NAME = "diloco_vs_ddp"
 
-# --- (a) data-parallel ------------------------------------------------------------------------
-
-def ddp_worker(rank: int, port: int, steps: int, eval_every: int, queue: Any) -> None:
-    """One DDP rank: own batches, gradients averaged every step, then the node's AdamW step."""
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)  # like the nodes' --threads 1
-    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0, timeout=timedelta(seconds=120))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
-    cfg = NodeConfig(sync="blocking")
-    dataset = ByteDataset(load_corpus(cfg.data), cfg.seq_len)
-    eval_batches = dataset.eval_batches(cfg.batch_size, cfg.eval_batches)
-    model = build_model(cfg.model, cfg.seed)
-    reduced = [0]  # elements all-reduced during the current step
-
-    def average_gradient(param: torch.Tensor) -> None:
-        # Fires once per parameter when its gradient is complete (the tied embedding included,
-        # after both uses are summed), so the clip inside train_step sees the averaged gradient.
-        assert param.grad is not None
-        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
-        param.grad.div_(WORLD)
-        reduced[0] += param.grad.numel()
-
-    for param in model.parameters():
-        param.register_post_accumulate_grad_hook(average_gradient)
-    trainer = InnerTrainer(model, inner_config(cfg, steps))
-    evals = [(0, evaluate(model, eval_batches))] if rank == 0 else []
-    losses, grad_bytes = [], []
-    started = time.monotonic()
-    for step in range(steps):
-        x, y = dataset.train_batch(cfg.batch_size, 1000 + rank, step)
-        reduced[0] = 0
-        losses.append(trainer.train_step(x, y))
-        grad_bytes.append(reduced[0] * 4)  # fp32 gradients
-        if rank == 0 and ((step + 1) % eval_every == 0 or step + 1 == steps):
-            evals.append((step + 1, evaluate(model, eval_batches)))
-    seconds = time.monotonic() - started
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    checksums = [torch.zeros(2, dtype=torch.float64) for _ in range(WORLD)]
-    dist.all_gather(checksums, torch.stack([flat.double().sum(), flat.double().square().sum()]))
-    dist.destroy_process_group()
-    if rank == 0:
-        queue.put({"evals": evals, "losses": losses, "grad_bytes_per_step": grad_bytes, "train_seconds": seconds,
-                   "parameters": count_parameters(model),
-                   "replicas_identical": all(torch.equal(checksums[0], c) for c in checksums)})
-
-
-def run_ddp(steps: int, eval_every: int, cfg: NodeConfig, timeout: float) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    lo_before, started = read_lo_bytes(), time.monotonic()
-    workers = [ctx.Process(target=ddp_worker, args=(rank, port, steps, eval_every, queue)) for rank in range(WORLD)]
-    for worker in workers:
-        worker.start()
-    try:
-        result = queue.get(timeout=timeout)
-    finally:
-        for worker in workers:
-            worker.join(timeout=30)
-            if worker.is_alive():
-                worker.terminate()
-    wall, lo_after = time.monotonic() - started, read_lo_bytes()
-    if any(worker.exitcode != 0 for worker in workers):
-        raise RuntimeError(f"DDP worker failed: exit codes {[w.exitcode for w in workers]}")
-    params = result["parameters"]
-    ring_per_step = 2 * (WORLD - 1) / WORLD * params * 4
-    tokens_per_step = cfg.batch_size * cfg.seq_len
-    return {
-        "method": "ddp", "H": 1, "steps_per_worker": steps, **result,
-        "tokens_per_node": [steps * tokens_per_step] * WORLD,
-        "curve": [{"tokens": WORLD * s * tokens_per_step, "eval_loss": loss} for s, loss in result["evals"]],
-        "final_eval_loss": result["evals"][-1][1],
-        "exchanges": steps, "ring_bytes_per_step_per_node": ring_per_step,
-        "bytes_sent_per_node": [round(ring_per_step * steps)] * WORLD,
-        "bytes_per_param_per_exchange": ring_per_step / params,
-        "lo_bytes_per_node_upper_bound": lo_per_node(lo_before, lo_after), "wall_seconds": wall,
-    }
-
+# --- (a) data-parallel: harness/ddp.py's run_ddp ----------------------------------------------
 
 # --- (b) DiLoCo through the real CLI ----------------------------------------------------------
 
@@ -152,26 +56,6 @@ def run_diloco(h: int, rounds: int, cfg: NodeConfig, work: Path, timeout: float)
     result = summarize_diloco(h, rounds, cfg, logs, wall, lo_node)
     result["outer_params_difference"] = outer_difference(run_id, work / "ck1", work / "ck2")
     return result
-
-
-def outer_difference(run_id: str, *directories: Path) -> dict[str, Any]:
-    """How far the nodes' final φ are apart, from the checkpoints they saved on leaving."""
-    states = []
-    for directory in directories:
-        path = NodeConfig(run_id=run_id, checkpoint_dir=str(directory)).checkpoint_path
-        assert path is not None
-        if not path.exists():  # CheckpointStore would create it
-            return {"max_abs": None, "elements_differing": None}
-        store = CheckpointStore(path)
-        try:
-            states.append(store.load())
-        finally:
-            store.close()
-    if any(state is None for state in states):
-        return {"max_abs": None, "elements_differing": None}
-    pairs = list(zip(states[0]["outer_params"], states[1]["outer_params"], strict=True))
-    return {"max_abs": max(float((a - b).abs().max()) for a, b in pairs),
-            "elements_differing": sum(int((a != b).sum()) for a, b in pairs)}
 
 
 def summarize_diloco(h: int, rounds: int, cfg: NodeConfig, logs: list[dict[str, Any]], wall: float,

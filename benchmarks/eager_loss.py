@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import RESULTS_DIR, final_eval_loss, machine_info, run_pair
+from harness.bench import RESULTS_DIR, machine_info, run_pair
+from harness.nodes import final_eval_loss
 
 DEFAULT_MODES = "blocking,eager"
 REFERENCE = "blocking"

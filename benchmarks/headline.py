@@ -1,9 +1,9 @@
 """Headline: time and bytes to a target loss over a 10 Mbit/s link, data-parallel vs DiLoCo vs NoLoCo.
 
-Two network namespaces ("islands", tests/network/islands.py), each access line shaped to --rate
+Two network namespaces ("islands", harness/islands.py), each access line shaped to --rate
 Mbit/s with `tc tbf`. Side by side in one run on that link, the same model, data and eval batches:
 
-- DDP: 2 gloo ranks, gradients all-reduced across the link every step (wide_area.ddp_worker); rank 0
+- DDP: 2 gloo ranks, gradients all-reduced across the link every step (harness/ddp.py); rank 0
   evaluates the held-out loss every --eval-every steps. Its eval loss after --steps steps (the token
   budget) is the TARGET every other method has to reach.
 - DiLoCo blocking, fp32 (`--sync blocking --compression none`): DiLoCo as published (outer Nesterov,
@@ -23,7 +23,7 @@ For each method: wall-clock seconds from launching its processes to the first ev
 below the target (no interpolation; DiLoCo/NoLoCo: the later of the two nodes' round events, and
 both nodes' eval loss must be at or below it; DDP's clock leaves out its own evaluations), tokens
 (both workers) trained by then, bytes on the wire to that moment (tx counters of both islands'
-veth links, sampled every --sample-seconds in a background thread; the first sample after the
+veth links, sampled every --sample-seconds in a background thread (harness/wire.py); the first sample after the
 moment counts), of which the start-up (until both nodes joined: the DHT bootstrap; both nodes build
 φ and the momentum from the seed, so node 2 downloads nothing), compute utilization (compute seconds /
 wall seconds to the target, start-up included) and the compute time per step.
@@ -36,7 +36,6 @@ smoke test of about 4 minutes). Results: benchmarks/results/headline.{json,md,pn
 from __future__ import annotations
 
 import argparse
-import bisect
 import datetime as dt
 import json
 import math
@@ -44,19 +43,17 @@ import os
 import shlex
 import statistics
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the island harness lives in tests/network
-
-from common import RESULTS_DIR, WORLD, final_eval_loss, machine_info, pyplot, work_dir  # noqa: E402
-from wide_area import run_ddp_on_link, run_diloco_on_link, wire_bytes  # noqa: E402
-
-from diloco_node.config import NodeConfig  # noqa: E402
-from tests.network.islands import Islands, require_netns  # noqa: E402
+from diloco_node.config import NodeConfig
+from diloco_node.launch import LaunchError
+from harness.bench import RESULTS_DIR, machine_info, pyplot, run_diloco_on_link, work_dir
+from harness.ddp import run_ddp_on_link
+from harness.islands import Islands, require_netns
+from harness.nodes import WORLD, final_eval_loss
+from harness.wire import WireSampler, wire_bytes
 
 NAME = "headline"
 TIME_TARGET = 10.0  # our best reaches the target this many times sooner than DDP
@@ -70,45 +67,6 @@ CANDIDATES = ["100:--compression int4", "300:--compression int4",
               "300:--sync blocking --compression int4 --block-size 256 --outer-momentum 0.6",
               "300:--sync blocking --compression int4 --block-size 512 --outer-momentum 0.6"]
 JOIN_TIMEOUT = 180.0  # seconds for both nodes of a method to join (a node refusing the other never does)
-
-
-class WireSampler:
-    """Both islands' veth tx counters, sampled with their unix time in a background thread."""
-
-    def __init__(self, islands: Islands, interval: float):
-        self.islands, self.interval = islands, interval
-        self.samples: list[tuple[float, int]] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="wire-sampler", daemon=True)
-
-    def __enter__(self) -> WireSampler:
-        self.sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.sample()
-
-    def sample(self) -> tuple[float, int]:
-        """Take a sample now (the time is the one before reading the counters)."""
-        at = time.time()
-        value = wire_bytes(self.islands)
-        with self._lock:
-            self.samples.append((at, value))
-            self.samples.sort()
-        return at, value
-
-    def at_or_after(self, moment: float) -> int:
-        """The counters at the first sample taken at or after `moment` (the last one if none is later)."""
-        with self._lock:
-            index = bisect.bisect_left(self.samples, (moment, -1))
-            return self.samples[min(index, len(self.samples) - 1)][1]
 
 
 # --- the methods ------------------------------------------------------------------------------
@@ -136,7 +94,7 @@ def node_method(islands: Islands, sampler: WireSampler, args: argparse.Namespace
     _, baseline = sampler.sample()
     try:
         result = run_diloco_on_link(islands, label, h, rounds, work, args.timeout, options, join_timeout=JOIN_TIMEOUT)
-    except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as exc:
+    except (LaunchError, RuntimeError, TimeoutError, subprocess.TimeoutExpired) as exc:
         print(f"  {label}: FAILED: {str(exc)[:2000]}", flush=True)
         return {"method": label, "kind": kind, "H": h, "rounds": rounds, "options": options, "points": [],
                 "failed": str(exc)[:2000]}
@@ -242,7 +200,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     with Islands(count=2, rate_mbit=args.rate) as islands:
         raw = statistics.median(islands.measure_tcp_mbit(islands[0], islands[1]) for _ in range(2))
         print(f"{args.rate:g} Mbit/s link: raw TCP {raw:.2f} Mbit/s", flush=True)
-        with WireSampler(islands, args.sample_seconds) as sampler:
+        with WireSampler(lambda: wire_bytes(islands), args.sample_seconds) as sampler:
             load = os.getloadavg()[0]
             ddp = ddp_method(islands, sampler, args)
             ddp["load_average"] = [load, os.getloadavg()[0]]

@@ -16,16 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the docker harness lives in tests/
-
-from common import RESULTS_DIR, machine_info  # noqa: E402
-
-from tests.docker.engine import (  # noqa: E402
+from harness.bench import RESULTS_DIR, machine_info
+from harness.docker import (
     GATEWAYS,
     NODES,
     RATES_MBIT,

@@ -24,10 +24,8 @@ with ratios against `none`.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -35,7 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import BLOCKING_FLAGS, RESULTS_DIR, NodeProcess, machine_info
+from diloco_node.launch import NodeProcess, read_events
+from harness.bench import RESULTS_DIR, machine_info
+from harness.nodes import BLOCKING_FLAGS, start_node
 
 NAME = "layouts"
 LOCAL_RANKS = 2
@@ -43,11 +43,6 @@ LAYOUTS: dict[str, int] = {"none": 1, "fsdp": LOCAL_RANKS, "pipeline": LOCAL_RAN
 REFERENCE = "none"
 STOP_WITHIN = 60.0  # seconds a node may take to exit after SIGTERM
 MIB = 1024 * 1024
-
-
-def read_events(path: Path) -> list[dict[str, Any]]:
-    """The node's --events file: one JSON object per line."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def figures(name: str, events: list[dict[str, Any]], rounds: int, inner_steps: int) -> dict[str, Any]:
@@ -66,19 +61,12 @@ def figures(name: str, events: list[dict[str, Any]], rounds: int, inner_steps: i
 def wait_exit(node: NodeProcess, timeout: float) -> int | None:
     """The node leaves by itself after its last round (--max-outer-steps). One that is still there after
     `timeout` gets SIGTERM, then SIGKILL after STOP_WITHIN more seconds, each with a warning."""
+    assert node.process is not None
     try:
-        return node.proc.wait(timeout=timeout)
+        return node.process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         print(f"WARNING: {node.name} still running after {timeout:.0f}s; SIGTERM\n{node.tail()}", file=sys.stderr)
-    node.signal(signal.SIGTERM)
-    try:
-        return node.proc.wait(timeout=STOP_WITHIN)
-    except subprocess.TimeoutExpired:
-        print(f"WARNING: {node.name} did not exit within {STOP_WITHIN:.0f}s of SIGTERM; SIGKILL", file=sys.stderr)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(node.proc.pid, signal.SIGKILL)  # this node's own session only
-        node.proc.wait()
-        return None
+    return node.terminate(STOP_WITHIN)
 
 
 def node_flags(parallel: str, ranks: int, args: argparse.Namespace, run_id: str, identity: Path) -> list[str]:
@@ -93,8 +81,8 @@ def measure(parallel: str, ranks: int, args: argparse.Namespace, work: Path, ide
     run_id = f"bench-layouts-{parallel}-{os.getpid()}-{int(time.time())}"
     events_path = work / f"{parallel}.events.jsonl"
     started = time.monotonic()
-    node = NodeProcess(parallel, node_flags(parallel, ranks, args, run_id, identity)
-                       + ["--events", str(events_path)], work)
+    node = start_node(parallel, node_flags(parallel, ranks, args, run_id, identity)
+                      + ["--events", str(events_path)], work)
     code = wait_exit(node, args.timeout)
     wall = time.monotonic() - started
     if code != 0:

@@ -19,7 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import RESULTS_DIR, WORLD, machine_info, run_pair
+from harness.bench import RESULTS_DIR, machine_info, run_pair
+from harness.nodes import WORLD
 
 NAME = "matchmaking"
 SIGNS = {"failed": re.compile(r"no group formed"), "recovered": re.compile(r"our matchmaking failed but"),

@@ -5,7 +5,7 @@
 
 Every run is a swarm of `diloco-node join` processes on loopback (`--threads 1`, no checkpoints,
 `--min-peers N`, a run id of its own, `--seq-len 64 --batch-size 8 --eval-batches 4`, the tiny
-model), started by common.run_swarm; everything is read from the nodes' events (`round`, JSON).
+model), started by harness.bench.run_swarm; everything is read from the nodes' events (`round`, JSON).
 
 (A) Equal tokens, 4 nodes: `--algorithm diloco` and `--algorithm noloco` (random groups of at most
     `--group-size 2`) with the same H and number of rounds, under `--compression none` and `int8`.
@@ -42,9 +42,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import BLOCKING_FLAGS, RESULTS_DIR, StartupStalled, machine_info, pyplot, read_events, run_swarm
-
+from diloco_node.launch import read_events
 from diloco_node.swarm.groups import random_groups
+from harness.bench import RESULTS_DIR, StartupStalled, machine_info, pyplot, run_swarm
+from harness.nodes import BLOCKING_FLAGS
 
 NAME = "noloco"
 ALGORITHMS = ("diloco", "noloco")

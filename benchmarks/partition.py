@@ -1,6 +1,6 @@
 """What a cut link costs the swarm: three islands, one of them cut off for a while, against an uncut run.
 
-Three nodes in three network-namespace islands (tests/network/islands.py, 100 Mbit/s links), blocking
+Three nodes in three network-namespace islands (harness/islands.py, 100 Mbit/s links), blocking
 DiLoCo, H = 20, a fixed number of rounds. In the "cut" run island c's link is cut after
 --cut-at rounds for --cut seconds: c pauses (swarm/isolation.py), a and b go on as a pair, and when
 the link is back c re-syncs and trains with them again. Side by side with an uncut run:
@@ -24,16 +24,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the island harness lives in tests/
-
-from common import RESULTS_DIR, machine_info, pyplot  # noqa: E402
-
-from tests.network.island_nodes import IslandNode, node_options  # noqa: E402
-from tests.network.islands import Islands, require_netns  # noqa: E402
-from tests.network.test_partition import agreed_round  # noqa: E402
+from harness.bench import RESULTS_DIR, machine_info, pyplot
+from harness.islands import IslandNode, Islands, node_options, require_netns
+from harness.nodes import agreed_round
 
 NAME = "partition"
-BATCH, SEQ = 8, 64  # tests/integration/nodes.py FAST
+BATCH, SEQ = 8, 64  # harness/nodes.py FAST
 
 
 def run(label: str, args: argparse.Namespace, cut: float, work: Path) -> dict[str, Any]:

@@ -49,8 +49,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import RESULTS_DIR, machine_info, run_swarm
 from scipy.optimize import nnls
+
+from harness.bench import RESULTS_DIR, machine_info, run_swarm
 
 NAME = "scale"
 KINDS = {

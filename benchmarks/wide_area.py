@@ -1,14 +1,14 @@
 """Overlap on slow links: data-parallel vs blocking / delayed / eager DiLoCo between two islands.
 
 Two network namespaces ("islands") joined through a hub by veth pairs, each island's access line
-rate-limited with `tc tbf` (tests/network/islands.py). At each rate, side by side on the same link:
+rate-limited with `tc tbf` (harness/islands.py). At each rate, side by side on the same link:
 
 - raw TCP: one bulk connection, the reference for throughput;
-- DDP: gloo all-reduce of the gradients every step across the link (a fixed number of steps: its
+- DDP (harness/ddp.py): gloo all-reduce of the gradients every step across the link (a fixed number of steps: its
   time per step, compute utilization and wire bytes; its eval loss at equal tokens does not depend on
   the link and comes from the same training on loopback);
 - DiLoCo with --sync blocking, delayed and eager through the real CLI (and two variants that explain
-  the defaults: eager with DESIGN §3's literal proxy and momentum 0.9, blocking with momentum 0.6):
+  the defaults: eager with docs/architecture.md §3's literal proxy and momentum 0.9, blocking with momentum 0.6):
   wall time per round, compute utilization, eval loss at equal tokens, wire bytes (veth counters),
   the swarm's throughput while fetching payloads as a fraction of raw TCP, and how far the two
   nodes' φ ended apart.
@@ -21,172 +21,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the island harness lives in tests/network
-
-from common import RESULTS_DIR, WORLD, NodeProcess, final_eval_loss, machine_info, node_args, parse_node_log, pyplot  # noqa: E402
-from diloco_vs_ddp import outer_difference, run_ddp  # noqa: E402
-
-from diloco_node.config import NodeConfig  # noqa: E402
-from tests.network.islands import Islands, require_netns  # noqa: E402
+from diloco_node.config import NodeConfig
+from harness.bench import RESULTS_DIR, machine_info, pyplot, run_diloco_on_link
+from harness.ddp import run_ddp, run_ddp_on_link
+from harness.islands import Islands, require_netns
+from harness.nodes import WORLD
 
 NAME = "wide_area"
 SYNC_MODES = ("blocking", "delayed", "eager")
 # DiLoCo runs at each rate: the three modes at their defaults, then the variants that explain the choice
-# of defaults (DESIGN §3's literal eager proxy with DiLoCo's momentum; blocking with eager's momentum).
+# of defaults (docs/architecture.md §3's literal eager proxy with DiLoCo's momentum; blocking with eager's momentum).
 RUNS = {"blocking": ["--sync", "blocking"], "delayed": ["--sync", "delayed"], "eager": ["--sync", "eager"],
         "eager share μ0.9": ["--sync", "eager", "--eager-proxy", "share", "--outer-momentum", "0.9"],
         "blocking μ0.6": ["--sync", "blocking", "--outer-momentum", "0.6"]}
-
-
-# --- data-parallel across the link ------------------------------------------------------------
-
-def ddp_worker(rank: int, master: str, port: int, steps: int, eval_every: int = 0) -> None:
-    """One DDP rank inside an island; prints its timings as JSON. Started by run_ddp_on_link.
-
-    With `eval_every`, rank 0 also evaluates the held-out loss every that many steps and after the
-    last: (step, unix time, seconds the evaluation took, eval loss) each."""
-    import torch.distributed as dist
-    from common import inner_config
-
-    from diloco_node.train.data import ByteDataset, load_corpus
-    from diloco_node.train.inner import InnerTrainer, evaluate
-    from diloco_node.train.model import build_model
-
-    os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
-    torch.set_num_threads(1)  # like the nodes' --threads 1
-    store = dist.TCPStore(master, port, WORLD, is_master=rank == 0, timeout=timedelta(seconds=120))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
-    cfg = NodeConfig()
-    dataset = ByteDataset(load_corpus(cfg.data), cfg.seq_len)
-    model = build_model(cfg.model, cfg.seed)
-    communicating = [0.0]  # seconds spent inside all-reduce during the current step
-
-    def average_gradient(param: torch.Tensor) -> None:
-        assert param.grad is not None
-        started = time.perf_counter()
-        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
-        param.grad.div_(WORLD)
-        communicating[0] += time.perf_counter() - started
-
-    for param in model.parameters():
-        param.register_post_accumulate_grad_hook(average_gradient)
-    trainer = InnerTrainer(model, inner_config(cfg, steps))
-    eval_batches = dataset.eval_batches(cfg.batch_size, cfg.eval_batches) if eval_every and rank == 0 else []
-    step_seconds: list[float] = []
-    comm_seconds: list[float] = []
-    evals: list[tuple[int, float, float, float]] = []
-    for step in range(steps):
-        x, y = dataset.train_batch(cfg.batch_size, 1000 + rank, step)
-        communicating[0] = 0.0
-        started = time.perf_counter()
-        trainer.train_step(x, y)
-        step_seconds.append(time.perf_counter() - started)
-        comm_seconds.append(communicating[0])
-        if eval_batches and ((step + 1) % eval_every == 0 or step + 1 == steps):
-            started = time.perf_counter()
-            loss = evaluate(model, eval_batches)
-            evals.append((step + 1, time.time(), time.perf_counter() - started, loss))
-    dist.destroy_process_group()
-    print(json.dumps({"step_seconds": step_seconds, "comm_seconds": comm_seconds, "evals": evals}), flush=True)
-
-
-def run_ddp_on_link(islands: Islands, steps: int, timeout: float, eval_every: int = 0) -> dict[str, Any]:
-    """DDP between islands 0 and 1 for `steps` steps (see ddp_worker for `eval_every`)."""
-    a, b = islands[0], islands[1]
-    port = 29500
-    before = wire_bytes(islands)
-    launched = time.time()
-    workers = [island.run([sys.executable, __file__, "ddp-worker", str(rank), a.address, str(port), str(steps),
-                           str(eval_every)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for rank, island in enumerate((a, b))]
-    outputs = []
-    for worker in workers:
-        out, err = worker.communicate(timeout=timeout)
-        if worker.returncode != 0:
-            raise RuntimeError(f"DDP worker failed ({worker.returncode}): {err[-2000:]}")
-        outputs.append(json.loads(out.strip().splitlines()[-1]))
-    wire = wire_bytes(islands, before)
-    timings = outputs[0]
-    warm = slice(2, None)  # the first steps include gloo's connection set-up
-    step = statistics.mean(timings["step_seconds"][warm])
-    comm = statistics.mean(timings["comm_seconds"][warm])
-    return {"method": "ddp", "steps": steps, "seconds_per_step": step, "comm_seconds_per_step": comm,
-            "utilization": (step - comm) / step, "wire_bytes_per_step": wire / steps, "launched_at": launched,
-            "step_seconds": timings["step_seconds"], "comm_seconds": timings["comm_seconds"],
-            "evals": timings["evals"]}
-
-
-# --- DiLoCo across the link -------------------------------------------------------------------
-
-def run_diloco_on_link(islands: Islands, name: str, h: int, rounds: int, work: Path, timeout: float,
-                       options: list[str], join_timeout: float | None = None) -> dict[str, Any]:
-    """A pair of nodes, one per island, to their last round. With `join_timeout`: raises when they have
-    not both joined the run within that many seconds of the launch (e.g. one refused the other)."""
-    a, b = islands[0], islands[1]
-    run_id = f"wide-{os.getpid()}-{int(time.time())}"
-    work.mkdir(parents=True)
-    before = wire_bytes(islands)
-    started, launched = time.monotonic(), time.time()
-    first = NodeProcess("node1", node_args(h, rounds, run_id, work / "ck1", options, host=a.address), work,
-                        launcher=a.command)
-    nodes = [first]
-    try:
-        address = first.wait_for("stdout", "peer address:", 60)
-        nodes.append(NodeProcess("node2", node_args(h, rounds, run_id, work / "ck2", options, host=b.address)
-                                 + ["--peer", address], work, launcher=b.command))
-        for node in nodes if join_timeout is not None else []:
-            node.wait_joined(max(1.0, started + join_timeout - time.monotonic()))
-        for node in nodes:
-            node.proc.wait(timeout=max(1.0, started + timeout - time.monotonic()))
-    finally:
-        for node in nodes:
-            node.stop()
-    wall = time.monotonic() - started
-    for node in nodes:
-        if node.proc.returncode != 0:
-            raise RuntimeError(f"{name}: {node.name} exited with {node.proc.returncode}\n{node.tail()}")
-    logs = [parse_node_log(node) for node in nodes]
-    wire = wire_bytes(islands, before)
-    return {**summarize(name, h, rounds, logs, wall, wire, outer_difference(run_id, work / "ck1", work / "ck2")),
-            "launched_at": launched}
-
-
-def summarize(name: str, h: int, rounds: int, logs: list[dict[str, Any]], wall: float, wire: int,
-              drift: dict[str, Any]) -> dict[str, Any]:
-    # Round 0 of each node includes waiting for the other to start; the steady state is what counts.
-    steady = [r for log in logs for r in log["rounds"][1:]]
-    compute = sum(r["seconds"] * r["utilization"] for r in steady)
-    total = sum(r["seconds"] for r in steady)
-    transfers = [r for log in logs for r in log["rounds"] if r.get("transfer_seconds", 0) > 0.05]
-    return {
-        "method": name, "H": h, "rounds": rounds, "logs": logs, "wall_seconds": wall,
-        "seconds_per_round": statistics.median(r["seconds"] for r in steady),
-        "utilization": compute / total if total else None,
-        "final_eval_loss_per_node": [final_eval_loss(log) for log in logs],
-        "final_eval_loss": statistics.mean(final_eval_loss(log) for log in logs),
-        "wire_bytes_per_round": wire / rounds,
-        "transfer_mbit": [8 * r["transfer_bytes"] / r["transfer_seconds"] / 1e6 for r in transfers],
-        "outer_params_difference": drift,
-    }
-
-
-def wire_bytes(islands: Islands, since: int = 0) -> int:
-    """Bytes on the islands' links (tx of every island), less `since`."""
-    return sum(island.tx_bytes() for island in islands) - since
 
 
 # --- one rate ---------------------------------------------------------------------------------
@@ -284,9 +138,6 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "ddp-worker":
-        ddp_worker(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
-        return
     args = parse_args()
     if (problem := require_netns()) is not None:
         raise SystemExit(f"wide_area: {problem}")

@@ -27,6 +27,9 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from diloco_node import registry
+from diloco_node.errors import NodeError
+
 TOKEN_PREFIX = "dn1"
 MAX_TOKEN_CHARS = 1024
 _DURATION = re.compile(r"^(\d+)([smhdw])$")
@@ -34,7 +37,7 @@ _PEER_ID = re.compile(r"^(Qm[1-9A-HJ-NP-Za-km-z]{44}|12D3KooW[1-9A-HJ-NP-Za-km-z
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
-class AdmissionError(ValueError):
+class AdmissionError(NodeError, ValueError):
     """A key, token or admission that cannot be used, phrased as one line for the user."""
 
 
@@ -82,6 +85,9 @@ def parse_public_key(text: str) -> Ed25519PublicKey:
     except ValueError:
         raise AdmissionError(f"'{text}' is not a run owner's public key (as printed by `diloco-node keygen`)") \
             from None
+
+
+registry.PUBLIC_KEY_CHECK.declare(parse_public_key)  # what config.py checks --run-owner with
 
 
 # --- tokens ------------------------------------------------------------------------------------

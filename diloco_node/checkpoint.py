@@ -14,6 +14,8 @@ from typing import IO, Any
 
 import torch
 
+from diloco_node.errors import NodeError
+
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_NAME = "node.pt"
@@ -21,7 +23,7 @@ FORMAT_VERSION = 2  # 2: the inner optimizer's state in the canonical layout (an
 READABLE_FORMATS = (1, 2)
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(NodeError, RuntimeError):
     """A checkpoint that cannot be used, phrased as one line for the user."""
 
 

@@ -1,8 +1,9 @@
 """Command line: parses flags, env vars and the TOML file into a NodeConfig, and nothing more.
 
 Options are generated from NodeConfig's fields so that a flag, DILOCO_<KEY> and a config key can
-never drift apart, and defaults live only in config.py. Every user-facing failure is one line on
-stderr and exit code 2.
+never drift apart, and defaults are only NodeConfig's. Every user-facing failure is a NodeError
+(errors.py), and every command ends on one the same way (Commands.invoke): one line on stderr,
+`diloco-node: error: <message>`, and the error's exit code.
 """
 
 from __future__ import annotations
@@ -19,14 +20,27 @@ from typing import Any, NoReturn
 import click
 from click.core import ParameterSource
 
-from diloco_node.config import DEFAULT_STATUS_PORT, ConfigError, NodeConfig, load_config
+from diloco_node.config import DEFAULT_STATUS_PORT, NodeConfig, describe, load_config
+from diloco_node.errors import NodeError
 
-EXIT_BAD_INPUT = 2
+
+class InputError(NodeError, ValueError):
+    """Bad input a command finds itself (a URL, an address), or a status server that will not answer."""
 
 
 def fail(message: str) -> NoReturn:
-    click.echo(f"diloco-node: error: {message}", err=True)
-    sys.exit(EXIT_BAD_INPUT)
+    raise InputError(message) from None
+
+
+class Commands(click.Group):
+    """The one place a command's NodeError ends it: one line on stderr and the error's exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except NodeError as exc:
+            click.echo(f"diloco-node: error: {exc}", err=True)
+            sys.exit(exc.exit_code)
 
 
 def _option_for(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -35,7 +49,7 @@ def _option_for(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
     envvar = f"DILOCO_{name.upper()}"
     is_list = field.annotation == list[str]
     default = field.get_default(call_default_factory=True)
-    help_text = f"{field.description} [default: {default}; env {envvar}]"
+    help_text = f"{describe(name)} [default: {default}; env {envvar}]"
     if is_list:
         return click.option(flag, name, multiple=True, envvar=envvar, help=help_text)
     numbers: dict[Any, type] = {int: int, float: float, int | None: int, float | None: float}
@@ -56,10 +70,7 @@ def resolve_config(ctx: click.Context, config_file: str | None, values: dict[str
                 if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
                 and value not in (None, ())}
     explicit = {k: list(v) if isinstance(v, tuple) else v for k, v in explicit.items()}
-    try:
-        return load_config(config_file, explicit)
-    except ConfigError as exc:
-        fail(str(exc))
+    return load_config(config_file, explicit)  # or ConfigError
 
 
 def setup_logging(level: str) -> None:
@@ -81,7 +92,7 @@ def _not_a_cancelled_future(record: logging.LogRecord) -> bool:
     return not (cancelled and record.getMessage().startswith("Future exception was never retrieved"))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """diloco-node: train one model together over the internet with DiLoCo over a hivemind swarm."""
 
@@ -126,12 +137,9 @@ def make_identity(path: Path) -> None:
 
     Example: diloco-node identity checkpoints/identity.key
     """
-    from diloco_node.identity import IdentityError, create
+    from diloco_node.identity import create
 
-    try:
-        click.echo(create(path))
-    except IdentityError as exc:
-        fail(str(exc))
+    click.echo(create(path))  # or IdentityError
 
 
 @main.command()
@@ -142,22 +150,16 @@ def keygen(path: Path) -> None:
 
     Example: diloco-node keygen owner.key
     """
-    from diloco_node.admission import AdmissionError, generate_owner_key
+    from diloco_node.admission import generate_owner_key
 
-    try:
-        click.echo(generate_owner_key(path))
-    except AdmissionError as exc:
-        fail(str(exc))
+    click.echo(generate_owner_key(path))  # or AdmissionError
 
 
 def _signed(owner_key: Path, kind: str, run_id: str, peer_id: str, expires: str = "never") -> str:
-    from diloco_node.admission import AdmissionError, Claims, check_peer_id, load_owner_key, parse_expiry, sign
+    from diloco_node.admission import Claims, check_peer_id, load_owner_key, parse_expiry, sign
 
-    try:
-        claims = Claims(kind, run_id, check_peer_id(peer_id), parse_expiry(expires) if kind == "admit" else None)
-        return sign(load_owner_key(owner_key), claims)
-    except AdmissionError as exc:
-        fail(str(exc))
+    claims = Claims(kind, run_id, check_peer_id(peer_id), parse_expiry(expires) if kind == "admit" else None)
+    return sign(load_owner_key(owner_key), claims)  # or AdmissionError
 
 
 @main.command()
@@ -197,12 +199,9 @@ def revoke(owner_key: Path, run_id: str, peers: tuple[str, ...], peer_id: str) -
         except ValueError as exc:
             fail(str(exc))
     setup_logging("WARNING")
-    from diloco_node.swarm.member import SwarmError, publish_revocation
+    from diloco_node.swarm.member import publish_revocation
 
-    try:
-        publish_revocation(list(peers), run_id, token)
-    except SwarmError as exc:
-        fail(str(exc))
+    publish_revocation(list(peers), run_id, token)  # or SwarmError
     click.echo(f"revoked {peer_id} in run {run_id}")
 
 

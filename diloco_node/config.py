@@ -1,28 +1,38 @@
-"""Node configuration: every default lives here, and every value is validated here.
+"""Node configuration: every setting, its default and its validation.
 
 The CLI builds its options from these fields, so a key in a TOML file, an env var DILOCO_<KEY>
 and a flag --<key> always mean the same thing. Precedence: flag > env > file > default.
+
+A leaf (docs/architecture.md, import rules): it imports no domain module. What only a package
+knows (its model presets, codecs and their default parameters, how to check a multiaddr or a
+public key) it declares in registry.py, and the checks here read it from there; turning a config
+into a package's own objects is that package's job (codec.codec_config_of, replica.settings_of).
 """
 
 from __future__ import annotations
 
 import os
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from diloco_node.admission import parse_public_key
-from diloco_node.codec import CODECS, FEEDBACK, CodecConfig, make_codec
+from diloco_node.errors import NodeError
 from diloco_node.fingerprint import PROTOCOL, fingerprint_of
-from diloco_node.replica.base import ReplicaSettings
-from diloco_node.swarm.addresses import check_multiaddr
-from diloco_node.train.device import resolve_devices
-from diloco_node.train.model import PRESETS
+from diloco_node.registry import (
+    CODEC_CHECK,
+    CODEC_DEFAULTS,
+    CODECS,
+    MODEL_PRESETS,
+    MULTIADDR_CHECK,
+    PUBLIC_KEY_CHECK,
+    Registry,
+)
 
 DEFAULT_STATUS_PORT = 7780
-DILOCO_MOMENTUM = 0.9  # DiLoCo's outer Nesterov momentum (DESIGN §3)
+DILOCO_MOMENTUM = 0.9  # DiLoCo's outer Nesterov momentum (docs/architecture.md §3)
 # Under eager, half of each step (the others' Δ) lands a round late, which already carries momentum;
 # 0.6 kept eager within 1 % of blocking in benchmarks/wide_area.py, 0.9 did not (see README, sync modes).
 EAGER_MOMENTUM = 0.6
@@ -40,8 +50,18 @@ SYNC_MOMENTUM = {"blocking": DILOCO_MOMENTUM, "delayed": DELAYED_MOMENTUM, "eage
 FEEDBACK_OUTER = {"outer_momentum": 0.0, "outer_lr": 2.0, "ef_decay": 0.95}
 
 
-class ConfigError(ValueError):
+class ConfigError(NodeError, ValueError):
     """A configuration problem, phrased for the person who made it (one line)."""
+
+
+def _codec_default(key: str) -> Callable[[], Any]:
+    """The codec's own default for one of its parameters (CodecConfig's), read on first use."""
+    return lambda: CODEC_DEFAULTS.get()[key]
+
+
+def _keeps_residual(compression: Any) -> bool:
+    """Whether a codec, by name, drops values and keeps an error-feedback residual (topk, sign)."""
+    return isinstance(compression, str) and compression in CODECS.names() and CODECS[compression].feedback
 
 
 class NodeConfig(BaseModel):
@@ -62,7 +82,7 @@ class NodeConfig(BaseModel):
     matchmaking_time: float = Field(3.0, gt=0, description="seconds to gather a group before averaging")
 
     # --- the model and data ---
-    model: str = Field("tiny", description=f"model preset: {', '.join(PRESETS)}")
+    model: str = Field("tiny", description="model preset")  # the presets follow in --help (CHOICES)
     data: str | None = Field(None, description="text file, directory or .jsonl (default: embedded corpus)")
     seq_len: int = Field(128, gt=0, description="tokens (bytes) per training sequence")
     batch_size: int = Field(16, gt=0, description="sequences per inner step")
@@ -73,7 +93,7 @@ class NodeConfig(BaseModel):
     threads: int = Field(0, ge=0, description="torch CPU threads per local rank (0 = torch's default; with "
                          "several local ranks, the cores shared out)")
 
-    # --- the node's own devices (DESIGN §5): one replica over K local ranks ---
+    # --- the node's own devices (docs/architecture.md §5): one replica over K local ranks ---
     parallel: str = Field("none", pattern=r"^(none|fsdp|pipeline)$",
                           description="how the node splits its replica over its local ranks: none, fsdp "
                           "(shards) or pipeline (stages)")
@@ -121,7 +141,7 @@ class NodeConfig(BaseModel):
     max_tokens_per_round: int = Field(0, ge=0, description="most tokens a peer's contribution to a round counts "
                                       "for (0: only 4x the group's median declaration)")
 
-    # --- NoLoCo: gossip in small random groups instead of averaging over the swarm (DESIGN §3) ---
+    # --- NoLoCo: gossip in small random groups instead of averaging over the swarm (docs/architecture.md §3) ---
     algorithm: str = Field("diloco", pattern=r"^(diloco|noloco)$",
                            description="outer algorithm: diloco (group = everyone) or noloco (random small groups)")
     group_size: int = Field(2, ge=2, le=64, description="noloco: most nodes in a group (n)")
@@ -130,20 +150,26 @@ class NodeConfig(BaseModel):
     noloco_gamma: float | None = Field(None, ge=0, description="noloco: γ, pull towards the group's mean φ "
                                        "(default: α)")
 
-    # --- pseudo-gradient compression (DESIGN §3, codecs) ---
-    compression: str = Field("none", description=f"pseudo-gradient codec: {', '.join(CODECS)}")
-    block_size: int = Field(CodecConfig.block_size, gt=0, description="int8/int4: values per scale")
-    topk_chunk: int = Field(CodecConfig.topk_chunk, gt=0, description="topk: values per chunk")
-    topk_k: int = Field(CodecConfig.topk_k, gt=0, description="topk: values kept per chunk")
-    topk_bits: int = Field(CodecConfig.topk_bits, description="topk: bits per kept value: 8, 4, 2 or 1")
-    sign_block: int = Field(CodecConfig.sign_block, gt=0, description="sign: values per scale (a multiple of 8)")
-    sign_keep: float = Field(CodecConfig.sign_keep, gt=0, le=1, description="sign: share of blocks sent per round "
-                             "(the largest)")
-    ef_decay: float = Field(CodecConfig.ef_decay, ge=0, le=1, description="topk, sign: error-feedback decay β "
+    # --- pseudo-gradient compression (docs/architecture.md §3, codecs) ---
+    # the codec parameters' defaults are the codec's own (codec/codecs.py, CodecConfig)
+    compression: str = Field("none", description="pseudo-gradient codec")  # the codecs follow in --help
+    block_size: int = Field(default_factory=_codec_default("block_size"), gt=0,
+                            description="int8/int4: values per scale")
+    topk_chunk: int = Field(default_factory=_codec_default("topk_chunk"), gt=0, description="topk: values per chunk")
+    topk_k: int = Field(default_factory=_codec_default("topk_k"), gt=0, description="topk: values kept per chunk")
+    topk_bits: int = Field(default_factory=_codec_default("topk_bits"),
+                           description="topk: bits per kept value: 8, 4, 2 or 1")
+    sign_block: int = Field(default_factory=_codec_default("sign_block"), gt=0,
+                            description="sign: values per scale (a multiple of 8)")
+    sign_keep: float = Field(default_factory=_codec_default("sign_keep"), gt=0, le=1,
+                             description="sign: share of blocks sent per round (the largest)")
+    ef_decay: float = Field(default_factory=_codec_default("ef_decay"), ge=0, le=1,
+                            description="topk, sign: error-feedback decay β "
                             f"(unset: {FEEDBACK_OUTER['ef_decay']:g} with diloco, else 1)")
     zstd: str = Field("auto", pattern=r"^(auto|on|off)$",
                       description="zstd as the last stage: auto (where it pays), on, off")
-    zstd_level: int = Field(CodecConfig.zstd_level, ge=-7, le=22, description="zstd compression level")
+    zstd_level: int = Field(default_factory=_codec_default("zstd_level"), ge=-7, le=22,
+                            description="zstd compression level")
 
     # --- persistence ---
     checkpoint_dir: str = Field("checkpoints", description="checkpoints go to DIR/<run_id>/ and join resumes from "
@@ -164,8 +190,9 @@ class NodeConfig(BaseModel):
     @field_validator("peer", "listen", "announce")
     @classmethod
     def _multiaddrs(cls, values: list[str]) -> list[str]:
+        check = MULTIADDR_CHECK.get()
         for value in values:
-            check_multiaddr(value)
+            check(value)
         return values
 
     @field_validator("peer")
@@ -179,16 +206,12 @@ class NodeConfig(BaseModel):
     @field_validator("model")
     @classmethod
     def _known_model(cls, value: str) -> str:
-        if value not in PRESETS:
-            raise ValueError(f"unknown model preset '{value}' (known: {', '.join(PRESETS)})")
-        return value
+        return MODEL_PRESETS.check(value)
 
     @field_validator("compression")
     @classmethod
     def _known_codec(cls, value: str) -> str:
-        if value not in CODECS:
-            raise ValueError(f"unknown codec '{value}' (known: {', '.join(CODECS)})")
-        return value
+        return CODECS.check(value)
 
     @field_validator("status")
     @classmethod
@@ -202,7 +225,7 @@ class NodeConfig(BaseModel):
     @classmethod
     def _owner_key(cls, value: str) -> str:
         if value:
-            parse_public_key(value)  # AdmissionError is a ValueError: phrased for the user
+            PUBLIC_KEY_CHECK.get()(value)  # AdmissionError is a ValueError: phrased for the user
         return value
 
     @model_validator(mode="after")
@@ -229,7 +252,7 @@ class NodeConfig(BaseModel):
             data = {**data, "sync": "blocking" if data.get("algorithm") == "noloco" else "eager"}
         if data.get("local_ranks") is None and data.get("devices"):
             data = {**data, "local_ranks": len(str(data["devices"]).split(","))}
-        if data.get("compression") in FEEDBACK and data.get("algorithm", "diloco") == "diloco":
+        if _keeps_residual(data.get("compression")) and data.get("algorithm", "diloco") == "diloco":
             data = {**data, **{key: value for key, value in FEEDBACK_OUTER.items() if data.get(key) is None}}
         if data.get("outer_momentum") is None:
             # an unknown sync keeps DiLoCo's; the sync field's own check then names the mistake
@@ -256,7 +279,7 @@ class NodeConfig(BaseModel):
         """Why this run cannot exchange by butterfly; None when it can."""
         if self.algorithm == "noloco":
             return "is for DiLoCo: NoLoCo's groups are small by design (--group-size), so all-gather costs the same"
-        if self.compression in FEEDBACK:
+        if CODECS[self.compression].feedback:
             return (f"needs a dense codec: averaging sparse parts and sparsifying again would drop what "
                     f"{self.compression} keeps")
         if self.aggregator == "centered-clip":
@@ -284,11 +307,12 @@ class NodeConfig(BaseModel):
     @property
     def part_align(self) -> int:
         """Where butterfly parts may be cut: on the codec's blocks, so a part encodes as its slice of the whole."""
-        return self.block_size if self.compression in ("int8", "int4") else 1
+        blocks = CODECS[self.compression].blocks
+        return int(getattr(self, blocks)) if blocks else 1
 
     @model_validator(mode="after")
     def _local_ranks_fit(self) -> NodeConfig:
-        k, layers = self.local_ranks, PRESETS[self.model].n_layer
+        k, layers = self.local_ranks, MODEL_PRESETS[self.model].n_layer
         if self.parallel == "none" and k > 1:
             raise ValueError(f"local_ranks {k} needs parallel fsdp or pipeline")
         if self.parallel != "none" and k < 2:
@@ -303,33 +327,21 @@ class NodeConfig(BaseModel):
 
     @property
     def consensus_weight(self) -> float:
-        """NoLoCo's γ: as set, else α (DESIGN §3)."""
+        """NoLoCo's γ: as set, else α (docs/architecture.md §3)."""
         return self.noloco_alpha if self.noloco_gamma is None else self.noloco_gamma
 
     @model_validator(mode="after")
     def _fits_model(self) -> NodeConfig:
-        limit = PRESETS[self.model].max_seq_len
+        limit = MODEL_PRESETS[self.model].max_seq_len
         if self.seq_len > limit:
             raise ValueError(f"seq_len {self.seq_len} exceeds model '{self.model}' limit of {limit}")
-        make_codec(self.codec_config())  # its own range checks, phrased for the user
+        CODEC_CHECK.get()(self)  # the codec's own range checks, phrased for the user
         return self
-
-    def codec_config(self) -> CodecConfig:
-        return CodecConfig(name=self.compression, block_size=self.block_size, topk_chunk=self.topk_chunk,
-                           topk_k=self.topk_k, topk_bits=self.topk_bits, sign_block=self.sign_block,
-                           sign_keep=self.sign_keep, ef_decay=self.ef_decay, zstd_level=self.zstd_level,
-                           zstd={"auto": None, "on": True, "off": False}[self.zstd])
 
     def codec_fingerprint(self) -> dict[str, Any]:
         """The codec parameters a peer needs to decode our payloads (zstd is flagged per payload)."""
-        params: dict[str, Any] = {"compression": self.compression}
-        if self.compression in ("int8", "int4"):
-            params["block_size"] = self.block_size
-        if self.compression == "topk":
-            params.update(topk_chunk=self.topk_chunk, topk_k=self.topk_k, topk_bits=self.topk_bits)
-        if self.compression == "sign":
-            params.update(sign_block=self.sign_block, sign_keep=self.sign_keep)
-        return params
+        return {"compression": self.compression,
+                **{key: getattr(self, key) for key in CODECS[self.compression].params}}
 
     @property
     def checkpoint_path(self) -> Path | None:
@@ -352,19 +364,10 @@ class NodeConfig(BaseModel):
             return self.threads
         return max(1, (os.cpu_count() or 1) // self.local_ranks)
 
-    def replica_settings(self) -> ReplicaSettings:
-        """The replica's part of the config, with each local rank's device resolved (DeviceError if missing)."""
-        return ReplicaSettings(
-            model=self.model, seed=self.seed, data=self.data, seq_len=self.seq_len, batch_size=self.batch_size,
-            eval_batches=self.eval_batches, inner_lr=self.inner_lr, warmup_steps=self.warmup_steps,
-            weight_decay=self.weight_decay, grad_clip=self.grad_clip,
-            total_steps=self.max_outer_steps * self.inner_steps, precision=self.precision, parallel=self.parallel,
-            devices=resolve_devices(self.device, self.devices, self.local_ranks), threads=self.rank_threads())
-
     def fingerprint_fields(self) -> dict[str, Any]:
         """What peers must share to average together: the protocol, the model's shape and the outer
         algorithm."""
-        arch = PRESETS[self.model]
+        arch = MODEL_PRESETS[self.model]
         return {
             "protocol": PROTOCOL,
             "model": self.model, "n_layer": arch.n_layer, "d_model": arch.d_model, "n_head": arch.n_head,
@@ -395,8 +398,15 @@ class NodeConfig(BaseModel):
         return fingerprint_of(fields)
 
 
-def describe_fields(fields: dict[str, Any]) -> str:
-    return " ".join(f"{key}={value}" for key, value in sorted(fields.items()))
+# Fields whose values a registry lists: --help names the known ones after the description.
+CHOICES: dict[str, Registry[Any]] = {"model": MODEL_PRESETS, "compression": CODECS}
+
+
+def describe(name: str) -> str:
+    """The help text of field `name`: its description, with the values it may take where a registry lists them."""
+    field = NodeConfig.model_fields[name]
+    known = CHOICES.get(name)
+    return f"{field.description}: {', '.join(known.names())}" if known else str(field.description)
 
 
 def read_toml(path: str) -> dict[str, Any]:

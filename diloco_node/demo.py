@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -45,27 +43,27 @@ def progress_of(node: NodeProcess) -> NodeProgress:
             progress.rounds.append((int(event["round"]), float(event["eval_loss"]), int(event["group_size"]),
                                     int(event["bytes_sent"]), int(event["bytes_received"])))
         elif event["event"] == "settled":  # eager / delayed, after the last round
-            progress.eval_settled, progress.sent_settling = float(event["eval_loss"]), int(event["sent"])
+            progress.eval_settled, progress.sent_settling = float(event["eval_loss"]), int(event["bytes_sent"])
     progress.errors = [line.strip() for line in list(node.stderr_lines) if "error" in line.lower()]
     return progress
 
 
-def _stop_nodes(processes: list[subprocess.Popen[str]]) -> list[int]:
+def _stop_nodes(nodes: list[NodeProcess]) -> list[int]:
     """Ctrl-C: each node stops at its next safe point; a second Ctrl-C stops them at once."""
     for attempt in range(2):
-        for process in processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)
+        for node in nodes:
+            node.interrupt()
         try:
-            return [process.wait() for process in processes]
+            return _exit_codes(nodes)
         except KeyboardInterrupt:
             if attempt == 1:
                 raise
-    return [process.wait() for process in processes]
+    return _exit_codes(nodes)
 
 
-def _processes(nodes: list[NodeProcess]) -> list[subprocess.Popen[str]]:
-    return [node.process for node in nodes if node.process is not None]
+def _exit_codes(nodes: list[NodeProcess]) -> list[int]:
+    """Each started node's exit code, once it exited and its last lines (its settled eval) were read."""
+    return [node.wait_exit(timeout=None) for node in nodes if node.process is not None]
 
 
 def _first_address(node: NodeProcess) -> str:
@@ -111,12 +109,10 @@ def run_demo(nodes: int, rounds: int, inner_steps: int, model: str) -> int:
                     bar.close()
                     print(f"demo: the first node failed to start; see {workdir / 'node0.log'}", file=sys.stderr)
                     return 1
-        codes = [process.wait() for process in _processes(started)]
+        codes = _exit_codes(started)
     except KeyboardInterrupt:
         print("\ndemo: stopping the nodes at their next safe point (Ctrl-C again to stop them now)")
-        codes = _stop_nodes(_processes(started))
-    for node in started:  # a node's last lines (its settled eval) may still be in the pipe
-        node.drain()
+        codes = _stop_nodes(started)
     bar.close()
     print(summary([progress_of(node) for node in started], nodes, inner_steps))
     return 0 if all(code == 0 for code in codes) else 1

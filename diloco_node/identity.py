@@ -23,10 +23,12 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 
+from diloco_node.errors import NodeError
+
 RSA_BITS = 2048
 
 
-class IdentityError(ValueError):
+class IdentityError(NodeError, ValueError):
     """An identity file that cannot be used, phrased as one line for the user."""
 
 

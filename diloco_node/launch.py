@@ -7,8 +7,10 @@ So what callers read are the node's own figures, not a parse of log lines whose 
 Both pipes are read on threads: callers wait for an event without polling files, and a node never
 blocks on a full pipe in the middle of a round.
 
-Failures raise AssertionError, with the node's last log lines, so that a test reports them as
-failed assertions (nothing here imports pytest).
+Failures raise LaunchError (LaunchTimeout when time ran out while the node still runs), with the
+node's last log lines. Both are AssertionErrors too, so that a test reports them as failed assertions
+(nothing here imports pytest). `read_events` reads the same events from a file (`--events FILE`, or
+a copy of a node's stdout): `parse_event` is the one reader of the node's events.
 """
 
 from __future__ import annotations
@@ -28,27 +30,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Self
 
+from diloco_node.errors import NodeError
+from diloco_node.telemetry.record import RoundRecord
+
 # After a node has exited, how long its last lines may take to be read: a helper process that
 # outlives it (briefly) may still hold its pipes open, and then no end of file comes.
 DRAIN_SECONDS = 10.0
 
 
-@dataclass
-class RoundLog:
-    """One `round` event: the figures tests check most, and the whole event in `stats`."""
+class LaunchError(NodeError, AssertionError):
+    """A node started here did not do what its caller waited for (it exited, failed to stop cleanly...)."""
 
-    eval_loss: float
-    group_size: int
-    digest: str
-    consensus_distance: float | None = None  # NoLoCo only, as are its group's peer ids
-    group: tuple[str, ...] = ()
-    stats: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
-    @classmethod
-    def from_event(cls, event: dict[str, Any]) -> RoundLog:
-        distance = event.get("consensus_distance")
-        return cls(float(event["eval_loss"]), int(event["group_size"]), str(event["digest"]),
-                   None if distance is None else float(distance), tuple(event.get("group") or ()), event)
+class LaunchTimeout(LaunchError, TimeoutError):
+    """The time given ran out while the node was still running."""
 
 
 @dataclass
@@ -59,7 +54,8 @@ class NodeProcess:
     events then go where they say, and `events`, `rounds` and the joined figures stay empty).
     `workdir` is its working directory unless `cwd` says otherwise, and holds a copy of its stderr
     (`<name>.log`) unless `log_path` says otherwise; `stdout_log_path`, when given, gets a copy of its
-    stdout. `wrap` wraps the command line, e.g. to run the node inside a network namespace.
+    stdout. `wrap` wraps the command line, e.g. to run the node inside a network namespace (the one
+    way to start it elsewhere: harness/islands.py's IslandNode).
     `on_event` is called with each event, on the reader thread, after it is recorded.
     """
 
@@ -71,7 +67,7 @@ class NodeProcess:
     status_url: str | None = None
     joined_eval_loss: float | None = None
     joined_round: int | None = None
-    rounds: dict[int, RoundLog] = field(default_factory=dict)
+    rounds: dict[int, RoundRecord] = field(default_factory=dict)
     stderr_lines: list[str] = field(default_factory=list)  # as read, newline included
     stdout_lines: list[str] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
@@ -101,19 +97,15 @@ class NodeProcess:
         env["PYTHONUNBUFFERED"] = "1"  # each line as it is written, not when a buffer fills
         return env
 
-    def _popen(self, command: list[str], **options: Any) -> subprocess.Popen[str]:
-        """Start the process; a subclass may start it elsewhere (tests/network/island_nodes.py)."""
-        return subprocess.Popen(command, **options)
-
     def start(self) -> Self:
         stderr_log = open(self.log_path or self.workdir / f"{self.name}.log", "w")  # noqa: SIM115 - the reader closes it
         stdout_log = open(self.stdout_log_path, "w") if self.stdout_log_path else None  # noqa: SIM115
         # A session of its own, as a program started in a terminal is the leader of its foreground
         # process group: `stop("ctrl-c")` signals that group as the terminal's Ctrl-C does, and the
         # caller's own Ctrl-C does not reach the node (the demo passes exactly one on).
-        self.process = self._popen(self.command(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   errors="replace", env=self.environment(), cwd=self.cwd or self.workdir,
-                                   start_new_session=True)
+        self.process = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        errors="replace", env=self.environment(), cwd=self.cwd or self.workdir,
+                                        start_new_session=True)
         self._streams_open = 2
         threading.Thread(target=self._read_stdout, args=(stdout_log,), daemon=True,
                          name=f"{self.name}-stdout").start()
@@ -169,7 +161,7 @@ class NodeProcess:
         if kind == "joined":
             self.joined_round, self.joined_eval_loss = int(event["round"]), float(event["eval_loss"])
         elif kind == "round":
-            self.rounds[int(event["round"])] = RoundLog.from_event(event)
+            self.rounds[int(event["round"])] = RoundRecord.from_event(event)
 
     def events_of(self, kind: str) -> list[dict[str, Any]]:
         """Its events of one kind so far ("joined", "resumed", "synced", "round", "settled", "left")."""
@@ -179,6 +171,14 @@ class NodeProcess:
     def log_text(self) -> str:
         with self._changed:
             return "".join(self.stderr_lines)
+
+    def tail(self, lines: int = 15) -> str:
+        """Its last log lines, for a failure report."""
+        with self._changed:
+            return "".join(self.stderr_lines[-lines:])
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
 
     # --- waiting ------------------------------------------------------------------------------
 
@@ -200,10 +200,11 @@ class NodeProcess:
         return True
 
     def wait_until(self, predicate: Callable[[], Any], timeout: float, what: str) -> None:
+        """Raises LaunchError when the node exits first, LaunchTimeout when `timeout` seconds pass."""
         if not self.reached(predicate, timeout):
             code = self.process and self.process.poll()
-            tail = "".join(self.stderr_lines[-15:])
-            raise AssertionError(f"{self.name}: {what} not reached (exit={code})\n--- last log lines ---\n{tail}")
+            error = LaunchTimeout if code is None else LaunchError
+            raise error(f"{self.name}: {what} not reached (exit={code})\n--- last log lines ---\n{self.tail()}")
 
     def wait_for_address(self, timeout: float = 60) -> str:
         self.wait_until(lambda: self.address is not None, timeout, "start-up")
@@ -216,21 +217,9 @@ class NodeProcess:
         assert self.joined_round is not None
         return self.joined_round
 
-    def wait_for_round(self, round_: int, timeout: float = 120) -> RoundLog:
+    def wait_for_round(self, round_: int, timeout: float = 120) -> RoundRecord:
         self.wait_until(lambda: round_ in self.rounds, timeout, f"round {round_}")
         return self.rounds[round_]
-
-    def wait_event(self, kind: str, predicate: Callable[[dict[str, Any]], bool] | None = None,
-                   timeout: float = 120) -> dict[str, Any]:
-        """The first event of `kind` (for which `predicate` holds), once the node has reported it."""
-        def first() -> dict[str, Any] | None:
-            return next((event for event in self.events
-                         if event.get("event") == kind and (predicate is None or predicate(event))), None)
-
-        self.wait_until(lambda: first() is not None, timeout, f"a '{kind}' event")
-        found = first()
-        assert found is not None
-        return found
 
     def drain(self, timeout: float = DRAIN_SECONDS) -> bool:
         """Once the node has exited, wait until its last lines are read; False if they were not in time."""
@@ -259,7 +248,7 @@ class NodeProcess:
         try:
             code = self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{self.name} did not exit within {timeout}s\n{self.stacks()}") from None
+            raise LaunchTimeout(f"{self.name} did not exit within {timeout}s\n{self.stacks()}") from None
         self.drain()
         return code
 
@@ -291,19 +280,55 @@ class NodeProcess:
         try:
             code = self.process.wait(timeout=within)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{self.name} did not exit within {within:.0f}s of {how}\n{self.stacks()}") from None
+            raise LaunchTimeout(f"{self.name} did not exit within {within:.0f}s of {how}\n{self.stacks()}") from None
         took = time.monotonic() - started
         self.drain()
-        assert code == 0, f"{self.name} exited {code} after {how}\n{self.log_text()[-3000:]}"
-        assert "Traceback" not in self.log_text(), self.log_text()[-3000:]
+        if code != 0:
+            raise LaunchError(f"{self.name} exited {code} after {how}\n{self.log_text()[-3000:]}")
+        if "Traceback" in self.log_text():
+            raise LaunchError(self.log_text()[-3000:])
         deadline = time.monotonic() + 10
         while (survivors := [pid for pid in helpers if alive(pid)]) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not survivors, f"{self.name}'s helper processes outlived it: {survivors}"
+        if survivors:
+            raise LaunchError(f"{self.name}'s helper processes outlived it: {survivors}")
         return took
 
-    def kill(self) -> None:
-        if self.process and self.process.poll() is None:
+    def interrupt(self) -> None:
+        """One SIGINT to the node itself, not its group (the demo passes the user's Ctrl-C on this way):
+        the node stops at its next safe point; a second one stops it at once, without saving."""
+        if self.running():
+            self.signal(signal.SIGINT)
+
+    def terminate(self, within: float) -> int | None:
+        """Stop it as `kill`, `docker stop` and systemd do, and never raise: SIGTERM (the node saves and
+        leaves), then SIGKILL to its session if it has not exited `within` seconds later, saying so on
+        stderr. Its exit code once its last lines are read; None when it had to be killed."""
+        assert self.process
+        killed = False
+        if self.process.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=within)
+            except subprocess.TimeoutExpired:
+                print(f"WARNING: {self.name} did not stop within {within:.0f}s of SIGTERM; killing it",
+                      file=sys.stderr)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.process.pid, signal.SIGKILL)  # this node's own session only
+                killed = True
+        code = self.process.wait()
+        self.drain()  # its last events (the last round, settled) may still be in the pipe
+        return None if killed else code
+
+    def kill(self, group: bool = False) -> None:
+        """SIGKILL the node if it still runs. With `group`, its whole process group too, even after it
+        exited: the session it was started in, so helpers a clean exit left behind go with it."""
+        if self.process is None:
+            return
+        if group:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)  # the group we created for it, nothing else
+        if self.process.poll() is None:
             # the node's own children (hivemind DHT, averager, p2pd) die with their parent's pipes
             self.process.send_signal(signal.SIGKILL)
             self.process.wait(timeout=30)
@@ -318,6 +343,11 @@ def parse_event(line: str) -> dict[str, Any] | None:
     except json.JSONDecodeError:
         return None
     return event if isinstance(event, dict) and "event" in event else None
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """A node's events from a file, in order: its --events FILE, or a copy of its stdout."""
+    return [event for line in path.read_text().splitlines() if (event := parse_event(line)) is not None]
 
 
 def descendants(pid: int) -> list[int]:

@@ -1,15 +1,30 @@
-"""What a node loads before its first round: its checkpoint, in the canonical layout."""
+"""A node's start-up, in the order it must happen: everything that can fail because of bad input
+happens here, before training starts (docs/architecture.md §2).
+
+Signals first (Ctrl-C while waiting for peers is a clean stop too); the local ranks, which are
+processes of their own, before hivemind forks anything; the checkpoint; the status server; the
+swarm; the run's state; then we announce ourselves and wait for the run's first peers.
+"""
 
 from __future__ import annotations
 
 import logging
+import zlib
 from dataclasses import dataclass
+from typing import Any
 
+import torch
+
+from diloco_node import identity
+from diloco_node.admission import AdmissionError, Gate, load_token, parse_public_key
 from diloco_node.checkpoint import CheckpointError, CheckpointStore
 from diloco_node.codec import Codec
+from diloco_node.compose import attach_swarm
+from diloco_node.lifecycle import isolate_forked_children
+from diloco_node.node import Node
 from diloco_node.outer.state import OuterState
 from diloco_node.outer.sync import Applied
-from diloco_node.replica import Replica
+from diloco_node.replica import Replica, make_replica, settings_of
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +35,72 @@ class Resumed:
     data_position: int
     stream_seed: int
     outstanding: list[Applied]  # our pseudo-gradients still awaiting their round's mean
+
+
+def start(node: Node) -> None:
+    """Join the run: on return `node.joined` says whether to train (a stop may have come first)."""
+    parts, cfg = node.parts, node.cfg
+    parts.signals.install()
+    isolate_forked_children()
+    if cfg.identity_path:
+        peer_id = identity.create(cfg.identity_path)  # an unusable key file fails here, before anything
+        if cfg.run_owner:
+            parts.gate = Gate(cfg.run_id, parse_public_key(cfg.run_owner), load_token(cfg.admission))
+            if why := parts.gate.own_refusal(peer_id):
+                raise AdmissionError(why)
+    # local ranks are processes of their own: started before hivemind forks anything (ranks.py)
+    node.replica = make_replica(settings_of(cfg), on_failure=node.stop_requested.set)
+    outstanding = _resume(node)
+    node.say(f"status: {parts.server.start()}")
+    swarm = attach_swarm(parts, lambda: _shared_state(node))
+    parts.signals.install()  # again: hivemind's averager has just set SIGINT to SIG_IGN in this process
+    swarm.watch(on_isolation=lambda since: _on_isolation(node, since), on_revoked=lambda: _on_revoked(node))
+    parts.wire.start()
+    for address in swarm.visible_addresses():
+        node.say(f"peer address: {address}")
+    assert parts.update is not None
+    parts.update.restore(outstanding or [])
+    if outstanding is None:  # a fresh node gets its own data order, derived from its identity
+        node.stream_seed = zlib.crc32(swarm.peer_id.encode()) ^ cfg.seed
+    swarm.check_compatible()
+    # A resumed checkpoint the run has moved past would only send stale work; one that still
+    # holds our Δs awaiting their rounds' means (a crash under eager) lacks those means, which
+    # the run's state holds exactly once. Either way the run's state replaces ours.
+    if outstanding is None or outstanding or swarm.ahead_of(node.state.round):
+        node.sync_from_peers(fresh=outstanding is None)
+    if node.stop_requested.is_set():
+        return  # stopped during the state download: nothing of ours is worth saving
+    swarm.enter(node.state.round, node.state.digest(), node.served())  # announces us
+    swarm.share_state()
+    if cfg.min_peers > 1:
+        node.say(f"waiting for {cfg.min_peers} nodes in run {cfg.run_id}")
+        if not swarm.wait_for_peers(cfg.min_peers, node.stop_requested):
+            return
+    node.joined = True
+    telemetry = node.telemetry
+    telemetry.update(peer_id=swarm.peer_id, maddrs=swarm.visible_addresses(),
+                     reachability="client" if swarm.client else "public",
+                     eval_loss=node.evaluate(), model_digest=node.state.digest())
+    snapshot = telemetry.snapshot()
+    telemetry.update(eval_loss_initial=snapshot["eval_loss"])
+    logger.info("joined run=%s round=%d eval_loss=%.4f parameters=%d digest=%s", cfg.run_id, node.state.round,
+                snapshot["eval_loss"], snapshot["parameters"], snapshot["model_digest"])
+    node.events.emit("joined", run_id=cfg.run_id, round=node.state.round, eval_loss=snapshot["eval_loss"],
+                     parameters=snapshot["parameters"], digest=snapshot["model_digest"], peer_id=swarm.peer_id)
+
+
+def _resume(node: Node) -> list[Applied] | None:
+    """Load the checkpoint, if any; None when there was none."""
+    assert node.replica is not None
+    store = node.parts.store
+    resumed = resume(store, node.cfg.checkpoint_fingerprint(), node.state, node.replica, node.parts.codec) \
+        if store else None
+    if resumed is None:
+        return None
+    node.inner_step, node.data_position, node.stream_seed = \
+        resumed.inner_step, resumed.data_position, resumed.stream_seed
+    node.events.emit("resumed", round=node.state.round)
+    return resumed.outstanding
 
 
 def resume(store: CheckpointStore, fingerprint: str, state: OuterState, replica: Replica,
@@ -41,3 +122,23 @@ def resume(store: CheckpointStore, fingerprint: str, state: OuterState, replica:
     logger.info("resumed round=%d from %s", state.round, store.path)
     return Resumed(inner_step, saved["data_position"], saved["stream_seed"],
                    [Applied(**entry) for entry in saved.get("outstanding", [])])
+
+
+def _shared_state(node: Node) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """What a joining peer downloads (on the swarm's thread; sharing starts once the update exists)."""
+    assert node.parts.update is not None
+    return node.state.shared(node.cfg.fingerprint(), node.swarm.peer_id, node.parts.update.served)
+
+
+def _on_revoked(node: Node) -> None:
+    """On the heartbeat thread: the run owner revoked our admission; the others no longer deal with us."""
+    logger.error("the run owner revoked this node's admission; stopping")
+    node.revoked = True
+    node.stop_requested.set()
+
+
+def _on_isolation(node: Node, since: float | None) -> None:
+    """On the heartbeat thread: the status says at once that we are cut off (and see only ourselves)."""
+    node.telemetry.update(isolated=since is not None, isolated_since=since)
+    if since is not None:
+        node.telemetry.update(peers=1)

@@ -2,7 +2,9 @@
 
 Pure functions from the server's JSON dicts to strings, so the view is tested without a network.
 Every field may be missing or null (a node that has not finished a round yet has no loss, an older
-node may not report a newer field); those print as "-" instead of failing.
+node may not report a newer field); those print as "-" instead of failing. The keys read are
+/api/status's (telemetry/meter.STATUS_FIELDS; a round's figures declared once by telemetry/record.py)
+and the swarm table's rows (telemetry/swarm_table.py); tests/unit/test_record.py holds them to those.
 """
 
 from __future__ import annotations

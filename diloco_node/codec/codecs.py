@@ -1,6 +1,6 @@
 """The codec seam: a config, a Protocol, and one class that chains transform → zstd → header.
 
-Every codec is the same pipeline (DESIGN §2): [error feedback] → quantize / sparsify → zstd →
+Every codec is the same pipeline (docs/architecture.md §2): [error feedback] → quantize / sparsify → zstd →
 versioned header. Only the transform differs, so one `PayloadCodec` composes a `Transform`
 (a few plain functions from quantize.py / sparse.py) rather than six subclasses.
 """
@@ -8,14 +8,18 @@ versioned header. Only the transform differs, so one `PayloadCodec` composes a `
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import partial
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from diloco_node import registry
 from diloco_node.codec import quantize, sparse, wire
 from diloco_node.codec.wire import CodecError
+
+if TYPE_CHECKING:
+    from diloco_node.config import NodeConfig
 
 CODECS: tuple[str, ...] = ("none", "fp16", "bf16", "int8", "int4", "topk", "sign")
 FEEDBACK: tuple[str, ...] = ("topk", "sign")  # the codecs that drop values, and so keep a residual
@@ -151,3 +155,27 @@ def make_codec(cfg: CodecConfig) -> Codec:
         return PayloadCodec(cfg)
     except CodecError as exc:  # parameter ranges are checked by the same code that checks headers
         raise ValueError(f"codec '{cfg.name}': {exc}") from None
+
+
+def codec_config_of(cfg: NodeConfig) -> CodecConfig:
+    """The codec a node's config asks for."""
+    return CodecConfig(name=cfg.compression, block_size=cfg.block_size, topk_chunk=cfg.topk_chunk,
+                       topk_k=cfg.topk_k, topk_bits=cfg.topk_bits, sign_block=cfg.sign_block,
+                       sign_keep=cfg.sign_keep, ef_decay=cfg.ef_decay, zstd_level=cfg.zstd_level,
+                       zstd={"auto": None, "on": True, "off": False}[cfg.zstd])
+
+
+def _check(cfg: NodeConfig) -> None:
+    make_codec(codec_config_of(cfg))  # its own range checks, phrased for the user
+
+
+# What config.py checks --compression and the codec parameters against (registry.py).
+_DECODE_PARAMS: dict[str, tuple[str, ...]] = {"int8": ("block_size",), "int4": ("block_size",),
+                                              "topk": ("topk_chunk", "topk_k", "topk_bits"),
+                                              "sign": ("sign_block", "sign_keep")}
+registry.CODECS.declare({name: registry.CodecTraits(
+    feedback=name in FEEDBACK, params=_DECODE_PARAMS.get(name, ()),
+    blocks="block_size" if name in ("int8", "int4") else None) for name in CODECS})
+registry.CODEC_DEFAULTS.declare({field.name: field.default for field in fields(CodecConfig)
+                                 if field.name not in ("name", "zstd")})
+registry.CODEC_CHECK.declare(_check)

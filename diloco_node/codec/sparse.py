@@ -24,7 +24,7 @@ mille p of the m = ⌈n/B⌉ blocks (q = max(1, ⌊m·p/1000⌋) of them), named
     q bf16 scales | ⌈m/8⌉ bytes of bitmap (block i at bit i % 8 of byte i // 8) | q·B/8 bytes of signs (1 = negative)
 
 What is not sent is not lost: ErrorFeedback keeps it in a residual that joins the next round's
-pseudo-gradient (DESIGN §3: e ← β·e + Δ; send C(e); e ← e − D(C(e))).
+pseudo-gradient (docs/architecture.md §3: e ← β·e + Δ; send C(e); e ← e − D(C(e))).
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from diloco_node.errors import NodeError
+
 if TYPE_CHECKING:
     pass
 
@@ -42,7 +44,7 @@ MAX_CHUNK = 1 << 16  # top-k offsets are at most uint16
 RawLength = Callable[[int, int, int], int]
 
 
-class CodecError(ValueError):
+class CodecError(NodeError, ValueError):
     """A payload that cannot be decoded (or a vector that cannot be encoded); the round drops it."""
 
 

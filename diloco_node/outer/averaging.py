@@ -1,4 +1,4 @@
-"""From our pseudo-gradient to the group's mean (DESIGN §2): encode ours, decode the payloads the
+"""From our pseudo-gradient to the group's mean (docs/architecture.md §2): encode ours, decode the payloads the
 transport gathered, and take the bounded robust mean. Every update (blocking, overlapped, NoLoCo)
 averages through this one class.
 """
@@ -8,48 +8,15 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from diloco_node.codec import Codec, CodecError, split_first
 from diloco_node.outer.aggregate import NORM_CLIP_MULTIPLE, Contribution, aggregate, bounded_phi_mean
-from diloco_node.swarm.butterfly import PartIn, PartSource, part_bounds
-from diloco_node.swarm.member import Gathered
+from diloco_node.round import AverageResult, Gathered, Outcome, Own, PartIn, PartSource, part_bounds
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Own:
-    """Our contribution to a round."""
-
-    payload: bytes | None  # what we offer; None when our Δ could not be encoded (non-finite)
-    decoded: torch.Tensor | None  # flat Δ as peers decode it (so every node averages the same values)
-    tokens: float
-    codec_seconds: float
-    # NoLoCo: our exact flat φ. Unlike Δ, the group need not agree on the mean φ to the bit, and our
-    # own rounding in it would pull φ toward the codec's grid through the consensus term.
-    phi: torch.Tensor | None = None
-    delta: torch.Tensor | None = None  # butterfly: our exact flat Δ, whose slices we encode for their owners
-
-    @property
-    def payload_bytes(self) -> int:
-        return len(self.payload) if self.payload else 0
-
-
-@dataclass(frozen=True)
-class AverageResult:
-    group: tuple[str, ...]  # peer ids whose contributions made the mean, ourselves included
-    mean: torch.Tensor  # flat Δ̄
-    own_share: float  # our token weight in the mean (1/M for equal tokens)
-    codec_seconds: float  # encoding ours and decoding everyone's
-    transfer_seconds: float = 0.0  # fetching the others' payloads, once the group had formed
-    received_bytes: int = 0  # the others' payloads we fetched
-    mean_phi: torch.Tensor | None = None  # NoLoCo: the group's mean φ
-    clipped: tuple[str, ...] = ()  # peers whose Δ (or φ, or declared tokens) the aggregator bounded
-    rejected: tuple[str, ...] = ()  # peers whose payload was undecodable, non-finite or tokenless
 
 
 class Averaging:
@@ -145,7 +112,7 @@ class Averaging:
 
     def alone(self, own: Own) -> AverageResult:
         """The 'mean' of a round we average by ourselves."""
-        return self.mean(own, Gathered("alone"))
+        return self.mean(own, Gathered(Outcome.ALONE))
 
     def mean_of(self, gathered: Gathered, member: str) -> torch.Tensor | None:
         """The mean `member` computed over its group's payloads (all gathered, its own included):

@@ -1,11 +1,12 @@
-"""DiLoCo, blocking: exchange Δ_t, wait for the group, apply Δ̄_t (DESIGN §3)."""
+"""DiLoCo, blocking: exchange Δ_t, wait for the group, apply Δ̄_t (docs/architecture.md §3)."""
 
 from __future__ import annotations
 
 import torch
 
 from diloco_node.outer.diloco import OuterOptimizer
-from diloco_node.outer.update import NoPending, RoundReport, UpdateContext, exchanging, solo_while_isolated
+from diloco_node.outer.update import NoPending, UpdateContext, exchanging, solo_while_isolated
+from diloco_node.round import Outcome, RoundReport
 
 
 class BlockingUpdate(NoPending):
@@ -22,17 +23,17 @@ class BlockingUpdate(NoPending):
             # we have stepped (the node shares again after every round). Before, during the wait for
             # the others, it is welcome: it is counted in and waited for.
             gathered = ctx.swarm.gather(round_, own.payload is not None, ctx.stop, on_ready=ctx.swarm.stop_sharing)
-        if gathered.verdict in ("stopped", "behind"):
-            return RoundReport(gathered.verdict, own, None)
+        if gathered.outcome in (Outcome.STOPPED, Outcome.BEHIND):
+            return RoundReport(gathered.outcome, own, None)
         result = ctx.averaging.mean(own, gathered)
         if solo_while_isolated(ctx, result, round_):
-            return RoundReport("isolated", own, result)
+            return RoundReport(Outcome.ISOLATED, own, result)
         # compared before the step: the records of this round carry the φ every member started it from
-        diverged = ctx.swarm.presence.diverged(round_, ctx.state.digest(), result.group)
+        diverged = ctx.swarm.diverged(round_, ctx.state.digest(), result.group)
         with ctx.state.lock:
             if result.group:
                 self.optimizer.step(ctx.state.shaped(result.mean))
             ctx.state.round += 1
         # only now: a joiner that sees this round exchanged must also find φ past it
-        ctx.swarm.presence.mark_exchanged(round_)
-        return RoundReport(gathered.verdict, own, result, diverged=diverged)
+        ctx.swarm.mark_exchanged(round_)
+        return RoundReport(gathered.outcome, own, result, diverged=diverged)

@@ -1,4 +1,4 @@
-"""DiLoCo's outer step (DESIGN §3): Nesterov SGD on φ with the group's mean pseudo-gradient."""
+"""DiLoCo's outer step (docs/architecture.md §3): Nesterov SGD on φ with the group's mean pseudo-gradient."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""NoLoCo (DESIGN §3): each round, average with a small drawn group only, then take NoLoCo's step
+"""NoLoCo (docs/architecture.md §3): each round, average with a small drawn group only, then take NoLoCo's step
 (momentum on the group's mean Δ plus a pull towards the group's mean φ)."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import logging
 import torch
 
 from diloco_node.outer.noloco import NoLoCoOptimizer, consensus_distance
-from diloco_node.outer.update import NoPending, RoundReport, UpdateContext, exchanging, solo_while_isolated
+from diloco_node.outer.update import NoPending, UpdateContext, exchanging, solo_while_isolated
+from diloco_node.round import Outcome, RoundReport
 
 logger = logging.getLogger(__name__)
 
@@ -21,32 +22,32 @@ class GossipUpdate(NoPending):
         ctx = self.ctx
         # Gossip tolerates a round of lag (we then meet nobody, or whoever is as late); a node that
         # everyone else has left two rounds behind re-syncs instead.
-        if ctx.swarm.presence.all_past(round_ + 1):
-            return RoundReport("behind", None, None)
+        if ctx.swarm.all_past(round_ + 1):
+            return RoundReport(Outcome.BEHIND, None, None)
         own = ctx.averaging.encode(round_, pseudo_gradient, tokens, ctx.state.flat())
         ctx.swarm.offer(round_, own.payload, tokens)
         others = [peer for peer in ctx.swarm.drawn_group(round_) if peer != ctx.swarm.peer_id]
-        verdict = "alone"
+        outcome = Outcome.ALONE
         if not others:  # the odd one out this round: nobody to wait for
             logger.info("round=%d drawn to average alone", round_)
             result = ctx.averaging.alone(own)
         else:
             with exchanging(ctx.telemetry, round_):
                 gathered = ctx.swarm.gather(round_, own.payload is not None, ctx.stop, among=others)
-            if gathered.verdict == "stopped":
-                return RoundReport("stopped", own, None)
-            if gathered.verdict in ("alone", "behind"):
+            if gathered.outcome == Outcome.STOPPED:
+                return RoundReport(Outcome.STOPPED, own, None)
+            if gathered.outcome in (Outcome.ALONE, Outcome.BEHIND):
                 logger.info("round=%d our group has left or moved on; averaging alone", round_)
                 result = ctx.averaging.alone(own)
             else:
                 result = ctx.averaging.mean(own, gathered)
-                verdict = "together" if len(result.group) > 1 else "alone"
+                outcome = Outcome.TOGETHER if len(result.group) > 1 else Outcome.ALONE
         if solo_while_isolated(ctx, result, round_):
-            return RoundReport("isolated", own, result)
+            return RoundReport(Outcome.ISOLATED, own, result)
         distance = None  # none when this round took no step
         with ctx.state.lock:
             if result.group and result.mean_phi is not None:
                 distance = consensus_distance(torch.cat([p.reshape(-1) for p in ctx.state.phi]), result.mean_phi)
                 self.optimizer.step(ctx.state.shaped(result.mean), ctx.state.shaped(result.mean_phi))
             ctx.state.round += 1
-        return RoundReport(verdict, own, result, consensus_distance=distance)
+        return RoundReport(outcome, own, result, consensus_distance=distance)

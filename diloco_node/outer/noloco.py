@@ -1,4 +1,4 @@
-"""NoLoCo's outer step (DESIGN §3): momentum on the group's mean progress plus a pull towards
+"""NoLoCo's outer step (docs/architecture.md §3): momentum on the group's mean progress plus a pull towards
 the group's mean φ. There is no all-reduce, so replicas differ; the pull keeps them close.
 
 With g = θ − φ (local progress, i.e. −Δ) and means over the group:

@@ -9,12 +9,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from diloco_node.config import NodeConfig
-from diloco_node.outer.averaging import AverageResult, Own
 from diloco_node.outer.diloco import OuterOptimizer
 from diloco_node.outer.state import OuterState, Served
 from diloco_node.outer.sync import Applied, PendingExchanges, correction, fresh_weight
-from diloco_node.outer.update import RoundReport, UpdateContext, exchanging
+from diloco_node.outer.update import UpdateContext, exchanging
 from diloco_node.replica.layout import flatten, unflatten
+from diloco_node.round import AverageResult, Outcome, Own, RoundReport
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +34,8 @@ class SettledCopy:
 
 
 @dataclass(frozen=True)
-class Outcome:
-    verdict: str
+class Landed:
+    outcome: Outcome
     result: AverageResult | None  # None: no mean for the round (stopped at shutdown, or behind)
 
 
@@ -45,7 +45,7 @@ class OverlappedUpdate:
         self.mode, self.proxy, self.sync_timeout = cfg.sync, cfg.eager_proxy, cfg.sync_timeout
         # settling has no next round to go on with: it waits as long as an exchange can take
         self.settle_timeout = max(cfg.sync_timeout, cfg.round_timeout)
-        self.pending: PendingExchanges[Outcome] = PendingExchanges()
+        self.pending: PendingExchanges[Landed] = PendingExchanges()
         self.last_share: float | None = None
         self.restored: list[Applied] = []  # from a checkpoint: applied at the next step, as averaged alone
         self.inherited: list[tuple[str, Applied]] = []  # from a state download: (server, its round in flight)
@@ -67,18 +67,19 @@ class OverlappedUpdate:
             self._settled_copy()
             finished = inherited + self.pending.take_finished()
             last = finished[-1][1] if finished else None
-            if any(outcome is not None and outcome.verdict == "behind" for _, outcome in finished):
-                return RoundReport("behind", own, None)  # the round engine re-syncs: nothing here applies
+            if any(outcome is not None and outcome.outcome == Outcome.BEHIND for _, outcome in finished):
+                return RoundReport(Outcome.BEHIND, own, None)  # the round engine re-syncs: nothing here applies
             landed = bool(finished or self.restored)
             step = self._corrections(finished)
-            weight = fresh_weight(self.mode, self.proxy, self.last_share, len(ctx.swarm.presence.compatible_peers()))
+            weight = fresh_weight(self.mode, self.proxy, self.last_share, ctx.swarm.peer_count())
             if landed or weight:  # delayed's first round has nothing to apply: no momentum-only step
                 self.optimizer.step(ctx.state.shaped(step + weight * fresh))
                 ctx.state.steps += 1
             ctx.state.round += 1
             applied = Applied(round_, fresh, weight, ctx.state.steps)
             self.pending.start(applied, lambda: self._exchange(round_, own))
-        return RoundReport(last.verdict if last else "lost", own, last.result if last else None, diverged=diverged)
+        return RoundReport(last.outcome if last else Outcome.LOST, own, last.result if last else None,
+                           diverged=diverged)
 
     def _diverged(self) -> bool:
         """Whether the state we serve differs from the one our last group serves, settled up to the
@@ -86,7 +87,7 @@ class OverlappedUpdate:
         and our φ with it. Compared before this round's take, so the group has had a round to
         announce the state we have held since the last one (our record announced it as the inner
         phase ended, and nothing has stepped the settled copy since)."""
-        return bool(self.last_group) and self.ctx.swarm.presence.served_diverged(self.last_group)
+        return bool(self.last_group) and self.ctx.swarm.served_diverged(self.last_group)
 
     def _settled_copy(self) -> SettledCopy:
         """Under φ's lock. Made when φ holds nothing of ours early: at the start, after a state
@@ -97,7 +98,7 @@ class OverlappedUpdate:
                 self.settled.step(torch.stack([correction(a, None) for a in self.restored]).sum(0))
         return self.settled
 
-    def _corrections(self, finished: list[tuple[Applied, Outcome | None]]) -> torch.Tensor:
+    def _corrections(self, finished: list[tuple[Applied, Landed | None]]) -> torch.Tensor:
         """Σ (Δ̄_r − w_r·Δ_r) over the exchanges that landed (and those a checkpoint left open);
         each landed mean also steps the settled copy, in round order."""
         settled = self._settled_copy()
@@ -114,15 +115,15 @@ class OverlappedUpdate:
                 self.last_group = outcome.result.group
         return total
 
-    def _exchange(self, round_: int, own: Own) -> Outcome:
+    def _exchange(self, round_: int, own: Own) -> Landed:
         """On the exchange's own thread; gives up only at shutdown (a stop settles it instead)."""
         ctx = self.ctx
         with exchanging(ctx.telemetry, round_):
             gathered = ctx.swarm.gather(round_, own.payload is not None, ctx.abandon)
-        if gathered.verdict in ("stopped", "behind"):
-            return Outcome(gathered.verdict, None)
-        ctx.swarm.presence.mark_exchanged(round_)
-        return Outcome(gathered.verdict, ctx.averaging.mean(own, gathered))
+        if gathered.outcome in (Outcome.STOPPED, Outcome.BEHIND):
+            return Landed(gathered.outcome, None)
+        ctx.swarm.mark_exchanged(round_)
+        return Landed(gathered.outcome, ctx.averaging.mean(own, gathered))
 
     def settle(self) -> AverageResult | None:
         """The step the next round would take with nothing new trained (no round advance)."""
@@ -153,10 +154,10 @@ class OverlappedUpdate:
         """After a state download: the rounds `server` had in flight are ours to complete."""
         self.inherited = [(server, applied) for applied in in_flight]
 
-    def _resolve_inherited(self) -> list[tuple[Applied, Outcome | None]]:
+    def _resolve_inherited(self) -> list[tuple[Applied, Landed | None]]:
         """The means of the inherited rounds, fetched from their groups (a round that cannot be
         fetched counts as averaged alone, and says so)."""
-        resolved: list[tuple[Applied, Outcome | None]] = []
+        resolved: list[tuple[Applied, Landed | None]] = []
         for server, applied in self.inherited:
             gathered = self.ctx.swarm.gather_group_of(applied.round, server)
             mean = self.ctx.averaging.mean_of(gathered, server)
@@ -165,7 +166,7 @@ class OverlappedUpdate:
                                "that round is lost for us", applied.round)
                 resolved.append((applied, None))
                 continue
-            resolved.append((applied, Outcome("together", AverageResult(tuple(sorted(gathered.payloads)), mean,
+            resolved.append((applied, Landed(Outcome.TOGETHER, AverageResult(tuple(sorted(gathered.payloads)), mean,
                                                                          0.0, 0.0))))
         self.inherited = []
         return resolved
@@ -186,7 +187,7 @@ class OverlappedUpdate:
         self.settled = None  # φ was replaced: the next copy is made from it
 
 
-def _mean(outcome: Outcome | None) -> torch.Tensor | None:
+def _mean(outcome: Landed | None) -> torch.Tensor | None:
     """The round's mean, None when it has none (failed, or only our own was missing)."""
     result = outcome.result if outcome is not None else None
     return result.mean if result is not None and result.group else None

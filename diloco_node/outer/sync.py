@@ -1,4 +1,4 @@
-"""When the exchange runs and what an overlapped outer step applies (DESIGN §3).
+"""When the exchange runs and what an overlapped outer step applies (docs/architecture.md §3).
 
 - blocking: exchange Δ_t now, wait, apply Δ̄_t (outer/blocking.py).
 - delayed:  start exchanging Δ_t in the background; apply the means that have arrived since.
@@ -14,7 +14,7 @@ exactly once with its weight in the mean: also when our own encode failed (Δ_r 
 mean still applies), when an exchange is slower than `sync_timeout` (it stays pending and is
 applied when it lands, instead of being dropped), and when one fails (the round then averaged
 alone: Δ̄_r = Δ_r). With w = 1 and the previous exchange finished, the step is
-Δ̄_{t−1} + (Δ_t − Δ_{t−1}), the eager proxy of DESIGN §3.
+Δ̄_{t−1} + (Δ_t − Δ_{t−1}), the eager proxy of docs/architecture.md §3.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The OuterUpdate seam (DESIGN §2): our pseudo-gradient in, the step on φ done. One implementation
+"""The OuterUpdate seam (docs/architecture.md §2): our pseudo-gradient in, the step on φ done. One implementation
 per algorithm and sync mode — blocking.py, overlapped.py (delayed, eager), gossip.py (NoLoCo) — so
 the round engine calls `finish_round` and never asks which one it has.
 """
@@ -13,28 +13,11 @@ from typing import Protocol
 
 import torch
 
-from diloco_node.outer.averaging import AverageResult, Averaging, Own
+from diloco_node.outer.averaging import Averaging
 from diloco_node.outer.state import OuterState, Served
 from diloco_node.outer.sync import Applied
-from diloco_node.swarm.member import SwarmMember
+from diloco_node.round import AverageResult, RoundReport, Transport
 from diloco_node.telemetry.meter import Telemetry
-
-
-@dataclass(frozen=True)
-class RoundReport:
-    """How a round's outer update went, for the round engine and the round's statistics."""
-
-    # together, alone (nobody else in the run or our group left), lost (no exchange to apply yet);
-    # and the ones where φ did not step: behind (peers moved on: re-sync), stopped, isolated
-    verdict: str
-    own: Own | None
-    result: AverageResult | None  # the exchange whose mean this round's step used
-    diverged: bool = False  # blocking: our φ differs from the digest the run agrees on
-    consensus_distance: float | None = None  # NoLoCo: ‖φ − φ̄‖ / ‖φ̄‖ before the step
-
-    @property
-    def stepped(self) -> bool:
-        return self.verdict not in ("behind", "stopped", "isolated")
 
 
 @dataclass(frozen=True)
@@ -43,7 +26,7 @@ class UpdateContext:
 
     state: OuterState
     averaging: Averaging
-    swarm: SwarmMember
+    swarm: Transport
     telemetry: Telemetry
     stop: threading.Event  # a stop was asked for: a blocking exchange gives up waiting
     abandon: threading.Event  # shutdown: a background exchange gives up waiting
@@ -84,8 +67,8 @@ def exchanging(telemetry: Telemetry, round_: int) -> Iterator[None]:
 
 
 def solo_while_isolated(ctx: UpdateContext, result: AverageResult, round_: int) -> bool:
-    """A mean of our own Δ alone while we are cut off from every peer: no solo step (DESIGN §4)."""
-    return len(result.group) <= 1 and ctx.swarm.presence.isolated()
+    """A mean of our own Δ alone while we are cut off from every peer: no solo step (docs/architecture.md §4)."""
+    return len(result.group) <= 1 and ctx.swarm.isolated()
 
 
 class NoPending:

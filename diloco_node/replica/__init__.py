@@ -1,4 +1,4 @@
-"""A node's local compute (DESIGN §2, §5): the `Replica` seam and its layouts.
+"""A node's local compute (docs/architecture.md §2, §5): the `Replica` seam and its layouts.
 
 A replica loads φ, trains inner steps over the node's K local ranks and hands back θ, always in
 the canonical layout (layout.py), so the round engine never knows how the node splits the model:
@@ -8,7 +8,7 @@ the canonical layout (layout.py), so the round engine never knows how the node s
   ranks.py     rank 0's side of a multi-rank replica: starts ranks 1..K−1 and drives them
 """
 
-from diloco_node.replica.base import Replica, ReplicaError, ReplicaSettings
+from diloco_node.replica.base import Replica, ReplicaError, ReplicaSettings, settings_of
 from diloco_node.replica.factory import make_replica
 
-__all__ = ["Replica", "ReplicaError", "ReplicaSettings", "make_replica"]
+__all__ = ["Replica", "ReplicaError", "ReplicaSettings", "make_replica", "settings_of"]

@@ -9,13 +9,21 @@ as None on the other ranks and moved by the implementation's own collectives.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from diloco_node.errors import NodeError
+from diloco_node.train.device import resolve_devices
 
-class ReplicaError(RuntimeError):
+if TYPE_CHECKING:
+    from diloco_node.config import NodeConfig
+
+
+class ReplicaError(NodeError, RuntimeError):
     """A local rank failed (died, or a collective between the node's ranks broke); one line."""
+
+    exit_code = 1  # not the input's fault: the node resumes from its last checkpoint
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,16 @@ class ReplicaSettings:
     parallel: str  # none | fsdp | pipeline
     devices: tuple[str, ...]  # one per local rank
     threads: int  # torch threads per rank (0: torch's default)
+
+
+def settings_of(cfg: NodeConfig) -> ReplicaSettings:
+    """The replica's part of a node's config, with each local rank's device resolved (DeviceError if missing)."""
+    return ReplicaSettings(
+        model=cfg.model, seed=cfg.seed, data=cfg.data, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+        eval_batches=cfg.eval_batches, inner_lr=cfg.inner_lr, warmup_steps=cfg.warmup_steps,
+        weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
+        total_steps=cfg.max_outer_steps * cfg.inner_steps, precision=cfg.precision, parallel=cfg.parallel,
+        devices=resolve_devices(cfg.device, cfg.devices, cfg.local_ranks), threads=cfg.rank_threads())
 
 
 class Compute(Protocol):

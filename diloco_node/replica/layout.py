@@ -1,4 +1,4 @@
-"""The canonical layout (DESIGN §2): full parameters in the model's own name order, tied weights
+"""The canonical layout (docs/architecture.md §2): full parameters in the model's own name order, tied weights
 once (as `named_parameters` lists them), fp32 on the CPU.
 
 φ, pseudo-gradients on the wire, the outer momentum, checkpoints and `model_digest` all use it, so
@@ -11,11 +11,6 @@ import hashlib
 from collections.abc import Sequence
 
 import torch
-from torch import nn
-
-
-def canonical_names(model: nn.Module) -> list[str]:
-    return [name for name, _ in model.named_parameters()]
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

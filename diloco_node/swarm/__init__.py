@@ -1,0 +1,6 @@
+"""The swarm: everything this node does with its peers, behind one facade (facade.Swarm)."""
+
+from diloco_node.swarm.dht import SwarmError, SwarmSettings, publish_revocation
+from diloco_node.swarm.facade import Swarm
+
+__all__ = ["Swarm", "SwarmError", "SwarmSettings", "publish_revocation"]

@@ -1,6 +1,11 @@
-"""Multiaddr validation, kept here because swarm/ is the only package that imports hivemind."""
+"""Multiaddr validation, kept in swarm/ with the rest of what speaks hivemind's addresses.
+
+config.py checks --peer, --listen and --announce with it through registry.MULTIADDR_CHECK.
+"""
 
 from hivemind.utils.multiaddr import Multiaddr
+
+from diloco_node import registry
 
 
 def check_multiaddr(value: str) -> None:
@@ -9,3 +14,6 @@ def check_multiaddr(value: str) -> None:
         Multiaddr(value)
     except Exception as exc:  # the parser raises several unrelated types for garbage input
         raise ValueError(f"malformed multiaddr '{value}': {exc}") from None
+
+
+registry.MULTIADDR_CHECK.declare(check_multiaddr)

@@ -1,4 +1,4 @@
-"""Butterfly exchange: reduce-scatter, then all-gather of the averaged parts (DESIGN §2, transport).
+"""Butterfly exchange: reduce-scatter, then all-gather of the averaged parts (docs/architecture.md §2, transport).
 
 In an all-gather every member fetches every other member's payload: (M−1) payloads per node and
 round. Here the vector is cut into M parts, member j owns part j: every member pushes its encoded
@@ -23,14 +23,14 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import PeerID
 
-from diloco_node.swarm.streams import HEADER_LEN, receive, send
+from diloco_node.round import PartIn, PartSource, Reduced, part_bounds
+from diloco_node.swarm.streams import HEADER_LEN, Streams, StreamService, receive, send
 
 logger = logging.getLogger(__name__)
 
@@ -48,49 +48,7 @@ WRITE_WAIT_SECONDS = 10.0
 # the writes of our answers.
 BEYOND_TIMEOUT = ANSWER_SLACK + PART_RECOVERY_SECONDS + WRITE_WAIT_SECONDS
 RECEIVED = b"\x01"  # an acknowledgement: the whole answer was read
-
-
-@dataclass(frozen=True)
-class PartIn:
-    """One member's encoded part of its pseudo-gradient, as its owner received it."""
-
-    peer: str
-    payload: bytes  # empty: the member has nothing to contribute this round
-    tokens: float
-    norm: float  # the member's declared norm of its whole decoded Δ (clipping needs the whole)
-
-
-# (round, (start, end), parts) → (the averaged part encoded, a JSON-able report of what went in)
-Reducer = Callable[[int, tuple[int, int], list[PartIn]], tuple[bytes, dict[str, Any]]]
-
-
-@dataclass(frozen=True)
-class PartSource:
-    """What we bring to a butterfly round (made by outer/averaging.py; the transport never decodes)."""
-
-    tokens: float
-    norm: float
-    encode: Callable[[int, int], bytes] | None  # our Δ[start:end] encoded; None: nothing to contribute
-    reduce: Reducer
-    align: int  # part boundaries fall on multiples of this (the codec's blocks)
-
-
-@dataclass(frozen=True)
-class Reduced:
-    """The averaged parts of a round, by index (their bounds: part_bounds(numel, count, align)); a part
-    nobody could deliver is missing."""
-
-    group: tuple[str, ...]
-    count: int
-    parts: dict[int, tuple[bytes, dict[str, Any]]]  # index → (averaged part encoded, its owner's report)
-    own_index: int | None  # the part we reduced (None: we own none)
-
-
-def part_bounds(numel: int, parts: int, align: int) -> tuple[tuple[int, int], ...]:
-    """[start, end) of each of `parts` contiguous slices, on multiples of `align` but the last."""
-    blocks = math.ceil(numel / align)
-    cuts = [min(numel, align * (blocks * index // parts)) for index in range(parts + 1)]
-    return tuple((cuts[i], cuts[i + 1]) for i in range(parts))
+REFUSAL = "round=%d refused a butterfly exchange with peer=%s: %s"
 
 
 def owners(group: Sequence[str], clients: Sequence[str] = ()) -> tuple[str, ...]:
@@ -120,26 +78,20 @@ class _Round:
 Policy = Callable[[str, int, str, "tuple[str, ...] | None"], "str | None"]
 
 
-class Butterfly:
-    def __init__(self, p2p: P2P, loop: asyncio.AbstractEventLoop, namespace: str, max_part_bytes: int,
-                 may_take_part: Policy, token: str, count: Callable[..., None], wait_seconds: float):
-        """`count(sent=, received=)` adds to the node's payload traffic; a push waits up to
-        `wait_seconds` (the round timeout) for us to reduce its part."""
-        self.p2p, self.loop, self._wait = p2p, loop, wait_seconds
-        self._reduce_name, self._part_name = f"{namespace}_reduce", f"{namespace}_part"
+class Butterfly(StreamService):
+    def __init__(self, streams: Streams, namespace: str, max_part_bytes: int, may_take_part: Policy, token: str,
+                 wait_seconds: float):
+        """What we move adds to the node's payload traffic (`streams.count`); a push waits up to
+        `wait_seconds` (the round timeout) for us to reduce its part. Two handlers: pushes to reduce
+        (`name`, served by `_serve`) and requests for averaged parts we hold (`_serve_part`)."""
+        super().__init__(streams, f"{namespace}_reduce")
+        self._wait = wait_seconds
+        self._reduce_name, self._part_name = self.name, f"{namespace}_part"
+        self._handlers[self._part_name] = self._serve_part
         self._max_part = max_part_bytes
-        self._may, self._token, self._count = may_take_part, token, count
+        self._may, self._token, self._count = may_take_part, token, streams.count
         self._rounds: dict[int, _Round] = {}
         self._current: int | None = None  # the latest round we began to exchange
-        self._refusals_logged: set[tuple[str, str]] = set()
-
-    async def attach(self) -> None:
-        await self.p2p.add_binary_stream_handler(self._reduce_name, self._serve_reduce)
-        await self.p2p.add_binary_stream_handler(self._part_name, self._serve_part)
-
-    async def detach(self) -> None:
-        for name in (self._reduce_name, self._part_name):
-            await self.p2p.remove_binary_stream_handler(name)
 
     def _round(self, round_: int) -> _Round | None:
         """The round's state, made on first touch; None for a round older than those we keep."""
@@ -325,7 +277,7 @@ class Butterfly:
 
     # --- serving ------------------------------------------------------------------------------
 
-    async def _serve_reduce(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A member's push of its part; answered with the averaged part once we have reduced it."""
         peer = str(info.peer_id)
         rnd: _Round | None = None
@@ -344,7 +296,7 @@ class Butterfly:
             if why is None and peer not in group:
                 why = "not in the group it names"
             if why is not None:
-                self._log_refusal(peer, round_, why)
+                self._refuse_once(peer, why, REFUSAL, round_, peer, why)
             elif rnd is not None:
                 rnd.received[peer] = (index, PartIn(peer, payload, tokens if payload else 0.0, norm), group)
                 rnd.arrived.set()
@@ -387,7 +339,7 @@ class Butterfly:
             if rnd is not None and rnd.finished and rnd.group is not None:
                 why = await self.loop.run_in_executor(None, self._may, peer, round_, token, rnd.group)
                 if why is not None:
-                    self._log_refusal(peer, round_, why)
+                    self._refuse_once(peer, why, REFUSAL, round_, peer, why)
                 else:
                     averaged, report = rnd.held.get(index, (b"", {}))
                     answer = averaged, {**report, "group": list(rnd.group), "parts": len(rnd.owning)}
@@ -406,11 +358,6 @@ class Butterfly:
         await send(writer, meta)
         await send(writer, averaged)
         return 2 * HEADER_LEN + len(meta) + len(averaged)
-
-    def _log_refusal(self, peer: str, round_: int, why: str) -> None:
-        if (peer, why) not in self._refusals_logged:  # once per peer and reason: a flood stays one line
-            self._refusals_logged.add((peer, why))
-            logger.warning("round=%d refused a butterfly exchange with peer=%s: %s", round_, peer, why)
 
     async def unanswered(self) -> set[str]:
         """Members that pushed to us and have not read our averaged part yet (a leaving node waits)."""

@@ -8,7 +8,7 @@ For the small groups DiLoCo averages in, the extra traffic is (M−1)/M·2 → (
 it is the same.
 
 Each node *offers* its payload for a round and *fetches* the others' payloads from them (pull),
-through one stream handler on the P2P daemon hivemind already runs for the DHT.
+through one stream handler on the P2P daemon hivemind already runs for the DHT (swarm/streams.py).
 """
 
 from __future__ import annotations
@@ -23,11 +23,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hivemind import DHT
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
-from diloco_node.swarm.streams import HEADER_LEN, receive, send
+from diloco_node.swarm.streams import HEADER_LEN, Streams, StreamService, receive, send
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +38,8 @@ FETCH_RETRY_SECONDS = 10.0  # how long a transiently failing fetch is retried (a
 KEPT_ROUNDS = 3
 # An offer a group member has not fetched yet stays longer: that member may be a node whose own
 # matchmaking failed after ours counted it in, recovering the group once its timeout ends
-# (SwarmMember._missed_group) while NoLoCo's other nodes have already moved a round or two on.
+# (matchmaking.Matchmaker._missed_group) while NoLoCo's other nodes have already moved a round or two on.
 AWAITED_KEPT_ROUNDS = 5
-STOP_POLL_SECONDS = 0.5  # how soon a long transfer notices a stop
 RECEIVED = b"\x01"  # a fetcher's acknowledgement: it read our whole payload
 
 
@@ -73,45 +71,16 @@ class Fetched:
 FetchPolicy = Callable[[str, int, str, "tuple[str, ...] | None"], "str | None"]
 
 
-class PayloadExchange:
-    def __init__(self, dht: DHT, namespace: str, max_payload_bytes: int, may_fetch: FetchPolicy, token: str = ""):
-        """`token`: our admission, shown with each fetch (permissioned runs)."""
-        self._handler_name = f"{namespace}_payload"
+class PayloadExchange(StreamService):
+    def __init__(self, streams: Streams, namespace: str, max_payload_bytes: int, may_fetch: FetchPolicy,
+                 token: str = ""):
+        """`token`: our admission, shown with each fetch (permissioned runs). Bytes moved are
+        counted in `streams`."""
+        super().__init__(streams, f"{namespace}_payload")
         self._max_payload = max_payload_bytes
         self._may_fetch, self._token = may_fetch, token
-        self._refusals_logged: set[tuple[str, str]] = set()
         self._offers: dict[int, _Offer] = {}
         self._offers_changed = threading.Condition()
-        self._counter_lock = threading.Lock()
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="payload-exchange", daemon=True)
-        self._thread.start()
-        self.p2p: P2P = self.run(self._attach(dht), timeout=60)
-
-    async def _attach(self, dht: DHT) -> P2P:
-        p2p = await dht.replicate_p2p()
-        await p2p.add_binary_stream_handler(self._handler_name, self._serve)
-        return p2p
-
-    def run(self, coroutine, timeout: float, stop: threading.Event | None = None):  # type: ignore[no-untyped-def]
-        """Run `coroutine` on the exchange's event loop (the one our stream handlers live on);
-        TimeoutError after `timeout`, or as soon as `stop` is set (the coroutine is cancelled)."""
-        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return future.result(timeout=min(STOP_POLL_SECONDS, max(deadline - time.monotonic(), 0.0)))
-            except TimeoutError:  # ours, or the coroutine's own (then it is done)
-                if future.done() or (stop is not None and stop.is_set()) or time.monotonic() >= deadline:
-                    future.cancel()
-                    raise
-
-    def count(self, sent: int = 0, received: int = 0) -> None:
-        with self._counter_lock:
-            self.bytes_sent += sent
-            self.bytes_received += received
 
     # --- serving ------------------------------------------------------------------------------
 
@@ -176,7 +145,7 @@ class PayloadExchange:
             if offer is not None and isinstance(token, str):
                 why = await self.loop.run_in_executor(None, self._may_fetch, peer, round_, token, group)
                 if why is not None:
-                    self._log_refusal(peer, round_, why)
+                    self._refuse_once(peer, why, "round=%d refused our payload to peer=%s: %s", round_, peer, why)
                     offer = None
             with self._offers_changed:
                 meta, payload = (offer.meta(), offer.payload) if offer else (b"{}", b"")
@@ -189,17 +158,12 @@ class PayloadExchange:
                     offer.served.add(str(info.peer_id))
                     offer.awaited.discard(str(info.peer_id))
                     self._offers_changed.notify_all()
-            self.count(sent=2 * HEADER_LEN + len(meta) + len(payload),
-                        received=HEADER_LEN + len(request) + acknowledged)
+            self.streams.count(sent=2 * HEADER_LEN + len(meta) + len(payload),
+                                 received=HEADER_LEN + len(request) + acknowledged)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError) as exc:
             logger.warning("payload request failed: %s", type(exc).__name__)
         finally:
             writer.close()
-
-    def _log_refusal(self, peer: str, round_: int, why: str) -> None:
-        if (peer, why) not in self._refusals_logged:  # once per peer and reason: a flood stays one line
-            self._refusals_logged.add((peer, why))
-            logger.warning("round=%d refused our payload to peer=%s: %s", round_, peer, why)
 
     # --- fetching -----------------------------------------------------------------------------
 
@@ -208,7 +172,7 @@ class PayloadExchange:
         async def fetch_every() -> list[Fetched | None]:
             return await asyncio.gather(*(self._fetch(peer, round_, timeout) for peer in peers))
         try:
-            results = self.run(fetch_every(), timeout=timeout + 5)
+            results = self.streams.run(fetch_every(), timeout=timeout + 5)
         except TimeoutError:
             results = [None] * len(peers)
         return dict(zip(peers, results, strict=True))
@@ -239,7 +203,7 @@ class PayloadExchange:
 
     async def _fetch_once(self, peer: str, round_: int, timeout: float) -> Fetched | None:
         _, reader, writer = await asyncio.wait_for(
-            self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._handler_name), timeout)
+            self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.name), timeout)
         try:
             request = json.dumps({"round": round_, "admission": self._token}).encode()
             await send(writer, request)
@@ -249,32 +213,12 @@ class PayloadExchange:
             await writer.drain()
         finally:
             writer.close()
-        self.count(sent=HEADER_LEN + len(request) + len(RECEIVED), received=2 * HEADER_LEN + len(meta) + len(payload))
+        self.streams.count(sent=HEADER_LEN + len(request) + len(RECEIVED),
+                           received=2 * HEADER_LEN + len(meta) + len(payload))
         if not payload:
             return None
         tokens, group = _parse_meta(json.loads(meta))
         return Fetched(payload, tokens, group)
-
-    def close(self) -> None:
-        try:
-            self.run(self._detach(), timeout=5)
-        except Exception as exc:  # closing must not fail; the daemon goes away with the DHT anyway
-            logger.debug("closing the payload exchange failed: %r", exc)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=5)
-        if not self._thread.is_alive():
-            self.loop.close()
-
-    async def _detach(self) -> None:
-        """Leave no task pending: at exit asyncio would log each one ('Task was destroyed') on stderr."""
-        try:
-            await self.p2p.remove_binary_stream_handler(self._handler_name)
-        finally:
-            await self.p2p.shutdown()  # a replica: closes only its own client, not the DHT's daemon
-            tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _parse_meta(meta: Any) -> tuple[float, tuple[str, ...] | None]:

@@ -17,6 +17,8 @@ from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 
 from diloco_node.admission import Gate
+from diloco_node.errors import NodeError
+from diloco_node.round import Outcome
 from diloco_node.swarm import records
 from diloco_node.swarm.isolation import Isolation
 from diloco_node.swarm.records import NodeRecord
@@ -48,19 +50,19 @@ def polls() -> Iterator[float]:
         poll = min(1.5 * poll, MAX_POLL_SECONDS)
 
 
-def round_state(others: Collection[NodeRecord], round_: int) -> str:
+def round_state(others: Collection[NodeRecord], round_: int) -> Outcome:
     """Where `others` stand on `round_`: behind (most of them already exchanged it, so the run went
     on without us), alone (none is left), together (all finished their inner phase of it) or waiting.
 
     Most, not one: any peer can publish a record claiming a far-ahead round, and "behind" makes us
     drop our work and re-sync."""
     if moved_on(others, round_):
-        return "behind"
+        return Outcome.BEHIND
     if not others:
-        return "alone"
+        return Outcome.ALONE
     if all(r.ready_round >= round_ for r in others):
-        return "together"
-    return "waiting"
+        return Outcome.TOGETHER
+    return Outcome.WAITING
 
 
 def moved_on(others: Collection[NodeRecord], round_: int) -> bool:
@@ -68,7 +70,7 @@ def moved_on(others: Collection[NodeRecord], round_: int) -> bool:
     return 2 * sum(r.exchanged_round >= round_ for r in others) > len(others)
 
 
-class IncompatibleRun(RuntimeError):
+class IncompatibleRun(NodeError, RuntimeError):
     """The run already has nodes with another config; raised before we take part in anything."""
 
 
@@ -174,6 +176,11 @@ class Presence:
             self._fetch()
         return dict(self._live)
 
+    def may_still_fetch(self, peer: str, round_: int) -> bool:
+        """Whether `peer`, a live node of the run, may still fetch our payload of `round_`."""
+        record = self.compatible_peers().get(peer)
+        return record is not None and record.may_still_fetch(round_)
+
     def departed_after(self, round_: int) -> list[str]:
         """Compatible nodes that left (within RECORD_TTL) after exchanging `round_` (as of the last
         heartbeat): they took part in that round although they are gone now."""
@@ -193,29 +200,29 @@ class Presence:
         return True
 
     def wait_for_round(self, round_: int, timeout: float, stop: threading.Event,
-                       among: Collection[str] | None = None) -> str:
+                       among: Collection[str] | None = None) -> Outcome:
         """Wait until every live compatible peer (of `among`, when given) has finished its inner
         phase of `round_`.
 
-        Returns "together" (everyone is ready), "timeout" (go on with those that are),
-        "alone" (nobody else is in the run), "behind" (others already finished this round)
-        or "stopped" (the node was asked to stop while waiting).
+        Returns TOGETHER (everyone is ready), TIMEOUT (go on with those that are), ALONE
+        (nobody else is in the run), BEHIND (others already finished this round) or STOPPED
+        (the node was asked to stop while waiting).
         """
         deadline = time.monotonic() + timeout
         pauses = polls()
         while True:
             others = self._others(among)
             state = round_state(others.values(), round_)
-            if state != "waiting":
+            if state != Outcome.WAITING:
                 return state
             if time.monotonic() > deadline:
                 waiting = sorted(p for p, r in others.items() if r.ready_round < round_)
                 logger.warning("round=%d barrier timed out; not waiting for %s", round_, ", ".join(waiting))
-                return "timeout"
+                return Outcome.TIMEOUT
             if stop.wait(next(pauses)):
-                return "stopped"
+                return Outcome.STOPPED
 
-    def round_state(self, round_: int, among: Collection[str] | None = None) -> str:
+    def round_state(self, round_: int, among: Collection[str] | None = None) -> Outcome:
         """Where the others (of `among`, when given) stand on `round_` right now; see `round_state`."""
         return round_state(self._others(among).values(), round_)
 

@@ -23,7 +23,7 @@ from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from diloco_node.swarm.streams import receive, send
+from diloco_node.swarm.streams import Streams, StreamService, receive, send
 
 logger = logging.getLogger(__name__)
 
@@ -41,18 +41,12 @@ def handler_name(namespace: str) -> str:
     return f"{namespace}_dialback"
 
 
-class DialBack:
-    """The answering side, on the exchange's P2P and event loop."""
+class DialBack(StreamService):
+    """The answering side, on the node's streams (P2P and event loop)."""
 
-    def __init__(self, p2p: P2P, namespace: str):
-        self.p2p, self._name = p2p, handler_name(namespace)
+    def __init__(self, streams: Streams, namespace: str):
+        super().__init__(streams, handler_name(namespace))
         self._last_asked: dict[str, float] = {}
-
-    async def attach(self) -> None:
-        await self.p2p.add_binary_stream_handler(self._name, self._serve)
-
-    async def detach(self) -> None:
-        await self.p2p.remove_binary_stream_handler(self._name)
 
     async def _serve(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(info.peer_id)
@@ -70,7 +64,8 @@ class DialBack:
             reached = await asyncio.gather(*(_dial(address) for address in addresses[:MAX_ADDRESSES]))
             await send(writer, json.dumps({"reachable": list(reached)}).encode())
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError) as exc:
-            logger.info("dial-back request from peer=%s refused: %s", peer, exc)
+            self._refuse_once(peer, str(exc), "dial-back request from peer=%s refused: %s", peer, exc,
+                              level=logging.INFO)
         finally:
             writer.close()
 

@@ -23,11 +23,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import PeerID
 
 from diloco_node.replica.layout import digest
 from diloco_node.swarm.records import NodeRecord, reference_state
-from diloco_node.swarm.streams import HEADER_LEN, receive, send
+from diloco_node.swarm.streams import HEADER_LEN, Streams, StreamService, receive, send
 
 logger = logging.getLogger(__name__)
 
@@ -59,22 +59,16 @@ class StateRefused(Exception):
     """A download from one peer that failed or was refused; the next peer is tried."""
 
 
-class StateService:
-    def __init__(self, p2p: P2P, loop: asyncio.AbstractEventLoop, namespace: str, numel: int, max_vectors: int,
-                 provider: StateProvider, may_download: AccessPolicy, token: str = "",
-                 on_moved: Callable[[int, int], None] | None = None):
-        """`max_vectors`: the most flat vectors a state may hold (φ, momentum, rounds in flight)."""
-        self._p2p, self._loop, self._name = p2p, loop, f"{namespace}_state"
+class StateService(StreamService):
+    def __init__(self, streams: Streams, namespace: str, numel: int, max_vectors: int, provider: StateProvider,
+                 may_download: AccessPolicy, token: str = "", on_moved: Callable[[int, int], None] | None = None):
+        """`max_vectors`: the most flat vectors a state may hold (φ, momentum, rounds in flight);
+        `on_moved(sent, received)` counts the state's bytes, by default in `streams` with the
+        payloads' (the node's traffic is their sum); pass one to keep a tally of its own."""
+        super().__init__(streams, f"{namespace}_state")
         self._numel, self._max_vectors = numel, max_vectors
         self._provider, self._may_download, self._token = provider, may_download, token
-        self._on_moved = on_moved or (lambda sent, received: None)
-        self._refusals_logged: set[tuple[str, str]] = set()
-
-    async def attach(self) -> None:
-        await self._p2p.add_binary_stream_handler(self._name, self._serve)
-
-    async def detach(self) -> None:
-        await self._p2p.remove_binary_stream_handler(self._name)
+        self._on_moved = on_moved or streams.count
 
     # --- serving ------------------------------------------------------------------------------
 
@@ -84,11 +78,10 @@ class StateService:
             request = json.loads(await receive(reader, MAX_REQUEST_BYTES, READ_TIMEOUT))
             token = request.get("admission", "") if isinstance(request, dict) else None
             why = "malformed request" if not isinstance(token, str) else \
-                await self._loop.run_in_executor(None, self._may_download, peer, token)
+                await self.loop.run_in_executor(None, self._may_download, peer, token)
             shared = None if why else await self._snapshot(peer)
-            if why and (peer, why) not in self._refusals_logged:
-                self._refusals_logged.add((peer, why))
-                logger.warning("refused our state to peer=%s: %s", peer, why)
+            if why:
+                self._refuse_once(peer, why, "refused our state to peer=%s: %s", peer, why)
             if shared is None:
                 await send(writer, json.dumps({"sharing": False}).encode())
                 return
@@ -109,9 +102,9 @@ class StateService:
     async def _snapshot(self, peer: str) -> SharedState | None:
         """Our state for `peer`, waiting up to SHARE_WAIT_SECONDS for us to share again: a blocking
         node shares only between its exchanges, windows a joiner polling from afar would miss."""
-        until = self._loop.time() + SHARE_WAIT_SECONDS
-        while (shared := await self._loop.run_in_executor(None, self._provider, peer)) is None:
-            if self._loop.time() > until:
+        until = self.loop.time() + SHARE_WAIT_SECONDS
+        while (shared := await self.loop.run_in_executor(None, self._provider, peer)) is None:
+            if self.loop.time() > until:
                 return None
             await asyncio.sleep(SHARE_POLL_SECONDS)
         return shared
@@ -121,15 +114,15 @@ class StateService:
     async def download(self, peer: str, timeout: float) -> SharedState:
         """`peer`'s state within `timeout`; StateRefused with the reason otherwise."""
         try:
-            return await asyncio.wait_for(self._download(peer, self._loop.time() + timeout), timeout)
+            return await asyncio.wait_for(self._download(peer, self.loop.time() + timeout), timeout)
         except TimeoutError:
             raise StateRefused(f"no whole state within {timeout:.0f}s") from None
 
     async def _download(self, peer: str, deadline: float) -> SharedState:
-        started = self._loop.time()
+        started = self.loop.time()
         try:
             _, reader, writer = await asyncio.wait_for(
-                self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._name), READ_TIMEOUT)
+                self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.name), READ_TIMEOUT)
         except Exception as exc:  # the peer is gone, unreachable or has no such handler
             raise StateRefused(f"cannot reach it ({type(exc).__name__})") from None
         try:
@@ -146,7 +139,7 @@ class StateService:
                 raise StateRefused(f"it announced {size} bytes for {count} vectors of the model's size")
             deadline = min(deadline, started + SETUP_SECONDS + size / LEAST_RATE)
             while len(data) < size:
-                if self._loop.time() > deadline:
+                if self.loop.time() > deadline:
                     raise StateRefused(f"too slow: {len(data)} of {size} bytes in time")
                 chunk = await asyncio.wait_for(reader.read(min(CHUNK_BYTES, size - len(data))), READ_TIMEOUT)
                 if not chunk:

@@ -1,10 +1,34 @@
-"""Length-prefixed messages on libp2p streams, the framing of our two protocols (payloads, state)."""
+"""Our libp2p stream protocols (payloads, butterfly parts, state, dial-back) and what they share.
+
+`Streams` is the event loop thread our stream handlers live on, the replica of hivemind's P2P they
+speak through, and the count of the payload bytes they move. `StreamService` is the base of each
+protocol: its handlers attached to and detached from that P2P, and refusals logged once per peer
+and reason. `send`/`receive` are the length-prefixed framing of every protocol.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from hivemind import DHT
+from hivemind.p2p import P2P
+
+logger = logging.getLogger(__name__)
 
 HEADER_LEN = 8
+STOP_POLL_SECONDS = 0.5  # how soon a long transfer notices a stop
+ATTACH_TIMEOUT = 30.0
+DETACH_TIMEOUT = 5.0
+REPLICATE_TIMEOUT = 60.0
+
+# A stream handler: hivemind calls it with the stream's info (its peer_id) and its two ends.
+Handler = Callable[[Any, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
 async def send(writer: asyncio.StreamWriter, data: bytes) -> None:
@@ -20,3 +44,97 @@ async def receive(reader: asyncio.StreamReader, limit: int, timeout: float) -> b
     if length > limit:
         raise ValueError(f"message of {length} bytes exceeds the limit of {limit}")
     return await asyncio.wait_for(reader.readexactly(length), timeout)
+
+
+class Streams:
+    """The event loop (on its own thread) and the replica of the DHT's P2P our protocols share, and
+    the bytes of payloads and butterfly parts they moved (state transfers count their own)."""
+
+    def __init__(self, dht: DHT):
+        self._counter_lock = threading.Lock()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="swarm-streams", daemon=True)
+        self._thread.start()
+        self.p2p: P2P = self.run(dht.replicate_p2p(), timeout=REPLICATE_TIMEOUT)
+
+    def run(self, coroutine, timeout: float, stop: threading.Event | None = None):  # type: ignore[no-untyped-def]
+        """Run `coroutine` on the streams' event loop (the one our stream handlers live on);
+        TimeoutError after `timeout`, or as soon as `stop` is set (the coroutine is cancelled)."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return future.result(timeout=min(STOP_POLL_SECONDS, max(deadline - time.monotonic(), 0.0)))
+            except TimeoutError:  # ours, or the coroutine's own (then it is done)
+                if future.done() or (stop is not None and stop.is_set()) or time.monotonic() >= deadline:
+                    future.cancel()
+                    raise
+
+    def count(self, sent: int = 0, received: int = 0) -> None:
+        with self._counter_lock:
+            self.bytes_sent += sent
+            self.bytes_received += received
+
+    def close(self) -> None:
+        """Shut our P2P replica down and stop the loop (detach the services first)."""
+        try:
+            self.run(self._shutdown(), timeout=DETACH_TIMEOUT)
+        except Exception as exc:  # closing must not fail; the daemon goes away with the DHT anyway
+            logger.debug("closing the streams failed: %r", exc)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+    async def _shutdown(self) -> None:
+        """Leave no task pending: at exit asyncio would log each one ('Task was destroyed') on stderr."""
+        try:
+            await self.p2p.shutdown()  # a replica: closes only its own client, not the DHT's daemon
+        finally:
+            tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class StreamService(ABC):
+    """One protocol on the shared streams: the handler `name` serves `_serve` (a subclass may add
+    handlers to `_handlers`), attached and detached from any thread but the streams' loop."""
+
+    def __init__(self, streams: Streams, name: str):
+        self.streams, self.p2p, self.loop = streams, streams.p2p, streams.loop
+        self.name = name
+        self._handlers: dict[str, Handler] = {name: self._serve}
+        self._refusals_logged: set[tuple[str, str]] = set()
+
+    def attach(self) -> None:
+        """Serve our handlers; raises when the daemon would not take one."""
+        self.streams.run(self._attach(), timeout=ATTACH_TIMEOUT)
+
+    async def _attach(self) -> None:
+        for name, handler in self._handlers.items():
+            await self.p2p.add_binary_stream_handler(name, handler)
+
+    def detach(self) -> None:
+        """Stop serving; never raises (the handlers go with the daemon anyway)."""
+        try:
+            self.streams.run(self._detach(), timeout=DETACH_TIMEOUT)
+        except Exception as exc:  # leaving must not fail
+            logger.debug("detaching %s failed: %r", self.name, exc)
+
+    async def _detach(self) -> None:
+        for name in self._handlers:
+            await self.p2p.remove_binary_stream_handler(name)
+
+    @abstractmethod
+    async def _serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Answer one stream a peer opened to `name`."""
+
+    def _refuse_once(self, peer: str, why: str, message: str, *args: object, level: int = logging.WARNING) -> None:
+        """Log `message % args` (a refusal of `peer` for `why`) once per peer and reason: a flood
+        stays one line. Logged under the protocol's own module."""
+        if (peer, why) not in self._refusals_logged:
+            self._refusals_logged.add((peer, why))
+            logging.getLogger(type(self).__module__).log(level, message, *args)

@@ -13,8 +13,10 @@ import threading
 import time
 from typing import IO, Any
 
+from diloco_node.errors import NodeError
 
-class EventsError(RuntimeError):
+
+class EventsError(NodeError, RuntimeError):
     """The events file cannot be written; one line."""
 
 

@@ -13,16 +13,16 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from diloco_node.telemetry.record import ROUND_STATUS_FIELDS
+
 # Every field README documents for /api/status: each is there from the first response on, null
-# until it is known (a client polling right after start-up finds the same keys as later).
-STATUS_FIELDS = (
-    "run_id", "peer_id", "maddrs", "model", "parameters", "outer_step", "inner_step", "loss", "eval_loss",
-    "eval_loss_initial", "peers", "group_size", "group", "bytes_sent", "bytes_received", "wire_bytes_sent",
-    "wire_bytes_received", "last_round_bytes_sent", "last_round_bytes_received", "round_seconds", "compression",
-    "payload_bytes", "raw_bytes", "bytes_per_param", "compression_ratio", "codec_seconds", "compute_seconds",
-    "wait_seconds", "utilization", "exchanging_round", "algorithm", "consensus_distance", "label",
-    "model_digest", "uptime_seconds", "isolated", "isolated_since", "parallel", "local_ranks", "peak_memory_bytes",
-    "contributions_clipped", "contributions_rejected", "reachability")
+# until it is known (a client polling right after start-up finds the same keys as later). The node's
+# own fields are listed here; those a finished round sets are declared by the round record.
+NODE_STATUS_FIELDS = (
+    "run_id", "peer_id", "maddrs", "model", "parameters", "inner_step", "eval_loss_initial", "peers",
+    "wire_bytes_sent", "wire_bytes_received", "compression", "exchanging_round", "algorithm", "label",
+    "uptime_seconds", "isolated", "isolated_since", "parallel", "local_ranks", "reachability")
+STATUS_FIELDS = NODE_STATUS_FIELDS + ROUND_STATUS_FIELDS
 HISTORY_LIMIT = 2000  # rounds kept for the charts; older ones drop off the front
 # Round-time histogram bounds (seconds). Counted over every round since start, not just the kept
 # history, so Prometheus never sees its buckets shrink.

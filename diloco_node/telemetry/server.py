@@ -14,6 +14,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from diloco_node.errors import NodeError
 from diloco_node.telemetry import metrics
 from diloco_node.telemetry.meter import Telemetry
 
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 TELEMETRY_KEY = web.AppKey("telemetry", Telemetry)
 
 
-class StatusServerError(RuntimeError):
+class StatusServerError(NodeError, RuntimeError):
     """The server could not start (e.g. its port is in use), phrased as one line for the user."""
 
 

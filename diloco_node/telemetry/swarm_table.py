@@ -1,23 +1,26 @@
-"""The swarm table (/api/peers, the dashboard, `diloco-node status`) from the nodes' presence records."""
+"""The swarm table (/api/peers, the dashboard, `diloco-node status`) from the stats each node publishes
+with its presence record (their fields: record.PEER_STATS_FIELDS, what RoundReporter.peer_stats makes)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from diloco_node.swarm.records import NodeRecord
+from diloco_node.telemetry.record import PEER_STATS_FIELDS
+
+# what a row shows of a peer's stats while the peer has not published the field (yet)
+_MISSING: dict[str, Any] = {"label": "", "rounds": 0, "bytes_sent": 0, "bytes_received": 0,
+                            "last_round_bytes_sent": 0, "last_round_bytes_received": 0}
+_NOT_COLUMNS = ("last_exchange_seconds", "time")  # shown as bandwidth_bps and last_seen instead
 
 
-def swarm_row(record: NodeRecord, is_self: bool, bounded: tuple[int, int] = (0, 0)) -> dict[str, Any]:
-    """One row of the swarm table (/api/peers) from a node's published record; `bounded`: how many of
+def swarm_row(peer_id: str, stats: Mapping[str, Any], is_self: bool,
+              bounded: tuple[int, int] = (0, 0)) -> dict[str, Any]:
+    """One row of the swarm table (/api/peers) from a node's published stats; `bounded`: how many of
     its contributions our aggregator clipped and rejected (our view, not its claim)."""
-    stats = record.stats
     moved = stats.get("last_round_bytes_sent", 0) + stats.get("last_round_bytes_received", 0)
     seconds = stats.get("last_exchange_seconds") or 0.0
-    return {"peer_id": record.peer_id, "label": stats.get("label", ""), "rounds": stats.get("rounds", 0),
-            "bytes_sent": stats.get("bytes_sent", 0), "bytes_received": stats.get("bytes_received", 0),
-            "wire_bytes_sent": stats.get("wire_bytes_sent"), "wire_bytes_received": stats.get("wire_bytes_received"),
-            "last_round_bytes_sent": stats.get("last_round_bytes_sent", 0),
-            "last_round_bytes_received": stats.get("last_round_bytes_received", 0),
-            "bandwidth_bps": 8 * moved / seconds if seconds > 0 else None,
-            "utilization": stats.get("utilization"), "last_seen": stats.get("time") or None, "is_self": is_self,
-            "clipped": bounded[0], "rejected": bounded[1]}
+    return {"peer_id": peer_id,
+            **{name: stats.get(name, _MISSING.get(name)) for name in PEER_STATS_FIELDS if name not in _NOT_COLUMNS},
+            "bandwidth_bps": 8 * moved / seconds if seconds > 0 else None, "last_seen": stats.get("time") or None,
+            "is_self": is_self, "clipped": bounded[0], "rejected": bounded[1]}

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from diloco_node.errors import NodeError
+
 logger = logging.getLogger(__name__)
 
 # Below this a 128-byte window sampler repeats itself almost immediately and the eval split is a
@@ -23,7 +25,7 @@ MIN_CORPUS_BYTES = 4096
 _SKIP_DIRS = frozenset({"site-packages", "test", "tests", "__pycache__"})
 
 
-class DataError(ValueError):
+class DataError(NodeError, ValueError):
     """A corpus that cannot be used; the message is one line, fit for the CLI to print."""
 
 

@@ -6,8 +6,10 @@ import os
 
 import torch
 
+from diloco_node.errors import NodeError
 
-class DeviceError(RuntimeError):
+
+class DeviceError(NodeError, RuntimeError):
     """The requested accelerator is not there, or too few of them."""
 
 

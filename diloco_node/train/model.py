@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diloco_node import registry
+
 logger = logging.getLogger(__name__)
 
 
@@ -39,6 +41,7 @@ PRESETS: dict[str, GPTConfig] = {
     # (--parallel fsdp) or split (--parallel pipeline), see configs/gpt-350m-*.toml
     "gpt-350m": GPTConfig(n_layer=24, n_head=16, d_model=1024, max_seq_len=1024),
 }
+registry.MODEL_PRESETS.declare(PRESETS)  # what config.py checks --model against
 
 
 class CausalSelfAttention(nn.Module):

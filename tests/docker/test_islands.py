@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.docker.engine import (
+from harness.docker import (
     GATEWAYS,
     NODES,
     RATES_MBIT,

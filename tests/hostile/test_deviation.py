@@ -34,10 +34,10 @@ import pytest
 import torch
 
 from diloco_node.identity import create
+from diloco_node.launch import NodeProcess
 from diloco_node.outer.aggregate import NORM_CLIP_MULTIPLE, TOKEN_CAP_MULTIPLE
 from tests.hostile.test_forged_records import forging_process
 from tests.integration.conftest import NodeFactory
-from tests.integration.nodes import NodeProcess
 from tests.integration.test_swarm import assert_same_digests
 
 pytestmark = pytest.mark.integration
@@ -158,7 +158,7 @@ MEMORY_SLACK = 64 << 20  # bytes of peak RSS an honest node may hold beyond its 
 
 
 def peak_memory(twin: Twin) -> int:
-    return max(int(log.stats["peak_memory_bytes"][0]) for node in twin.nodes for log in node.rounds.values())
+    return max(int(log.peak_memory_bytes[0]) for node in twin.nodes for log in node.rounds.values())
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import torch
 from diloco_node.codec import CODECS, CodecConfig, make_codec
 from diloco_node.outer.aggregate import NORM_CLIP_MULTIPLE
 from diloco_node.outer.averaging import Averaging
-from diloco_node.swarm.member import Gathered
+from diloco_node.round import Gathered, Outcome
 
 pytestmark = pytest.mark.integration
 
@@ -65,7 +65,7 @@ def test_a_hundred_thousand_damaged_payloads_change_nothing_they_should_not() ->
         valid = make_codec(config).encode(own_delta * 0.5)
         bound = (1 + NORM_CLIP_MULTIPLE) * float(own.decoded.norm())  # our Δ plus a peer clipped to 4× ours
         for _ in range(per_codec):
-            result = averaging.mean(own, Gathered("together", 1, {"peer": (damaged(valid, rng), 1000.0)}))
+            result = averaging.mean(own, Gathered(Outcome.TOGETHER, 1, {"peer": (damaged(valid, rng), 1000.0)}))
             assert bool(torch.isfinite(result.mean).all()), name
             assert float(result.mean.norm()) <= bound * 1.0001, name
             if "peer" not in result.group:

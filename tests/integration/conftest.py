@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.nodes import FAST, NodeProcess
+from diloco_node.launch import NodeProcess
+from harness.nodes import FAST
 
 NodeFactory = Callable[..., NodeProcess]
 

@@ -1,26 +1,27 @@
 """Bad input to the real `diloco-node join`: exit code 2, one `diloco-node: error:` line, no traceback.
 
-Every case runs the real CLI in a subprocess. `--log-level ERROR` keeps INFO lines off stderr so
-that the error line is the only one there.
+Every case runs the real CLI in a subprocess (diloco_node/launch.py, which also asks for the node's
+events on stdout). `--log-level ERROR` keeps INFO lines off stderr so that the error line is the only
+one there.
 """
 
 from __future__ import annotations
 
 import fcntl
+import itertools
 import os
-import queue
 import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+
+from diloco_node.launch import NodeProcess
 
 pytestmark = pytest.mark.integration
 
@@ -38,53 +39,36 @@ class Result:
 
 
 class Processes:
-    """Starts `diloco-node join` in its own process group and kills whatever is left at teardown."""
+    """Starts `diloco-node join` (launch.NodeProcess: a session of its own, whose process group then
+    also holds hivemind's helper processes) and kills whatever is left of their groups at teardown."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, logs: Path) -> None:
         self.workdir = workdir  # relative defaults (checkpoints/<run_id>) land here, not in the repo
-        self.started: list[subprocess.Popen[str]] = []
+        self.logs = logs
+        self.started: list[NodeProcess] = []
+        self._names = (f"join{index}" for index in itertools.count())
 
-    def popen(self, *args: str) -> subprocess.Popen[str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
-        env["PYTHONUNBUFFERED"] = "1"
-        # A session of its own: its process group then also holds hivemind's helper processes.
-        process = subprocess.Popen([sys.executable, "-m", "diloco_node", "join", *args], env=env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   cwd=self.workdir, start_new_session=True)
-        self.started.append(process)
-        return process
+    def start(self, *args: str) -> NodeProcess:
+        node = NodeProcess(next(self._names), list(args), self.logs, cwd=self.workdir).start()
+        self.started.append(node)
+        return node
 
     def run(self, *args: str, timeout: float = RUN_TIMEOUT) -> Result:
-        process = self.popen(*args)
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill(process)
-            stdout, stderr = process.communicate()
-            pytest.fail(f"diloco-node join {' '.join(args)} still running after {timeout}s:\n{stderr}")
-        return Result(process.returncode, stdout, stderr)
-
-    @staticmethod
-    def kill(process: subprocess.Popen[str]) -> None:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # the group we created for it, nothing else
-        except ProcessLookupError:
-            pass
+        """Run to its exit; a case still running after `timeout` fails (with the node's stacks)."""
+        node = self.start(*args)
+        code = node.wait_exit(timeout)
+        return Result(code, "".join(node.stdout_lines), node.log_text())
 
     def cleanup(self) -> None:
-        for process in self.started:
-            self.kill(process)  # also reaps helpers a clean exit may have left behind in its group
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+        for node in self.started:
+            node.kill(group=True)  # also reaps helpers a clean exit may have left behind in its group
 
 
 @pytest.fixture
 def nodes(tmp_path: Path) -> Iterator[Processes]:
     workdir = tmp_path / "cwd"
     workdir.mkdir()
-    processes = Processes(workdir)
+    processes = Processes(workdir, tmp_path)
     try:
         yield processes
     finally:
@@ -274,41 +258,12 @@ def test_unreachable_peer(nodes: Processes) -> None:
 # --- an incompatible peer ---------------------------------------------------------------------
 
 
-class LineReader:
-    """Collects a process's output lines on a thread so that the pipe never fills up."""
+def first_line(node: NodeProcess, text: str, timeout: float) -> str | None:
+    """The node's first log line containing `text`, once it wrote it; None if it did not in time."""
+    def found() -> str | None:
+        return next((line for line in node.stderr_lines if text in line), None)
 
-    def __init__(self, stream: object) -> None:
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str] = queue.Queue()
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
-        self._thread.start()
-
-    def _read(self, stream: object) -> None:
-        for line in stream:  # type: ignore[attr-defined]
-            with self._lock:
-                self.lines.append(line)
-            self._queue.put(line)
-
-    def wait_for(self, predicate: object, timeout: float) -> str | None:
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            for line in self.lines:
-                if predicate(line):  # type: ignore[operator]
-                    return line
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = self._queue.get(timeout=left)
-            except queue.Empty:
-                return None
-            if predicate(line):  # type: ignore[operator]
-                return line
-        return None
-
-    def text(self) -> str:
-        self._thread.join(timeout=10)
-        with self._lock:
-            return "".join(self.lines)
+    return found() if node.reached(lambda: found() is not None, timeout) else None
 
 
 def test_incompatible_peer_is_refused_on_both_sides(nodes: Processes, tmp_path: Path) -> None:
@@ -316,14 +271,10 @@ def test_incompatible_peer_is_refused_on_both_sides(nodes: Processes, tmp_path: 
     identity = str(tmp_path / "a.key")
     light = ["--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--inner-steps", "5"]
     # A and B share a directory: A keeps no checkpoints, so B's default checkpoints/<run_id> is free.
-    a = nodes.popen(*LOCAL, "--model", "tiny", "--run-id", run_id, "--max-outer-steps", "0",
+    a = nodes.start(*LOCAL, "--model", "tiny", "--run-id", run_id, "--max-outer-steps", "0",
                     "--checkpoint-dir", "", "--identity", identity, *light)
-    a_out, a_err = LineReader(a.stdout), LineReader(a.stderr)
-    line = a_out.wait_for(lambda text: text.startswith("peer address: "), timeout=60)
-    if line is None:
-        pytest.fail("node A printed no peer address:\n" + (a_err.text() if a.poll() is not None else ""))
-    a_address = line.removeprefix("peer address: ").strip()
-    assert a_err.wait_for(lambda text: "joined run=" in text, timeout=60), "node A did not finish starting"
+    a_address = a.wait_for_address(timeout=60)
+    assert first_line(a, "joined run=", timeout=60), "node A did not finish starting"
 
     b = join(nodes, "--peer", a_address, "--run-id", run_id, "--model", "small")
     line = assert_bad_input(b, "incompatible", run_id)
@@ -334,19 +285,17 @@ def test_incompatible_peer_is_refused_on_both_sides(nodes: Processes, tmp_path: 
     assert b_addresses, b.stdout
     b_peer_id = b_addresses[0].rsplit("/p2p/", 1)[1]
 
-    refused = a_err.wait_for(lambda text: "refused peer" in text, timeout=15)
+    refused = first_line(a, "refused peer", timeout=15)
     assert refused is not None, "node A never logged the refused peer"
     assert b_peer_id in refused
     assert "model=small (ours: tiny)" in refused
-    assert a.poll() is None, "node A must keep running after refusing a peer"
+    assert a.running(), "node A must keep running after refusing a peer"
     # a second node started with A's key (a copied volume, say) is refused before it can impersonate A
     assert_bad_input(join(nodes, "--peer", a_address, "--run-id", run_id, "--identity", identity,
                           "--checkpoint-dir", ""), "in use by another running node", identity)
-    assert a.poll() is None, "node A must keep running"
+    assert a.running(), "node A must keep running"
 
-    a.send_signal(signal.SIGTERM)
-    try:
-        assert a.wait(timeout=60) == 0
-    finally:
-        stderr = a_err.text()
-    assert "Traceback" not in stderr + a_out.text(), stderr
+    a.signal(signal.SIGTERM)
+    assert a.wait_exit(timeout=60) == 0
+    stderr = a.log_text()
+    assert "Traceback" not in stderr + "".join(a.stdout_lines), stderr

@@ -14,9 +14,10 @@ from hivemind import DHT
 
 from diloco_node.codec import CodecConfig, make_codec
 from diloco_node.outer.averaging import Averaging
+from diloco_node.round import Reduced
 from diloco_node.swarm import butterfly as butterfly_module
-from diloco_node.swarm.butterfly import Butterfly, Reduced
-from diloco_node.swarm.exchange import PayloadExchange
+from diloco_node.swarm.butterfly import Butterfly
+from diloco_node.swarm.streams import Streams
 
 pytestmark = pytest.mark.integration
 
@@ -25,27 +26,27 @@ WAIT = 5.0  # the round timeout
 
 
 @pytest.fixture
-def trio() -> Iterator[list[tuple[str, PayloadExchange, Butterfly]]]:
+def trio() -> Iterator[list[tuple[str, Streams, Butterfly]]]:
     first = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     dhts = [first, *(DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), start=True)
                      for _ in range(2))]
-    anyone = lambda *_: None  # noqa: E731  (the admission policy: SwarmMember's, tested elsewhere)
+    anyone = lambda *_: None  # noqa: E731  (the admission policy: the swarm facade's, tested elsewhere)
     members = []
     for dht in dhts:
-        exchange = PayloadExchange(dht, "btest", 1 << 20, anyone)
-        butterfly = Butterfly(exchange.p2p, exchange.loop, "btest", 1 << 20, anyone, "", exchange.count, WAIT)
-        exchange.run(butterfly.attach(), timeout=10)
+        exchange = Streams(dht)
+        butterfly = Butterfly(exchange, "btest", 1 << 20, anyone, "", WAIT)
+        butterfly.attach()
         members.append((str(dht.peer_id), exchange, butterfly))
     yield sorted(members, key=lambda member: member[0])
     for _, exchange, butterfly in members:
         with contextlib.suppress(Exception):  # a test may have detached it already
-            exchange.run(butterfly.detach(), timeout=10)
+            butterfly.detach()
         exchange.close()
     for dht in dhts[::-1]:
         dht.shutdown()
 
 
-def run_round(members: list[tuple[str, PayloadExchange, Butterfly]], group: list[str],
+def run_round(members: list[tuple[str, Streams, Butterfly]], group: list[str],
               late: str | None = None, sent: dict[str, int] | None = None) -> dict[str, Reduced]:
     """Each member's butterfly of round 1, concurrently, with its own Δ (all ones times its index + 1);
     member `late` starts a second after the others. `sent` gets each member's bytes sent as its
@@ -53,7 +54,7 @@ def run_round(members: list[tuple[str, PayloadExchange, Butterfly]], group: list
     codec = make_codec(CodecConfig(name="none"))
     results: dict[str, Reduced] = {}
 
-    def one(index: int, peer: str, exchange: PayloadExchange, butterfly: Butterfly) -> None:
+    def one(index: int, peer: str, exchange: Streams, butterfly: Butterfly) -> None:
         averaging = Averaging(codec, NUMEL, peer, part_align=1)
         own = averaging.encode(1, torch.full((NUMEL,), float(index + 1)), 100.0)
         source = averaging.parts(1, own)
@@ -72,7 +73,7 @@ def run_round(members: list[tuple[str, PayloadExchange, Butterfly]], group: list
     return results
 
 
-def test_every_member_ends_with_the_same_averaged_parts(trio: list[tuple[str, PayloadExchange, Butterfly]]) -> None:
+def test_every_member_ends_with_the_same_averaged_parts(trio: list[tuple[str, Streams, Butterfly]]) -> None:
     group = [peer for peer, _, _ in trio]
     results = run_round(trio, group)
     assert set(results) == set(group)
@@ -86,11 +87,11 @@ def test_every_member_ends_with_the_same_averaged_parts(trio: list[tuple[str, Pa
 
 
 def test_a_vanished_owners_part_is_skipped_by_every_member_alike(
-        trio: list[tuple[str, PayloadExchange, Butterfly]], monkeypatch: pytest.MonkeyPatch) -> None:
+        trio: list[tuple[str, Streams, Butterfly]], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(butterfly_module, "PART_RECOVERY_SECONDS", 2.0)  # nobody holds the part: do not ask long
     group = [peer for peer, _, _ in trio]
     _, exchange, gone = trio[2]
-    exchange.run(gone.detach(), timeout=10)  # the third owner has vanished: nobody can push to it
+    gone.detach()  # the third owner has vanished: nobody can push to it
     results = run_round(trio[:2], group)
     assert set(results) == set(group[:2])
     held = [sorted(reduced.parts) for reduced in results.values()]
@@ -99,7 +100,7 @@ def test_a_vanished_owners_part_is_skipped_by_every_member_alike(
 
 
 def test_each_member_has_counted_its_rounds_traffic_when_its_exchange_returns(
-        trio: list[tuple[str, PayloadExchange, Butterfly]]) -> None:
+        trio: list[tuple[str, Streams, Butterfly]]) -> None:
     """The last member to arrive reduces its part at once and its own pushes are answered at once:
     its exchange may return before the writers of its answers have run. A node reads the round's
     traffic right then, so those answers must be counted by that time (a CI run once saw one

@@ -11,7 +11,8 @@ import pytest
 from hivemind import DHT
 
 from diloco_node.swarm.exchange import AWAITED_KEPT_ROUNDS, KEPT_ROUNDS, Fetched, PayloadExchange, _parse_meta
-from diloco_node.swarm.member import MISSED_ALLREDUCE_GRACE, MISSED_GROUP_GRACE, SwarmMember
+from diloco_node.swarm.matchmaking import MISSED_ALLREDUCE_GRACE, MISSED_GROUP_GRACE, Matchmaker
+from diloco_node.swarm.streams import Streams
 
 pytestmark = pytest.mark.integration
 
@@ -20,12 +21,15 @@ pytestmark = pytest.mark.integration
 def pair() -> Iterator[tuple[PayloadExchange, PayloadExchange, str, str]]:
     first = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     second = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), start=True)
-    anyone = lambda *_: None  # noqa: E731  (the fetch policy: SwarmMember's is tested below)
-    offering = PayloadExchange(first, "xtest", 1 << 20, anyone)
-    fetching = PayloadExchange(second, "xtest", 1 << 20, anyone)
+    anyone = lambda *_: None  # noqa: E731  (the fetch policy: the swarm facade's)
+    offering = PayloadExchange(Streams(first), "xtest", 1 << 20, anyone)
+    fetching = PayloadExchange(Streams(second), "xtest", 1 << 20, anyone)
+    offering.attach()
+    fetching.attach()
     yield offering, fetching, str(first.peer_id), str(second.peer_id)
     for exchange in (offering, fetching):
-        exchange.close()
+        exchange.detach()
+        exchange.streams.close()
     second.shutdown()
     first.shutdown()
 
@@ -117,10 +121,11 @@ async def no_butterfly_group(*_: object) -> None:
 
 def member_seam(exchange: PayloadExchange, peer_id: str, verified: Callable[[str], bool] = lambda _: True,
                 others_may_fetch: bool = False) -> SimpleNamespace:
-    """What SwarmMember._missed_group uses of its member: its exchange, peer id, round timeout,
+    """What Matchmaker._missed_group uses of its matchmaker: its exchange, peer id, round timeout,
     which peers have verified records of the run, whether any may still fetch the round, and no
     butterfly group pushing to it (tests/system/test_scale.py runs those)."""
-    return SimpleNamespace(_exchange=exchange, peer_id=peer_id, settings=SimpleNamespace(round_timeout=10.0),
+    return SimpleNamespace(_exchange=exchange, _streams=exchange.streams, peer_id=peer_id,
+                           settings=SimpleNamespace(round_timeout=10.0),
                            presence=SimpleNamespace(known=lambda peer, refresh=False: verified(peer)),
                            _butterfly=SimpleNamespace(claimed_group=no_butterfly_group),
                            _anyone_may_still_fetch=lambda round_: others_may_fetch)
@@ -133,7 +138,7 @@ def test_a_node_whose_matchmaking_failed_joins_the_group_that_counted_it_in(
     member.offer(1, b"theirs", 300.0)
     member.expect(1, [member_id, missed_id], member_id)  # its matchmaking counted us in
     assert member.fetch_all([missed_id], 1, timeout=10)[missed_id] is not None
-    others, fetched = SwarmMember._missed_group(member_seam(missed, missed_id), 1, MISSED_GROUP_GRACE)  # type: ignore[arg-type]
+    others, fetched = Matchmaker._missed_group(member_seam(missed, missed_id), 1, MISSED_GROUP_GRACE)  # type: ignore[arg-type]
     assert others == [member_id]
     assert fetched == {member_id: Fetched(b"theirs", 300.0, tuple(sorted([member_id, missed_id])))}
 
@@ -148,7 +153,7 @@ def test_after_a_failed_all_reduce_the_node_waits_for_its_slow_leader(
     late = threading.Timer(MISSED_GROUP_GRACE + 2, lambda: member.fetch_all([missed_id], 1, timeout=10))
     late.start()
     try:
-        others, _ = SwarmMember._missed_group(member_seam(missed, missed_id, others_may_fetch=True), 1,
+        others, _ = Matchmaker._missed_group(member_seam(missed, missed_id, others_may_fetch=True), 1,
                                               MISSED_ALLREDUCE_GRACE)
     finally:
         late.join()
@@ -160,7 +165,7 @@ def test_the_long_wait_ends_once_nobody_may_still_fetch(
     missed, _, missed_id, _ = pair
     missed.offer(1, b"ours", 100.0)
     started = time.monotonic()
-    assert SwarmMember._missed_group(member_seam(missed, missed_id), 1, MISSED_ALLREDUCE_GRACE) == ([], {})
+    assert Matchmaker._missed_group(member_seam(missed, missed_id), 1, MISSED_ALLREDUCE_GRACE) == ([], {})
     assert time.monotonic() - started < MISSED_GROUP_GRACE + 3
 
 
@@ -169,7 +174,7 @@ def test_a_node_nobody_counted_in_averages_alone(pair: tuple[PayloadExchange, Pa
     missed.offer(1, b"ours", 100.0)
     member.offer(1, b"theirs", 300.0)
     member.expect(1, [member_id], member_id)
-    assert SwarmMember._missed_group(member_seam(missed, missed_id), 1, MISSED_GROUP_GRACE) == ([], {})  # type: ignore[arg-type]
+    assert Matchmaker._missed_group(member_seam(missed, missed_id), 1, MISSED_GROUP_GRACE) == ([], {})  # type: ignore[arg-type]
 
 
 def test_the_recovery_takes_no_group_of_unverified_or_disagreeing_members(
@@ -180,9 +185,9 @@ def test_the_recovery_takes_no_group_of_unverified_or_disagreeing_members(
     member.expect(1, [member_id, missed_id, "QmSybil"], member_id)  # names a member with no record
     assert member.fetch_all([missed_id], 1, timeout=10)[missed_id] is not None
     seam = member_seam(missed, missed_id, verified=lambda peer: peer != "QmSybil")
-    assert SwarmMember._missed_group(seam, 1, MISSED_GROUP_GRACE) == ([], {})  # type: ignore[arg-type]
+    assert Matchmaker._missed_group(seam, 1, MISSED_GROUP_GRACE) == ([], {})  # type: ignore[arg-type]
     # a fetcher without a verified record is not asked at all
-    assert SwarmMember._missed_group(member_seam(missed, missed_id, verified=lambda _: False), 1,
+    assert Matchmaker._missed_group(member_seam(missed, missed_id, verified=lambda _: False), 1,
                                     MISSED_GROUP_GRACE) == ([], {})  # type: ignore[arg-type]
 
 
@@ -195,8 +200,10 @@ def test_a_fetch_the_policy_refuses_gets_nothing() -> None:
         asked.append((peer, round_, token, group))
         return None if group and peer in group else "not a member of the round's group"
 
-    offering = PayloadExchange(first, "xtest", 1 << 20, members_only)
-    fetching = PayloadExchange(second, "xtest", 1 << 20, lambda *_: None, token="our-admission")
+    offering = PayloadExchange(Streams(first), "xtest", 1 << 20, members_only)
+    fetching = PayloadExchange(Streams(second), "xtest", 1 << 20, lambda *_: None, token="our-admission")
+    offering.attach()
+    fetching.attach()
     try:
         offering.offer(1, b"payload", 10.0)
         offering.expect(1, [str(first.peer_id), "QmSomeoneElse"], str(first.peer_id))
@@ -206,7 +213,8 @@ def test_a_fetch_the_policy_refuses_gets_nothing() -> None:
         assert offering.served(1, timeout=0.2) == set()
     finally:
         for exchange in (offering, fetching):
-            exchange.close()
+            exchange.detach()
+            exchange.streams.close()
         second.shutdown()
         first.shutdown()
 
@@ -218,16 +226,16 @@ def test_state_downloads_are_served_bounded_and_refused() -> None:
 
     first = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     second = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), start=True)
-    hosts = [PayloadExchange(dht, "xtest", 1 << 20, lambda *_: None) for dht in (first, second)]
+    hosts = [Streams(dht) for dht in (first, second)]
     phi, momentum = torch.arange(10, dtype=torch.float32), torch.ones(10)
     sharing = [True]
-    server = StateService(hosts[0].p2p, hosts[0].loop, "xtest", 10, 4,
+    server = StateService(hosts[0], "xtest", 10, 4,
                           lambda peer: ({"round": 3}, [phi, momentum]) if sharing[0] else None,
                           lambda peer, token: None if token == "admitted" else "not admitted")
-    hosts[0].run(server.attach(), 10)
+    server.attach()
 
     def download(numel: int, token: str) -> tuple[dict, list[torch.Tensor]]:
-        client = StateService(hosts[1].p2p, hosts[1].loop, "xtest", numel, 4, lambda peer: None,
+        client = StateService(hosts[1], "xtest", numel, 4, lambda peer: None,
                               lambda peer, token: None, token=token)
         return hosts[1].run(client.download(str(first.peer_id), 10), 20)
 
@@ -253,11 +261,13 @@ def test_a_fetch_is_retried_until_the_peer_can_be_reached() -> None:
     # moment: dropping its payload at once would split φ from the members that did get it
     first = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     second = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), start=True)
-    fetching = PayloadExchange(second, "xtest", 1 << 20, lambda *_: None)
+    fetching = PayloadExchange(Streams(second), "xtest", 1 << 20, lambda *_: None)
+    fetching.attach()
     offering: list[PayloadExchange] = []
 
     def come_up() -> None:
-        offering.append(PayloadExchange(first, "xtest", 1 << 20, lambda *_: None))
+        offering.append(PayloadExchange(Streams(first), "xtest", 1 << 20, lambda *_: None))
+        offering[0].attach()
         offering[0].offer(1, b"late", 50.0)
 
     later = threading.Timer(2.0, come_up)
@@ -268,6 +278,7 @@ def test_a_fetch_is_retried_until_the_peer_can_be_reached() -> None:
     finally:
         later.join()
         for exchange in [fetching, *offering]:
-            exchange.close()
+            exchange.detach()
+            exchange.streams.close()
         second.shutdown()
         first.shutdown()

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 from hivemind import DHT
 
-from diloco_node.swarm.exchange import PayloadExchange
 from diloco_node.swarm.reachability import DialBack, detect
+from diloco_node.swarm.streams import Streams
 
 pytestmark = pytest.mark.integration
 
@@ -21,12 +21,12 @@ NAMESPACE = "rtest"
 def answering() -> Iterator[DHT]:
     """A peer that dials back whoever asks."""
     dht = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-    exchange = PayloadExchange(dht, NAMESPACE, 1 << 10, lambda *_: None)
-    dial_back = DialBack(exchange.p2p, NAMESPACE)
-    exchange.run(dial_back.attach(), timeout=10)
+    streams = Streams(dht)
+    dial_back = DialBack(streams, NAMESPACE)
+    dial_back.attach()
     yield dht
-    exchange.run(dial_back.detach(), timeout=10)
-    exchange.close()
+    dial_back.detach()
+    streams.close()
     dht.shutdown()
 
 

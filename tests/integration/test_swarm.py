@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from diloco_node.launch import NodeProcess
 from tests.integration.conftest import NodeFactory
-from tests.integration.nodes import NodeProcess
 
 pytestmark = pytest.mark.integration
 

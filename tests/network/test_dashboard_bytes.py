@@ -16,9 +16,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.network.island_nodes import IslandNode
-from tests.network.island_nodes import node_options as island_node_options
-from tests.network.islands import Island, Islands
+from harness.islands import Island, IslandNode, Islands
+from harness.islands import node_options as island_node_options
 from tests.network.test_islands import need_netns
 
 RATE_MBIT = 100.0

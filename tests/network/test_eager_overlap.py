@@ -12,8 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tests.network.island_nodes import IslandNode, node_options
-from tests.network.islands import Islands
+from harness.islands import IslandNode, Islands, node_options
 from tests.network.test_islands import need_netns
 
 RATE_MBIT = 5.0

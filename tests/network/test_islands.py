@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from tests.network.islands import Islands, _netns_names, require_netns
+from harness.islands import Islands, _netns_names, require_netns
 
 RATE_MBIT = 10.0
 

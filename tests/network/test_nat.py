@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import pytest
 
+from harness.islands import IslandNode, Islands, node_options
 from tests.integration.test_swarm import assert_same_digests
-from tests.network.island_nodes import IslandNode, node_options
-from tests.network.islands import Islands
 from tests.network.test_islands import need_netns
 
 RATE_MBIT = 100.0

@@ -17,23 +17,14 @@ import time
 
 import pytest
 
-from tests.network.island_nodes import IslandNode, node_options
-from tests.network.islands import Islands
+from harness.islands import IslandNode, Islands, node_options
+from harness.nodes import agreed_round
 from tests.network.test_islands import need_netns
 
 RATE_MBIT = 100.0
 CUTS = (10.0, 60.0, 300.0)
 AGREE_WITHIN_ROUNDS = 4
 OPTIONS = ["--sync", "blocking", "--inner-steps", "20", "--round-timeout", "20", "--min-peers", "3"]
-
-
-def agreed_round(nodes: list[IslandNode], after: int) -> int | None:
-    """The first round after `after` that every node logged with one digest."""
-    common = set.intersection(*(set(node.rounds) for node in nodes))
-    for round_ in sorted(r for r in common if r > after):
-        if len({node.rounds[round_].digest for node in nodes}) == 1:
-            return round_
-    return None
 
 
 @pytest.mark.timeout(sum(CUTS) + 600)

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from diloco_node.launch import NodeProcess
 from tests.integration.conftest import NodeFactory
-from tests.integration.nodes import NodeProcess
 
 pytestmark = pytest.mark.integration
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from diloco_node.launch import alive, descendants
 from tests.integration.conftest import NodeFactory
-from tests.integration.nodes import alive, descendants
 
 pytestmark = pytest.mark.integration
 

@@ -1,5 +1,5 @@
 """Many real nodes in one run, exchanging by butterfly (swarm/butterfly.py): the same φ on all of
-them, and per-node traffic that does not grow with the group (DESIGN §2, #16)."""
+them, and per-node traffic that does not grow with the group (docs/architecture.md §2, #16)."""
 
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ def test_eight_nodes_agree_bit_for_bit_and_each_sends_about_two_payloads(spawn: 
         for round_ in range(1, ROUNDS + 1):
             log = node.rounds[round_]
             assert log.group_size == NODES, f"{node.name} round {round_}: group of {log.group_size}"
-            payload = log.stats["payload_bytes"]
+            payload = log.payload_bytes
             # round 1 may carry a state download; later rounds move payloads only
             if round_ > 1:
                 for direction in ("bytes_sent", "bytes_received"):
-                    ratio = log.stats[direction] / payload
+                    ratio = getattr(log, direction) / payload
                     assert ratio <= BYTES_BOUND, f"{node.name} round {round_}: {direction} {ratio:.2f}× the payload"
                     assert ratio >= 2 * (NODES - 1) / NODES * 0.95, f"{node.name}: {direction} {ratio:.2f}× is too few"
         assert node.wait_exit() == 0

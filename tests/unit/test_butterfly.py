@@ -8,8 +8,8 @@ import torch
 
 from diloco_node.codec import CodecConfig, make_codec
 from diloco_node.outer.averaging import Averaging
-from diloco_node.swarm.butterfly import PartIn, Reduced, owners, part_bounds
-from diloco_node.swarm.member import Gathered
+from diloco_node.round import Gathered, Outcome, PartIn, Reduced, part_bounds
+from diloco_node.swarm.butterfly import owners
 
 PEERS = ("a", "b", "c", "d")
 
@@ -46,7 +46,7 @@ def butterfly_mean(codec_name: str, deltas: dict[str, torch.Tensor], tokens: dic
         pushed = [PartIn(p, sources[p].encode(start, end), tokens[p], (lie or {}).get(p, sources[p].norm))
                   for p in sorted(deltas)]
         parts[index] = members[owner].reduce_part(0, (start, end), pushed)
-    gathered = Gathered("together", 0, reduced=Reduced(tuple(sorted(deltas)), len(order), parts, 0))
+    gathered = Gathered(Outcome.TOGETHER, 0, reduced=Reduced(tuple(sorted(deltas)), len(order), parts, 0))
     return members["a"].mean(owns["a"], gathered).mean
 
 
@@ -55,7 +55,7 @@ def allgather_mean(codec_name: str, deltas: dict[str, torch.Tensor], tokens: dic
     codec = make_codec(CodecConfig(name=codec_name))
     averaging = Averaging(codec, numel, "a")
     payloads = {p: (codec.encode(deltas[p]), tokens[p]) for p in deltas if p != "a"}
-    return averaging.mean(averaging.encode(0, deltas["a"], tokens["a"]), Gathered("together", 0, payloads)).mean
+    return averaging.mean(averaging.encode(0, deltas["a"], tokens["a"]), Gathered(Outcome.TOGETHER, 0, payloads)).mean
 
 
 def honest(numel: int = 1000) -> dict[str, torch.Tensor]:
@@ -99,7 +99,7 @@ def test_a_part_nobody_delivered_is_zero_in_the_mean() -> None:
     part = codec.encode(torch.full((100,), 2.0))
     reduced = Reduced(("a", "b", "c"), 3, {0: (part, {"used": ["a"], "tokens": [1.0]}),
                                            2: (part, {"used": ["a"], "tokens": [1.0]})}, 0)
-    result = averaging.mean(own, Gathered("together", 0, reduced=reduced))
+    result = averaging.mean(own, Gathered(Outcome.TOGETHER, 0, reduced=reduced))
     assert result.mean[:100].eq(2).all() and result.mean[100:200].eq(0).all() and result.mean[200:].eq(2).all()
     assert result.group == ("a",) and result.own_share == 1.0
 
@@ -109,7 +109,7 @@ def test_a_malformed_owner_report_takes_no_share() -> None:
     averaging = Averaging(codec, 4, "a", part_align=1)
     own = averaging.encode(0, torch.ones(4), 1.0)
     reduced = Reduced(("a", "b"), 2, {0: (codec.encode(torch.ones(2)), {"used": ["a"], "tokens": ["x", 3]})}, 0)
-    assert averaging.mean(own, Gathered("together", 0, reduced=reduced)).own_share == 0.0
+    assert averaging.mean(own, Gathered(Outcome.TOGETHER, 0, reduced=reduced)).own_share == 0.0
 
 
 def test_an_owner_given_only_tokenless_parts_averages_nothing() -> None:

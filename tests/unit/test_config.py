@@ -361,3 +361,47 @@ def test_butterfly_is_refused_where_it_cannot_run_with_one_reason() -> None:
         assert NodeConfig(**options).butterfly_from is None  # auto falls back to all-gather
     with pytest.raises(ValueError, match="reachability private"):
         NodeConfig(reachability="private", compression="topk")
+
+
+# --- config as a leaf (registry.py) -----------------------------------------------------------
+
+
+def test_importing_config_loads_no_domain_module() -> None:
+    """config.py imports no domain module: the packages' values are read through registry.py on first use."""
+    heavy = ("torch", "hivemind", "cryptography", "diloco_node.admission", "diloco_node.codec", "diloco_node.replica",
+             "diloco_node.swarm", "diloco_node.train", "diloco_node.outer", "diloco_node.telemetry",
+             "diloco_node.node")
+    code = ("import sys; import diloco_node.config; "
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {heavy!r} or m.startswith({heavy!r})))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=CLI_TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_validation_reads_the_owners_values_whatever_was_imported_first() -> None:
+    code = ("from diloco_node.config import build_config; "
+            "cfg = build_config({'model': 'small', 'compression': 'topk', 'run_owner': '', 'peer': []}); "
+            "print(cfg.part_align, cfg.outer_momentum, cfg.topk_k, sorted(cfg.codec_fingerprint()))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=CLI_TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "0.0", "8", "['compression',", "'topk_bits',", "'topk_chunk',",
+                                     "'topk_k']"]
+
+
+def test_the_codecs_defaults_are_the_configs() -> None:
+    from diloco_node.codec import CodecConfig, codec_config_of
+
+    assert codec_config_of(NodeConfig()) == CodecConfig()
+    assert codec_config_of(NodeConfig(compression="int8", block_size=128, zstd="off")) == \
+        CodecConfig(name="int8", block_size=128, zstd=False)
+    assert NodeConfig(compression="int4").part_align == 64 and NodeConfig(compression="sign").part_align == 1
+
+
+def test_unknown_presets_and_codecs_are_named_with_the_known_ones() -> None:
+    from diloco_node.codec import CODECS
+    from diloco_node.train.model import PRESETS
+
+    assert _error({"model": "gpt-9000"}) == \
+        f"invalid value for 'model': unknown model preset 'gpt-9000' (known: {', '.join(PRESETS)})"
+    assert _error({"compression": "zip"}) == \
+        f"invalid value for 'compression': unknown codec 'zip' (known: {', '.join(CODECS)})"

@@ -1,4 +1,4 @@
-"""The DiLoCo outer step (DESIGN §3) against hand-computed numbers, plus the model digest.
+"""The DiLoCo outer step (docs/architecture.md §3) against hand-computed numbers, plus the model digest.
 
 Expected values are derived by hand in the comments (torch SGD semantics, nesterov=True, no
 dampening): buf_1 = g_1;  buf_t = μ·buf_{t-1} + g_t;  update_t = g_t + μ·buf_t;  φ ← φ − η·update_t.

@@ -12,7 +12,7 @@ from diloco_node import identity
 from diloco_node.admission import Claims, Gate, sign
 from diloco_node.swarm import records, statesync
 from diloco_node.swarm.groups import random_groups
-from diloco_node.swarm.member import SwarmMember
+from diloco_node.swarm.matchmaking import Matchmaker
 from diloco_node.swarm.presence import Presence, round_state
 from diloco_node.swarm.records import NodeRecord, canonical_digest, config_difference, reference_state
 from diloco_node.swarm.statesync import agreement, servers_in_order
@@ -91,7 +91,7 @@ def test_a_drawn_group_retries_matchmaking_only_while_every_partner_is_still_at_
                                presence=SimpleNamespace(round_state=lambda round_, among: state
                                                         if among == ["partner"] else "wrong call"))
 
-    retry = SwarmMember._drawn_group_failed_too
+    retry = Matchmaker._drawn_group_failed_too
     assert retry(member(2, "together"), 4)  # type: ignore[arg-type]
     assert not retry(member(2, "behind"), 4)  # type: ignore[arg-type]  # it averaged without us
     assert not retry(member(2, "waiting"), 4)  # type: ignore[arg-type]
@@ -108,7 +108,7 @@ def test_nodes_that_left_after_exchanging_the_round_still_count_in_its_draw() ->
         compatible_peers=lambda: presence._live, departed_after=lambda round_: Presence.departed_after(
             presence, round_)), _draw=None)
     before_a_left = random_groups(["a", "c", "d", "us"], "run", 5, 2)
-    assert SwarmMember.drawn_groups(member, 5) == before_a_left  # type: ignore[arg-type]
+    assert Matchmaker.drawn_groups(member, 5) == before_a_left  # type: ignore[arg-type]
 
 
 def test_a_member_that_finished_a_round_will_not_fetch_its_payloads_any_more() -> None:

@@ -358,10 +358,27 @@ def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
 
 
 def test_swarm_rows_count_what_our_aggregator_bounded_per_peer() -> None:
-    from diloco_node.swarm.records import NodeRecord
     from diloco_node.telemetry.swarm_table import swarm_row
 
-    record = NodeRecord("peer", "fp", 3, 2, "d", {"label": "x"})
-    assert (swarm_row(record, False)["clipped"], swarm_row(record, False)["rejected"]) == (0, 0)
-    row = swarm_row(record, False, bounded=(3, 1))
+    stats = {"label": "x"}
+    assert (swarm_row("peer", stats, False)["clipped"], swarm_row("peer", stats, False)["rejected"]) == (0, 0)
+    row = swarm_row("peer", stats, False, bounded=(3, 1))
     assert (row["clipped"], row["rejected"]) == (3, 1)
+
+
+def test_swarm_rows_read_the_published_stats() -> None:
+    from diloco_node.telemetry.swarm_table import swarm_row
+
+    stats = {"label": "n", "rounds": 4, "bytes_sent": 10, "bytes_received": 20, "last_round_bytes_sent": 3,
+             "last_round_bytes_received": 5, "wire_bytes_sent": 11, "wire_bytes_received": None,
+             "last_exchange_seconds": 2.0, "utilization": 0.5, "time": 1_700_000_000.0}
+    assert swarm_row("me", stats, True) == {
+        "peer_id": "me", "label": "n", "rounds": 4, "bytes_sent": 10, "bytes_received": 20,
+        "last_round_bytes_sent": 3, "last_round_bytes_received": 5, "wire_bytes_sent": 11,
+        "wire_bytes_received": None, "utilization": 0.5, "bandwidth_bps": 32.0, "last_seen": 1_700_000_000.0,
+        "is_self": True, "clipped": 0, "rejected": 0}
+    assert swarm_row("new", {}, False) == {
+        "peer_id": "new", "label": "", "rounds": 0, "bytes_sent": 0, "bytes_received": 0,
+        "last_round_bytes_sent": 0, "last_round_bytes_received": 0, "wire_bytes_sent": None,
+        "wire_bytes_received": None, "utilization": None, "bandwidth_bps": None, "last_seen": None,
+        "is_self": False, "clipped": 0, "rejected": 0}

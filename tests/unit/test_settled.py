@@ -5,18 +5,16 @@ The swarm and the averaging are stand-ins for their seams; the ledger and the op
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from diloco_node.config import NodeConfig
-from diloco_node.outer.averaging import AverageResult, Own
 from diloco_node.outer.diloco import OuterOptimizer
 from diloco_node.outer.overlapped import OverlappedUpdate
 from diloco_node.outer.state import OuterState
 from diloco_node.outer.update import UpdateContext
-from diloco_node.swarm.member import Gathered
+from diloco_node.round import AverageResult, Gathered, Outcome, Own
 
 NUMEL = 6
 
@@ -42,15 +40,15 @@ class Averaging:
 
 class Swarm:
     def __init__(self) -> None:
-        self.presence = SimpleNamespace(compatible_peers=lambda: {"a": None, "b": None},
-                                        mark_exchanged=lambda round_: None,
-                                        served_diverged=lambda among: False)
+        self.peer_count = lambda: 2
+        self.mark_exchanged = lambda round_: None
+        self.served_diverged = lambda among: False
 
     def offer(self, round_: int, payload: bytes | None, tokens: float, parts: None = None) -> None:
         pass
 
     def gather(self, round_: int, contributing: bool, stop: threading.Event) -> Gathered:
-        return Gathered("together", round_)
+        return Gathered(Outcome.TOGETHER, round_)
 
 
 class Telemetry:

@@ -1,4 +1,4 @@
-"""The overlapped modes' ledger (outer/sync.py) against hand-computed values (DESIGN §3)."""
+"""The overlapped modes' ledger (outer/sync.py) against hand-computed values (docs/architecture.md §3)."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def test_every_mean_is_applied_exactly_once(mode: str, proxy: str, lands_after: 
 def test_eager_full_by_hand() -> None:
     a, b = [t(2.0), t(10.0)], [t(6.0), t(0.0)]
     steps = run_ledger("eager", "full", a, b, {})
-    # r0: a0 = 2; r1: Δ̄_0 − a0 + a1 = 4 − 2 + 10 = 12 (DESIGN §3's proxy); settle: Δ̄_1 − a1 = 5 − 10
+    # r0: a0 = 2; r1: Δ̄_0 − a0 + a1 = 4 − 2 + 10 = 12 (docs/architecture.md §3's proxy); settle: Δ̄_1 − a1 = 5 − 10
     assert [float(s) for s in steps] == [2.0, 12.0, -5.0]
 
 

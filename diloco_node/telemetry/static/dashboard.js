@@ -80,6 +80,10 @@ function renderStatus(s) {
 }
 
 // --- charts -----------------------------------------------------------------------------------
+// Each chart point `r` is one entry of /api/history: a round event, whose fields (r.bytes_sent, ...)
+// the round record declares (telemetry/record.py); the header's `s.*` are /api/status keys
+// (meter.STATUS_FIELDS) and the swarm table's `p.*` are swarm_table.py's row keys
+// (tests/unit/test_record.py holds every name read here to those declarations).
 
 function series(rounds, label, color, value) {
   return { label, color, points: rounds.map((r) => [r.round, value(r)]) };

@@ -23,6 +23,10 @@ Addresses are 10.231.<run>.<N+1>/24 with <run> derived from the pid; they exist 
 namespaces (no route from the host), so traffic never leaves the machine. IPv6 is switched off inside
 the islands so that router/neighbour solicitations do not add noise to the byte counters.
 
+``IslandNode`` is a real `diloco-node join` inside an island (diloco_node/launch.py's NodeProcess,
+its command line wrapped by ``Island.command``), ``node_options`` its fast flags on the island's
+address. Byte counters are read through harness/wire.py.
+
 Cleanup: ``__exit__`` kills every process started with ``Island.run`` (and anything else still
 inside the namespaces — they are ours) and deletes the namespaces, which deletes the veths and the
 bridge with them; an ``atexit`` hook does the same if the with-block never exits normally, and
@@ -33,6 +37,7 @@ pid no longer exists — never a concurrent live run's).
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import re
 import shutil
@@ -42,7 +47,12 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+from diloco_node.launch import NodeProcess
+from harness import wire
+from harness.nodes import FAST
 
 PREFIX = "dln"
 IFACE = "eth0"
@@ -160,16 +170,17 @@ class Island:
         """Put a cut island back on the network."""
         _ip("-n", self._islands.hub, "link", "set", f"p{self.index}", "master", "br0")
 
-    def _counter(self, name: str) -> int:
-        return int(self.check_output(["cat", f"/sys/class/net/{self.interface}/statistics/{name}"]))
+    def counters(self) -> wire.Counters:
+        """Bytes this island put on its link and took off it (all of it: IP/TCP headers, handshakes, ACKs...)."""
+        return wire.counters(self.interface, self.namespace)
 
     def tx_bytes(self) -> int:
-        """Bytes this island put on its link (all of it: IP/TCP headers, handshakes, ACKs...)."""
-        return self._counter("tx_bytes")
+        """Bytes this island put on its link."""
+        return self.counters().tx
 
     def rx_bytes(self) -> int:
         """Bytes this island took off its link."""
-        return self._counter("rx_bytes")
+        return self.counters().rx
 
 
 class Islands:
@@ -362,3 +373,31 @@ _SENDER = textwrap.dedent("""
     conn.recv(1)
     conn.close()
 """)
+
+
+# --- nodes inside islands ---------------------------------------------------------------------
+
+_GET = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
+
+
+@dataclass
+class IslandNode(NodeProcess):
+    """A node inside an island (its command wrapped by the island's); its status server is on the
+    island's loopback, so reads go through the island."""
+
+    island: Island | None = None
+
+    def __post_init__(self) -> None:
+        assert self.island is not None and self.wrap is None
+        self.wrap = self.island.command  # killed with the islands at teardown if still running
+
+    def get(self, path: str) -> Any:
+        assert self.island is not None and self.status_url
+        return json.loads(self.island.check_output([sys.executable, "-c", _GET, f"{self.status_url}{path}"]))
+
+
+def node_options(island: Island, run_id: str) -> list[str]:
+    """Fast test-node flags, listening on the island's address; no checkpoints, runs until stopped."""
+    options = list(FAST)
+    options[options.index("--listen") + 1] = f"/ip4/{island.address}/tcp/0"
+    return [*options, "--run-id", run_id, "--min-peers", "2", "--checkpoint-dir", "", "--max-outer-steps", "0"]

@@ -1,5 +1,5 @@
-"""A real Docker engine for the docker suite and benchmarks/islands.py, and docker/compose.yaml's
-islands brought up on it.
+"""A real Docker engine for the docker suite (tests/docker) and benchmarks/islands.py, and
+docker/compose.yaml's islands brought up on it.
 
 `ensure_engine` starts dockerd when it is installed but not running (CI installs it: .ci/run).
 `ensure_base_image` makes debian:bookworm-slim with debootstrap when it cannot be pulled (no
@@ -23,7 +23,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from harness import wire
+
+ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker" / "compose.yaml"
 BASE_IMAGE = "debian:bookworm-slim"
 WHEEL_DIRS = ("/opt/wheels",)  # where this machine keeps the local torch wheel
@@ -122,9 +124,9 @@ def host_veth(container: str, address: str) -> str:
 
 
 def counters(veth: str) -> tuple[int, int]:
-    """(bytes the container sent, bytes it received) on that veth."""
-    base = Path("/sys/class/net") / veth / "statistics"
-    return int((base / "rx_bytes").read_text()), int((base / "tx_bytes").read_text())
+    """(bytes the container sent, bytes it received) on that veth (harness/wire.py, mirrored)."""
+    host = wire.counters(veth)
+    return host.rx, host.tx
 
 
 @dataclass

@@ -1,0 +1,98 @@
+"""The composition root: the one place that builds a node's parts and wires swarm/ and outer/
+together (docs/architecture.md §2). Nothing else constructs a Swarm, an outer update or the
+telemetry; node.py only runs rounds with what is built here.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from diloco_node.admission import Gate
+from diloco_node.checkpoint import CheckpointStore
+from diloco_node.codec import Codec, CodecConfig, codec_config_of, make_codec, max_payload_bytes
+from diloco_node.config import NodeConfig
+from diloco_node.lifecycle import StopSignals
+from diloco_node.outer.averaging import Averaging
+from diloco_node.outer.diloco import OuterOptimizer
+from diloco_node.outer.factory import make_update
+from diloco_node.outer.noloco import NoLoCoOptimizer
+from diloco_node.outer.state import MAX_SHARED_VECTORS, OuterState
+from diloco_node.outer.update import OuterUpdate, UpdateContext
+from diloco_node.swarm import Swarm, SwarmSettings
+from diloco_node.telemetry.events import Events
+from diloco_node.telemetry.meter import Telemetry
+from diloco_node.telemetry.rounds import RoundReporter
+from diloco_node.telemetry.server import StatusServer
+from diloco_node.telemetry.wire import WireMeter
+from diloco_node.train.model import build_model
+
+
+@dataclass
+class Parts:
+    """What a node is made of. The swarm and the outer update come later (attach_swarm): they need a
+    running DHT, which must start after the local ranks (start-up order, startup.py)."""
+
+    cfg: NodeConfig
+    state: OuterState  # φ: the fp32 outer copy on the CPU in the canonical layout, the same start everywhere
+    codec: Codec
+    phi_codec: Codec | None  # NoLoCo: how φ travels beside Δ for its consensus term
+    signals: StopSignals
+    telemetry: Telemetry
+    server: StatusServer
+    wire: WireMeter
+    reporter: RoundReporter
+    events: Events
+    store: CheckpointStore | None
+    gate: Gate
+    swarm: Swarm | None = None
+    update: OuterUpdate | None = None
+    # set at shutdown only: a background exchange gives up (a stop request settles it instead)
+    abandon: threading.Event = field(default_factory=threading.Event)
+
+
+def build(cfg: NodeConfig) -> Parts:
+    """Everything that needs neither a peer nor a local rank; nothing is started yet."""
+    gossip = cfg.algorithm == "noloco"
+    phi = [p.detach().clone().float() for p in build_model(cfg.model, cfg.seed).parameters()]
+    optimizer = NoLoCoOptimizer(phi, cfg.noloco_alpha, cfg.noloco_beta, cfg.consensus_weight) if gossip \
+        else OuterOptimizer(phi, cfg.outer_lr, cfg.outer_momentum)
+    state = OuterState(phi, optimizer)
+    # NoLoCo's consensus term needs the group's φ itself: it has no error feedback to hide
+    # quantization, so it travels exactly (fp32) with codec none and as fp16 otherwise.
+    phi_codec = make_codec(CodecConfig(name="none" if cfg.compression == "none" else "fp16")) if gossip else None
+    telemetry = Telemetry(run_id=cfg.run_id, model=cfg.model, parameters=state.numel, compression=cfg.compression,
+                          algorithm=cfg.algorithm, label=cfg.label, parallel=cfg.parallel,
+                          local_ranks=cfg.local_ranks, isolated=False, outer_step=0, inner_step=0, peers=1,
+                          group_size=0)
+    wire = WireMeter(os.getpid(), on_sample=lambda sent, received: telemetry.update(
+        wire_bytes_sent=sent, wire_bytes_received=received))
+    telemetry.refresh_with(wire.refresh)
+    return Parts(cfg=cfg, state=state, codec=make_codec(codec_config_of(cfg)), phi_codec=phi_codec,
+                 signals=StopSignals(), telemetry=telemetry, server=StatusServer(telemetry, *cfg.status_host_port),
+                 wire=wire, reporter=RoundReporter(telemetry, wire, cfg.label, gossip), events=Events(cfg.events),
+                 store=CheckpointStore(cfg.checkpoint_path) if cfg.checkpoint_path else None, gate=Gate(cfg.run_id))
+
+
+def attach_swarm(parts: Parts, shared_state: Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]) -> Swarm:
+    """Join the swarm and wire the outer update to it: outer/ drives the swarm as its round.Transport."""
+    cfg, gossip = parts.cfg, parts.cfg.algorithm == "noloco"
+    settings = SwarmSettings(
+        run_id=cfg.run_id, fingerprint=cfg.fingerprint(), config=cfg.fingerprint_fields(),
+        initial_peers=cfg.peer, listen=cfg.listen, announce=cfg.announce, matchmaking_time=cfg.matchmaking_time,
+        round_timeout=cfg.round_timeout,
+        # NoLoCo's payload carries φ after Δ: two encoded vectors
+        max_payload_bytes=(2 if gossip else 1) * max_payload_bytes(parts.state.numel),
+        group_size=cfg.group_size if gossip else None, identity=cfg.identity_path, gate=parts.gate,
+        butterfly_from=cfg.butterfly_from, butterfly_possible=cfg.butterfly_possible, reachability=cfg.reachability)
+    swarm = parts.swarm = Swarm(settings, parts.state.numel, shared_state, MAX_SHARED_VECTORS)
+    averaging = Averaging(parts.codec, parts.state.numel, swarm.peer_id, parts.phi_codec, cfg.aggregator,
+                          cfg.max_tokens_per_round or None, cfg.part_align if cfg.butterfly_possible else None)
+    parts.update = make_update(cfg, UpdateContext(parts.state, averaging, swarm, parts.telemetry,
+                                                  parts.signals.requested, parts.abandon))
+    return swarm

@@ -1,0 +1,227 @@
+"""This node's membership in the swarm, behind one facade: the round loop and outer/ see this class
+(outer/ only as round.Transport), never hivemind or the parts it is made of (docs/architecture.md §2):
+
+- dht.py: start-up of hivemind's DHT under our identity, and whether peers can dial us
+- presence.py: the heartbeat, the records of who is in the run and where, the round barrier
+- matchmaking.py: who averages a round with us
+- transfer.py: moving a round's payloads within the group (exchange.py all-gather, butterfly.py)
+- statesync.py: serving our state to joiners and downloading the run's
+
+Every peer we deal with is checked in our own handlers: a group member, a fetcher or a state server
+counts only with a verified record of this run (records.py), which in a permissioned run also
+carries a valid admission (admission.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Collection
+from typing import Any
+
+import torch
+
+from diloco_node.admission import Gate
+from diloco_node.round import Gathered, Outcome, PartSource
+from diloco_node.swarm import records
+from diloco_node.swarm.butterfly import Butterfly
+from diloco_node.swarm.contacts import Contacts
+from diloco_node.swarm.dht import SwarmSettings, is_client, start_dht
+from diloco_node.swarm.exchange import PayloadExchange
+from diloco_node.swarm.isolation import Isolation
+from diloco_node.swarm.matchmaking import Matchmaker, start_averager
+from diloco_node.swarm.presence import Presence
+from diloco_node.swarm.reachability import DialBack
+from diloco_node.swarm.statesync import StateService, download_run_state
+from diloco_node.swarm.streams import Streams
+from diloco_node.swarm.transfer import Transfer
+
+logger = logging.getLogger(__name__)
+
+# What a joiner downloads: the round's metadata and flat fp32 vectors (φ, momentum, rounds in flight)
+StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
+
+
+class Swarm:
+    def __init__(self, settings: SwarmSettings, numel: int, state_provider: StateProvider, state_vectors: int):
+        """`state_vectors`: the most flat vectors a shared state may hold; it and the settings'
+        `max_payload_bytes` bound what a peer may send us."""
+        self.settings = settings
+        self.gate = settings.gate or Gate(settings.run_id)
+        self._dht, signed_by = start_dht(settings)
+        self.peer_id = str(self._dht.peer_id)
+        namespace = f"{settings.run_id}_{settings.fingerprint}"
+        self.client = is_client(settings, self._dht, namespace)
+        isolation = Isolation(Contacts(self._dht, self.peer_id, settings.initial_peers), settings.run_id)
+        self._presence = Presence(self._dht, self.peer_id, settings.run_id, settings.fingerprint, settings.config,
+                                  isolation, signed_by, self.gate, self.client)
+        averager = start_averager(self._dht, namespace, settings, self.client)  # forks: before our threads
+        self._streams = Streams(self._dht)
+        self._exchange = PayloadExchange(self._streams, namespace, settings.max_payload_bytes,
+                                         self._may_fetch_payload, self.gate.token)
+        self._exchange.attach()
+        self._state_provider = state_provider
+        self._sharing = threading.Event()
+        self._state = StateService(self._streams, namespace, numel, state_vectors, self._serve_state,
+                                   self.gate.refusal, self.gate.token)
+        self._state.attach()
+        self._butterfly = Butterfly(self._streams, namespace, settings.max_payload_bytes, self._may_fetch_payload,
+                                    self.gate.token, settings.round_timeout)
+        self._butterfly.attach()
+        self._dial_back = DialBack(self._streams, namespace)
+        self._dial_back.attach()
+        self._transfer = Transfer(settings, self.peer_id, self.client, numel, self._presence, self._streams,
+                                  self._exchange, self._butterfly)
+        self._matchmaker = Matchmaker(averager, settings, self.peer_id, self._presence, self._streams,
+                                      self._exchange, self._butterfly, self._transfer.butterfly_for)
+
+    # --- membership ---------------------------------------------------------------------------
+
+    def visible_addresses(self) -> list[str]:
+        return [str(addr) for addr in self._dht.get_visible_maddrs()]
+
+    def watch(self, on_isolation: Callable[[float | None], None], on_revoked: Callable[[], None]) -> None:
+        """Called on the heartbeat's thread: when we are cut off from every peer or back (the time
+        it began, None when back), and when the run owner revoked our admission."""
+        self._presence.isolation.on_change = on_isolation
+        self._presence.on_revoked = on_revoked
+
+    def check_compatible(self) -> None:
+        """IncompatibleRun when the run's live nodes all use another config."""
+        self._presence.check_compatible()
+
+    def enter(self, round_: int, digest: str, served: tuple[int, str]) -> None:
+        """Announce ourselves as a member at `round_` (after any state download) and start the heartbeat."""
+        self._presence.enter(round_, digest, served)
+
+    def announce(self, round_: int, ready: bool, digest: str, served: tuple[int, str]) -> None:
+        """We train `round_` (ready=False) or are done with its inner phase; `digest`: φ's at its
+        start; `served`: the (settled round, digest) of the state we serve."""
+        self._presence.announce(round_, round_ if ready else round_ - 1, digest, served)
+
+    def publish_stats(self, stats: dict[str, Any]) -> None:
+        """Our row of the swarm table; it goes out with the next announcement."""
+        self._presence.publish_stats(**stats)
+
+    def peer_stats(self) -> dict[str, dict[str, Any]]:
+        """Each live node's published stats (ourselves included), for the swarm table."""
+        return {peer: dict(record.stats) for peer, record in self._presence.compatible_peers().items()}
+
+    def wait_for_peers(self, count: int, stop: threading.Event) -> bool:
+        return self._presence.wait_for_peers(count, stop)
+
+    def isolated(self) -> bool:
+        return self._presence.isolated()
+
+    def ahead_of(self, round_: int) -> bool:
+        """Whether most other live nodes have already exchanged `round_` (we are behind)."""
+        return self._presence.ahead_of(round_)
+
+    def all_past(self, round_: int) -> bool:
+        return self._presence.all_past(round_)
+
+    def peer_count(self) -> int:
+        return len(self._presence.compatible_peers())
+
+    def diverged(self, round_: int, digest: str, among: Collection[str]) -> bool:
+        return self._presence.diverged(round_, digest, among)
+
+    def served_diverged(self, among: Collection[str]) -> bool:
+        return self._presence.served_diverged(among)
+
+    def mark_exchanged(self, round_: int) -> None:
+        self._presence.mark_exchanged(round_)
+
+    def _may_fetch_payload(self, peer: str, round_: int, token: str, group: tuple[str, ...] | None) -> str | None:
+        """Why `peer` may not fetch our payload of `round_` (None: it may). Once our group is known:
+        its members, and joiners a member vouched for (they complete rounds their server had in
+        flight). Before: any verified node of the run, since our matchmaking may still be running
+        or have failed one-sided (matchmaking.py)."""
+        if why := self.gate.refusal(peer, token):
+            return why
+        if group is None:
+            return None if self._presence.known(peer, refresh=True) else "not a verified node of this run"
+        if peer in group:
+            return None
+        for refresh in (False, True):  # a fresh vouch may not have reached our last look at the records
+            vouchers = self._presence.compatible_peers(refresh=refresh)
+            if any(peer in vouchers[member].vouched for member in group if member in vouchers):
+                return None
+        return "not a member of the round's group"
+
+    # --- rounds: the transport (round.Transport) ----------------------------------------------
+
+    def offer(self, round_: int, payload: bytes | None, tokens: float, parts: PartSource | None = None) -> None:
+        self._transfer.offer(round_, payload, tokens, parts)
+
+    def gather(self, round_: int, contributing: bool, stop: threading.Event,
+               among: Collection[str] | None = None, on_ready: Callable[[], None] | None = None) -> Gathered:
+        """The other members' payloads for `round_`: wait until the run (or `among`, NoLoCo's drawn
+        group) is ready, call `on_ready`, form the group, fetch. Safe off the main thread; `stop`
+        ends the wait."""
+        outcome = self._presence.wait_for_round(round_, self.settings.round_timeout, stop, among=among)
+        if outcome == Outcome.ALONE:
+            self._transfer.alone(round_)
+        if outcome in (Outcome.STOPPED, Outcome.BEHIND, Outcome.ALONE):
+            return Gathered(outcome, round_)
+        if on_ready is not None:
+            on_ready()
+        others, fetched = self._matchmaker.group_for(round_, contributing)
+        return self._transfer.move(round_, outcome, others, fetched, contributing, stop)
+
+    def gather_group_of(self, round_: int, member: str) -> Gathered:
+        return self._transfer.group_of(round_, member)
+
+    def drawn_group(self, round_: int) -> list[str]:
+        return self._matchmaker.drawn_group(round_)
+
+    # --- state sharing ------------------------------------------------------------------------
+
+    def share_state(self) -> None:
+        """Let others download our state."""
+        self._sharing.set()
+
+    def stop_sharing(self) -> None:
+        """A node whose φ is about to change or is known to be off must not hand it to joiners."""
+        self._sharing.clear()
+
+    def _serve_state(self, peer: str) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        """Our state for `peer` (on the streams' executor), None while we do not share. A joiner
+        handed rounds in flight is vouched for: it fetches those rounds' payloads from our group."""
+        if not self._sharing.is_set():
+            return None
+        metadata, vectors = self._state_provider()
+        if metadata.get("in_flight"):
+            self._presence.vouch(peer)
+        return metadata, vectors
+
+    def download_state(self, timeout: float, stop: threading.Event, check_digest: bool,
+                       held: tuple[int, str] | None = None) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        """φ and the outer state from a peer (statesync.download_run_state); None when nobody else
+        is in the run (we start it), the run's state is `held` already, nobody shared it in time,
+        or `stop` was set."""
+        def others() -> dict[str, records.NodeRecord]:
+            # a client cannot be dialled: it serves no state, and its announcements are not asked for
+            return {p: r for p, r in self._presence.compatible_peers(refresh=True).items()
+                    if p != self.peer_id and not r.client}
+
+        return download_run_state(self._state, self._streams.run, others, timeout, stop, check_digest, held)
+
+    def traffic(self) -> tuple[int, int]:
+        """(bytes sent, bytes received) of payloads and shared state since start."""
+        return self._streams.bytes_sent, self._streams.bytes_received
+
+    # --- leaving ------------------------------------------------------------------------------
+
+    def leave(self) -> None:
+        if self.gate.refusal(self.peer_id, self.gate.token) is None:  # revoked: nobody fetches from us
+            self._transfer.drain(self._presence.may_still_fetch)
+        self._presence.leave()
+        for service in (self._dial_back, self._butterfly, self._state, self._exchange):
+            try:
+                service.detach()
+            except Exception as exc:  # leaving must not fail; the handler goes with the daemon anyway
+                logger.debug("closing a stream service failed: %r", exc)
+        self._streams.close()
+        self._matchmaker.shutdown()
+        self._dht.shutdown()

@@ -1,0 +1,222 @@
+"""What the benchmarks share: whole runs of real nodes (a swarm on loopback, a pair across two
+islands) summarised from their events, the final φ of a run, scratch folders, machine info and plots.
+
+Run a benchmark as a script (`.venv/bin/python benchmarks/<name>.py`); it imports only diloco_node
+and this package (installed with the project: `pip install -e '.[test,bench]'`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diloco_node.checkpoint import CheckpointStore
+from diloco_node.config import NodeConfig
+from diloco_node.launch import LaunchTimeout
+from diloco_node.train.inner import InnerConfig
+from harness import wire
+from harness.islands import Islands
+from harness.nodes import WORLD, final_eval_loss, node_args, parse_node_log, start_node, start_swarm, stop
+
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+@contextlib.contextmanager
+def work_dir(prefix: str) -> Iterator[Path]:
+    """A scratch folder for a benchmark's node logs: removed after a run that succeeds, kept (and
+    named) after one that fails, since the logs then say why."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield work
+    except BaseException:
+        print(f"node logs kept in {work}")
+        raise
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def inner_config(cfg: NodeConfig, total_steps: int) -> InnerConfig:
+    """What Node builds for a run of `total_steps` = max_outer_steps * inner_steps."""
+    return InnerConfig(lr=cfg.inner_lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
+                       total_steps=total_steps, grad_clip=cfg.grad_clip)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# --- a swarm on loopback ----------------------------------------------------------------------
+
+class StartupStalled(TimeoutError):
+    """The nodes of a swarm did not all report `joined` in time (e.g. they never saw each other)."""
+
+
+def run_pair(label: str, h: int, rounds: int, run_id: str, work: Path, timeout: float,
+             checkpoint_dirs: Sequence[Path | str] | None = None, extra: Sequence[str] = (),
+             join_timeout: float | None = None) -> tuple[list[dict[str, Any]], float, int | None]:
+    """Run a 2-node swarm to its last round: (parsed logs per node, wall seconds, lo bytes per node).
+
+    With `join_timeout`, raises StartupStalled when the nodes have not both joined the run (reported
+    `joined`, i.e. found each other under --min-peers) within that many seconds.
+    """
+    return run_swarm(label, WORLD, h, rounds, run_id, work, timeout, checkpoint_dirs, extra, join_timeout)
+
+
+def run_swarm(label: str, n: int, h: int, rounds: int, run_id: str, work: Path, timeout: float,
+              checkpoint_dirs: Sequence[Path | str] | None = None, extra: Sequence[str] = (),
+              join_timeout: float | None = None) -> tuple[list[dict[str, Any]], float, int | None]:
+    """Run an n-node swarm (start_swarm, --min-peers n) to its last round: (parsed logs per node, in node
+    order, wall seconds, lo bytes per node). Each node's stdout and stderr are kept in
+    work/node<i>.{stdout,stderr}.log.
+
+    With `join_timeout`, raises StartupStalled when the nodes have not all joined the run (reported
+    `joined`, i.e. found each other under --min-peers) within that many seconds.
+    """
+    work.mkdir(parents=True)
+    lo_before, started = wire.loopback_bytes(), time.monotonic()
+    nodes = start_swarm(n, h, rounds, run_id, work, timeout, checkpoint_dirs, extra)
+    try:
+        if join_timeout is not None:
+            for node in nodes:
+                try:
+                    node.wait_joined(max(1.0, started + join_timeout - time.monotonic()))
+                except LaunchTimeout as exc:
+                    raise StartupStalled(f"{label}: {exc}") from None
+        deadline = started + timeout
+        for node in nodes:
+            assert node.process is not None
+            try:
+                node.process.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"{label}: {node.name} did not finish within {timeout:.0f}s"
+                                   f"\n{node.tail()}") from None
+    finally:
+        for node in nodes:
+            stop(node)
+    wall, lo_after = time.monotonic() - started, wire.loopback_bytes()
+    for node in nodes:
+        assert node.process is not None
+        if node.process.returncode != 0:
+            raise RuntimeError(f"{label}: {node.name} exited with {node.process.returncode}\n{node.tail()}")
+    return [parse_node_log(node) for node in nodes], wall, wire.per_node(lo_before, lo_after, n)
+
+
+# --- a pair across two islands ----------------------------------------------------------------
+
+def run_diloco_on_link(islands: Islands, name: str, h: int, rounds: int, work: Path, timeout: float,
+                       options: list[str], join_timeout: float | None = None) -> dict[str, Any]:
+    """A pair of nodes, one per island, to their last round. With `join_timeout`: raises when they have
+    not both joined the run within that many seconds of the launch (e.g. one refused the other)."""
+    a, b = islands[0], islands[1]
+    run_id = f"wide-{os.getpid()}-{int(time.time())}"
+    work.mkdir(parents=True)
+    before = wire.wire_bytes(islands)
+    started, launched = time.monotonic(), time.time()
+    first = start_node("node1", node_args(h, rounds, run_id, work / "ck1", options, host=a.address), work,
+                       wrap=a.command)
+    nodes = [first]
+    try:
+        address = first.wait_for_address(60)
+        nodes.append(start_node("node2", node_args(h, rounds, run_id, work / "ck2", options, host=b.address)
+                                + ["--peer", address], work, wrap=b.command))
+        if join_timeout is not None:
+            for node in nodes:
+                node.wait_joined(max(1.0, started + join_timeout - time.monotonic()))
+        for node in nodes:
+            assert node.process is not None
+            node.process.wait(timeout=max(1.0, started + timeout - time.monotonic()))
+    finally:
+        for node in nodes:
+            stop(node)
+    wall = time.monotonic() - started
+    for node in nodes:
+        assert node.process is not None
+        if node.process.returncode != 0:
+            raise RuntimeError(f"{name}: {node.name} exited with {node.process.returncode}\n{node.tail()}")
+    logs = [parse_node_log(node) for node in nodes]
+    moved = wire.wire_bytes(islands, before)
+    return {**summarize_link_run(name, h, rounds, logs, wall, moved,
+                                 outer_difference(run_id, work / "ck1", work / "ck2")),
+            "launched_at": launched}
+
+
+def summarize_link_run(name: str, h: int, rounds: int, logs: list[dict[str, Any]], wall: float, wire_bytes: int,
+                       drift: dict[str, Any]) -> dict[str, Any]:
+    # Round 0 of each node includes waiting for the other to start; the steady state is what counts.
+    steady = [r for log in logs for r in log["rounds"][1:]]
+    compute = sum(r["seconds"] * r["utilization"] for r in steady)
+    total = sum(r["seconds"] for r in steady)
+    transfers = [r for log in logs for r in log["rounds"] if r.get("transfer_seconds", 0) > 0.05]
+    return {
+        "method": name, "H": h, "rounds": rounds, "logs": logs, "wall_seconds": wall,
+        "seconds_per_round": statistics.median(r["seconds"] for r in steady),
+        "utilization": compute / total if total else None,
+        "final_eval_loss_per_node": [final_eval_loss(log) for log in logs],
+        "final_eval_loss": statistics.mean(final_eval_loss(log) for log in logs),
+        "wire_bytes_per_round": wire_bytes / rounds,
+        "transfer_mbit": [8 * r["transfer_bytes"] / r["transfer_seconds"] / 1e6 for r in transfers],
+        "outer_params_difference": drift,
+    }
+
+
+def outer_difference(run_id: str, *directories: Path) -> dict[str, Any]:
+    """How far the nodes' final φ are apart, from the checkpoints they saved on leaving."""
+    states = []
+    for directory in directories:
+        path = NodeConfig.model_validate({"run_id": run_id, "checkpoint_dir": str(directory)}).checkpoint_path
+        assert path is not None
+        if not path.exists():  # CheckpointStore would create it
+            return {"max_abs": None, "elements_differing": None}
+        store = CheckpointStore(path)
+        try:
+            states.append(store.load())
+        finally:
+            store.close()
+    loaded = [state for state in states if state is not None]
+    if len(loaded) < len(states):
+        return {"max_abs": None, "elements_differing": None}
+    pairs = list(zip(loaded[0]["outer_params"], loaded[1]["outer_params"], strict=True))
+    return {"max_abs": max(float((a - b).abs().max()) for a, b in pairs),
+            "elements_differing": sum(int((a != b).sum()) for a, b in pairs)}
+
+
+# --- reporting --------------------------------------------------------------------------------
+
+def pair(values: list[Any], fmt: str = "{:,}") -> str:
+    """One value when the nodes agree, else 'node1 / node2'."""
+    return fmt.format(values[0]) if len(set(values)) == 1 else " / ".join(fmt.format(v) for v in values)
+
+
+def machine_info() -> dict[str, Any]:
+    import hivemind
+
+    return {"nproc": os.cpu_count(), "torch": torch.__version__, "hivemind": hivemind.__version__,
+            "python": platform.python_version(), "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine()}
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, or None (with a note) where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is missing (pip install -e '.[bench]'); skipping the plot", file=sys.stderr)
+        return None
+    return plt

@@ -1,0 +1,190 @@
+"""The data-parallel baseline of the benchmarks: DDP with the node's own model, data, inner optimizer
+and held-out eval batches, 2 gloo ranks that all-reduce (average) the gradients every step, then the
+package's InnerTrainer clips and takes the AdamW step with the hyperparameters and warmup+cosine
+schedule of a node whose R*H equals the DDP step count.
+
+- `run_ddp`: both ranks on loopback (torch.multiprocessing, TCP store on 127.0.0.1): eval loss per
+  step count, gradient bytes, whether the replicas end identical (benchmarks/diloco_vs_ddp.py).
+- `run_ddp_on_link`: one rank in each of two islands (harness/islands.py): time per step and inside
+  all-reduce, wire bytes per step, evaluations with their time (wide_area.py, headline.py). Each rank
+  is `python -m harness.ddp RANK MASTER PORT STEPS EVAL_EVERY` inside its island.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from diloco_node.config import NodeConfig
+from diloco_node.train.data import ByteDataset, load_corpus
+from diloco_node.train.inner import InnerTrainer, evaluate
+from diloco_node.train.model import build_model, count_parameters
+from harness import wire
+from harness.bench import free_port, inner_config
+from harness.islands import Islands
+from harness.nodes import WORLD
+
+# --- on loopback ------------------------------------------------------------------------------
+
+def ddp_worker(rank: int, port: int, steps: int, eval_every: int, queue: Any) -> None:
+    """One DDP rank: own batches, gradients averaged every step, then the node's AdamW step."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)  # like the nodes' --threads 1
+    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
+    cfg = NodeConfig.model_validate({"sync": "blocking"})
+    dataset = ByteDataset(load_corpus(cfg.data), cfg.seq_len)
+    eval_batches = dataset.eval_batches(cfg.batch_size, cfg.eval_batches)
+    model = build_model(cfg.model, cfg.seed)
+    reduced = [0]  # elements all-reduced during the current step
+
+    def average_gradient(param: torch.Tensor) -> None:
+        # Fires once per parameter when its gradient is complete (the tied embedding included,
+        # after both uses are summed), so the clip inside train_step sees the averaged gradient.
+        assert param.grad is not None
+        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+        param.grad.div_(WORLD)
+        reduced[0] += param.grad.numel()
+
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(average_gradient)
+    trainer = InnerTrainer(model, inner_config(cfg, steps))
+    evals = [(0, evaluate(model, eval_batches))] if rank == 0 else []
+    losses, grad_bytes = [], []
+    started = time.monotonic()
+    for step in range(steps):
+        x, y = dataset.train_batch(cfg.batch_size, 1000 + rank, step)
+        reduced[0] = 0
+        losses.append(trainer.train_step(x, y))
+        grad_bytes.append(reduced[0] * 4)  # fp32 gradients
+        if rank == 0 and ((step + 1) % eval_every == 0 or step + 1 == steps):
+            evals.append((step + 1, evaluate(model, eval_batches)))
+    seconds = time.monotonic() - started
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    checksums = [torch.zeros(2, dtype=torch.float64) for _ in range(WORLD)]
+    dist.all_gather(checksums, torch.stack([flat.double().sum(), flat.double().square().sum()]))
+    dist.destroy_process_group()
+    if rank == 0:
+        queue.put({"evals": evals, "losses": losses, "grad_bytes_per_step": grad_bytes, "train_seconds": seconds,
+                   "parameters": count_parameters(model),
+                   "replicas_identical": all(torch.equal(checksums[0], c) for c in checksums)})
+
+
+def run_ddp(steps: int, eval_every: int, cfg: NodeConfig, timeout: float) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    lo_before, started = wire.loopback_bytes(), time.monotonic()
+    workers = [ctx.Process(target=ddp_worker, args=(rank, port, steps, eval_every, queue)) for rank in range(WORLD)]
+    for worker in workers:
+        worker.start()
+    try:
+        result = queue.get(timeout=timeout)
+    finally:
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.terminate()
+    wall, lo_after = time.monotonic() - started, wire.loopback_bytes()
+    if any(worker.exitcode != 0 for worker in workers):
+        raise RuntimeError(f"DDP worker failed: exit codes {[w.exitcode for w in workers]}")
+    params = result["parameters"]
+    ring_per_step = 2 * (WORLD - 1) / WORLD * params * 4
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    return {
+        "method": "ddp", "H": 1, "steps_per_worker": steps, **result,
+        "tokens_per_node": [steps * tokens_per_step] * WORLD,
+        "curve": [{"tokens": WORLD * s * tokens_per_step, "eval_loss": loss} for s, loss in result["evals"]],
+        "final_eval_loss": result["evals"][-1][1],
+        "exchanges": steps, "ring_bytes_per_step_per_node": ring_per_step,
+        "bytes_sent_per_node": [round(ring_per_step * steps)] * WORLD,
+        "bytes_per_param_per_exchange": ring_per_step / params,
+        "lo_bytes_per_node_upper_bound": wire.per_node(lo_before, lo_after, WORLD), "wall_seconds": wall,
+    }
+
+
+# --- across a link between two islands ------------------------------------------------------
+
+def link_worker(rank: int, master: str, port: int, steps: int, eval_every: int = 0) -> None:
+    """One DDP rank inside an island; prints its timings as JSON. Started by run_ddp_on_link
+    (`python -m harness.ddp RANK MASTER PORT STEPS EVAL_EVERY`).
+
+    With `eval_every`, rank 0 also evaluates the held-out loss every that many steps and after the
+    last: (step, unix time, seconds the evaluation took, eval loss) each."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
+    torch.set_num_threads(1)  # like the nodes' --threads 1
+    store = dist.TCPStore(master, port, WORLD, is_master=rank == 0, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
+    cfg = NodeConfig.model_validate({})
+    dataset = ByteDataset(load_corpus(cfg.data), cfg.seq_len)
+    model = build_model(cfg.model, cfg.seed)
+    communicating = [0.0]  # seconds spent inside all-reduce during the current step
+
+    def average_gradient(param: torch.Tensor) -> None:
+        assert param.grad is not None
+        started = time.perf_counter()
+        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+        param.grad.div_(WORLD)
+        communicating[0] += time.perf_counter() - started
+
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(average_gradient)
+    trainer = InnerTrainer(model, inner_config(cfg, steps))
+    eval_batches = dataset.eval_batches(cfg.batch_size, cfg.eval_batches) if eval_every and rank == 0 else []
+    step_seconds: list[float] = []
+    comm_seconds: list[float] = []
+    evals: list[tuple[int, float, float, float]] = []
+    for step in range(steps):
+        x, y = dataset.train_batch(cfg.batch_size, 1000 + rank, step)
+        communicating[0] = 0.0
+        started = time.perf_counter()
+        trainer.train_step(x, y)
+        step_seconds.append(time.perf_counter() - started)
+        comm_seconds.append(communicating[0])
+        if eval_batches and ((step + 1) % eval_every == 0 or step + 1 == steps):
+            started = time.perf_counter()
+            loss = evaluate(model, eval_batches)
+            evals.append((step + 1, time.time(), time.perf_counter() - started, loss))
+    dist.destroy_process_group()
+    print(json.dumps({"step_seconds": step_seconds, "comm_seconds": comm_seconds, "evals": evals}), flush=True)
+
+
+def run_ddp_on_link(islands: Islands, steps: int, timeout: float, eval_every: int = 0) -> dict[str, Any]:
+    """DDP between islands 0 and 1 for `steps` steps (see ddp_worker for `eval_every`)."""
+    a, b = islands[0], islands[1]
+    port = 29500
+    before = wire.wire_bytes(islands)
+    launched = time.time()
+    workers = [island.run([sys.executable, "-m", "harness.ddp", str(rank), a.address, str(port), str(steps),
+                           str(eval_every)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for rank, island in enumerate((a, b))]
+    outputs = []
+    for worker in workers:
+        out, err = worker.communicate(timeout=timeout)
+        if worker.returncode != 0:
+            raise RuntimeError(f"DDP worker failed ({worker.returncode}): {err[-2000:]}")
+        outputs.append(json.loads(out.strip().splitlines()[-1]))
+    moved = wire.wire_bytes(islands, before)
+    timings = outputs[0]
+    warm = slice(2, None)  # the first steps include gloo's connection set-up
+    step = statistics.mean(timings["step_seconds"][warm])
+    comm = statistics.mean(timings["comm_seconds"][warm])
+    return {"method": "ddp", "steps": steps, "seconds_per_step": step, "comm_seconds_per_step": comm,
+            "utilization": (step - comm) / step, "wire_bytes_per_step": moved / steps, "launched_at": launched,
+            "step_seconds": timings["step_seconds"], "comm_seconds": timings["comm_seconds"],
+            "evals": timings["evals"]}
+
+
+if __name__ == "__main__":
+    link_worker(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
