@@ -35,6 +35,7 @@ lint: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) benchmarks/diloco_vs_ddp.py
 	$(PY) benchmarks/codecs.py
+	$(PY) benchmarks/inner_loop.py --model llama-20m --batch-size 4 --seq-len 256  # the node's inner phase vs a plain loop
 	$(PY) benchmarks/noloco.py
 	$(PY) benchmarks/eager_loss.py --h 40 --rounds 12
 	$(PY) benchmarks/matchmaking.py --syncs eager,blocking

@@ -27,6 +27,18 @@ class CheckpointError(NodeError, RuntimeError):
     """A checkpoint that cannot be used, phrased as one line for the user."""
 
 
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """A checkpoint file's state, without the directory's lock (a file is only ever replaced whole).
+    Tensors and plain values only: torch.load with weights_only=True runs no pickled code."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for damaged files; all mean the same here
+        raise CheckpointError(f"checkpoint '{path}' is unreadable: {exc}") from None
+    if not isinstance(state, dict) or state.get("format") not in READABLE_FORMATS:
+        raise CheckpointError(f"checkpoint '{path}' has an unknown format")
+    return state
+
+
 class CheckpointStore:
     def __init__(self, directory: str | os.PathLike[str]):
         self.directory = Path(directory)
@@ -60,13 +72,7 @@ class CheckpointStore:
     def load(self) -> dict[str, Any] | None:
         if not self.path.exists():
             return None
-        try:
-            state = torch.load(self.path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # torch raises many types for damaged files; all mean the same here
-            raise CheckpointError(f"checkpoint '{self.path}' is unreadable: {exc}") from None
-        if not isinstance(state, dict) or state.get("format") not in READABLE_FORMATS:
-            raise CheckpointError(f"checkpoint '{self.path}' has an unknown format")
-        return state
+        return read_checkpoint(self.path)
 
     def close(self) -> None:
         self._lock.close()

@@ -109,6 +109,7 @@ def join(ctx: click.Context, config_file: str | None, log_level: str, **values: 
     """
     cfg = resolve_config(ctx, config_file, values)
     setup_logging(log_level)
+    cfg.fingerprint()  # reads the tokenizer and the data once: a bad one ends here, before anything is made
     from diloco_node.runner import run_node  # heavy imports (torch, hivemind) only once input is valid
 
     sys.exit(run_node(cfg))
@@ -203,6 +204,64 @@ def revoke(owner_key: Path, run_id: str, peers: tuple[str, ...], peer_id: str) -
 
     publish_revocation(list(peers), run_id, token)  # or SwarmError
     click.echo(f"revoked {peer_id} in run {run_id}")
+
+
+@main.group(cls=Commands)
+def tokenizer() -> None:
+    """Tokenizers for --tokenizer."""
+
+
+@tokenizer.command("train")
+@click.option("--data", "data", default=None, help="local text, .jsonl, .parquet or .arrow file or directory "
+              "(default: the embedded corpus)")
+@click.option("--vocab-size", required=True, type=click.IntRange(1), help="tokens in the vocabulary")
+@click.option("--text-column", default="text", show_default=True, help="the datasets column that holds the text")
+@click.argument("out", type=click.Path(path_type=Path))
+def tokenizer_train(data: str | None, vocab_size: int, text_column: str, out: Path) -> None:
+    """Train a byte-level BPE tokenizer on local data, offline, and write it to OUT (a directory that gets a
+    tokenizer.json, or a .json file); give it to `join --tokenizer OUT`.
+
+    Example: diloco-node tokenizer train --data examples/tiny-stories.jsonl --vocab-size 2048 my-tokenizer
+    """
+    from diloco_node.train.data import train_tokenizer_from
+
+    trained = train_tokenizer_from(data, vocab_size, out, text_column)  # or DataError, TokenizerError
+    click.echo(f"wrote {trained.name}: vocabulary {trained.vocab_size}, digest {trained.digest}")
+
+
+@main.command()
+@click.option("--data", "data", default=None, help="any --data source: local files, hf:NAME[:CONFIG][:SPLIT] or "
+              "shards (default: the embedded corpus)")
+@click.option("--tokenizer", "tokenizer_spec", default=None, help="tokenizer.json or its directory (default: bytes)")
+@click.option("--text-column", default="text", show_default=True, help="the datasets column that holds the text")
+@click.option("--max-tokens", default=0, show_default=True, type=click.IntRange(0),
+              help="most train tokens to write (0: all; bounds a hub stream)")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+def tokenize(data: str | None, tokenizer_spec: str | None, text_column: str, max_tokens: int, out: Path) -> None:
+    """Tokenize --data into token shards under OUT (llm.c's layout: a 256-int32 header, then uint16 or uint32
+    tokens; the held-out split in *_val_* files), which `join --data OUT` memory-maps.
+
+    Example: diloco-node tokenize --data examples/tiny-stories.jsonl --tokenizer my-tokenizer tokens/
+    """
+    from diloco_node.train.data import write_shards
+
+    paths, train, held = write_shards(data, tokenizer_spec, out, text_column, max_tokens)  # or DataError
+    click.echo(f"wrote {len(paths)} shards to {out}: {train} train tokens, {held} eval tokens")
+
+
+@main.command("export")
+@click.option("--checkpoint-dir", default="checkpoints", show_default=True, help="the run's --checkpoint-dir")
+@click.option("--run-id", required=True, help="the run whose latest checkpoint to export")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+def export_model(checkpoint_dir: str, run_id: str, out: Path) -> None:
+    """Write the run's φ (its latest checkpoint) as a Hugging Face model directory OUT: config.json,
+    model.safetensors and the run's tokenizer files, for AutoModelForCausalLM.from_pretrained(OUT).
+
+    Example: diloco-node export --checkpoint-dir checkpoints --run-id demo my-model/
+    """
+    from diloco_node.export import export
+
+    click.echo(f"wrote {export(checkpoint_dir, run_id, str(out))}")  # or ExportError
 
 
 @main.command()

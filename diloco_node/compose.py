@@ -59,7 +59,7 @@ class Parts:
 def build(cfg: NodeConfig) -> Parts:
     """Everything that needs neither a peer nor a local rank; nothing is started yet."""
     gossip = cfg.algorithm == "noloco"
-    phi = [p.detach().clone().float() for p in build_model(cfg.model, cfg.seed).parameters()]
+    phi = [p.detach().clone().float() for p in build_model(cfg.model, cfg.seed, cfg.init).parameters()]
     optimizer = NoLoCoOptimizer(phi, cfg.noloco_alpha, cfg.noloco_beta, cfg.consensus_weight) if gossip \
         else OuterOptimizer(phi, cfg.outer_lr, cfg.outer_momentum)
     state = OuterState(phi, optimizer)

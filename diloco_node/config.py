@@ -25,9 +25,12 @@ from diloco_node.registry import (
     CODEC_CHECK,
     CODEC_DEFAULTS,
     CODECS,
+    DATA_IDENTITY,
     MODEL_PRESETS,
+    MODELS,
     MULTIADDR_CHECK,
     PUBLIC_KEY_CHECK,
+    TOKENIZER_VOCAB,
     Registry,
 )
 
@@ -82,8 +85,17 @@ class NodeConfig(BaseModel):
     matchmaking_time: float = Field(3.0, gt=0, description="seconds to gather a group before averaging")
 
     # --- the model and data ---
-    model: str = Field("tiny", description="model preset")  # the presets follow in --help (CHOICES)
-    data: str | None = Field(None, description="text file, directory or .jsonl (default: embedded corpus)")
+    model: str = Field("tiny", description="model: a Hugging Face model directory, its config.json, a hub id "
+                       "(org/name) or a preset")  # the presets follow in --help (CHOICES)
+    init: str = Field("random", pattern=r"^(random|pretrained)$",
+                      description="initial weights: random (a pure function of --seed) or pretrained (the model "
+                      "directory's *.safetensors)")
+    data: str | None = Field(None, description="training data: a text, .jsonl, .parquet or .arrow file or a "
+                             "directory of them, token shards (.bin, llm.c/nanoGPT) or hf:NAME[:CONFIG][:SPLIT] (a hub "
+                             "dataset, streamed) (default: embedded corpus)")
+    tokenizer: str | None = Field(None, description="a tokenizer.json or a directory holding one (default: bytes, "
+                                  "vocabulary 256)")
+    text_column: str = Field("text", min_length=1, description="the column of --data's datasets that holds the text")
     seq_len: int = Field(128, gt=0, description="tokens (bytes) per training sequence")
     batch_size: int = Field(16, gt=0, description="sequences per inner step")
     eval_batches: int = Field(8, gt=0, description="held-out batches for eval loss each round")
@@ -101,8 +113,13 @@ class NodeConfig(BaseModel):
     devices: str = Field("", pattern=r"^$|^(cpu|cuda(:\d+)?)(,(cpu|cuda(:\d+)?))*$",
                          description="comma-separated device per local rank, e.g. cuda:0,cuda:1 (default: cuda:0.."
                          "K-1 when --device is cuda, else cpu)")
-    precision: str = Field("fp32", pattern=r"^(fp32|bf16)$",
-                           description="inner steps in fp32 or bf16 autocast (φ and the outer step stay fp32)")
+    precision: str = Field("auto", pattern=r"^(auto|fp32|bf16)$",
+                           description="inner steps in fp32 or bf16 autocast; auto: bf16 on a GPU that has it, "
+                           "else fp32 (φ and the outer step stay fp32)")
+    compile: str = Field("off", pattern=r"^(on|off)$", description="on: torch.compile the model for the inner "
+                         "steps (parallel none or fsdp); off")
+    micro_batch_size: int = Field(0, ge=0, description="sequences per forward/backward pass on each local rank, "
+                                  "gradients accumulated up to --batch-size (0: the whole batch at once)")
 
     # --- inner optimizer (AdamW) ---
     inner_steps: int = Field(50, gt=0, description="H: inner AdamW steps per outer round")
@@ -206,7 +223,8 @@ class NodeConfig(BaseModel):
     @field_validator("model")
     @classmethod
     def _known_model(cls, value: str) -> str:
-        return MODEL_PRESETS.check(value)
+        model_shape(value)  # ValueError naming what is wrong with it
+        return value
 
     @field_validator("compression")
     @classmethod
@@ -312,7 +330,10 @@ class NodeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _local_ranks_fit(self) -> NodeConfig:
-        k, layers = self.local_ranks, MODEL_PRESETS[self.model].n_layer
+        shape = model_shape(self.model)
+        k, layers = self.local_ranks, shape.n_layer
+        if why := shape.layout_refusal(self.parallel):
+            raise ValueError(why)
         if self.parallel == "none" and k > 1:
             raise ValueError(f"local_ranks {k} needs parallel fsdp or pipeline")
         if self.parallel != "none" and k < 2:
@@ -323,6 +344,14 @@ class NodeConfig(BaseModel):
             raise ValueError(f"a pipeline of {k} stages needs {k} layers; model '{self.model}' has {layers}")
         if self.batch_size % k:
             raise ValueError(f"batch_size {self.batch_size} does not split over {k} local ranks")
+        if self.micro_batch_size and (self.batch_size // k) % self.micro_batch_size:
+            raise ValueError(f"micro_batch_size {self.micro_batch_size} does not divide the {self.batch_size // k} "
+                             f"sequences per local rank (batch_size {self.batch_size} over {k})")
+        if self.compile == "on" and self.parallel == "pipeline":
+            raise ValueError("compile on is not available with parallel pipeline (use none or fsdp)")
+        if self.init == "pretrained" and not getattr(shape, "has_weights", False):
+            raise ValueError(f"init pretrained needs a Hugging Face model directory with *.safetensors weights; "
+                             f"model '{self.model}' has none")
         return self
 
     @property
@@ -332,9 +361,13 @@ class NodeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _fits_model(self) -> NodeConfig:
-        limit = MODEL_PRESETS[self.model].max_seq_len
+        limit = model_shape(self.model).max_seq_len
         if self.seq_len > limit:
             raise ValueError(f"seq_len {self.seq_len} exceeds model '{self.model}' limit of {limit}")
+        tokens, vocab = TOKENIZER_VOCAB.get()(self.tokenizer), model_shape(self.model).vocab_size
+        if tokens > vocab:
+            raise ValueError(f"tokenizer '{self.tokenizer or 'bytes'}' has {tokens} tokens, more than model "
+                             f"'{self.model}' has in its vocabulary ({vocab})")
         CODEC_CHECK.get()(self)  # the codec's own range checks, phrased for the user
         return self
 
@@ -367,11 +400,11 @@ class NodeConfig(BaseModel):
     def fingerprint_fields(self) -> dict[str, Any]:
         """What peers must share to average together: the protocol, the model's shape and the outer
         algorithm."""
-        arch = MODEL_PRESETS[self.model]
         return {
             "protocol": PROTOCOL,
-            "model": self.model, "n_layer": arch.n_layer, "d_model": arch.d_model, "n_head": arch.n_head,
-            "vocab_size": arch.vocab_size, "max_seq_len": arch.max_seq_len,
+            **model_shape(self.model).fingerprint_fields(),  # the preset's shape, or every entry of an HF config
+            **({"init": self.init} if self.init != "random" else {}),
+            **DATA_IDENTITY.get()(self),  # the tokenizer's and the eval split's digests, when given
             "algorithm": self.algorithm, "sync": self.sync, **self._outer_fingerprint(), **self.codec_fingerprint(),
             "aggregator": self.aggregator, "max_tokens_per_round": self.max_tokens_per_round,
             **({"run_owner": self.run_owner} if self.run_owner else {}),
@@ -396,6 +429,11 @@ class NodeConfig(BaseModel):
         fields = self.fingerprint_fields()
         del fields["protocol"]
         return fingerprint_of(fields)
+
+
+def model_shape(model: str) -> Any:
+    """What `--model` names (registry.MODELS; resolved once per name): ValueError, one line, if nothing."""
+    return MODELS.get()(model)
 
 
 # Fields whose values a registry lists: --help names the known ones after the description.

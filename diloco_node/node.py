@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 from diloco_node.compose import Parts
+from diloco_node.export import export_info
 from diloco_node.outer.diloco import pseudo_gradient
 from diloco_node.replica import Replica, ReplicaError
 from diloco_node.replica.layout import flatten
@@ -208,7 +209,8 @@ class Node:
             "fingerprint": self.cfg.checkpoint_fingerprint(), **self.state.saved(),
             "inner": self.replica.inner_state(), "codec": self.parts.codec.state_dict(),
             "data_position": self.data_position, "stream_seed": self.stream_seed,
-            "outstanding": [asdict(a) for a in self.parts.update.outstanding()]})
+            "outstanding": [asdict(a) for a in self.parts.update.outstanding()],
+            "export": export_info(self.cfg)})  # what `diloco-node export` makes of φ
 
     def abort(self) -> None:
         """Release what a failed start-up acquired, saving nothing."""

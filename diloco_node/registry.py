@@ -60,7 +60,7 @@ class Registry(Declared[Mapping[str, T]]):
 
 
 class ModelShape(Protocol):
-    """What the config reads of a model preset (train/model.py's GPTConfig)."""
+    """What the config reads of a model (train/model.py's GPTSpec, train/hf.py's HFSpec)."""
 
     @property
     def n_layer(self) -> int: ...
@@ -72,6 +72,8 @@ class ModelShape(Protocol):
     def vocab_size(self) -> int: ...
     @property
     def max_seq_len(self) -> int: ...
+    def fingerprint_fields(self) -> dict[str, Any]: ...
+    def layout_refusal(self, parallel: str) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -84,11 +86,18 @@ class CodecTraits:
 
 
 MODEL_PRESETS: Registry[ModelShape] = Registry("model preset", "diloco_node.train.model")
+# what --model names (a preset, a Hugging Face directory, config.json or hub id): ValueError, one line, if nothing
+MODELS: Declared[Callable[[str], ModelShape]] = Declared("model resolver", "diloco_node.train.model")
 CODECS: Registry[CodecTraits] = Registry("codec", "diloco_node.codec")
 # the codec parameters' defaults (CodecConfig's), keyed by config key
 CODEC_DEFAULTS: Declared[Mapping[str, Any]] = Declared("codec defaults", "diloco_node.codec")
 # a NodeConfig's codec parameters checked by building its codec: CodecError, phrased for the user
 CODEC_CHECK: Declared[Callable[[Any], object]] = Declared("codec check", "diloco_node.codec")
+# the vocabulary size of a --tokenizer value (None: bytes, 256); TokenizerError (a ValueError) when unusable
+TOKENIZER_VOCAB: Declared[Callable[[str | None], int]] = Declared("tokenizer vocabulary", "diloco_node.train.tokenizer")
+# what a node's data contributes to the run's fingerprint: {"tokenizer": digest, "eval_data": digest} of a
+# NodeConfig's --tokenizer and the held-out split of its --data (DataError, a ValueError, when unusable)
+DATA_IDENTITY: Declared[Callable[[Any], Mapping[str, str]]] = Declared("data identity", "diloco_node.train.data")
 # ValueError with a one-line reason when a string is not a well-formed multiaddr
 MULTIADDR_CHECK: Declared[Callable[[str], object]] = Declared("multiaddr check", "diloco_node.swarm.addresses")
 # AdmissionError (a ValueError) when a string is not a run owner's public key

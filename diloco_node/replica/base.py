@@ -41,20 +41,35 @@ class ReplicaSettings:
     weight_decay: float
     grad_clip: float
     total_steps: int
-    precision: str  # fp32 | bf16 (autocast)
+    precision: str  # fp32 | bf16 (autocast); config's auto is resolved by settings_of
     parallel: str  # none | fsdp | pipeline
     devices: tuple[str, ...]  # one per local rank
     threads: int  # torch threads per rank (0: torch's default)
+    init: str = "random"  # random | pretrained: how φ starts (compose.py); a replica's own θ always comes from φ
+    compile: bool = False  # torch.compile the model's forward
+    micro_batch_size: int = 0  # sequences per forward/backward per rank (0: the rank's whole batch)
+    tokenizer: str | None = None  # a tokenizer.json or its directory (None: bytes)
+    text_column: str = "text"  # the column of --data's datasets that holds the text
 
 
 def settings_of(cfg: NodeConfig) -> ReplicaSettings:
     """The replica's part of a node's config, with each local rank's device resolved (DeviceError if missing)."""
+    devices = resolve_devices(cfg.device, cfg.devices, cfg.local_ranks)
     return ReplicaSettings(
-        model=cfg.model, seed=cfg.seed, data=cfg.data, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+        model=cfg.model, seed=cfg.seed, init=cfg.init, data=cfg.data, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
         eval_batches=cfg.eval_batches, inner_lr=cfg.inner_lr, warmup_steps=cfg.warmup_steps,
         weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-        total_steps=cfg.max_outer_steps * cfg.inner_steps, precision=cfg.precision, parallel=cfg.parallel,
-        devices=resolve_devices(cfg.device, cfg.devices, cfg.local_ranks), threads=cfg.rank_threads())
+        total_steps=cfg.max_outer_steps * cfg.inner_steps, precision=resolve_precision(cfg.precision, devices),
+        compile=cfg.compile == "on", micro_batch_size=cfg.micro_batch_size, parallel=cfg.parallel,
+        devices=devices, threads=cfg.rank_threads(), tokenizer=cfg.tokenizer, text_column=cfg.text_column)
+
+
+def resolve_precision(precision: str, devices: tuple[str, ...]) -> str:
+    """auto: bf16 autocast when every local rank is a GPU that computes in bf16, else fp32."""
+    if precision != "auto":
+        return precision
+    gpus = all(device.startswith("cuda") for device in devices)
+    return "bf16" if gpus and torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
 
 
 class Compute(Protocol):

@@ -8,10 +8,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from diloco_node.replica.base import ReplicaSettings
-from diloco_node.train.data import ByteDataset, load_corpus
-from diloco_node.train.inner import InnerConfig
+from diloco_node.train.data import NodeData, open_data
+from diloco_node.train.inner import Forward, InnerConfig
+from diloco_node.train.model import logits_of
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -38,7 +40,14 @@ class RankContext:
 def inner_config(settings: ReplicaSettings) -> InnerConfig:
     return InnerConfig(lr=settings.inner_lr, weight_decay=settings.weight_decay, warmup_steps=settings.warmup_steps,
                        total_steps=settings.total_steps, grad_clip=settings.grad_clip,
-                       mixed_precision=mixed_precision(settings))
+                       mixed_precision=mixed_precision(settings), micro_batch=settings.micro_batch_size)
+
+
+def forward_of(settings: ReplicaSettings, model: nn.Module) -> Forward:
+    """The model's logits function, through torch.compile when asked (the module itself keeps its
+    own parameter names: the canonical layout never sees the compiled wrapper's)."""
+    compiled = torch.compile(model) if settings.compile else None
+    return logits_of(model, compiled)  # type: ignore[arg-type]
 
 
 def mixed_precision(settings: ReplicaSettings) -> torch.dtype | None:
@@ -56,11 +65,12 @@ def rank_device(settings: ReplicaSettings, rank: int) -> torch.device:
     return device
 
 
-def load_dataset(settings: ReplicaSettings) -> ByteDataset:
-    return ByteDataset(load_corpus(settings.data), settings.seq_len)
+def load_dataset(settings: ReplicaSettings) -> NodeData:
+    """The node's data: train batches made by a background prefetch, eval batches the same on every node."""
+    return open_data(settings.data, settings.tokenizer, settings.seq_len, settings.text_column)
 
 
-def eval_batches(settings: ReplicaSettings, dataset: ByteDataset, device: torch.device) -> list[Batch]:
+def eval_batches(settings: ReplicaSettings, dataset: NodeData, device: torch.device) -> list[Batch]:
     return [(x.to(device), y.to(device)) for x, y in dataset.eval_batches(settings.batch_size, settings.eval_batches)]
 
 

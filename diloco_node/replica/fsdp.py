@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -19,6 +20,7 @@ from diloco_node.replica.base import ReplicaSettings
 from diloco_node.replica.common import (
     RankContext,
     eval_batches,
+    forward_of,
     gather_to_first,
     inner_config,
     load_dataset,
@@ -26,8 +28,9 @@ from diloco_node.replica.common import (
     peak_memory_bytes,
     rank_device,
 )
+from diloco_node.train.hf import HFSpec, build_meta, decoder_layers
 from diloco_node.train.inner import InnerTrainer, evaluate, export_moments, import_moments
-from diloco_node.train.model import GPT, PRESETS
+from diloco_node.train.model import GPT, resolve_model
 
 
 class FsdpCompute:
@@ -36,15 +39,30 @@ class FsdpCompute:
         self.device = rank_device(settings, ctx.rank)
         self.dataset = load_dataset(settings)
         self.eval = [self._my_rows(batch) for batch in eval_batches(settings, self.dataset, self.device)]
-        with torch.device("meta"):
-            model = GPT(PRESETS[settings.model])
-        for block in model.blocks:
-            fully_shard(block)  # one unit per block: its parameters are gathered only while it runs
+        spec = resolve_model(settings.model)
+        buffers: dict[str, torch.Tensor] = {}
+        model: nn.Module
+        if isinstance(spec, HFSpec):
+            model, buffers = build_meta(spec)  # rotary frequencies are buffers: computed here, kept below
+            layers = decoder_layers(model)
+            if not layers:  # config.py refuses it first (HFSpec.layout_refusal)
+                raise ValueError(f"model '{settings.model}' has no decoder layers to shard")
+        else:
+            with torch.device("meta"):
+                model = GPT(spec.config)
+            layers = list(model.blocks)
+        for layer in layers:
+            fully_shard(layer)  # one unit per decoder layer: its parameters are gathered only while it runs
         fully_shard(model)  # the rest (embeddings, tied head, final norm) in the root unit
         model.to_empty(device=self.device)  # values come from φ (load) before the first step
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if name in buffers:
+                    buffer.copy_(buffers[name])
         self.model = model
         self.named: dict[str, DTensor] = dict(model.named_parameters())  # type: ignore[arg-type]
-        self.trainer = InnerTrainer(model, inner_config(settings))
+        self.forward = forward_of(settings, model)
+        self.trainer = InnerTrainer(model, inner_config(settings), self.forward)
 
     def _my_rows(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch
@@ -82,7 +100,7 @@ class FsdpCompute:
         return full if self.ctx.is_first else None
 
     def evaluate(self) -> float:
-        return self._node_mean(evaluate(self.model, self.eval, mixed_precision(self.settings)))
+        return self._node_mean(evaluate(self.model, self.eval, mixed_precision(self.settings), self.forward))
 
     def inner_state(self) -> dict[str, Any] | None:
         moments, adam_step = export_moments(self.trainer.optimizer, self.named,

@@ -5,7 +5,7 @@ final norm and the output head.
 The head's weight is tied to the token embedding (model.py). Across two stages the tie becomes a
 copy on the last stage whose gradient is summed with the first stage's before every step, so both
 copies take identical AdamW steps and stay equal; the canonical layout lists the weight once, as
-the first stage's. Each step splits the node's batch into K microbatches.
+the first stage's. Each step splits the node's batch into K microbatches (or one per --micro-batch-size).
 """
 
 from __future__ import annotations
@@ -85,12 +85,14 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-class PipelineCompute:
+class PipelineCompute:  # the built-in GPT presets only (config.py refuses Hugging Face models)
     def __init__(self, settings: ReplicaSettings, ctx: RankContext):
         self.settings, self.ctx = settings, ctx
         self.device = rank_device(settings, ctx.rank)
         self.dataset = load_dataset(settings)
         self.eval = eval_batches(settings, self.dataset, self.device)
+        if settings.model not in PRESETS:  # config.py refuses it first (HFSpec.layout_refusal)
+            raise ValueError(f"parallel pipeline is for the built-in GPT presets, not model '{settings.model}'")
         cfg = PRESETS[settings.model]
         with torch.device("meta"):
             self.names = [name for name, _ in GPT(cfg).named_parameters()]
@@ -98,7 +100,9 @@ class PipelineCompute:
         stage.to_empty(device=self.device)  # values come from φ (load) before the first step
         self.stage = stage
         self.trainer = InnerTrainer(stage, inner_config(settings))
-        self.schedule = ScheduleGPipe(PipelineStage(stage, ctx.rank, ctx.world, self.device), n_microbatches=ctx.world,
+        # K microbatches, or one per --micro-batch-size sequences (config: it divides batch_size / K, so n ≥ K)
+        micro = settings.batch_size // settings.micro_batch_size if settings.micro_batch_size else ctx.world
+        self.schedule = ScheduleGPipe(PipelineStage(stage, ctx.rank, ctx.world, self.device), n_microbatches=micro,
                                       loss_fn=_loss)
         # the first and last stage sum the tied weight's gradients (on GPUs over NCCL, the default group)
         self.tied_group = dist.new_group([0, ctx.world - 1])

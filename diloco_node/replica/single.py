@@ -9,6 +9,7 @@ import torch
 from diloco_node.replica.base import ReplicaSettings
 from diloco_node.replica.common import (
     eval_batches,
+    forward_of,
     inner_config,
     load_dataset,
     mixed_precision,
@@ -25,9 +26,11 @@ class SingleReplica:
         self.device = rank_device(settings, 0)
         self.dataset = load_dataset(settings)
         self.eval = eval_batches(settings, self.dataset, self.device)
+        # random init whatever settings.init says: θ takes φ's values (load) before the first step
         self.model = build_model(settings.model, settings.seed).to(self.device)
         self.named = dict(self.model.named_parameters())  # canonical names and order
-        self.trainer = InnerTrainer(self.model, inner_config(settings))
+        self.forward = forward_of(settings, self.model)
+        self.trainer = InnerTrainer(self.model, inner_config(settings), self.forward)
 
     @torch.no_grad()
     def load(self, phi: list[torch.Tensor] | None) -> None:
@@ -43,7 +46,7 @@ class SingleReplica:
         return [p.detach().to("cpu", torch.float32, copy=True) for p in self.named.values()]
 
     def evaluate(self) -> float:
-        return evaluate(self.model, self.eval, mixed_precision(self.settings))
+        return evaluate(self.model, self.eval, mixed_precision(self.settings), self.forward)
 
     def inner_state(self) -> dict[str, Any] | None:
         moments, adam_step = export_moments(self.trainer.optimizer, self.named, lambda t: t.detach().cpu().clone())

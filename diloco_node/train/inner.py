@@ -1,4 +1,9 @@
-"""The inner loop: plain AdamW steps on the local replica θ between outer rounds."""
+"""The inner loop: plain AdamW steps on the local replica θ between outer rounds.
+
+Kept as close to a plain training loop as it can be (benchmarks/inner_loop.py measures the gap):
+the forward under bf16 autocast where asked, fused AdamW on CUDA, gradients accumulated over
+micro-batches when a batch does not fit at once.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -24,6 +30,7 @@ class InnerConfig:
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
     mixed_precision: torch.dtype | None = None  # bf16 mixed precision (forward under autocast); None: fp32
+    micro_batch: int = 0  # sequences per forward/backward, gradients accumulated over the batch (0: all at once)
 
 
 def lr_at(step: int, cfg: InnerConfig) -> float:
@@ -57,25 +64,54 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]
     ]
 
 
+Forward = Callable[[torch.Tensor], torch.Tensor]  # tokens [B, T] → logits [B, T, V]
+
+
+def lm_loss(forward: Forward, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in nats, computed in fp32 whatever the forward's precision."""
+    logits = forward(x)
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def fused_on(model: nn.Module) -> bool:
+    """Fused AdamW (one kernel for all parameters) where every parameter is a plain CUDA tensor;
+    sharded (DTensor) and CPU parameters keep torch's default implementation."""
+    params = list(model.parameters())
+    return bool(params) and all(p.is_cuda and type(p.data) in (torch.Tensor, nn.Parameter) for p in params)
+
+
 class InnerTrainer:
     """Owns the AdamW state of one replica. ``step`` counts inner steps across all rounds, so the
-    schedule continues through outer rounds rather than re-warming each round."""
+    schedule continues through outer rounds rather than re-warming each round. ``forward`` is the
+    model's logits function (train/model.py's ``logits_of``, compiled or not); default: the module."""
 
-    def __init__(self, model: nn.Module, cfg: InnerConfig) -> None:
+    def __init__(self, model: nn.Module, cfg: InnerConfig, forward: Forward | None = None) -> None:
         self.model = model
         self.cfg = cfg
+        self.forward: Forward = forward if forward is not None else model
         self.step = 0
         self.optimizer = torch.optim.AdamW(
-            _param_groups(model, cfg.weight_decay), lr=lr_at(0, cfg), betas=cfg.betas
+            _param_groups(model, cfg.weight_decay), lr=lr_at(0, cfg), betas=cfg.betas,
+            **({"fused": True} if fused_on(model) else {}),
         )
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         lr = lr_at(self.step, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        with autocast(x.device, self.cfg.mixed_precision):
-            loss = self.model.loss(x, y)  # type: ignore[operator]
-        loss.backward()
+        micro = self.cfg.micro_batch if 0 < self.cfg.micro_batch < len(x) else len(x)
+        pieces = list(zip(x.split(micro), y.split(micro), strict=True))
+        total = torch.zeros((), device=x.device)
+        for index, (xm, ym) in enumerate(pieces):
+            sync = getattr(self.model, "set_requires_gradient_sync", None)
+            if sync is not None and len(pieces) > 1:  # FSDP: reduce-scatter once, after the last piece
+                sync(index == len(pieces) - 1)
+            with autocast(x.device, self.cfg.mixed_precision):
+                loss = lm_loss(self.forward, xm, ym)
+            # each piece's mean weighted by its share of the batch: the gradient of the batch's mean
+            (loss * (len(xm) / len(x))).backward()
+            total += loss.detach() * (len(xm) / len(x))
+        loss = total
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
@@ -97,14 +133,15 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> torch.autocast:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-             dtype: torch.dtype | None = None) -> float:
+             dtype: torch.dtype | None = None, forward: Forward | None = None) -> float:
     """Mean loss over ``batches`` (eval mode, so dropout is off); leaves the model in train mode."""
     if not batches:
         raise ValueError("evaluate() needs at least one batch")
+    run: Forward = forward if forward is not None else model
     model.eval()
     try:
         with autocast(batches[0][0].device, dtype):
-            total = sum(float(model.loss(x, y)) for x, y in batches)  # type: ignore[operator,misc]
+            total = sum(float(lm_loss(run, x, y)) for x, y in batches)
     finally:
         model.train()
     return total / len(batches)

@@ -1,4 +1,8 @@
-"""A small GPT-style decoder over bytes (vocab 256).
+"""A small GPT-style decoder over bytes (vocab 256), and what a run's `--model` resolves to.
+
+`--model` names a built-in GPT preset (below) or a Hugging Face model (train/hf.py: a Llama-shaped
+preset from configs/, a directory, a config.json or a hub id); `resolve_model` turns the name into
+a spec, `build_model` into a module, and both kinds train through `logits_of`.
 
 Pre-LayerNorm blocks, causal self-attention through ``scaled_dot_product_attention`` (so CPU and
 GPU pick their fastest kernel), a 4x GELU MLP, learned positional embeddings and tied input/output
@@ -10,13 +14,17 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from diloco_node import registry
+from diloco_node.train import hf as hf_models
+from diloco_node.train.hf import HF_PRESETS, HFSpec, build_hf, resolve_hf
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +49,80 @@ PRESETS: dict[str, GPTConfig] = {
     # (--parallel fsdp) or split (--parallel pipeline), see configs/gpt-350m-*.toml
     "gpt-350m": GPTConfig(n_layer=24, n_head=16, d_model=1024, max_seq_len=1024),
 }
-registry.MODEL_PRESETS.declare(PRESETS)  # what config.py checks --model against
+
+
+@dataclass(frozen=True)
+class GPTSpec:
+    """A built-in preset as a run knows it (config.py reads the shape through registry.MODELS)."""
+
+    name: str
+    config: GPTConfig
+
+    @property
+    def n_layer(self) -> int:
+        return self.config.n_layer
+
+    @property
+    def d_model(self) -> int:
+        return self.config.d_model
+
+    @property
+    def n_head(self) -> int:
+        return self.config.n_head
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        # the same fields as before Hugging Face models existed: checkpoints of those runs still resume
+        cfg = self.config
+        return {"model": self.name, "n_layer": cfg.n_layer, "d_model": cfg.d_model, "n_head": cfg.n_head,
+                "vocab_size": cfg.vocab_size, "max_seq_len": cfg.max_seq_len}
+
+    def layout_refusal(self, parallel: str) -> str | None:
+        return None
+
+
+ModelSpec = GPTSpec | HFSpec
+
+
+def resolve_model(name: str) -> ModelSpec:
+    """What `--model NAME` names; ValueError (one line) when nothing."""
+    if name in PRESETS:
+        return GPTSpec(name, PRESETS[name])
+    spec = resolve_hf(name)
+    if spec is None:
+        raise ValueError(f"unknown model preset '{name}' (known: {', '.join(preset_names())}; or a Hugging Face "
+                         "model directory, a config.json or a hub id)")
+    return spec
+
+
+def preset_names() -> tuple[str, ...]:
+    return (*PRESETS, *HF_PRESETS)
+
+
+class _Presets(Mapping[str, Any]):
+    """Every preset by name, each resolved on first look (a Llama-shaped one reads its config.json)."""
+
+    def __getitem__(self, name: str) -> ModelSpec:
+        if name not in preset_names():
+            raise KeyError(name)
+        return resolve_model(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(preset_names())
+
+    def __len__(self) -> int:
+        return len(preset_names())
+
+
+registry.MODEL_PRESETS.declare(_Presets())  # the names --help lists
+registry.MODELS.declare(resolve_model)  # what config.py checks --model against
 
 
 class CausalSelfAttention(nn.Module):
@@ -142,19 +223,28 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def build_model(preset: str, seed: int) -> GPT:
-    """Build a preset with parameters that depend only on ``seed`` (not on global RNG state)."""
-    if preset not in PRESETS:
-        known = ", ".join(sorted(PRESETS))
-        raise ValueError(f"unknown model preset '{preset}' (known presets: {known})")
+def build_model(preset: str, seed: int, init: str = "random") -> nn.Module:
+    """Build the model `preset` names with parameters that depend only on ``seed`` (not on global RNG
+    state), or on its safetensors with init 'pretrained' (Hugging Face models)."""
+    spec = resolve_model(preset)
+    if isinstance(spec, HFSpec):
+        return build_hf(spec, seed, init)
     # nn.Linear/nn.Embedding constructors run their own default init from the global RNG;
     # fork_rng restores it so building a model never shifts the caller's random stream. The
     # real init then draws only from a local generator, which makes it reproducible.
     with torch.random.fork_rng(devices=[]):
-        model = GPT(PRESETS[preset])
+        model = GPT(spec.config)
     model.init_weights(torch.Generator().manual_seed(seed))
     logger.debug("built model preset=%s seed=%d params=%d", preset, seed, count_parameters(model))
     return model
+
+
+def logits_of(model: nn.Module, compiled: nn.Module | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The model's forward pass as tokens [B, T] → logits [B, T, V], through `compiled` when given."""
+    run = compiled if compiled is not None else model
+    if isinstance(model, GPT):
+        return run
+    return lambda x: hf_models.logits(run, x)
 
 
 def count_parameters(model: nn.Module) -> int:

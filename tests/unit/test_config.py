@@ -399,9 +399,10 @@ def test_the_codecs_defaults_are_the_configs() -> None:
 
 def test_unknown_presets_and_codecs_are_named_with_the_known_ones() -> None:
     from diloco_node.codec import CODECS
-    from diloco_node.train.model import PRESETS
+    from diloco_node.train.model import preset_names
 
     assert _error({"model": "gpt-9000"}) == \
-        f"invalid value for 'model': unknown model preset 'gpt-9000' (known: {', '.join(PRESETS)})"
+        f"invalid value for 'model': unknown model preset 'gpt-9000' (known: {', '.join(preset_names())}; or a " \
+        "Hugging Face model directory, a config.json or a hub id)"
     assert _error({"compression": "zip"}) == \
         f"invalid value for 'compression': unknown codec 'zip' (known: {', '.join(CODECS)})"
