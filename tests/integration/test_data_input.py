@@ -4,14 +4,12 @@ anything is made (no checkpoint directory, no swarm).
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from diloco_node.train.data import train_tokenizer_from, write_shards
+from harness.corpus import parquet_files
 from tests.integration.test_bad_input import Processes, assert_bad_input, join, nodes  # noqa: F401
 
 pytestmark = pytest.mark.integration
@@ -19,13 +17,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("data")
-    rng = random.Random(1)
-    words = "a river of small stones runs under seven old bridges and the birds count them".split()
-    docs = [" ".join(rng.choice(words) for _ in range(rng.randint(10, 50))) for _ in range(300)]
-    pq.write_table(pa.table({"text": docs}), root / "docs.parquet")
-    pq.write_table(pa.table({"content": docs}), root / "content.parquet")
-    return {"root": root, "parquet": root / "docs.parquet", "content": root / "content.parquet"}
+    return parquet_files(tmp_path_factory.mktemp("data"))
 
 
 def test_bad_data_and_tokenizers_exit_2_with_one_line(nodes: Processes, files: dict[str, Path],  # noqa: F811

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
+from harness.corpus import parquet_files
 from tests.integration.test_bad_input import Result, assert_bad_input
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return parquet_files(tmp_path_factory.mktemp("data"))
 
 
 def cli(*args: str, offline: bool = False) -> Result:
@@ -21,17 +24,6 @@ def cli(*args: str, offline: bool = False) -> Result:
     done = subprocess.run([sys.executable, "-m", "diloco_node", *args], capture_output=True, text=True, timeout=120,
                           env=env)
     return Result(done.returncode, done.stdout, done.stderr)
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("data")
-    rng = random.Random(1)
-    words = "a river of small stones runs under seven old bridges and the birds count them".split()
-    docs = [" ".join(rng.choice(words) for _ in range(rng.randint(10, 50))) for _ in range(300)]
-    pq.write_table(pa.table({"text": docs}), root / "docs.parquet")
-    pq.write_table(pa.table({"content": docs}), root / "content.parquet")
-    return {"root": root, "parquet": root / "docs.parquet", "content": root / "content.parquet"}
 
 
 def test_tokenizer_train_and_tokenize_through_the_cli(files: dict[str, Path], tmp_path: Path) -> None:
