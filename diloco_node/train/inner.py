@@ -102,9 +102,10 @@ class InnerTrainer:
         micro = self.cfg.micro_batch if 0 < self.cfg.micro_batch < len(x) else len(x)
         pieces = list(zip(x.split(micro), y.split(micro), strict=True))
         total = torch.zeros((), device=x.device)
+        # FSDP: reduce-scatter once, after the last piece (a model that is not sharded has no such switch)
+        sync = getattr(self.model, "set_requires_gradient_sync", None) if len(pieces) > 1 else None
         for index, (xm, ym) in enumerate(pieces):
-            sync = getattr(self.model, "set_requires_gradient_sync", None)
-            if sync is not None and len(pieces) > 1:  # FSDP: reduce-scatter once, after the last piece
+            if sync is not None:
                 sync(index == len(pieces) - 1)
             with autocast(x.device, self.cfg.mixed_precision):
                 loss = lm_loss(self.forward, xm, ym)
