@@ -33,7 +33,12 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for damaged files; all mean the same here
-        raise CheckpointError(f"checkpoint '{path}' is unreadable: {exc}") from None
+        # torch's own message can run to a dozen lines, and for weights_only it advises loading the
+        # file unsafely: the user gets one line, without that advice
+        text = str(exc).strip()
+        first = "it holds more than tensors and plain values" if text.startswith("Weights only load failed") \
+            else text.splitlines()[0] if text else type(exc).__name__
+        raise CheckpointError(f"checkpoint '{path}' is unreadable (damaged, or not a checkpoint): {first}") from None
     if not isinstance(state, dict) or state.get("format") not in READABLE_FORMATS:
         raise CheckpointError(f"checkpoint '{path}' has an unknown format")
     return state
