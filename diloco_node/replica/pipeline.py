@@ -1,11 +1,13 @@
 """A pipeline over the node's K local ranks (torch.distributed.pipelining, GPipe schedule): rank r
-holds stage r, a contiguous run of blocks; the first stage also holds the embeddings, the last the
-final norm and the output head.
+holds stage r, a contiguous run of blocks (decoder layers); the first stage also holds the
+embeddings, the last the final norm and the output head. A built-in GPT preset's stage is `Stage`
+below, a Hugging Face model's is `hf_stages.HFStage`: both list their parameters under canonical names.
 
-The head's weight is tied to the token embedding (model.py). Across two stages the tie becomes a
-copy on the last stage whose gradient is summed with the first stage's before every step, so both
-copies take identical AdamW steps and stay equal; the canonical layout lists the weight once, as
-the first stage's. Each step splits the node's batch into K microbatches (or one per --micro-batch-size).
+The GPT head's weight is tied to the token embedding (model.py), as is a Hugging Face model's with
+`tie_word_embeddings`. Across two stages the tie becomes a copy on the last stage whose gradient is
+summed with the first stage's before every step, so both copies take identical AdamW steps and stay
+equal; the canonical layout lists the weight once, as the first stage's. Each step splits the
+node's batch into K microbatches (or one per --micro-batch-size).
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ from diloco_node.replica.common import (
     peak_memory_bytes,
     rank_device,
 )
+from diloco_node.replica.hf_stages import HFStage, build_hf_stage
+from diloco_node.train.hf import HFSpec
 from diloco_node.train.inner import InnerTrainer, autocast, export_moments, import_moments, lr_at
-from diloco_node.train.model import GPT, PRESETS, Block, GPTConfig
+from diloco_node.train.model import GPT, Block, GPTConfig, resolve_model
 
-TIED = "tok_emb.weight"
+COPY = "<the tie's copy>"  # the key of the last stage's head copy among its named parameters (load_inner_state)
 
 
 def stage_layers(n_layer: int, stages: int) -> list[range]:
@@ -43,6 +47,8 @@ def stage_layers(n_layer: int, stages: int) -> list[range]:
 
 class Stage(nn.Module):
     """Blocks `layers` of the GPT, with the embeddings on the first stage and the head on the last."""
+
+    tied_name = "tok_emb.weight"  # the head's weight is this one (model.py)
 
     def __init__(self, cfg: GPTConfig, layers: range, first: bool, last: bool):
         super().__init__()
@@ -71,6 +77,11 @@ class Stage(nn.Module):
                 named[name] = param
         return named
 
+    @property
+    def head_copy(self) -> nn.Parameter | None:
+        """The last stage's copy of the tied embedding (None on any other stage)."""
+        return self.head.weight if self.last and not self.first else None  # type: ignore[return-value]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
             x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
@@ -85,28 +96,39 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-class PipelineCompute:  # the built-in GPT presets only (config.py refuses Hugging Face models)
+def build_stage(model: str, ctx: RankContext, device: torch.device) -> tuple[Stage | HFStage, list[str]]:
+    """This rank's stage on `device`, its parameters uninitialised (φ fills them, load), and the
+    model's canonical parameter names."""
+    spec = resolve_model(model)
+    layers = stage_layers(spec.n_layer, ctx.world)[ctx.rank]
+    if isinstance(spec, HFSpec):  # config.py refused what hf_stages cannot split (HFSpec.layout_refusal)
+        return build_hf_stage(spec, layers, ctx.is_first, ctx.is_last, device)
+    with torch.device("meta"):
+        names = [name for name, _ in GPT(spec.config).named_parameters()]
+        stage = Stage(spec.config, layers, ctx.is_first, ctx.is_last)
+    stage.to_empty(device=device)
+    return stage, names
+
+
+class PipelineCompute:
     def __init__(self, settings: ReplicaSettings, ctx: RankContext):
         self.settings, self.ctx = settings, ctx
         self.device = rank_device(settings, ctx.rank)
         self.dataset = load_dataset(settings)
         self.eval = eval_batches(settings, self.dataset, self.device)
-        if settings.model not in PRESETS:  # config.py refuses it first (HFSpec.layout_refusal)
-            raise ValueError(f"parallel pipeline is for the built-in GPT presets, not model '{settings.model}'")
-        cfg = PRESETS[settings.model]
-        with torch.device("meta"):
-            self.names = [name for name, _ in GPT(cfg).named_parameters()]
-            stage = Stage(cfg, stage_layers(cfg.n_layer, ctx.world)[ctx.rank], ctx.is_first, ctx.is_last)
-        stage.to_empty(device=self.device)  # values come from φ (load) before the first step
+        stage, self.names = build_stage(settings.model, ctx, self.device)
         self.stage = stage
         self.trainer = InnerTrainer(stage, inner_config(settings))
         # K microbatches, or one per --micro-batch-size sequences (config: it divides batch_size / K, so n ≥ K)
         micro = settings.batch_size // settings.micro_batch_size if settings.micro_batch_size else ctx.world
         self.schedule = ScheduleGPipe(PipelineStage(stage, ctx.rank, ctx.world, self.device), n_microbatches=micro,
                                       loss_fn=_loss)
-        # the first and last stage sum the tied weight's gradients (on GPUs over NCCL, the default group)
-        self.tied_group = dist.new_group([0, ctx.world - 1])
-        self.tied = (stage.tok_emb.weight if ctx.is_first else stage.head.weight if ctx.is_last else None)
+        # the first and last stage sum the tied weight's gradients (on GPUs over NCCL, the default group);
+        # every rank knows whether the model ties, so all or none create the group
+        self.tied_name = stage.tied_name
+        self.tied_group = dist.new_group([0, ctx.world - 1]) if self.tied_name is not None else None
+        self.tied = (None if self.tied_name is None else
+                     stage.canonical[self.tied_name] if ctx.is_first else stage.head_copy)
 
     # --- moving values between rank 0 and the stages ------------------------------------------
 
@@ -120,7 +142,10 @@ class PipelineCompute:  # the built-in GPT presets only (config.py refuses Huggi
         return received[0]
 
     def _wanted(self, names: list[str]) -> list[str]:
-        return names + ([TIED] if self.ctx.is_last and TIED not in names else [])
+        """A stage's own names, and the last stage also the tied weight its copy takes its value from."""
+        if self.stage.head_copy is None or self.tied_name is None or self.tied_name in names:
+            return names
+        return [*names, self.tied_name]
 
     def _merge(self, mine: dict[str, Any]) -> dict[str, Any] | None:
         parts = gather_to_first(self.ctx, mine)
@@ -134,8 +159,8 @@ class PipelineCompute:  # the built-in GPT presets only (config.py refuses Huggi
         mine = self._scatter(values, self._wanted(list(self.stage.canonical)))
         for name, param in self.stage.canonical.items():
             param.copy_(mine[name])
-        if self.ctx.is_last:
-            self.stage.head.weight.copy_(mine[TIED])
+        if (copy := self.stage.head_copy) is not None and self.tied_name is not None:
+            copy.copy_(mine[self.tied_name])
 
     def train_step(self, stream_seed: int, position: int) -> float:
         x, y = self.dataset.train_batch(self.settings.batch_size, stream_seed, position)
@@ -211,10 +236,10 @@ class PipelineCompute:  # the built-in GPT presets only (config.py refuses Huggi
         moments = state["moments"] if state is not None else None
         mine = self._scatter(moments, self._wanted(list(self.stage.canonical)))
         named: dict[str, torch.Tensor] = dict(self.stage.canonical)
-        if self.ctx.is_last:
-            named["head.weight"] = self.stage.head.weight  # the tie's copy takes the same moments
-            if TIED in mine:
-                mine["head.weight"] = mine[TIED]
+        if (copy := self.stage.head_copy) is not None:
+            named[COPY] = copy  # the tie's copy takes the same moments
+            if self.tied_name in mine:
+                mine[COPY] = mine[self.tied_name]
         self.trainer.optimizer.state.clear()
         import_moments(self.trainer.optimizer, named, mine, adam_step,
                        lambda full, param: full.to(param.device, param.dtype, copy=True))

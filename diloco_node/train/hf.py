@@ -45,6 +45,9 @@ NOT_ARCHITECTURE = frozenset({
     "output_attentions", "output_hidden_states", "return_dict", "id2label", "label2id", "problem_type",
     "bos_token_id", "eos_token_id", "pad_token_id", "chunk_size_feed_forward", "task_specific_params",
 })
+# The architectures --parallel pipeline splits into stages (replica/hf_stages.py says why a list):
+# each proven by tests/unit/test_hf_stages.py, whose chained stages give the whole model's logits.
+PIPELINE_TYPES = ("gemma", "gpt2", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3", "starcoder2")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
@@ -86,9 +89,9 @@ class HFSpec:
         if parallel == "fsdp" and not _layer_classes(self.model_type):
             return (f"parallel fsdp shards per decoder layer, and model '{self.name}' ({self.model_type}) names no "
                     "decoder layer class (_no_split_modules): use parallel none")
-        if parallel == "pipeline":
-            return (f"parallel pipeline is for the built-in GPT presets; model '{self.name}' ({self.model_type}) is a "
-                    "Hugging Face model: use parallel fsdp (it shards per decoder layer) or none")
+        if parallel == "pipeline" and self.model_type not in PIPELINE_TYPES:
+            return (f"parallel pipeline splits the decoder layers of {', '.join(PIPELINE_TYPES)} models; model "
+                    f"'{self.name}' ({self.model_type}) is not one of them: use parallel fsdp or none")
         return None
 
     def weights(self) -> list[Path]:

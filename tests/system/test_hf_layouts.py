@@ -1,7 +1,8 @@
-"""A Hugging Face model (a tiny Llama with tied embeddings) starts from the same bits in every
-process, and under FSDP over two local ranks trains the same θ as in one process from the same φ:
-one FSDP unit per decoder layer, the rotary frequencies (buffers, not in φ) rebuilt on every rank,
-the tie kept."""
+"""A Hugging Face model starts from the same bits in every process, and under FSDP or a pipeline
+over two local ranks trains the same θ as in one process from the same φ. A tiny Llama with tied
+embeddings: one FSDP unit per decoder layer, the rotary frequencies (buffers, not in φ) rebuilt on
+every rank, the tie kept (the pipeline's last stage holds a copy kept equal). GPT-2 (tied, learned
+positions added on the first stage only) and Qwen2 (untied, per-layer attention types) in a pipeline."""
 
 from __future__ import annotations
 
@@ -24,14 +25,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 CONFIG = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64,
           "tie_word_embeddings": True}
+# three layers over two stages: [0, 1] and [2]; no dropout, so one process and a pipeline draw nothing
+GPT2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 3, "n_head": 4, "vocab_size": 256, "n_positions": 64,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+QWEN2 = {**CONFIG, "model_type": "qwen2", "num_hidden_layers": 3, "tie_word_embeddings": False}
 
 
-def test_fsdp_trains_the_same_theta_as_one_process(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
-    phi = [p.detach().clone() for p in build_model(str(tmp_path), 0).parameters()]
-    results = {}
-    for layout, ranks in (("fsdp", 2), ("none", 1)):
-        settings = ReplicaSettings(model=str(tmp_path), seed=0, data=None, seq_len=16, batch_size=4, eval_batches=1,
+def _train_in_layouts(config: dict[str, Any], root: Path, layouts: tuple[str, ...]) -> dict[str, Any]:
+    """Per layout (two local ranks, or one process for none): φ's eval loss, three steps' losses and θ."""
+    (root / "config.json").write_text(json.dumps(config))
+    phi = [p.detach().clone() for p in build_model(str(root), 0).parameters()]
+    results = {"phi": phi}
+    for layout in layouts:
+        ranks = 1 if layout == "none" else 2
+        settings = ReplicaSettings(model=str(root), seed=0, data=None, seq_len=16, batch_size=4, eval_batches=1,
                                    inner_lr=1e-3, warmup_steps=1, weight_decay=0.1, grad_clip=1.0, total_steps=0,
                                    precision="fp32", parallel=layout, devices=("cpu",) * ranks, threads=1,
                                    micro_batch_size=1)
@@ -43,12 +50,28 @@ def test_fsdp_trains_the_same_theta_as_one_process(tmp_path: Path) -> None:
             results[layout] = (eval_loss, losses, replica.theta())
         finally:
             replica.close()
-    (eval_fsdp, losses_fsdp, theta_fsdp), (eval_one, losses_one, theta_one) = results["fsdp"], results["none"]
-    assert abs(eval_fsdp - eval_one) < 1e-5
-    assert all(abs(a - b) < 1e-5 for a, b in zip(losses_fsdp, losses_one, strict=True))
-    assert len(theta_fsdp) == len(phi)  # canonical: the tied embedding once
-    assert all(torch.allclose(a, b, atol=2e-6, rtol=1e-5) for a, b in zip(theta_fsdp, theta_one, strict=True))
-    assert not all(torch.equal(a, b) for a, b in zip(theta_one, phi, strict=True))  # it did train
+    return results
+
+
+def _agrees(results: dict[str, Any], layout: str) -> None:
+    (eval_split, losses_split, theta_split), (eval_one, losses_one, theta_one) = results[layout], results["none"]
+    assert abs(eval_split - eval_one) < 1e-5, layout
+    assert all(abs(a - b) < 1e-5 for a, b in zip(losses_split, losses_one, strict=True)), layout
+    assert len(theta_split) == len(results["phi"])  # canonical: a tied embedding once
+    assert all(torch.allclose(a, b, atol=2e-6, rtol=1e-5) for a, b in zip(theta_split, theta_one, strict=True)), layout
+    assert not all(torch.equal(a, b) for a, b in zip(theta_one, results["phi"], strict=True))  # it did train
+
+
+def test_fsdp_and_pipeline_train_the_same_theta_as_one_process(tmp_path: Path) -> None:
+    results = _train_in_layouts(CONFIG, tmp_path, ("fsdp", "pipeline", "none"))
+    _agrees(results, "fsdp")
+    _agrees(results, "pipeline")
+
+
+@pytest.mark.parametrize("config", [GPT2, QWEN2], ids=["gpt2", "qwen2"])
+def test_a_pipeline_splits_other_architectures_as_one_process_trains_them(tmp_path: Path,
+                                                                          config: dict[str, Any]) -> None:
+    _agrees(_train_in_layouts(config, tmp_path, ("pipeline", "none")), "pipeline")
 
 
 def test_random_init_is_the_same_in_another_process(tmp_path: Path) -> None:

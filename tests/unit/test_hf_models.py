@@ -54,6 +54,7 @@ def settings(model: str, **changes: Any) -> ReplicaSettings:
 def test_each_architecture_builds_trains_and_fits_the_config(tmp_path: Path, kind: str) -> None:
     path = model_dir(tmp_path, kind)
     cfg = config(**{"model": path, "parallel": "fsdp", "local_ranks": 2, "batch_size": 4})
+    assert config(**{"model": path, "parallel": "pipeline", "local_ranks": 2}).parallel == "pipeline"
     assert cfg.fingerprint_fields()["model"] == f"hf:{kind}"
     model = build_model(path, seed=0)
     assert model.config._attn_implementation == "sdpa"
@@ -98,8 +99,6 @@ def test_presets_resolve_by_name() -> None:
 
 
 @pytest.mark.parametrize(("values", "message"), [
-    ({"parallel": "pipeline", "local_ranks": 2},
-     "parallel pipeline is for the built-in GPT presets; model 'M' (llama) is a Hugging Face model"),
     ({"init": "pretrained"}, "init pretrained needs a Hugging Face model directory with *.safetensors weights"),
     ({"micro_batch_size": 3}, "micro_batch_size 3 does not divide the 16 sequences per local rank"),
     ({"seq_len": 65}, "seq_len 65 exceeds model 'M' limit of 64"),
