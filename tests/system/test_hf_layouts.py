@@ -47,19 +47,25 @@ def _train_in_layouts(config: dict[str, Any], root: Path, layouts: tuple[str, ..
             replica.load(phi)
             eval_loss = replica.evaluate()
             losses = [replica.train_step(3, position) for position in range(3)]
-            results[layout] = (eval_loss, losses, replica.theta())
+            results[layout] = (eval_loss, losses, replica.theta(), replica.inner_state())
         finally:
             replica.close()
     return results
 
 
 def _agrees(results: dict[str, Any], layout: str) -> None:
-    (eval_split, losses_split, theta_split), (eval_one, losses_one, theta_one) = results[layout], results["none"]
+    (eval_split, losses_split, theta_split, state_split) = results[layout]
+    (eval_one, losses_one, theta_one, state_one) = results["none"]
     assert abs(eval_split - eval_one) < 1e-5, layout
     assert all(abs(a - b) < 1e-5 for a, b in zip(losses_split, losses_one, strict=True)), layout
     assert len(theta_split) == len(results["phi"])  # canonical: a tied embedding once
     assert all(torch.allclose(a, b, atol=2e-6, rtol=1e-5) for a, b in zip(theta_split, theta_one, strict=True)), layout
     assert not all(torch.equal(a, b) for a, b in zip(theta_one, results["phi"], strict=True))  # it did train
+    # the inner AdamW state a checkpoint saves: canonical names, the same moments (a tie's copy not twice)
+    assert (state_split["step"], sorted(state_split["moments"])) == (state_one["step"], sorted(state_one["moments"]))
+    for name, (exp_avg, exp_avg_sq) in state_one["moments"].items():
+        assert torch.allclose(state_split["moments"][name][0], exp_avg, atol=1e-6, rtol=1e-4), (layout, name)
+        assert torch.allclose(state_split["moments"][name][1], exp_avg_sq, atol=1e-9, rtol=1e-4), (layout, name)
 
 
 def test_fsdp_and_pipeline_train_the_same_theta_as_one_process(tmp_path: Path) -> None:
@@ -137,3 +143,4 @@ def test_a_trained_run_exports_what_transformers_loads(spawn: Any, tmp_path: Pat
         losses = [float(model(input_ids=torch.cat([x, y[:, -1:]], 1), labels=torch.cat([x, y[:, -1:]], 1)).loss)
                   for x, y in batches]
     assert sum(losses) / len(losses) == pytest.approx(node.rounds[2].eval_loss, abs=1e-5)
+
