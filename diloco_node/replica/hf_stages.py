@@ -72,7 +72,7 @@ def parts(model: PreTrainedModel) -> Parts:
 
 
 def _holds_parameters(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters())
+    return next(module.parameters(), None) is not None
 
 
 class HFStage(nn.Module):
