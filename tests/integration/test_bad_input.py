@@ -199,7 +199,7 @@ def test_checkpoint_dir_locked_by_another_node(nodes: Processes, tmp_path: Path)
         result = join(nodes, "--checkpoint-dir", str(directory), "--run-id", "locked-run")
         line = assert_bad_input(result, str(store), "in use")
     assert "another node" in line
-    assert not (store / "node.pt").exists()
+    assert not (store / "node.json").exists()
 
 
 def test_status_port_in_use(nodes: Processes, busy_port: int) -> None:
