@@ -201,11 +201,18 @@ class ByteDataset:
 # end-of-text id, or it is already tokens (shards). The held-out eval split is the same on every node:
 # the last EVAL_FRACTION of the tokens (nanoGPT's and llm.c's `val` shards when a shard directory has
 # them; the first documents of a hub stream). The train split is cut into windows of seq_len + 1 tokens
-# that overlap by one (every token is an input exactly once per epoch); each node reads them in its own
-# order, a permutation seeded by (stream_seed, epoch), so batch `position` is a pure function of
-# (stream_seed, position) and a resumed node goes on with the next window: no token repeated or skipped.
+# that overlap by one (every token is an input exactly once per epoch).
+#
+# Each node reads its own share (docs/architecture.md §12): the windows of an epoch form a ring, in an
+# order that is the same on every node (a permutation seeded by the epoch alone), and a node reads the
+# ring onwards from its own place on it, which its stream seed (a hash of its peer id) fixes. Two nodes
+# read disjoint windows until one has read through the arc up to the other's place; no node needs to
+# know how many others there are, and a node that joins or leaves moves nobody else's share. Batch
+# `position` is a pure function of (stream_seed, position), so a resumed node goes on with the next
+# window of its share: no token repeated or skipped.
 
 EVAL_FRACTION = 0.05
+RING_SEED = 0x5EED_D17A  # the rings' seed: a constant, so every node of every run orders the windows alike
 DATASET_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 HUB_PREFIX = "hf:"
 STREAM_EVAL_TOKENS = 1 << 18  # a hub stream's eval split: its first documents, up to this many tokens
@@ -475,7 +482,7 @@ class TokenDataset:
             tokens = sum(len(a) for a in source.train + source.eval)
             raise DataError(f"{name} is too small: {tokens} tokens leave no window of seq_len {seq_len} + 1 "
                             f"in its {'eval' if self.train_windows else 'train'} split")
-        self._perm: tuple[tuple[int, int], np.ndarray] | None = None
+        self._perm: tuple[int, np.ndarray] | None = None  # the last epoch's ring
 
     @property
     def eval_digest(self) -> str:
@@ -487,21 +494,27 @@ class TokenDataset:
         windows = _gather(self._eval, self._eval_ends, self.seq_len, np.arange(count, dtype=np.int64))
         return [(w[:, :-1], w[:, 1:]) for w in windows.split(batch_size)]
 
+    def share_start(self, stream_seed: int) -> int:
+        """The node's place on the ring of train windows: where its share begins, every epoch."""
+        return _mix(stream_seed) % self.train_windows
+
     def window_indices(self, stream_seed: int, start: int, count: int) -> np.ndarray:
-        """Train windows number start .. start + count − 1 of the node's order (epoch after epoch)."""
+        """Train windows number start .. start + count − 1 of the node's order (epoch after epoch):
+        the epoch's ring read onwards from the node's place on it."""
         n = self.train_windows
         positions = np.arange(start, start + count, dtype=np.int64)
+        places = (positions % n + self.share_start(stream_seed)) % n
         out = np.empty(count, dtype=np.int64)
         for epoch in np.unique(positions // n):
             mask = positions // n == epoch
-            out[mask] = self._permutation(stream_seed, int(epoch))[positions[mask] % n]
+            out[mask] = self._ring(int(epoch))[places[mask]]
         return out
 
-    def _permutation(self, stream_seed: int, epoch: int) -> np.ndarray:
-        key = (stream_seed, epoch)
-        if self._perm is None or self._perm[0] != key:
-            rng = np.random.Generator(np.random.PCG64(_mix(stream_seed, epoch)))
-            self._perm = (key, rng.permutation(self.train_windows))
+    def _ring(self, epoch: int) -> np.ndarray:
+        """The epoch's order of the train windows, the same on every node (seeded by the epoch alone)."""
+        if self._perm is None or self._perm[0] != epoch:
+            rng = np.random.Generator(np.random.PCG64(_mix(RING_SEED, epoch)))
+            self._perm = (epoch, rng.permutation(self.train_windows))
         return self._perm[1]
 
     def batch(self, batch_size: int, stream_seed: int, position: int) -> Batch:

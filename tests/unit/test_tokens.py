@@ -152,10 +152,31 @@ def test_each_epoch_reads_every_window_once_in_the_nodes_own_order(corpus: dict[
     assert sorted(order[:n]) == list(range(n)) and sorted(order[n:]) == list(range(n))
     assert not np.array_equal(order[:n], order[n:])  # each epoch its own permutation
     assert not np.array_equal(order[:n], dataset.window_indices(stream_seed=12, start=0, count=n))
+    assert order[0] != dataset.window_indices(stream_seed=12, start=0, count=1)[0]  # another place, another start
     # the batches are those windows, in that order
     x, y = data.train_batch(batch, 11, 3)
     assert window_ids(dataset, (x, y)) == list(order[3 * batch:4 * batch])
     assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_nodes_read_disjoint_shares_of_one_ring(corpus: dict[str, Path]) -> None:
+    """Every node reads the epoch's one ring of windows, onwards from its own place: two nodes read
+    disjoint windows until one reaches the other's place, and a third joining later changes neither's."""
+    dataset = D.open_data(str(corpus["parquet"]), str(corpus["tok"]), 16).dataset
+    n = dataset.train_windows
+    a, b, c = 0, 1, 2
+    starts = {seed: dataset.share_start(seed) for seed in (a, b, c)}
+    assert len(set(starts.values())) == 3
+    ring = np.roll(dataset.window_indices(a, 0, n), starts[a])  # a's epoch, from the ring's place 0: the ring
+    for seed in (a, b, c):  # every node's epoch is the same ring, rotated to its place
+        assert np.array_equal(dataset.window_indices(seed, 0, n), np.roll(ring, -starts[seed]))
+    gap = (starts[b] - starts[a]) % n  # the arc a reads before it reaches b's place
+    first_a, first_b = dataset.window_indices(a, 0, gap), dataset.window_indices(b, 0, n - gap)
+    assert not set(first_a.tolist()) & set(first_b.tolist())
+    assert sorted([*first_a.tolist(), *first_b.tolist()]) == list(range(n))  # together: the split, once
+    # epoch 2 is another ring, read from the same places
+    assert not np.array_equal(dataset.window_indices(a, n, n), dataset.window_indices(a, 0, n))
+    assert dataset.window_indices(a, n, 1)[0] == dataset.window_indices(b, n + (starts[a] - starts[b]) % n, 1)[0]
 
 
 def test_a_resumed_node_goes_on_where_it_stopped(corpus: dict[str, Path]) -> None:
@@ -174,6 +195,11 @@ def test_a_resumed_node_goes_on_where_it_stopped(corpus: dict[str, Path]) -> Non
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     order = after.dataset.window_indices(5, 0, 40)
     assert len(set(order.tolist())) == 40  # 40 distinct windows: nothing read twice within the epoch
+    # and they are the node's share: the ring onwards from its place, before the stop and after it
+    n, place = after.dataset.train_windows, after.dataset.share_start(5)
+    dataset_ring = after.dataset._ring(0)
+    assert np.array_equal(order, dataset_ring[[(place + i) % n for i in range(40)]])
+    assert window_ids(after.dataset, resumed[5]) == order[20:24].tolist()
 
 
 def test_the_prefetch_follows_jumps_and_counts_waits(corpus: dict[str, Path]) -> None:
