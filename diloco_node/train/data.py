@@ -575,6 +575,11 @@ class DataMeter:
     cold_starts: int = 0
     cold_seconds: float = 0.0
 
+    def waited(self) -> float:
+        """Seconds the training thread has waited for batches, cold starts included (a round's figure
+        is the difference of two readings: /api/status' data_wait_seconds)."""
+        return self.wait_seconds + self.cold_seconds
+
     def reset(self) -> None:
         self.batches = self.waits = self.cold_starts = 0
         self.wait_seconds = self.cold_seconds = 0.0
