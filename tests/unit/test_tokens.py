@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -216,6 +218,39 @@ def test_the_prefetch_follows_jumps_and_counts_waits(corpus: dict[str, Path]) ->
     assert torch.equal(data.train_batch(4, 9, 2)[0], data.dataset.batch(4, 9, 2)[0])  # a jump back restarts
     assert (meter.batches, meter.cold_starts, meter.waits) == (24, 2, 0)
     data.prefetch.close()
+
+
+def test_reading_and_tokenizing_run_off_the_calling_thread(corpus: dict[str, Path],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """open_data returns while the source is still being read; the read runs on its own thread, and the
+    fingerprint's digest and the replica's batches wait for that one read (and get its DataError)."""
+    release, threads = threading.Event(), []
+    real = D.read_source
+
+    def slow_read(*args: Any) -> D.Source:
+        threads.append(threading.current_thread().name)
+        assert release.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(D, "read_source", slow_read)
+    D._source.cache_clear()
+    spec, tok = str(corpus["parquet"]), str(corpus["tok"])
+    data = D.open_data(spec, tok, 64)  # returns with the read blocked: it is not on this thread
+    assert threads == ["data-read"]
+    data.prepare(4, 3, 0)  # the prefetch starts before the read is done: its thread waits for it
+    release.set()
+    meter = data.prefetch.meter = D.DataMeter()
+    x, _ = data.train_batch(4, 3, 0)
+    assert torch.equal(x, data.dataset.batch(4, 3, 0)[0]) and meter.cold_starts == 0  # no restart: prepared
+    assert D._source(spec, tok, "text") is data.dataset.source and threads == ["data-read"]  # one read, shared
+    data.prefetch.close()
+    D._source.cache_clear()
+    bad = D.open_data(str(corpus["notext"]), tok, 64)
+    with pytest.raises(D.DataError, match="no text column 'text'"):
+        bad.eval_batches(4)
+    with pytest.raises(D.DataError, match="no text column 'text'"):
+        bad.train_batch(4, 3, 0)
+    D._source.cache_clear()
 
 
 def test_a_producer_failure_reaches_the_training_thread() -> None:
