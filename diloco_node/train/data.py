@@ -512,10 +512,11 @@ class TokenDataset:
 
     def _ring(self, epoch: int) -> np.ndarray:
         """The epoch's order of the train windows, the same on every node (seeded by the epoch alone)."""
-        if self._perm is None or self._perm[0] != epoch:
+        ring = self._perm  # read once: the prefetch thread and the training thread may both ask
+        if ring is None or ring[0] != epoch:
             rng = np.random.Generator(np.random.PCG64(_mix(RING_SEED, epoch)))
-            self._perm = (epoch, rng.permutation(self.train_windows))
-        return self._perm[1]
+            ring = self._perm = (epoch, rng.permutation(self.train_windows))
+        return ring[1]
 
     def batch(self, batch_size: int, stream_seed: int, position: int) -> Batch:
         indices = self.window_indices(stream_seed, position * batch_size, batch_size)
