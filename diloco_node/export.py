@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from diloco_node.config import NodeConfig
     from diloco_node.train.model import GPTConfig
 
-CHECKPOINT_NAME = "node.pt"  # checkpoint.CHECKPOINT_NAME (not imported: it would load torch first)
+CHECKPOINT_NAME = "node.json"  # checkpoint.CHECKPOINT_NAME (not imported: it would load torch first)
+LEGACY_NAME = "node.pt"  # checkpoint.LEGACY_NAME: a checkpoint from before safetensors
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -38,7 +39,7 @@ class ExportError(NodeError, ValueError):
 
 
 def export_info(cfg: NodeConfig) -> dict[str, str]:
-    """What `export` needs to know of a run, saved in each checkpoint (plain strings: weights_only)."""
+    """What `export` needs to know of a run, saved in each checkpoint (plain strings: the JSON manifest)."""
     from diloco_node.train.hf import HFSpec
     from diloco_node.train.model import resolve_model
 
@@ -142,12 +143,15 @@ def export(checkpoint_dir: str, run_id: str, out: str) -> Path:
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ExportError(f"export directory '{out}' exists and is not empty")
     path = Path(checkpoint_dir) / run_id / CHECKPOINT_NAME
+    if not path.is_file() and (path.parent / LEGACY_NAME).is_file():
+        path = path.parent / LEGACY_NAME
     if not path.is_file():
         raise ExportError(f"no checkpoint of run '{run_id}' in '{checkpoint_dir}' (looked for {path})")
-    from diloco_node.checkpoint import CHECKPOINT_NAME as NAME
+    from diloco_node import checkpoint
+
+    assert (checkpoint.CHECKPOINT_NAME, checkpoint.LEGACY_NAME) == (CHECKPOINT_NAME, LEGACY_NAME)
     from diloco_node.checkpoint import CheckpointError, read_checkpoint
 
-    assert NAME == CHECKPOINT_NAME
     try:
         state = read_checkpoint(path)
     except CheckpointError as exc:

@@ -22,6 +22,7 @@ from diloco_node.replica.layout import flatten
 from diloco_node.round import Outcome, RoundReport
 from diloco_node.swarm import Swarm
 from diloco_node.telemetry.rounds import RoundTiming
+from diloco_node.train.data import METER as DATA_METER
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ class Node:
         self.failure: str | None = None  # a local rank failed: nothing of this run is saved
         self.revoked = False  # the run owner revoked our admission: we stopped
         self.replica: Replica | None = None
+        # seconds the last inner phase waited for batches: this process's (local rank 0's) data meter
+        self.data_wait = 0.0
 
     @property
     def swarm(self) -> Swarm:
@@ -91,7 +94,8 @@ class Node:
             logger.warning("round=%d our φ differs from the swarm's; re-syncing after this round", self.state.round)
             self.swarm.stop_sharing()
             self.sync_from_peers()
-        self._finish_round(losses, report, RoundTiming(computed - started, time.monotonic() - computed))
+        self._finish_round(losses, report, RoundTiming(computed - started, time.monotonic() - computed,
+                                                       data_wait=self.data_wait))
         self.announce(ready=False)
         # after announcing, so our own row carries this round's stats
         self.parts.reporter.swarm_table(self.swarm.peer_stats(), self.swarm.peer_id, self.replica.peak_memory())
@@ -103,6 +107,7 @@ class Node:
         with self.state.lock:
             self.replica.load(self.state.phi)
         losses = []
+        waited = DATA_METER.waited()
         for _ in range(self.cfg.inner_steps):
             if self.stop_requested.is_set():
                 return None
@@ -110,6 +115,7 @@ class Node:
             self.data_position += 1
             self.inner_step += 1
             self.telemetry.update(inner_step=self.inner_step, loss=losses[-1])
+        self.data_wait = DATA_METER.waited() - waited
         return losses
 
     def _finish_round(self, losses: list[float], report: RoundReport, timing: RoundTiming) -> None:

@@ -70,6 +70,8 @@ def start(node: Node) -> None:
         node.sync_from_peers(fresh=outstanding is None)
     if node.stop_requested.is_set():
         return  # stopped during the state download: nothing of ours is worth saving
+    # where our data goes on is known now: the prefetch fills while we announce and wait for peers
+    node.replica.prepare_data(node.stream_seed, node.data_position)
     swarm.enter(node.state.round, node.state.digest(), node.served())  # announces us
     swarm.share_state()
     if cfg.min_peers > 1:

@@ -96,6 +96,9 @@ class Compute(Protocol):
     def advance_schedule(self, step: int) -> None:
         """Move the learning-rate schedule forward to `step` if behind (a joiner follows the run's progress)."""
 
+    def prepare_data(self, stream_seed: int, position: int) -> None:
+        """Start making the batches from `position` in the background, before the first train_step asks."""
+
     def peak_memory(self) -> list[int] | None:
         """Peak bytes per local rank (RSS on CPU, CUDA max allocated on GPU), on rank 0."""
 

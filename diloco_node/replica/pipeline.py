@@ -248,5 +248,8 @@ class PipelineCompute:
     def advance_schedule(self, step: int) -> None:
         self.trainer.step = max(self.trainer.step, step)
 
+    def prepare_data(self, stream_seed: int, position: int) -> None:
+        self.dataset.prepare(self.settings.batch_size, stream_seed, position)
+
     def peak_memory(self) -> list[int] | None:
         return gather_to_first(self.ctx, peak_memory_bytes(self.device))  # type: ignore[return-value]

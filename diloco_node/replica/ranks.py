@@ -182,6 +182,9 @@ class RankedReplica:
     def advance_schedule(self, step: int) -> None:
         self._run("advance_schedule", (step,))
 
+    def prepare_data(self, stream_seed: int, position: int) -> None:
+        self._run("prepare_data", (stream_seed, position))
+
     def peak_memory(self) -> list[int] | None:
         return self._run("peak_memory", ())  # type: ignore[no-any-return]
 

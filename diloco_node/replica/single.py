@@ -24,10 +24,10 @@ class SingleReplica:
     def __init__(self, settings: ReplicaSettings):
         self.settings = settings
         self.device = rank_device(settings, 0)
-        self.dataset = load_dataset(settings)
-        self.eval = eval_batches(settings, self.dataset, self.device)
+        self.dataset = load_dataset(settings)  # read and tokenized in the background while the model is built
         # random init whatever settings.init says: θ takes φ's values (load) before the first step
         self.model = build_model(settings.model, settings.seed).to(self.device)
+        self.eval = eval_batches(settings, self.dataset, self.device)  # waits for the read; its DataError here
         self.named = dict(self.model.named_parameters())  # canonical names and order
         self.forward = forward_of(settings, self.model)
         self.trainer = InnerTrainer(self.model, inner_config(settings), self.forward)
@@ -61,6 +61,9 @@ class SingleReplica:
 
     def advance_schedule(self, step: int) -> None:
         self.trainer.step = max(self.trainer.step, step)
+
+    def prepare_data(self, stream_seed: int, position: int) -> None:
+        self.dataset.prepare(self.settings.batch_size, stream_seed, position)
 
     def peak_memory(self) -> list[int] | None:
         return [peak_memory_bytes(self.device)]

@@ -100,6 +100,11 @@ class RoundRecord:
     digest: str = field(metadata=_shows("model_digest"))  # of φ after the round
     peak_memory_bytes: tuple[int, ...] | None = field(default=None, metadata=_shows("peak_memory_bytes"))
     outcome: str  # the round's outcome word (round.Outcome's value)
+    # last (newer than the event's other keys): of this round's compute, the seconds the inner loop
+    # found no batch ready and waited for the data
+    data_wait_seconds: float = field(default=0.0, metadata=_shows(
+        "data_wait_seconds", metric=("gauge", "diloco_data_wait_seconds",
+                                     "seconds the inner loop of the last round waited for data")))
     # NoLoCo (gossip) runs: the event carries `group` and `consensus_distance`, the log line ends with them
     gossip: bool = field(default=False, repr=False)
 

@@ -24,6 +24,7 @@ from diloco_node.telemetry.wire import WireMeter
 class RoundTiming:
     compute: float  # seconds of inner steps
     wait: float  # seconds from the end of the inner phase until the outer step (barrier + exchange)
+    data_wait: float = 0.0  # of `compute`: seconds the inner steps waited for their batches (train/data.py)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ def round_record(round_: int, losses: list[float], eval_loss: float, report: Rou
         transfer_seconds=round(result.transfer_seconds, 3) if result else None,
         transfer_bytes=result.received_bytes if result else None,
         compute_seconds=round(timing.compute, 3), wait_seconds=round(timing.wait, 3),
+        data_wait_seconds=round(timing.data_wait, 4),
         utilization=timing.compute / (timing.compute + timing.wait),
         round_seconds=round(timing.compute + timing.wait, 3),
         clipped=tuple(clipped), rejected=tuple(rejected),

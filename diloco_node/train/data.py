@@ -8,7 +8,6 @@ one integer, and nodes with different stream seeds see different orders of the s
 from __future__ import annotations
 
 import atexit
-import functools
 import hashlib
 import itertools
 import json
@@ -19,6 +18,7 @@ import sysconfig
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,11 +201,18 @@ class ByteDataset:
 # end-of-text id, or it is already tokens (shards). The held-out eval split is the same on every node:
 # the last EVAL_FRACTION of the tokens (nanoGPT's and llm.c's `val` shards when a shard directory has
 # them; the first documents of a hub stream). The train split is cut into windows of seq_len + 1 tokens
-# that overlap by one (every token is an input exactly once per epoch); each node reads them in its own
-# order, a permutation seeded by (stream_seed, epoch), so batch `position` is a pure function of
-# (stream_seed, position) and a resumed node goes on with the next window: no token repeated or skipped.
+# that overlap by one (every token is an input exactly once per epoch).
+#
+# Each node reads its own share (docs/architecture.md §12): the windows of an epoch form a ring, in an
+# order that is the same on every node (a permutation seeded by the epoch alone), and a node reads the
+# ring onwards from its own place on it, which its stream seed (a hash of its peer id) fixes. Two nodes
+# read disjoint windows until one has read through the arc up to the other's place; no node needs to
+# know how many others there are, and a node that joins or leaves moves nobody else's share. Batch
+# `position` is a pure function of (stream_seed, position), so a resumed node goes on with the next
+# window of its share: no token repeated or skipped.
 
 EVAL_FRACTION = 0.05
+RING_SEED = 0x5EED_D17A  # the rings' seed: a constant, so every node of every run orders the windows alike
 DATASET_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 HUB_PREFIX = "hf:"
 STREAM_EVAL_TOKENS = 1 << 18  # a hub stream's eval split: its first documents, up to this many tokens
@@ -475,7 +482,7 @@ class TokenDataset:
             tokens = sum(len(a) for a in source.train + source.eval)
             raise DataError(f"{name} is too small: {tokens} tokens leave no window of seq_len {seq_len} + 1 "
                             f"in its {'eval' if self.train_windows else 'train'} split")
-        self._perm: tuple[tuple[int, int], np.ndarray] | None = None
+        self._perm: tuple[int, np.ndarray] | None = None  # the last epoch's ring
 
     @property
     def eval_digest(self) -> str:
@@ -487,22 +494,29 @@ class TokenDataset:
         windows = _gather(self._eval, self._eval_ends, self.seq_len, np.arange(count, dtype=np.int64))
         return [(w[:, :-1], w[:, 1:]) for w in windows.split(batch_size)]
 
+    def share_start(self, stream_seed: int) -> int:
+        """The node's place on the ring of train windows: where its share begins, every epoch."""
+        return _mix(stream_seed) % self.train_windows
+
     def window_indices(self, stream_seed: int, start: int, count: int) -> np.ndarray:
-        """Train windows number start .. start + count − 1 of the node's order (epoch after epoch)."""
+        """Train windows number start .. start + count − 1 of the node's order (epoch after epoch):
+        the epoch's ring read onwards from the node's place on it."""
         n = self.train_windows
         positions = np.arange(start, start + count, dtype=np.int64)
+        places = (positions % n + self.share_start(stream_seed)) % n
         out = np.empty(count, dtype=np.int64)
         for epoch in np.unique(positions // n):
             mask = positions // n == epoch
-            out[mask] = self._permutation(stream_seed, int(epoch))[positions[mask] % n]
+            out[mask] = self._ring(int(epoch))[places[mask]]
         return out
 
-    def _permutation(self, stream_seed: int, epoch: int) -> np.ndarray:
-        key = (stream_seed, epoch)
-        if self._perm is None or self._perm[0] != key:
-            rng = np.random.Generator(np.random.PCG64(_mix(stream_seed, epoch)))
-            self._perm = (key, rng.permutation(self.train_windows))
-        return self._perm[1]
+    def _ring(self, epoch: int) -> np.ndarray:
+        """The epoch's order of the train windows, the same on every node (seeded by the epoch alone)."""
+        ring = self._perm  # read once: the prefetch thread and the training thread may both ask
+        if ring is None or ring[0] != epoch:
+            rng = np.random.Generator(np.random.PCG64(_mix(RING_SEED, epoch)))
+            ring = self._perm = (epoch, rng.permutation(self.train_windows))
+        return ring[1]
 
     def batch(self, batch_size: int, stream_seed: int, position: int) -> Batch:
         indices = self.window_indices(stream_seed, position * batch_size, batch_size)
@@ -561,6 +575,11 @@ class DataMeter:
     wait_seconds: float = 0.0
     cold_starts: int = 0
     cold_seconds: float = 0.0
+
+    def waited(self) -> float:
+        """Seconds the training thread has waited for batches, cold starts included (a round's figure
+        is the difference of two readings: /api/status' data_wait_seconds)."""
+        return self.wait_seconds + self.cold_seconds
 
     def reset(self) -> None:
         self.batches = self.waits = self.cold_starts = 0
@@ -626,6 +645,13 @@ class Prefetcher:
         self._next = (batch_size, stream_seed, position + 1)
         return item
 
+    def start(self, batch_size: int, stream_seed: int, position: int) -> None:
+        """Begin making batches from `position` (unless already making them), before the first `get`."""
+        if self._next != (batch_size, stream_seed, position):
+            self._restart(batch_size, stream_seed, position)
+            self._next = (batch_size, stream_seed, position)
+            self.meter.cold_starts += 1  # a start, counted as one; the first get is then a steady one
+
     def _restart(self, batch_size: int, stream_seed: int, position: int) -> None:
         self.close()
         logger.info("data prefetch starts at position=%d stream_seed=%d batch_size=%d", position, stream_seed,
@@ -665,11 +691,28 @@ class Prefetcher:
 
 
 class NodeData:
-    """What a replica reads: `train_batch` through the prefetch, `eval_batches`, and the data's identity."""
+    """What a replica reads: `train_batch` through the prefetch, `eval_batches`, and the data's identity.
 
-    def __init__(self, dataset: TokenDataset):
-        self.dataset = dataset
-        self.prefetch = Prefetcher(dataset.batches)
+    `dataset` may still be being read and tokenized on a background thread (open_data): whoever needs
+    it first waits for it there (the eval batches at the replica's start, the prefetch's thread), and a
+    DataError of the read is raised to each of them."""
+
+    def __init__(self, dataset: TokenDataset | Future[TokenDataset]):
+        self._dataset = dataset
+        self.prefetch = Prefetcher(self._batches)
+
+    @property
+    def dataset(self) -> TokenDataset:
+        return self._dataset.result() if isinstance(self._dataset, Future) else self._dataset
+
+    def _batches(self, batch_size: int, stream_seed: int, position: int) -> Iterator[Batch]:
+        # a generator: the wait for the read, if any, happens in the prefetch's thread
+        yield from self.dataset.batches(batch_size, stream_seed, position)
+
+    def prepare(self, batch_size: int, stream_seed: int, position: int) -> None:
+        """Start making batches from `position` now, so that the inner loop's first step finds its
+        batch ready (a node calls this once it knows where its data position is: docs/architecture.md §12)."""
+        self.prefetch.start(batch_size, stream_seed, position)
 
     def train_batch(self, batch_size: int, stream_seed: int, position: int) -> Batch:
         return self.prefetch.get(batch_size, stream_seed, position)
@@ -678,16 +721,67 @@ class NodeData:
         return self.dataset.eval_batches(batch_size, max_batches)
 
 
-@functools.lru_cache(maxsize=4)
-def _source(spec: str | None, tokenizer_spec: str | None, text_column: str) -> Source:
-    return read_source(spec, load_tokenizer(tokenizer_spec), text_column)
+class _Reads:
+    """Each source read once per process, on a background thread of its own (`data-read`): reading and
+    tokenizing a local corpus can take minutes, and the node builds its model, starts its ranks and
+    joins the swarm meanwhile. `start` begins a read; calling the object waits for it (and raises its
+    DataError). The fingerprint (data_identity) and the replica share one read."""
+
+    LIMIT = 4  # sources kept (a process reads one; tests read a few)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reads: dict[tuple[str | None, str | None, str], Future[Source]] = {}
+
+    def start(self, spec: str | None, tokenizer_spec: str | None, text_column: str) -> Future[Source]:
+        key = (spec, tokenizer_spec, text_column)
+        with self._lock:
+            if key in self._reads:
+                return self._reads[key]
+            future: Future[Source] = Future()
+            self._reads[key] = future
+            while len(self._reads) > self.LIMIT:
+                del self._reads[next(iter(self._reads))]
+        threading.Thread(target=self._read, args=(future, key), name="data-read", daemon=True).start()
+        return future
+
+    @staticmethod
+    def _read(future: Future[Source], key: tuple[str | None, str | None, str]) -> None:
+        spec, tokenizer_spec, text_column = key
+        started = time.perf_counter()
+        try:
+            future.set_result(read_source(spec, load_tokenizer(tokenizer_spec), text_column))
+        except BaseException as exc:  # handed to whoever waits: a DataError is the user's one line
+            future.set_exception(exc)
+            return
+        logger.info("data read and tokenized in %.1fs (background thread)", time.perf_counter() - started)
+
+    def __call__(self, spec: str | None, tokenizer_spec: str | None, text_column: str) -> Source:
+        return self.start(spec, tokenizer_spec, text_column).result()
+
+    def cache_clear(self) -> None:
+        with self._lock:
+            self._reads.clear()
+
+
+_source = _Reads()
 
 
 def open_data(spec: str | None, tokenizer_spec: str | None, seq_len: int, text_column: str = "text") -> NodeData:
-    """The node's data (read once per process; the fingerprint and the replica share it)."""
+    """The node's data, read and tokenized from now on in the background (once per process: the
+    fingerprint and the replica share it). The tokenizer is loaded here: a bad one fails at once."""
     tokenizer = load_tokenizer(tokenizer_spec)
-    return NodeData(TokenDataset(_source(spec, tokenizer_spec, text_column), seq_len, tokenizer,
-                                 f"data '{spec}'" if spec else "the embedded corpus", text_column))
+    name = f"data '{spec}'" if spec else "the embedded corpus"
+    built: Future[TokenDataset] = Future()
+
+    def build(read: Future[Source]) -> None:  # on the reading thread, once the read is done
+        try:
+            built.set_result(TokenDataset(read.result(), seq_len, tokenizer, name, text_column))
+        except BaseException as exc:
+            built.set_exception(exc)
+
+    _source.start(spec, tokenizer_spec, text_column).add_done_callback(build)
+    return NodeData(built)
 
 
 def data_identity(cfg: Any) -> dict[str, str]:

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from diloco_node.checkpoint import read_checkpoint
 from diloco_node.identity import create
 from diloco_node.launch import NodeProcess
 from diloco_node.outer.aggregate import NORM_CLIP_MULTIPLE, TOKEN_CAP_MULTIPLE
@@ -77,7 +78,7 @@ class Checkpoints:
         if (stat.st_ino, stat.st_mtime_ns) == self._seen:
             return
         self._seen = stat.st_ino, stat.st_mtime_ns
-        state = torch.load(self.path, map_location="cpu", weights_only=True)  # replaced by rename: whole
+        state = read_checkpoint(self.path)  # the manifest is replaced by rename: whole
         phi = torch.cat([p.flatten() for p in state["outer_params"]])
         momentum = torch.zeros_like(phi) if state["momentum"] is None else \
             torch.cat([m.flatten() for m in state["momentum"]])
@@ -113,7 +114,7 @@ class Twin:
 
     def phi(self, node: NodeProcess) -> torch.Tensor:
         return torch.cat([p.flatten() for p in
-                          torch.load(node.workdir / node.name / RUN_ID / "node.pt", weights_only=True)["outer_params"]])
+                          read_checkpoint(node.workdir / node.name / RUN_ID)["outer_params"]])
 
     def clips(self) -> dict[int, Clip]:
         """Per round, what node a clipped and capped (logged before the round's own line)."""
@@ -140,7 +141,7 @@ def twin_run(spawn: NodeFactory, label: str, keys: dict[str, Path], attack: str 
     still starting. --min-peers only gates the start: the runs' steps are alike."""
     options = (*OPTIONS, "--min-peers", "3" if attack else "2")
     a = spawn(f"{label}-a", *options, "--identity", str(keys["a"]), run_id=RUN_ID)
-    twin = Twin([a], Checkpoints(a.workdir / a.name / RUN_ID / "node.pt"))
+    twin = Twin([a], Checkpoints(a.workdir / a.name / RUN_ID / "node.json"))
     with (forging_process(a.wait_for_address(), attack) if attack else contextlib.nullcontext()) as forger:
         twin.nodes.append(spawn(f"{label}-b", *options, "--identity", str(keys["b"]), run_id=RUN_ID, peer=a))
         for node in twin.nodes:

@@ -199,7 +199,23 @@ def test_checkpoint_dir_locked_by_another_node(nodes: Processes, tmp_path: Path)
         result = join(nodes, "--checkpoint-dir", str(directory), "--run-id", "locked-run")
         line = assert_bad_input(result, str(store), "in use")
     assert "another node" in line
-    assert not (store / "node.pt").exists()
+    assert not (store / "node.json").exists()
+
+
+def test_damaged_checkpoint_is_refused_and_kept(nodes: Processes, tmp_path: Path) -> None:
+    """A checkpoint whose tensors file was altered: one line, exit 2, the files left as they were."""
+    from diloco_node.checkpoint import CheckpointStore
+
+    store_dir = tmp_path / "ckpt" / "damaged-run"
+    store = CheckpointStore(store_dir)
+    store.save({"round": 1, "outer_params": [torch.zeros(8)]})
+    store.close()
+    tensors = next(store_dir.glob("node-*.safetensors"))
+    tensors.write_bytes(tensors.read_bytes()[:-1] + b"\x01")
+    before = {p.name: p.read_bytes() for p in store_dir.iterdir()}
+    result = join(nodes, "--checkpoint-dir", str(tmp_path / "ckpt"), "--run-id", "damaged-run")
+    assert_bad_input(result, str(store_dir / "node.json"), "unreadable (damaged, or not a checkpoint)", "SHA-256")
+    assert {p.name: p.read_bytes() for p in store_dir.iterdir()} == before
 
 
 def test_status_port_in_use(nodes: Processes, busy_port: int) -> None:

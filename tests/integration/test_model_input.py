@@ -40,5 +40,5 @@ def test_export_without_a_checkpoint_is_one_line(tmp_path: Path) -> None:
     result = cli("export", "--checkpoint-dir", "ckpt", "--run-id", "demo", "out", cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip() == ("diloco-node: error: no checkpoint of run 'demo' in 'ckpt' (looked for "
-                                     "ckpt/demo/node.pt)")
+                                     "ckpt/demo/node.json)")
     assert list(tmp_path.iterdir()) == []

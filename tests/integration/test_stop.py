@@ -33,7 +33,7 @@ def test_a_stopped_node_saves_and_resumes_where_it_stopped(spawn: NodeFactory, t
     assert f"received {'SIGINT' if how == 'ctrl-c' else 'SIGTERM'}; stopping" in log
     assert "left the swarm at round=" in log
     stopped_at = int(log.split("left the swarm at round=")[1].split()[0])
-    assert (tmp_path / "a" / "itest" / "node.pt").exists()
+    assert (tmp_path / "a" / "itest" / "node.json").exists()
 
     again = spawn("a", "--inner-steps", "5")
     assert again.wait_joined() == stopped_at

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from diloco_node.checkpoint import read_checkpoint
 from diloco_node.launch import NodeProcess
 from tests.integration.conftest import NodeFactory
 
@@ -42,7 +43,7 @@ def lone_rounds(node: NodeProcess, since: int) -> list[int]:
 
 
 def final_phi(tmp_path: Path, name: str, run_id: str) -> torch.Tensor:
-    state = torch.load(tmp_path / name / run_id / "node.pt", weights_only=True)
+    state = read_checkpoint(tmp_path / name / run_id)
     return torch.cat([p.reshape(-1) for p in state["outer_params"]])
 
 

@@ -79,7 +79,7 @@ def test_stop_during_a_state_download_saves_nothing(spawn: NodeFactory, tmp_path
         b.stop(how, within=STOP_BOUND)
         assert "state download stopped" in b.log_text()
         # b never had the run's φ: a checkpoint of its random start would be resumed as if it were
-        assert not (tmp_path / "b" / "itest" / "node.pt").exists()
+        assert not (tmp_path / "b" / "itest" / "node.json").exists()
     finally:
         a.signal(signal.SIGCONT)
     a.stop(how, within=STOP_BOUND)

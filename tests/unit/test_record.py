@@ -60,7 +60,7 @@ def test_event_round_trips_through_json_and_from_event(record: RoundRecord) -> N
 
 
 def test_event_keeps_todays_keys_and_leaves_out_what_was_never_there() -> None:
-    tail = ("digest", "peak_memory_bytes", "outcome")
+    tail = ("digest", "peak_memory_bytes", "outcome", "data_wait_seconds")
     assert tuple(sample().event()) == EVENT_KEYS + tail
     measured = sample(wire_sent=10, wire_received=20, wire_sent_total=100, wire_received_total=200).event()
     assert tuple(measured) == EVENT_KEYS[:9] + WIRE_FIELDS + EVENT_KEYS[9:] + tail
@@ -121,7 +121,7 @@ def _report(gossip: bool) -> RoundReport:
 def test_reporter_feeds_status_history_peer_stats_and_swarm_table(gossip: bool) -> None:
     telemetry = Telemetry(run_id="r", parameters=1000)
     reporter = RoundReporter(telemetry, FakeWire((1000, 2000)), "lbl", gossip)  # type: ignore[arg-type]
-    record = reporter.finished(3, [1.0, 2.0], 1.7, _report(gossip), RoundTiming(2.0, 0.5), "dig",
+    record = reporter.finished(3, [1.0, 2.0], 1.7, _report(gossip), RoundTiming(2.0, 0.5, data_wait=0.25), "dig",
                                traffic=(5000, 7000), peak_memory=[123])
     assert (record.round, record.loss, record.group_size, record.outcome) == (3, 1.5, 2, "together")
     assert (record.bytes_sent, record.bytes_sent_total, record.payload_bytes) == (5000, 5000, 500)
@@ -136,10 +136,12 @@ def test_reporter_feeds_status_history_peer_stats_and_swarm_table(gossip: bool) 
         "outer_step": 3, "bytes_sent": 5000, "last_round_bytes_sent": 5000, "model_digest": "dig",
         "group": ["me", "b"], "compute_seconds": 2.0, "utilization": 0.8, "contributions_clipped": 1}
     assert status["consensus_distance"] == (0.0012 if gossip else None)
+    assert status["data_wait_seconds"] == record.data_wait_seconds == 0.25  # the last round's, not a total
     assert telemetry.history() == [record.event()]
     record = reporter.finished(4, [1.0], 1.6, _report(gossip), RoundTiming(1.0, 1.5), "dig2", traffic=(6000, 9000))
     status = telemetry.snapshot()
     assert (status["compute_seconds"], status["wait_seconds"], status["utilization"]) == (3.0, 2.0, 0.6)
+    assert status["data_wait_seconds"] == 0.0
     assert (record.bytes_sent, record.bytes_received, record.utilization, status["contributions_clipped"]) == (
         1000, 2000, 0.4, 2)
     stats = reporter.peer_stats(record)

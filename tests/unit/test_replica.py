@@ -58,7 +58,10 @@ def runs() -> dict[str, dict[str, Any]]:
 
 
 def close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.allclose(x, y, atol=2e-6, rtol=1e-5) for x, y in zip(a, b, strict=True))
+    """Equal to float summation order. AdamW's first steps move a weight by about lr (1e-3) whatever its
+    gradient's size, so where a gradient is near zero its summation order shows at ~1e-6: the bound is
+    0.5 % of one step (with 2e-6 one weight in 65536 exceeded it on some batches)."""
+    return all(torch.allclose(x, y, atol=5e-6, rtol=1e-5) for x, y in zip(a, b, strict=True))
 
 
 def test_every_layout_trains_the_same_theta(runs: dict[str, dict[str, Any]]) -> None:

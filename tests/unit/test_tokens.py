@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -152,10 +154,31 @@ def test_each_epoch_reads_every_window_once_in_the_nodes_own_order(corpus: dict[
     assert sorted(order[:n]) == list(range(n)) and sorted(order[n:]) == list(range(n))
     assert not np.array_equal(order[:n], order[n:])  # each epoch its own permutation
     assert not np.array_equal(order[:n], dataset.window_indices(stream_seed=12, start=0, count=n))
+    assert order[0] != dataset.window_indices(stream_seed=12, start=0, count=1)[0]  # another place, another start
     # the batches are those windows, in that order
     x, y = data.train_batch(batch, 11, 3)
     assert window_ids(dataset, (x, y)) == list(order[3 * batch:4 * batch])
     assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_nodes_read_disjoint_shares_of_one_ring(corpus: dict[str, Path]) -> None:
+    """Every node reads the epoch's one ring of windows, onwards from its own place: two nodes read
+    disjoint windows until one reaches the other's place, and a third joining later changes neither's."""
+    dataset = D.open_data(str(corpus["parquet"]), str(corpus["tok"]), 16).dataset
+    n = dataset.train_windows
+    a, b, c = 0, 1, 2
+    starts = {seed: dataset.share_start(seed) for seed in (a, b, c)}
+    assert len(set(starts.values())) == 3
+    ring = np.roll(dataset.window_indices(a, 0, n), starts[a])  # a's epoch, from the ring's place 0: the ring
+    for seed in (a, b, c):  # every node's epoch is the same ring, rotated to its place
+        assert np.array_equal(dataset.window_indices(seed, 0, n), np.roll(ring, -starts[seed]))
+    gap = (starts[b] - starts[a]) % n  # the arc a reads before it reaches b's place
+    first_a, first_b = dataset.window_indices(a, 0, gap), dataset.window_indices(b, 0, n - gap)
+    assert not set(first_a.tolist()) & set(first_b.tolist())
+    assert sorted([*first_a.tolist(), *first_b.tolist()]) == list(range(n))  # together: the split, once
+    # epoch 2 is another ring, read from the same places
+    assert not np.array_equal(dataset.window_indices(a, n, n), dataset.window_indices(a, 0, n))
+    assert dataset.window_indices(a, n, 1)[0] == dataset.window_indices(b, n + (starts[a] - starts[b]) % n, 1)[0]
 
 
 def test_a_resumed_node_goes_on_where_it_stopped(corpus: dict[str, Path]) -> None:
@@ -174,6 +197,11 @@ def test_a_resumed_node_goes_on_where_it_stopped(corpus: dict[str, Path]) -> Non
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     order = after.dataset.window_indices(5, 0, 40)
     assert len(set(order.tolist())) == 40  # 40 distinct windows: nothing read twice within the epoch
+    # and they are the node's share: the ring onwards from its place, before the stop and after it
+    n, place = after.dataset.train_windows, after.dataset.share_start(5)
+    dataset_ring = after.dataset._ring(0)
+    assert np.array_equal(order, dataset_ring[[(place + i) % n for i in range(40)]])
+    assert window_ids(after.dataset, resumed[5]) == order[20:24].tolist()
 
 
 def test_the_prefetch_follows_jumps_and_counts_waits(corpus: dict[str, Path]) -> None:
@@ -190,6 +218,39 @@ def test_the_prefetch_follows_jumps_and_counts_waits(corpus: dict[str, Path]) ->
     assert torch.equal(data.train_batch(4, 9, 2)[0], data.dataset.batch(4, 9, 2)[0])  # a jump back restarts
     assert (meter.batches, meter.cold_starts, meter.waits) == (24, 2, 0)
     data.prefetch.close()
+
+
+def test_reading_and_tokenizing_run_off_the_calling_thread(corpus: dict[str, Path],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """open_data returns while the source is still being read; the read runs on its own thread, and the
+    fingerprint's digest and the replica's batches wait for that one read (and get its DataError)."""
+    release, threads = threading.Event(), []
+    real = D.read_source
+
+    def slow_read(*args: Any) -> D.Source:
+        threads.append(threading.current_thread().name)
+        assert release.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(D, "read_source", slow_read)
+    D._source.cache_clear()
+    spec, tok = str(corpus["parquet"]), str(corpus["tok"])
+    data = D.open_data(spec, tok, 64)  # returns with the read blocked: it is not on this thread
+    assert threads == ["data-read"]
+    data.prepare(4, 3, 0)  # the prefetch starts before the read is done: its thread waits for it
+    release.set()
+    meter = data.prefetch.meter = D.DataMeter()
+    x, _ = data.train_batch(4, 3, 0)
+    assert torch.equal(x, data.dataset.batch(4, 3, 0)[0]) and meter.cold_starts == 0  # no restart: prepared
+    assert D._source(spec, tok, "text") is data.dataset.source and threads == ["data-read"]  # one read, shared
+    data.prefetch.close()
+    D._source.cache_clear()
+    bad = D.open_data(str(corpus["notext"]), tok, 64)
+    with pytest.raises(D.DataError, match="no text column 'text'"):
+        bad.eval_batches(4)
+    with pytest.raises(D.DataError, match="no text column 'text'"):
+        bad.train_batch(4, 3, 0)
+    D._source.cache_clear()
 
 
 def test_a_producer_failure_reaches_the_training_thread() -> None:
