@@ -290,7 +290,7 @@ class NodeConfig(BaseModel):
             raise ValueError(f"exchange butterfly {why}")
         if self.reachability == "private" and not self.butterfly_possible:
             raise ValueError("reachability private needs a run that can exchange by butterfly (a client cannot be "
-                             "fetched from): " + (self._no_butterfly() or "exchange is allgather"))
+                             "fetched from): " + (self._no_butterfly() or self._no_client_butterfly()))
         return self
 
     def _no_butterfly(self) -> str | None:
@@ -304,10 +304,20 @@ class NodeConfig(BaseModel):
             return "cannot run centered-clip, which measures distances between whole vectors"
         return None
 
+    def _no_client_butterfly(self) -> str:
+        return ("exchange is allgather" if self.exchange == "allgather" else
+                "an open run exchanges by butterfly only with --exchange butterfly")
+
     @property
     def butterfly_possible(self) -> bool:
-        """Whether this run can exchange by butterfly at all: a group with a client always does."""
-        return self.exchange != "allgather" and self._no_butterfly() is None
+        """Whether this run can exchange by butterfly at all: a group with a client always does.
+
+        auto: only in permissioned runs. A client flag is self-declared in a peer's record, so in an
+        open run it would let any peer switch its group to the butterfly and hand its other
+        identities parts to own (docs/architecture.md §9); there the operator must ask for it."""
+        if self._no_butterfly() is not None:
+            return False
+        return self.exchange == "butterfly" or (self.exchange == "auto" and bool(self.run_owner))
 
     @property
     def butterfly_from(self) -> int | None:

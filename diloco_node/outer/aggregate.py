@@ -16,7 +16,9 @@ Aggregators (`--aggregator`):
 
 The reference norm is the group's median norm. In a group of two the median is the mean of the two
 norms, which a single huge contribution drags up with it, so there it is the smaller norm: the same
-on both sides, so an honest pair stays bit-equal whatever its norms.
+on both sides, so an honest pair stays bit-equal whatever its norms. A pair cannot tell which of
+the two lies, so there the clip is the smaller norm itself (PAIR_CLIP_MULTIPLE): both count alike
+and the mean is never against either member's own Δ, h·(h + a) ≥ 0 when ‖a‖ ≤ ‖h‖.
 
 Why 1.25 and 1 (docs/architecture.md §3, 'Bound'): one contributor pulls the mean by at most
 (its weight share) × (its clipped norm). With the cap at the median declaration its share is at
@@ -48,6 +50,9 @@ logger = logging.getLogger(__name__)
 
 AGGREGATORS = ("mean", "clip", "trimmed", "centered-clip")
 NORM_CLIP_MULTIPLE = 1.25  # a contribution longer than this many reference norms is scaled down
+# A pair cannot tell who lies: each Δ is clipped to the shorter norm, so the mean never points
+# against either member's own Δ (an attacker can cancel a step, never reverse it).
+PAIR_CLIP_MULTIPLE = 1.0
 TOKEN_CAP_MULTIPLE = 1.0  # declared tokens count at most this many times the group's typical count
 # NoLoCo's φ̄: how far (in reference norms of Δ) a member's φ may pull from ours. φs differ by the
 # drift of several rounds, not one Δ, so this stays wider than the Δ clip.
@@ -95,7 +100,7 @@ def aggregate(contributions: list[Contribution], method: str = "clip", max_token
     if method == "mean":
         mean = _weighted([c.pseudo_gradient for c in finite], weights)
     else:
-        vectors, scaled = _clipped(finite, norms, NORM_CLIP_MULTIPLE * reference)
+        vectors, scaled = _clipped(finite, norms, clip_multiple(len(finite)) * reference)
         trim = int(TRIM_FRACTION * len(vectors)) if method == "trimmed" else 0
         if method == "centered-clip":
             mean = _centered_clip(vectors, weights, _weighted(vectors, weights), reference)
@@ -154,6 +159,11 @@ def _centered_clip(vectors: list[torch.Tensor], weights: list[float], start: tor
             step += offset * (weight * min(1.0, float(radius / norm)) if norm > 0 else 0.0)
         center = center + step
     return center
+
+
+def clip_multiple(members: int) -> float:
+    """How many reference norms a contribution may reach in a group of `members`."""
+    return PAIR_CLIP_MULTIPLE if members == 2 else NORM_CLIP_MULTIPLE
 
 
 def reference_norm(norms: list[float]) -> float:

@@ -10,7 +10,7 @@ What every member can check is that the part is one the declared contributions a
   that misreports a declaration, loses the parts that disagree;
 - the part is no longer than its clipped slices allow: the mean of vectors is no longer than the
   longest of them, each used peer's slice i is at most its declared part norm n_i, scaled by the
-  clip (1.25 × the reference of the declared whole norms) over its whole norm; a lossy codec's
+  clip (outer/aggregate.py's, of the declared whole norms) over its whole norm; a lossy codec's
   re-encoding may lengthen the mean a little (SLACK).
 Every member runs these checks on the same bytes (swarm/butterfly.py compares their hashes across
 the group first), so every member keeps and skips the same parts and φ stays bit-equal.
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from diloco_node.outer.aggregate import NORM_CLIP_MULTIPLE, TRIM_FRACTION, reference_norm, token_cap
+from diloco_node.outer.aggregate import TRIM_FRACTION, clip_multiple, reference_norm, token_cap
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,8 @@ def _report(report: dict[str, Any], group: Sequence[str], count: int,
 def _bound(report: _Report, index: int, aggregator: str) -> float:
     """The longest part the used peers' clipped slices allow."""
     wholes = [report.declared[peer].norm for peer in report.used]
-    limit = NORM_CLIP_MULTIPLE * reference_norm(wholes) if aggregator != "mean" and len(wholes) > 1 else math.inf
+    clipping = aggregator != "mean" and len(wholes) > 1
+    limit = clip_multiple(len(wholes)) * reference_norm(wholes) if clipping else math.inf
     lengths = [d.norms[index] * (min(1.0, limit / d.norm) if d.norm > 0 else 1.0)
                for d in (report.declared[peer] for peer in report.used)]
     if aggregator == "trimmed" and int(TRIM_FRACTION * len(lengths)):

@@ -206,7 +206,7 @@ def test_a_huge_contributor_moves_phi_no_further_than_the_clip_bound(
     for r in rounds:
         reach = OUTER_LR * sum(MOMENTUM ** j for j in range(ROUNDS - r + 2))  # outer_lr·(1 + μ + … + μ^(N−r+1))
         if (clip := clips.get(r)) is not None:
-            # both honest nodes declare the same tokens (same H, batch, seq_len): the cap is 4× theirs
+            # both honest nodes declare the same tokens (same H, batch, seq_len): the cap is TOKEN_CAP_MULTIPLE × theirs
             share = clip.token_cap / (clip.token_cap + 2 * clip.token_cap / TOKEN_CAP_MULTIPLE)
             change = share * (NORM_CLIP_MULTIPLE + 1) * clip.reference + clip.reference + clean_norms[r]
             unclipped += (reach * clip.norm) ** 2  # weight ~1, and its Δs are random: near orthogonal

@@ -37,22 +37,29 @@ def test_the_result_does_not_depend_on_the_order_received() -> None:
     assert torch.equal(robust_weighted_mean(contributions), robust_weighted_mean(contributions[::-1]))
 
 
-def test_in_a_pair_the_longer_is_clipped_against_the_shorter_norm() -> None:
-    # norms 1 and 1000 → limit 1.25 (the smaller norm, which both members see alike): [0,1000] → [0,1.25]
+def test_in_a_pair_the_longer_is_clipped_to_the_shorter_norm() -> None:
+    # norms 1 and 1000 → limit 1 (the smaller norm, which both members see alike): [0,1000] → [0,1]
     mean = robust_weighted_mean([c("us", 1, 1, 0), c("them", 1, 0, 1000)])
-    assert mean.tolist() == pytest.approx([0.5, 0.625])
+    assert mean.tolist() == pytest.approx([0.5, 0.5])
 
 
-def test_an_honest_pair_clips_nothing() -> None:
-    pair = [c("a", 1, 1, 2), c("b", 1, 2, 1.5)]  # norms 2.24 and 2.5: within 1.25× of each other
-    result = aggregate(pair)
-    assert result.mean.tolist() == pytest.approx([1.5, 1.75]) and result.clipped == ()
+def test_an_honest_pair_with_equal_norms_clips_nothing() -> None:
+    result = aggregate([c("a", 1, 1, 2), c("b", 1, 2, 1)])
+    assert result.mean.tolist() == pytest.approx([1.5, 1.5]) and result.clipped == ()
+
+
+@pytest.mark.parametrize("scale", [1e3, 1.0, 0.5, 1e-3])
+def test_in_a_pair_the_other_can_cancel_our_step_but_never_reverse_it(scale: float) -> None:
+    ours = torch.tensor([3.0, 4.0])
+    for theirs in (-scale * ours, scale * torch.tensor([-4.0, -2.9])):
+        mean = aggregate([Contribution("us", 1, ours), Contribution("them", 1e30, theirs)]).mean
+        assert float(mean.dot(ours)) >= -1e-6
 
 
 def test_non_finite_and_tokenless_contributions_are_rejected() -> None:
     members = [c("a", 1, math.nan, 0), c("b", 0, 5, 5), c("c", 1, 1, 1), c("d", 1, 1.2, 1.2), c("e", math.inf, 1, 1)]
     result = aggregate(members)
-    assert result.mean.tolist() == pytest.approx([1.1, 1.1]) and result.rejected == ("a", "b", "e")
+    assert result.mean.tolist() == pytest.approx([1.0, 1.0]) and result.rejected == ("a", "b", "e")  # d clipped
     with pytest.raises(ValueError):
         robust_weighted_mean([c("a", 1, math.inf, 0)])
 
