@@ -144,7 +144,7 @@ class NodeConfig(BaseModel):
                                 "round's exchange before going on without it (it is applied when it lands)")
     max_outer_steps: int = Field(0, ge=0, description="stop after this many rounds (0 = run forever)")
     aggregator: str = Field("clip", pattern=r"^(mean|clip|trimmed|centered-clip)$",
-                            description="how the group's pseudo-gradients are averaged: mean, clip (each to 4x "
+                            description="how the group's pseudo-gradients are averaged: mean, clip (each to 1.25x "
                             "the median norm), trimmed or centered-clip (see README, trust)")
     reachability: str = Field("auto", pattern=r"^(auto|public|private)$",
                               description="whether peers can connect to this node: public, private (behind a NAT: "
@@ -156,7 +156,7 @@ class NodeConfig(BaseModel):
                           "group) or auto (butterfly for groups of 3 or more in a --run-owner run, else allgather; "
                           "see README, scale)")
     max_tokens_per_round: int = Field(0, ge=0, description="most tokens a peer's contribution to a round counts "
-                                      "for (0: only 4x the group's median declaration)")
+                                      "for (0: only the group's median declaration)")
 
     # --- NoLoCo: gossip in small random groups instead of averaging over the swarm (docs/architecture.md §3) ---
     algorithm: str = Field("diloco", pattern=r"^(diloco|noloco)$",

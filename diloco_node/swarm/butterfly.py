@@ -41,7 +41,10 @@ from diloco_node.swarm.streams import HEADER_LEN, Streams, StreamService, receiv
 
 logger = logging.getLogger(__name__)
 
-MAX_REQUEST_BYTES = 1 << 16  # round, part, tokens, norm, the group's peer ids and an admission
+MAX_REQUEST_BYTES = 1 << 16  # round, part, tokens, norms, the group's peer ids and an admission
+# An owner's report: per used peer its id and declaration (M + 2 floats), so ~M² floats in all:
+# groups up to about 100 members
+MAX_REPORT_BYTES = 1 << 18
 KEPT_ROUNDS = 4  # rounds whose parts we hold (late members, joiners completing a round in flight)
 PART_RECOVERY_SECONDS = 10.0  # how long a member asks the others for a part whose owner vanished
 # A push waits this long beyond the owners' wait for parts: the owner reduces when its wait ends and
@@ -295,7 +298,7 @@ class Butterfly(StreamService):
         try:
             await send(writer, request)
             await send(writer, payload)
-            meta = await receive(reader, MAX_REQUEST_BYTES, max(deadline - self.loop.time(), 1.0))
+            meta = await receive(reader, MAX_REPORT_BYTES, max(deadline - self.loop.time(), 1.0))
             averaged = await receive(reader, self._max_part, max(deadline - self.loop.time(), 1.0))
             writer.write(RECEIVED)
             await writer.drain()
