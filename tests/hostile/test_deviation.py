@@ -131,14 +131,15 @@ class Twin:
         return found
 
 
-def twin_run(spawn: NodeFactory, label: str, keys: dict[str, Path], attack: str | None = None) -> Twin:
+def twin_run(spawn: NodeFactory, label: str, keys: dict[str, Path], attack: str | None = None,
+             extra: tuple[str, ...] = ()) -> Twin:
     """Nodes a and b to ROUNDS (with forger.py in mode `attack` from right after a is up), each with
     its checkpoints in `label`-a and `label`-b.
 
     With an attack they wait for three peers: the forger's record counts as one (an open run cannot
     tell it from an honest node's), so with two, a would train with the forger alone while b is
     still starting. --min-peers only gates the start: the runs' steps are alike."""
-    options = (*OPTIONS, "--min-peers", "3" if attack else "2")
+    options = (*OPTIONS, *extra, "--min-peers", "3" if attack else "2")
     a = spawn(f"{label}-a", *options, "--identity", str(keys["a"]), run_id=RUN_ID)
     twin = Twin([a], Checkpoints(a.workdir / a.name / RUN_ID / "node.pt"))
     with (forging_process(a.wait_for_address(), attack) if attack else contextlib.nullcontext()) as forger:
