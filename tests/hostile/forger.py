@@ -15,10 +15,10 @@ Usage: forger.py PEER_MULTIADDR RUN_ID MODE
   pseudo-gradient ~1e6 times an honest one's norm, declaring 1e30 tokens;
 - fuzz: takes part in every round with a valid payload damaged at random (bytes flipped, cut,
   grown), a fresh one each round. It prints `contributed ROUND GROUP_SIZE` per round it averaged in.
-- owner-huge, owner-fork: a run exchanging by butterfly: takes part in every round and owns a part
-  (pushing nothing of its own); it waits for every member's push of its part and answers with the
-  mean of their slices and a well-formed report, times 1e16 (huge), or halved for every second
-  pusher (fork: different bytes to different members, each within the clip bound).
+- owner: a run exchanging by butterfly: takes part in every round and owns a part (pushing nothing
+  of its own); it waits for every member's push of its part and answers with the mean of their
+  slices and a well-formed report: in even rounds times 1e16 to everyone, in odd rounds halved for
+  every second pusher (different bytes to different members, each within the clip bound).
 
 It prints `forging PEER_ID` once its record is stored, then refreshes it until SIGTERM, on which
 it shuts its DHT down and exits 0.
@@ -173,7 +173,7 @@ async def push_nothing(p2p, owner_: str, namespace: str, round_: int, index: int
         pass
 
 
-def owner(mode: str, numel: int, me: str):
+def owner(numel: int, me: str):
     """The push handler of a hostile butterfly owner (see the module's docstring)."""
     from diloco_node.codec import CodecConfig, make_codec  # the format only: no node code runs here
     from diloco_node.round import part_bounds
@@ -196,7 +196,7 @@ def owner(mode: str, numel: int, me: str):
         used = sorted(p for p, (_, body) in pushes[round_].items() if body)
         mean = sum(codec.decode(pushes[round_][p][1], end - start) for p in used) / max(len(used), 1)
         answered[round_] = answered.get(round_, 0) + 1
-        if mode == "owner-huge":
+        if round_ % 2 == 0:
             mean = mean * 1e16
         elif answered[round_] % 2 == 0:
             mean = mean * 0.5
@@ -229,8 +229,8 @@ def contribute(dht: DHT, p2p, run, namespace: str, key: str, me: str, signer, mo
         writer.close()
 
     run(p2p.add_binary_stream_handler(f"{namespace}_payload", serve))
-    if mode.startswith("owner-"):
-        run(p2p.add_binary_stream_handler(f"{namespace}_reduce", owner(mode, numel, me)))
+    if mode == "owner":
+        run(p2p.add_binary_stream_handler(f"{namespace}_reduce", owner(numel, me)))
     done = -1
     while not stop.is_set():
         honest = [r for r in honest_records(dht, key, stop) if r["peer_id"] != me]
@@ -253,7 +253,7 @@ def contribute(dht: DHT, p2p, run, namespace: str, key: str, me: str, signer, mo
         except Exception:  # no group this time
             group = []
         offers[round_] = (offers[round_][0], group or None)
-        if group and mode.startswith("owner-"):
+        if group and mode == "owner":
             for index, other in enumerate(group):  # an empty push each: the owners need not wait for us
                 if other != me:
                     asyncio.run_coroutine_threadsafe(push_nothing(p2p, other, namespace, round_, index, group),
@@ -282,7 +282,7 @@ def main() -> None:
     p2p = run(dht.replicate_p2p())
     address, _, bootstrap_id = peer.rpartition("/p2p/")
     run(p2p._client.connect(PeerID.from_base58(bootstrap_id), [Multiaddr(address)]))  # so that its daemon routes it
-    if mode in ("huge", "fuzz", "owner-huge", "owner-fork"):
+    if mode in ("huge", "fuzz", "owner"):
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         header, vectors = fetch_state(p2p, run, honest[0]["peer_id"], namespace)
