@@ -205,3 +205,16 @@ def test_an_owner_given_only_tokenless_parts_averages_nothing() -> None:
     averaged, report = averaging.reduce_part(0, 0, ((0, 2), (2, 4)), [PartIn("b", part, 0.0, 2.0, declared),
                                                                       PartIn("c", part, -1.0, 2.0, declared)])
     assert averaged == b"" and report["rejected"] == ["b", "c"]
+
+
+def test_infinite_tokens_from_two_members_are_refused_not_raised() -> None:
+    """#28: `tokens: Infinity` from two members made the owner's mean non-finite (CodecError out of gather)."""
+    codec = make_codec(CodecConfig(name="none"))
+    averaging = Averaging(codec, 4, "a", part_align=1)
+    part = codec.encode(torch.ones(2))
+    declared = (math.sqrt(2), 0.0)
+    parts = [PartIn("a", part, 1.0, math.sqrt(2), declared), PartIn("b", part, math.inf, math.sqrt(2), declared),
+             PartIn("c", part, math.inf, math.sqrt(2), declared)]
+    averaged, report = averaging.reduce_part(0, 0, ((0, 2), (2, 4)), parts)
+    assert report["used"] == ["a"] and report["rejected"] == ["b", "c"]
+    assert codec.decode(averaged, 2).tolist() == [1.0, 1.0]
