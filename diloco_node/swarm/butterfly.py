@@ -239,6 +239,8 @@ class Butterfly(StreamService):
             if differing:
                 logger.warning("round=%d skipped averaged part %d (owner peer=%s): peer=%s hold%s other bytes or none",
                                round_, index, owning[index], ",".join(differing), "" if len(differing) > 1 else "s")
+                # no longer held: members that ask our hashes (or the part) later skip it as we do
+                rnd.held.pop(index, None)
             else:
                 agreed.append(index)
         return agreed
