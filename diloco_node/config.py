@@ -144,7 +144,7 @@ class NodeConfig(BaseModel):
                                 "round's exchange before going on without it (it is applied when it lands)")
     max_outer_steps: int = Field(0, ge=0, description="stop after this many rounds (0 = run forever)")
     aggregator: str = Field("clip", pattern=r"^(mean|clip|trimmed|centered-clip)$",
-                            description="how the group's pseudo-gradients are averaged: mean, clip (each to 4x "
+                            description="how the group's pseudo-gradients are averaged: mean, clip (each to 1.25x "
                             "the median norm), trimmed or centered-clip (see README, trust)")
     reachability: str = Field("auto", pattern=r"^(auto|public|private)$",
                               description="whether peers can connect to this node: public, private (behind a NAT: "
@@ -156,7 +156,7 @@ class NodeConfig(BaseModel):
                           "group) or auto (butterfly for groups of 3 or more in a --run-owner run, else allgather; "
                           "see README, scale)")
     max_tokens_per_round: int = Field(0, ge=0, description="most tokens a peer's contribution to a round counts "
-                                      "for (0: only 4x the group's median declaration)")
+                                      "for (0: only the group's median declaration)")
 
     # --- NoLoCo: gossip in small random groups instead of averaging over the swarm (docs/architecture.md §3) ---
     algorithm: str = Field("diloco", pattern=r"^(diloco|noloco)$",
@@ -290,7 +290,7 @@ class NodeConfig(BaseModel):
             raise ValueError(f"exchange butterfly {why}")
         if self.reachability == "private" and not self.butterfly_possible:
             raise ValueError("reachability private needs a run that can exchange by butterfly (a client cannot be "
-                             "fetched from): " + (self._no_butterfly() or "exchange is allgather"))
+                             "fetched from): " + (self._no_butterfly() or self._no_client_butterfly()))
         return self
 
     def _no_butterfly(self) -> str | None:
@@ -304,10 +304,20 @@ class NodeConfig(BaseModel):
             return "cannot run centered-clip, which measures distances between whole vectors"
         return None
 
+    def _no_client_butterfly(self) -> str:
+        return ("exchange is allgather" if self.exchange == "allgather" else
+                "an open run exchanges by butterfly only with --exchange butterfly")
+
     @property
     def butterfly_possible(self) -> bool:
-        """Whether this run can exchange by butterfly at all: a group with a client always does."""
-        return self.exchange != "allgather" and self._no_butterfly() is None
+        """Whether this run can exchange by butterfly at all: a group with a client always does.
+
+        auto: only in permissioned runs. A client flag is self-declared in a peer's record, so in an
+        open run it would let any peer switch its group to the butterfly and hand its other
+        identities parts to own (docs/architecture.md §9); there the operator must ask for it."""
+        if self._no_butterfly() is not None:
+            return False
+        return self.exchange == "butterfly" or (self.exchange == "auto" and bool(self.run_owner))
 
     @property
     def butterfly_from(self) -> int | None:

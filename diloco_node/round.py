@@ -66,10 +66,14 @@ class PartIn:
     payload: bytes  # empty: the member has nothing to contribute this round
     tokens: float
     norm: float  # the member's declared norm of its whole decoded Δ (clipping needs the whole)
+    # the declared norm of each part of its decoded Δ, the same list to every owner: their squares
+    # sum to norm², so a member cannot declare its whole norm to each owner (docs/architecture.md §3)
+    norms: tuple[float, ...] = ()
 
 
-# (round, (start, end), parts) → (the averaged part encoded, a JSON-able report of what went in)
-Reducer = Callable[[int, tuple[int, int], list[PartIn]], tuple[bytes, dict[str, Any]]]
+# (round, index, every part's (start, end), parts of `index`) → (the averaged part encoded, a
+# JSON-able report of what went in)
+Reducer = Callable[[int, int, tuple[tuple[int, int], ...], list[PartIn]], tuple[bytes, dict[str, Any]]]
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,8 @@ class PartSource:
     encode: Callable[[int, int], bytes] | None  # our Δ[start:end] encoded; None: nothing to contribute
     reduce: Reducer
     align: int  # part boundaries fall on multiples of this (the codec's blocks)
+    # the norm of each part of our decoded Δ, for the given bounds (empty: nothing to contribute)
+    norms: Callable[[tuple[tuple[int, int], ...]], tuple[float, ...]] = lambda bounds: ()
 
 
 def part_bounds(numel: int, parts: int, align: int) -> tuple[tuple[int, int], ...]:

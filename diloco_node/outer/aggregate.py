@@ -7,7 +7,7 @@ Aggregators (`--aggregator`):
 - mean: Σ w_m Δ_m / Σ w_m; no bound on any one peer (a trusted cluster's choice).
 - clip (default): each Δ_m scaled down to at most NORM_CLIP_MULTIPLE × a reference norm first.
   It bounds one peer's pull to that multiple over its token share, costs one pass, and changes
-  nothing in an honest group (norms within the multiple of one another), so φ stays bit-equal.
+  nothing in an honest group whose norms lie within the multiple of the median, so φ stays bit-equal.
 - trimmed: clip, then per coordinate drop the ⌊TRIM_FRACTION·M⌋ largest and smallest values
   (unweighted mean of the rest); with fewer than 1/TRIM_FRACTION members it trims nothing.
 - centered-clip: start from clip's mean v and CENTERED_CLIP_ITERATIONS times move it by the
@@ -15,8 +15,17 @@ Aggregators (`--aggregator`):
   others moves v by at most that norm times its share, however far it is.
 
 The reference norm is the group's median norm. In a group of two the median is the mean of the two
-norms, which a single huge contribution drags up with it, so there it is our own Δ's norm (`own`),
-or the smaller norm when ours is not among them.
+norms, which a single huge contribution drags up with it, so there it is the smaller norm: the same
+on both sides, so an honest pair stays bit-equal whatever its norms. A pair cannot tell which of
+the two lies, so there the clip is the smaller norm itself (PAIR_CLIP_MULTIPLE): both count alike
+and the mean is never against either member's own Δ, h·(h + a) ≥ 0 when ‖a‖ ≤ ‖h‖.
+
+Why 1.25 and 1 (docs/architecture.md §3, 'Bound'): one contributor pulls the mean by at most
+(its weight share) × (its clipped norm). With the cap at the median declaration its share is at
+most 1/M among equal honest peers, and with the clip at 1.25 median norms an attacker that knows
+the honest mean and aims its worst direction leaves cos(mean, honest mean) ≥ 0.5 at M = 3 and
+≥ 0.8 at M = 8 (tests/unit/test_aggregate.py measures it); at 4× and 4× it reversed the mean.
+Honest peers with equal tokens and norms within 1.25× the median are not touched.
 
 A butterfly part's owner (swarm/butterfly.py) aggregates one slice of each Δ: clipping then scales
 the slice by the whole Δ's norm its peer declared (outer/averaging.py drops a slice longer than that),
@@ -32,6 +41,7 @@ batch size, so the run's config fixes no token count by itself.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,8 +49,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 AGGREGATORS = ("mean", "clip", "trimmed", "centered-clip")
-NORM_CLIP_MULTIPLE = 4.0  # a contribution longer than this many reference norms is scaled down
-TOKEN_CAP_MULTIPLE = 4.0  # declared tokens count at most this many times the group's typical count
+NORM_CLIP_MULTIPLE = 1.25  # a contribution longer than this many reference norms is scaled down
+# A pair cannot tell who lies: each Δ is clipped to the shorter norm, so the mean never points
+# against either member's own Δ (an attacker can cancel a step, never reverse it).
+PAIR_CLIP_MULTIPLE = 1.0
+TOKEN_CAP_MULTIPLE = 1.0  # declared tokens count at most this many times the group's typical count
+# NoLoCo's φ̄: how far (in reference norms of Δ) a member's φ may pull from ours. φs differ by the
+# drift of several rounds, not one Δ, so this stays wider than the Δ clip.
+PHI_RADIUS_MULTIPLE = 4.0
 TRIM_FRACTION = 0.2
 CENTERED_CLIP_ITERATIONS = 3
 
@@ -63,28 +79,28 @@ class Aggregate:
     reference_norm: float  # what clipping measured against (NoLoCo bounds φ's pull with it)
 
 
-def aggregate(contributions: list[Contribution], method: str = "clip", own: str | None = None,
-              max_tokens: float | None = None) -> Aggregate:
+def aggregate(contributions: list[Contribution], method: str = "clip", max_tokens: float | None = None) -> Aggregate:
     """The group's mean by `method` (see the module's docstring); ValueError when none is usable."""
     if method not in AGGREGATORS:
         raise ValueError(f"unknown aggregator '{method}'")
     ordered = sorted(contributions, key=lambda c: c.peer_id)
-    finite = [c for c in ordered if torch.isfinite(c.pseudo_gradient).all() and c.tokens > 0]
+    finite = [c for c in ordered
+              if torch.isfinite(c.pseudo_gradient).all() and math.isfinite(c.tokens) and c.tokens > 0]
     rejected = tuple(sorted({c.peer_id for c in ordered} - {c.peer_id for c in finite}))
     for peer in rejected:
-        logger.warning("rejected contribution from peer=%s: non-finite values or no tokens", peer)
+        logger.warning("rejected contribution from peer=%s: non-finite values or tokens, or no tokens", peer)
     if not finite:
         raise ValueError("no usable contribution")
     finite, capped = _cap_tokens(finite, max_tokens)
     norms = torch.stack([c.pseudo_gradient.norm() if c.norm is None else torch.tensor(c.norm) for c in finite])
-    reference = _reference_norm(finite, norms, own)
+    reference = _reference_norm(norms)
     total = sum(c.tokens for c in finite)
     weights = [c.tokens / total for c in finite]
     scaled: list[str] = []
     if method == "mean":
         mean = _weighted([c.pseudo_gradient for c in finite], weights)
     else:
-        vectors, scaled = _clipped(finite, norms, NORM_CLIP_MULTIPLE * reference)
+        vectors, scaled = _clipped(finite, norms, clip_multiple(len(finite)) * reference)
         trim = int(TRIM_FRACTION * len(vectors)) if method == "trimmed" else 0
         if method == "centered-clip":
             mean = _centered_clip(vectors, weights, _weighted(vectors, weights), reference)
@@ -100,13 +116,18 @@ def aggregate(contributions: list[Contribution], method: str = "clip", own: str 
 def _cap_tokens(finite: list[Contribution], max_tokens: float | None) -> tuple[list[Contribution], list[str]]:
     """Declared tokens capped at `max_tokens` and at TOKEN_CAP_MULTIPLE × the group's median (of two:
     the smaller); computed from the contributions alone, so every member caps alike."""
-    declared = sorted(c.tokens for c in finite)
-    typical = declared[0] if len(declared) == 2 else declared[len(declared) // 2]
-    cap = TOKEN_CAP_MULTIPLE * typical if max_tokens is None else min(max_tokens, TOKEN_CAP_MULTIPLE * typical)
+    cap = token_cap([c.tokens for c in finite], max_tokens)
     capped = [c.peer_id for c in finite if c.tokens > cap]
     for peer in capped:
         logger.warning("capped the tokens of peer=%s at %.0f", peer, cap)
     return [Contribution(c.peer_id, min(c.tokens, cap), c.pseudo_gradient, c.norm) for c in finite], capped
+
+
+def token_cap(declared: list[float], max_tokens: float | None) -> float:
+    """The most tokens one of these declarations counts for (members check owners' reports with it)."""
+    ordered = sorted(declared)
+    typical = ordered[0] if len(ordered) == 2 else ordered[len(ordered) // 2]
+    return TOKEN_CAP_MULTIPLE * typical if max_tokens is None else min(max_tokens, TOKEN_CAP_MULTIPLE * typical)
 
 
 def _clipped(finite: list[Contribution], norms: torch.Tensor,
@@ -140,11 +161,18 @@ def _centered_clip(vectors: list[torch.Tensor], weights: list[float], start: tor
     return center
 
 
-def _reference_norm(finite: list[Contribution], norms: torch.Tensor, own: str | None) -> torch.Tensor:
-    if len(finite) != 2:
-        return norms.median()
-    mine = [norm for c, norm in zip(finite, norms, strict=True) if c.peer_id == own]
-    return mine[0] if mine else norms.min()
+def clip_multiple(members: int) -> float:
+    """How many reference norms a contribution may reach in a group of `members`."""
+    return PAIR_CLIP_MULTIPLE if members == 2 else NORM_CLIP_MULTIPLE
+
+
+def reference_norm(norms: list[float]) -> float:
+    """What clipping measures against, from the norms alone (members check owners' parts with it)."""
+    return float(_reference_norm(torch.tensor(norms, dtype=torch.float32)))
+
+
+def _reference_norm(norms: torch.Tensor) -> torch.Tensor:
+    return norms.min() if len(norms) == 2 else norms.median()
 
 
 def _weighted(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:

@@ -6,14 +6,14 @@ averages through this one class.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any
 
 import torch
 
 from diloco_node.codec import Codec, CodecError, split_first
-from diloco_node.outer.aggregate import NORM_CLIP_MULTIPLE, Contribution, aggregate, bounded_phi_mean
+from diloco_node.outer.aggregate import PHI_RADIUS_MULTIPLE, Contribution, aggregate, bounded_phi_mean
+from diloco_node.outer.verify import Declared, declaration_fault, verified_parts
 from diloco_node.round import AverageResult, Gathered, Outcome, Own, PartIn, PartSource, part_bounds
 
 logger = logging.getLogger(__name__)
@@ -56,59 +56,71 @@ class Averaging:
         """What we bring to `round_` if its group exchanges by butterfly; None when the run never does."""
         if not self.part_align:
             return None
-        delta = own.delta if own.decoded is not None else None
+        delta, decoded = (own.delta, own.decoded) if own.decoded is not None else (None, None)
         encode = (lambda start, end: self.codec.encode(delta[start:end])) if delta is not None else None
-        norm = float(own.decoded.norm()) if own.decoded is not None else 0.0
-        return PartSource(own.tokens, norm, encode, self.reduce_part, self.part_align)
+        norm = float(decoded.norm()) if decoded is not None else 0.0
 
-    def reduce_part(self, round_: int, bounds: tuple[int, int], parts: list[PartIn]) -> tuple[bytes, dict[str, Any]]:
-        """The bounded mean of one part of the group's Δs, encoded with the run's codec, and what went
-        into it. A part longer than its peer's declared whole norm is a lie and left out."""
-        start, end = bounds
-        contributions, rejected = [], []
+        def norms(bounds: tuple[tuple[int, int], ...]) -> tuple[float, ...]:
+            return tuple(float(decoded[start:end].norm()) for start, end in bounds) if decoded is not None else ()
+        return PartSource(own.tokens, norm, encode, self.reduce_part, self.part_align, norms)
+
+    def reduce_part(self, round_: int, index: int, layout: tuple[tuple[int, int], ...],
+                    parts: list[PartIn]) -> tuple[bytes, dict[str, Any]]:
+        """The bounded mean of part `index` of the group's Δs, encoded with the run's codec, and what went
+        into it: who, with how many tokens, and what each declared (members check the part against it,
+        outer/verify.py). A part longer than its peer's declared part norm, or a declaration whose part
+        norms do not add up to its whole norm, is a lie and left out."""
+        start, end = layout[index]
+        contributions, rejected, declared = [], [], {}
         for part in parts:
             if not part.payload:
                 continue  # that member had nothing to contribute this round
+            declaration = Declared(part.norm, part.tokens, part.norms)
+            if (why := declaration_fault(declaration, len(layout))) is not None:
+                logger.warning("round=%d dropped part from peer=%s: it declared %s", round_, part.peer, why)
+                rejected.append(part.peer)
+                continue
             try:
                 values = self.codec.decode(part.payload, end - start)
             except CodecError as exc:
                 logger.warning("round=%d dropped part from peer=%s: %s", round_, part.peer, exc)
                 rejected.append(part.peer)
                 continue
-            if not math.isfinite(part.norm) or float(values.norm()) > part.norm * (1 + 1e-4) + 1e-12:
+            if float(values.norm()) > part.norms[index] * (1 + 1e-4) + 1e-12:
                 logger.warning("round=%d dropped part from peer=%s: longer than the norm %.3g it declared",
-                               round_, part.peer, part.norm)
+                               round_, part.peer, part.norms[index])
                 rejected.append(part.peer)
                 continue
             contributions.append(Contribution(part.peer, part.tokens, values, part.norm))
+            declared[part.peer] = declaration.as_json()
         report: dict[str, Any] = {"used": [], "tokens": [], "clipped": [], "rejected": sorted(rejected)}
         if not contributions:
             return b"", report
         try:
-            result = aggregate(contributions, self.aggregator, own=self.peer_id, max_tokens=self.max_tokens)
+            result = aggregate(contributions, self.aggregator, max_tokens=self.max_tokens)
         except ValueError:  # every part non-finite or tokenless (aggregate logged each): nothing to average
             report["rejected"] = sorted({p.peer for p in parts if p.payload})
             return b"", report
         report.update(used=list(result.used), tokens=list(result.tokens), clipped=list(result.clipped),
-                      rejected=sorted(set(rejected) | set(result.rejected)))
+                      rejected=sorted(set(rejected) | set(result.rejected)),
+                      declared={peer: declared[peer] for peer in result.used})
         return self.codec.encode(result.mean), report
 
-    def _combined(self, gathered: Gathered) -> tuple[torch.Tensor, list[str]]:
-        """The mean Δ from a butterfly's averaged parts (a part nobody delivered stays zero: every
-        member skips it alike), and the parts' members that contributed to them."""
+    def _combined(self, gathered: Gathered) -> tuple[torch.Tensor, list[str], dict[int, dict[str, Any]]]:
+        """The mean Δ from a butterfly's averaged parts that pass every member's checks (outer/verify.py;
+        a part nobody delivered or that fails them stays zero: every member skips it alike), the parts'
+        members that contributed to them, and the reports of the parts kept."""
         reduced = gathered.reduced
         assert reduced is not None and self.part_align
+        bounds = part_bounds(self.numel, reduced.count, self.part_align)
+        kept = verified_parts(reduced.parts, reduced.group, reduced.count, self.codec.decode, bounds,
+                              self.aggregator, self.max_tokens, gathered.round)
         mean, used = torch.zeros(self.numel), set[str]()
-        for index, (start, end) in enumerate(part_bounds(self.numel, reduced.count, self.part_align)):
-            averaged, report = reduced.parts.get(index, (b"", {}))
-            try:
-                mean[start:end] = self.codec.decode(averaged, end - start) if averaged else 0.0
-            except CodecError as exc:  # every member holds the same bytes, so every member skips it
-                logger.warning("round=%d skipped averaged part %d: %s", gathered.round, index, exc)
-                continue
-            if averaged:
-                used.update(p for p in report.get("used", []) if isinstance(p, str))
-        return mean, sorted(used & set(reduced.group))
+        for index, (values, report) in kept.items():
+            start, end = bounds[index]
+            mean[start:end] = values
+            used.update(report["used"])
+        return mean, sorted(used & set(reduced.group)), {index: report for index, (_, report) in kept.items()}
 
     def alone(self, own: Own) -> AverageResult:
         """The 'mean' of a round we average by ourselves."""
@@ -118,7 +130,7 @@ class Averaging:
         """The mean `member` computed over its group's payloads (all gathered, its own included):
         what a joiner needs for a round its server averaged (OverlappedUpdate.inherit)."""
         if gathered.reduced is not None:
-            mean, used = self._combined(gathered)
+            mean, used, _ = self._combined(gathered)
             return mean if member in used else None
         contributions = []
         for peer, (payload, tokens) in sorted(gathered.payloads.items()):
@@ -128,7 +140,7 @@ class Averaging:
                 logger.warning("round=%d dropped payload from peer=%s: %s", gathered.round, peer, exc)
         if member not in {c.peer_id for c in contributions}:
             return None
-        return aggregate(contributions, self.aggregator, own=member, max_tokens=self.max_tokens).mean
+        return aggregate(contributions, self.aggregator, max_tokens=self.max_tokens).mean
 
     def mean(self, own: Own, gathered: Gathered) -> AverageResult:
         """The bounded token-weighted mean over ours and the gathered payloads (NoLoCo: and mean φ)."""
@@ -151,13 +163,13 @@ class Averaging:
         codec_seconds = own.codec_seconds + time.perf_counter() - started
         if not contributions:
             return AverageResult((), torch.zeros(self.numel), 0.0, codec_seconds, rejected=tuple(undecodable))
-        result = aggregate(contributions, self.aggregator, own=self.peer_id, max_tokens=self.max_tokens)
+        result = aggregate(contributions, self.aggregator, max_tokens=self.max_tokens)
         counted = dict(zip(result.used, result.tokens, strict=True))
         share = counted.get(self.peer_id, 0.0) / sum(result.tokens)
         clipped, mean_phi = set(result.clipped), None
         if own.phi is not None:
             used = [p for p in result.used if p in phis]
-            radius = NORM_CLIP_MULTIPLE * result.reference_norm
+            radius = PHI_RADIUS_MULTIPLE * result.reference_norm
             mean_phi, far = bounded_phi_mean([phis[p] for p in used], [counted[p] for p in used], own.phi, radius)
             for index in far:
                 logger.warning("round=%d clipped φ from peer=%s: further than %.3g from ours",
@@ -171,16 +183,22 @@ class Averaging:
         """The mean from the averaged parts; clipped and rejected peers are those of the part we
         reduced (each owner counts its own), and our share that part's token weight of ours."""
         started = time.perf_counter()
-        mean, used = self._combined(gathered)
+        mean, used, reports = self._combined(gathered)
         reduced = gathered.reduced
         assert reduced is not None
-        held = reduced.parts.get(reduced.own_index) if reduced.own_index is not None else None
-        report = held[1] if held else next(iter(reduced.parts.values()), (b"", {}))[1]
+        held = reports.get(reduced.own_index) if reduced.own_index is not None else None
+        report = held if held is not None else next(iter(reports.values()), {})
         share = _share(report, self.peer_id)
         codec_seconds = own.codec_seconds + time.perf_counter() - started
         return AverageResult(tuple(used), mean, share, codec_seconds, gathered.transfer_seconds,
-                             gathered.received_bytes, clipped=tuple(report.get("clipped", ()) if held else ()),
-                             rejected=tuple(report.get("rejected", ()) if held else ()))
+                             gathered.received_bytes, clipped=_names(report, "clipped") if held else (),
+                             rejected=_names(report, "rejected") if held else ())
+
+
+def _names(report: dict[str, Any], key: str) -> tuple[str, ...]:
+    """The peer ids an owner's report lists under `key` (nothing when it is not a list of them)."""
+    names = report.get(key)
+    return tuple(names) if isinstance(names, list) and all(isinstance(p, str) for p in names) else ()
 
 
 def _share(report: dict[str, Any], peer: str) -> float:

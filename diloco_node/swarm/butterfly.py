@@ -15,12 +15,19 @@ A push is one request-answer on one stream the pusher opens: a member that accep
 connection (behind a NAT) can still push its parts and receive the averaged ones; it simply owns no
 part. A part whose owner vanished is asked of the other members (any that received it holds the
 same bytes); when nobody has it, every member skips it alike.
+
+Before a member applies the parts, it compares them with the group (docs/architecture.md §9): it
+asks every other member for the hash of each averaged part it holds (and tells its own). A part is
+kept only where every member that answered holds it with the same hash: an owner that sent
+different bytes to different members, or a part some member lacks, is skipped by each member that
+compared, and outer/verify.py then checks what is kept against the declared contributions.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -34,7 +41,10 @@ from diloco_node.swarm.streams import HEADER_LEN, Streams, StreamService, receiv
 
 logger = logging.getLogger(__name__)
 
-MAX_REQUEST_BYTES = 1 << 16  # round, part, tokens, norm, the group's peer ids and an admission
+MAX_REQUEST_BYTES = 1 << 16  # round, part, tokens, norms, the group's peer ids and an admission
+# An owner's report: per used peer its id and declaration (M + 2 floats), so ~M² floats in all:
+# groups up to about 100 members
+MAX_REPORT_BYTES = 1 << 18
 KEPT_ROUNDS = 4  # rounds whose parts we hold (late members, joiners completing a round in flight)
 PART_RECOVERY_SECONDS = 10.0  # how long a member asks the others for a part whose owner vanished
 # A push waits this long beyond the owners' wait for parts: the owner reduces when its wait ends and
@@ -44,11 +54,21 @@ ANSWER_SLACK = 30.0
 # pushed to us, so the round's traffic counts its own answers; a member that reads slower than this
 # is counted in the next round.
 WRITE_WAIT_SECONDS = 10.0
+# How long a member waits for the others' hashes of the parts: the slowest member ends its exchange
+# at most a push's wait and a recovery after the first (its round deadline is the same).
+COMPARE_SECONDS = ANSWER_SLACK + PART_RECOVERY_SECONDS
 # The longest an exchange runs beyond its timeout: a push's wait, the recovery of vanished parts,
-# the writes of our answers.
-BEYOND_TIMEOUT = ANSWER_SLACK + PART_RECOVERY_SECONDS + WRITE_WAIT_SECONDS
+# the writes of our answers, the comparison of hashes.
+BEYOND_TIMEOUT = ANSWER_SLACK + PART_RECOVERY_SECONDS + WRITE_WAIT_SECONDS + COMPARE_SECONDS
 RECEIVED = b"\x01"  # an acknowledgement: the whole answer was read
 REFUSAL = "round=%d refused a butterfly exchange with peer=%s: %s"
+
+
+def _hash_list(value: Any, count: int) -> list[str | None] | None:
+    """A member's part hashes as it told them; None when malformed."""
+    if isinstance(value, list) and len(value) == count and all(v is None or isinstance(v, str) for v in value):
+        return value
+    return None
 
 
 def owners(group: Sequence[str], clients: Sequence[str] = ()) -> tuple[str, ...]:
@@ -71,6 +91,21 @@ class _Round:
     written: asyncio.Event = field(default_factory=asyncio.Event)  # `unwritten` is empty
     owning: tuple[str, ...] = ()  # the part owners, in part order
     finished: bool = False  # our exchange of the round has ended: what we hold is all we will hold
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # `finished` is set: our hashes are final
+    told: dict[str, list[str | None]] = field(default_factory=dict)  # member → the part hashes it told us
+    asked: set[str] = field(default_factory=set)  # members we answered our hashes to
+    answered: asyncio.Event = field(default_factory=asyncio.Event)  # `asked` grew
+
+
+def digest(part: tuple[bytes, dict[str, Any]]) -> str:
+    """The hash members compare of one averaged part and its owner's report."""
+    averaged, report = part
+    return hashlib.sha256(averaged + json.dumps(report, sort_keys=True).encode()).hexdigest()
+
+
+def _without_serving_keys(report: dict[str, Any]) -> dict[str, Any]:
+    """An owner's report as its owner answered it, without what a member adds when serving it."""
+    return {key: value for key, value in report.items() if key not in ("group", "parts")}
 
 
 # Why `peer`, showing admission `token`, may not take part in `round`'s exchange whose group (None:
@@ -86,8 +121,9 @@ class Butterfly(StreamService):
         (`name`, served by `_serve`) and requests for averaged parts we hold (`_serve_part`)."""
         super().__init__(streams, f"{namespace}_reduce")
         self._wait = wait_seconds
-        self._reduce_name, self._part_name = self.name, f"{namespace}_part"
+        self._reduce_name, self._part_name, self._digest_name = self.name, f"{namespace}_part", f"{namespace}_digests"
         self._handlers[self._part_name] = self._serve_part
+        self._handlers[self._digest_name] = self._serve_digests
         self._max_part = max_part_bytes
         self._may, self._token, self._count = may_take_part, token, streams.count
         self._rounds: dict[int, _Round] = {}
@@ -101,7 +137,9 @@ class Butterfly(StreamService):
             return None
         self._rounds[round_] = _Round()
         for old in [r for r in self._rounds if r <= max(self._rounds) - KEPT_ROUNDS]:
-            self._rounds.pop(old).done.set()  # a push still waiting on it gets an empty answer
+            dropped = self._rounds.pop(old)
+            dropped.done.set()  # a push still waiting on it gets an empty answer
+            dropped.settled.set()
         return self._rounds[round_]
 
     def _round_for_push(self, round_: int) -> _Round | None:
@@ -129,6 +167,7 @@ class Butterfly(StreamService):
         """We will not reduce a part of `round_` (we averaged alone): pushes get an empty answer now."""
         if rnd := self._round(round_):
             rnd.done.set()
+            rnd.settled.set()
 
     async def exchange(self, round_: int, group: Sequence[str], ourselves: str, clients: Sequence[str],
                        numel: int, source: PartSource, timeout: float) -> Reduced:
@@ -143,7 +182,7 @@ class Butterfly(StreamService):
         rnd.owned = owning.index(ourselves) if ourselves in owning else None
         rnd.arrived.set()  # pushes that came before we knew the group are checked against it now
         deadline = self.loop.time() + timeout  # for the parts we own to arrive
-        pushes = {index: asyncio.ensure_future(self._push(owner, round_, index, group, bounds[index], source,
+        pushes = {index: asyncio.ensure_future(self._push(owner, round_, index, group, bounds, source,
                                                           deadline + ANSWER_SLACK))
                   for index, owner in enumerate(owning) if owner != ourselves}
         try:
@@ -160,10 +199,51 @@ class Butterfly(StreamService):
         if missing:
             await self._recover(round_, rnd, group, owning, missing, ourselves)
         rnd.finished = True
+        rnd.settled.set()
         if rnd.unwritten:  # our answers' writers wake on `done` and may not have run yet
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(rnd.written.wait(), WRITE_WAIT_SECONDS)
-        return Reduced(group, len(owning), {i: rnd.held[i] for i in range(len(owning)) if i in rnd.held}, rnd.owned)
+        agreed = await self._compare(round_, rnd, group, owning, ourselves)
+        return Reduced(group, len(owning), {i: rnd.held[i] for i in agreed}, rnd.owned)
+
+    def _hashes(self, rnd: _Round) -> list[str | None]:
+        return [digest(rnd.held[i]) if i in rnd.held else None for i in range(len(rnd.owning))]
+
+    async def _compare(self, round_: int, rnd: _Round, group: tuple[str, ...], owning: tuple[str, ...],
+                       ourselves: str) -> list[int]:
+        """The parts every member that answered (or asked) holds with the same hash as ours."""
+        ours = self._hashes(rnd)
+        request = json.dumps({"round": round_, "admission": self._token, "digests": ours}).encode()
+        deadline = self.loop.time() + COMPARE_SECONDS
+
+        async def ask(peer: str) -> None:
+            try:
+                _, answer = await self._ask(peer, self._digest_name, request, b"", deadline)
+            except Exception:  # a member gone or silent: it cannot split what the others compare
+                return
+            if (told := _hash_list(answer.get("digests"), len(owning))) is not None:
+                rnd.told[peer] = told
+        await asyncio.gather(*(ask(peer) for peer in group if peer != ourselves))
+        # the members that answered us ask us too: the round's traffic holds those answers (and we
+        # compare with what they tell), unless one takes longer than WRITE_WAIT_SECONDS
+        until = self.loop.time() + WRITE_WAIT_SECONDS
+        while not set(rnd.told) <= rnd.asked and (left := until - self.loop.time()) > 0:
+            rnd.answered.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(rnd.answered.wait(), left)
+        agreed = []
+        for index, mine in enumerate(ours):
+            if mine is None:
+                continue
+            differing = sorted(peer for peer, told in rnd.told.items() if told[index] != mine)
+            if differing:
+                logger.warning("round=%d skipped averaged part %d (owner peer=%s): peer=%s hold%s other bytes or none",
+                               round_, index, owning[index], ",".join(differing), "" if len(differing) > 1 else "s")
+                # no longer held: members that ask our hashes (or the part) later skip it as we do
+                rnd.held.pop(index, None)
+            else:
+                agreed.append(index)
+        return agreed
 
     async def _reduce_ours(self, round_: int, rnd: _Round, group: tuple[str, ...], bounds: tuple[tuple[int, int], ...],
                            ourselves: str, source: PartSource, deadline: float) -> None:
@@ -187,19 +267,22 @@ class Butterfly(StreamService):
         start, end = bounds[index]
         parts = [rnd.received[peer][1] for peer in sorted(fitting)]
         if source.encode is not None:
-            parts.append(PartIn(ourselves, source.encode(start, end), source.tokens, source.norm))
+            parts.append(PartIn(ourselves, source.encode(start, end), source.tokens, source.norm, source.norms(bounds)))
         parts.sort(key=lambda part: part.peer)
-        answer = await self.loop.run_in_executor(None, source.reduce, round_, (start, end), parts)
+        answer = await self.loop.run_in_executor(None, source.reduce, round_, index, bounds, parts)
         rnd.held[index] = answer
         rnd.awaited, rnd.unwritten = set(fitting), set(fitting)
         rnd.done.set()
 
-    async def _push(self, owner: str, round_: int, index: int, group: tuple[str, ...], bounds: tuple[int, int],
-                    source: PartSource, deadline: float) -> tuple[bytes, dict[str, Any]] | None:
-        """Our part `index` to its owner; its answer is the averaged part (None: failed or empty)."""
-        payload = source.encode(*bounds) if source.encode is not None else b""
+    async def _push(self, owner: str, round_: int, index: int, group: tuple[str, ...],
+                    bounds: tuple[tuple[int, int], ...], source: PartSource,
+                    deadline: float) -> tuple[bytes, dict[str, Any]] | None:
+        """Our part `index` to its owner, with the norms of all our parts (the same list to every owner);
+        its answer is the averaged part (None: failed or empty)."""
+        payload = source.encode(*bounds[index]) if source.encode is not None else b""
         request = json.dumps({"round": round_, "part": index, "group": list(group), "admission": self._token,
-                              "tokens": source.tokens if payload else 0.0, "norm": source.norm}).encode()
+                              "tokens": source.tokens if payload else 0.0, "norm": source.norm,
+                              "norms": list(source.norms(bounds)) if payload else []}).encode()
         try:
             averaged, report = await self._ask(owner, self._reduce_name, request, payload, deadline)
             return (averaged, report) if averaged else None
@@ -217,7 +300,7 @@ class Butterfly(StreamService):
         try:
             await send(writer, request)
             await send(writer, payload)
-            meta = await receive(reader, MAX_REQUEST_BYTES, max(deadline - self.loop.time(), 1.0))
+            meta = await receive(reader, MAX_REPORT_BYTES, max(deadline - self.loop.time(), 1.0))
             averaged = await receive(reader, self._max_part, max(deadline - self.loop.time(), 1.0))
             writer.write(RECEIVED)
             await writer.drain()
@@ -245,7 +328,7 @@ class Butterfly(StreamService):
                     except Exception:  # that member is gone too
                         continue
                     if averaged and report.get("group") == list(group):
-                        rnd.held[index] = averaged, report
+                        rnd.held[index] = averaged, _without_serving_keys(report)
                         missing.remove(index)
                         logger.info("round=%d part %d: owner peer=%s vanished; got it from peer=%s",
                                     round_, index, owning[index], peer)
@@ -267,12 +350,12 @@ class Butterfly(StreamService):
         if not (isinstance(group, list) and all(isinstance(p, str) for p in group) and isinstance(count, int)
                 and 0 < count <= len(group)):
             return None
-        parts = {0: (averaged, report)} if averaged else {}
+        parts = {0: (averaged, _without_serving_keys(report))} if averaged else {}
         for index in range(1, count):
             request = json.dumps({"round": round_, "part": index, "admission": self._token}).encode()
             averaged, report = await self._ask(peer, self._part_name, request, b"", deadline)
             if averaged:
-                parts[index] = averaged, report
+                parts[index] = averaged, _without_serving_keys(report)
         return tuple(group), parts
 
     # --- serving ------------------------------------------------------------------------------
@@ -288,6 +371,9 @@ class Butterfly(StreamService):
             fields = json.loads(request)
             round_, index, group = fields["round"], fields["part"], tuple(fields["group"])
             tokens, norm, token = float(fields["tokens"]), float(fields["norm"]), str(fields.get("admission", ""))
+            if not isinstance(fields.get("norms", []), list):
+                raise ValueError("malformed push")
+            norms = tuple(float(n) for n in fields.get("norms", []))
             if not (isinstance(round_, int) and isinstance(index, int) and all(isinstance(p, str) for p in group)):
                 raise ValueError("malformed push")
             answer: tuple[bytes, dict[str, Any]] = (b"", {})
@@ -298,7 +384,7 @@ class Butterfly(StreamService):
             if why is not None:
                 self._refuse_once(peer, why, REFUSAL, round_, peer, why)
             elif rnd is not None:
-                rnd.received[peer] = (index, PartIn(peer, payload, tokens if payload else 0.0, norm), group)
+                rnd.received[peer] = (index, PartIn(peer, payload, tokens if payload else 0.0, norm, norms), group)
                 rnd.arrived.set()
                 await asyncio.wait_for(rnd.done.wait(), timeout=self._wait + ANSWER_SLACK)
                 if rnd.owned == index and rnd.group == group and index in rnd.held:
@@ -347,6 +433,41 @@ class Butterfly(StreamService):
             received += await asyncio.wait_for(reader.read(1), timeout=10) == RECEIVED
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError) as exc:
             logger.warning("butterfly part request from peer=%s failed: %s", peer, type(exc).__name__)
+        finally:
+            self._count(sent=sent, received=received)
+            writer.close()
+
+    async def _serve_digests(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A member's part hashes for a round: we keep them, and answer ours once our exchange has ended."""
+        peer = str(info.peer_id)
+        sent = received = 0
+        try:
+            request = await receive(reader, MAX_REQUEST_BYTES, timeout=10)
+            await receive(reader, 0, timeout=10)
+            received = 2 * HEADER_LEN + len(request)
+            fields = json.loads(request)
+            round_, token = fields["round"], str(fields.get("admission", ""))
+            rnd = self._round_for_push(round_) if isinstance(round_, int) else None
+            answer: dict[str, Any] = {}
+            why = await self.loop.run_in_executor(None, self._may, peer, round_, token, rnd.group if rnd else None)
+            if why is not None:
+                self._refuse_once(peer, why, REFUSAL, round_, peer, why)
+            elif rnd is not None:
+                # the asker may end its exchange before ours: our hashes are final once we have ended
+                await asyncio.wait_for(rnd.settled.wait(), COMPARE_SECONDS)
+                if rnd.group is not None and peer in rnd.group:
+                    if (told := _hash_list(fields.get("digests"), len(rnd.owning))) is not None:
+                        rnd.told.setdefault(peer, told)
+                    answer = {"digests": self._hashes(rnd)}
+            sent = await self._answer(writer, (b"", answer))
+            self._count(sent=sent, received=received)
+            sent = received = 0
+            if rnd is not None and answer:
+                rnd.asked.add(peer)
+                rnd.answered.set()
+            received += await asyncio.wait_for(reader.read(1), timeout=10) == RECEIVED
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("butterfly hash request from peer=%s failed: %s", peer, type(exc).__name__)
         finally:
             self._count(sent=sent, received=received)
             writer.close()

@@ -15,6 +15,10 @@ Usage: forger.py PEER_MULTIADDR RUN_ID MODE
   pseudo-gradient ~1e6 times an honest one's norm, declaring 1e30 tokens;
 - fuzz: takes part in every round with a valid payload damaged at random (bytes flipped, cut,
   grown), a fresh one each round. It prints `contributed ROUND GROUP_SIZE` per round it averaged in.
+- owner: a run exchanging by butterfly: takes part in every round and owns a part (pushing nothing
+  of its own); it waits for every member's push of its part and answers with the mean of their
+  slices and a well-formed report: in even rounds times 1e16 to everyone, in odd rounds halved for
+  every second pusher (different bytes to different members, each within the clip bound).
 
 It prints `forging PEER_ID` once its record is stored, then refreshes it until SIGTERM, on which
 it shuts its DHT down and exits 0.
@@ -140,6 +144,72 @@ def bad_payload(mode: str, numel: int, rng: np.random.Generator) -> bytes:
     return bytes(valid) + rng.bytes(int(rng.integers(1, 4096)))
 
 
+LOOP: list[asyncio.AbstractEventLoop] = []  # the loop p2p's streams run on (main sets it)
+
+
+async def read_message(reader: asyncio.StreamReader) -> bytes:
+    return await asyncio.wait_for(reader.readexactly(int.from_bytes(await reader.readexactly(HEADER), "big")), 60)
+
+
+def message(body: bytes) -> bytes:
+    return len(body).to_bytes(HEADER, "big") + body
+
+
+async def push_nothing(p2p, owner_: str, namespace: str, round_: int, index: int, group: list[str]) -> None:
+    """A butterfly push with no payload (we contribute nothing); its answer is read and dropped."""
+    request = {"round": round_, "part": index, "group": group, "admission": "", "tokens": 0.0, "norm": 0.0,
+               "norms": []}
+    try:
+        _, reader, writer = await asyncio.wait_for(
+            p2p.call_binary_stream_handler(PeerID.from_base58(owner_), f"{namespace}_reduce"), 10)
+        writer.write(message(json.dumps(request).encode()) + message(b""))
+        await writer.drain()
+        await read_message(reader)
+        await read_message(reader)
+        writer.write(b"\x01")
+        await writer.drain()
+        writer.close()
+    except Exception:  # noqa: BLE001  (a round we were not counted in)
+        pass
+
+
+def owner(numel: int, me: str):
+    """The push handler of a hostile butterfly owner (see the module's docstring)."""
+    from diloco_node.codec import CodecConfig, make_codec  # the format only: no node code runs here
+    from diloco_node.round import part_bounds
+
+    codec = make_codec(CodecConfig(name="none"))
+    pushes: dict[int, dict[str, tuple[dict, bytes]]] = {}
+    answered: dict[int, int] = {}
+
+    async def serve(info, reader, writer) -> None:
+        request = json.loads(await read_message(reader))
+        payload = await read_message(reader)
+        round_, peer = request["round"], str(info.peer_id)
+        pushes.setdefault(round_, {})[peer] = request, payload
+        others = {p for p in request["group"] if p != me}
+        for _ in range(100):  # every member's push, or 10 s
+            if set(pushes[round_]) >= others:
+                break
+            await asyncio.sleep(0.1)
+        start, end = part_bounds(numel, len(request["group"]), 1)[request["part"]]
+        used = sorted(p for p, (_, body) in pushes[round_].items() if body)
+        mean = sum(codec.decode(pushes[round_][p][1], end - start) for p in used) / max(len(used), 1)
+        answered[round_] = answered.get(round_, 0) + 1
+        if round_ % 2 == 0:
+            mean = mean * 1e16
+        elif answered[round_] % 2 == 0:
+            mean = mean * 0.5
+        report = {"used": used, "tokens": [pushes[round_][p][0]["tokens"] for p in used], "clipped": [],
+                  "rejected": [], "declared": {p: [pushes[round_][p][0]["norm"], pushes[round_][p][0]["tokens"],
+                                                   pushes[round_][p][0]["norms"]] for p in used}}
+        writer.write(message(json.dumps(report).encode()) + message(codec.encode(mean) if used else b""))
+        await writer.drain()
+        await reader.read(1)
+        writer.close()
+    return serve
+
+
 def contribute(dht: DHT, p2p, run, namespace: str, key: str, me: str, signer, mode: str, numel: int,
                stop: threading.Event) -> None:
     """Take part in every round the honest nodes are ready for, with a bad payload."""
@@ -159,6 +229,8 @@ def contribute(dht: DHT, p2p, run, namespace: str, key: str, me: str, signer, mo
         writer.close()
 
     run(p2p.add_binary_stream_handler(f"{namespace}_payload", serve))
+    if mode == "owner":
+        run(p2p.add_binary_stream_handler(f"{namespace}_reduce", owner(numel, me)))
     done = -1
     while not stop.is_set():
         honest = [r for r in honest_records(dht, key, stop) if r["peer_id"] != me]
@@ -181,6 +253,11 @@ def contribute(dht: DHT, p2p, run, namespace: str, key: str, me: str, signer, mo
         except Exception:  # no group this time
             group = []
         offers[round_] = (offers[round_][0], group or None)
+        if group and mode == "owner":
+            for index, other in enumerate(group):  # an empty push each: the owners need not wait for us
+                if other != me:
+                    asyncio.run_coroutine_threadsafe(push_nothing(p2p, other, namespace, round_, index, group),
+                                                     LOOP[0])
         print(f"contributed {round_} {len(group)}", flush=True)
         done = round_
     averager.shutdown()
@@ -199,12 +276,13 @@ def main() -> None:
     assert str(dht.peer_id) == me
     namespace = f"{run_id}_{honest[0]['fingerprint']}"
     loop = asyncio.new_event_loop()
+    LOOP.append(loop)
     threading.Thread(target=loop.run_forever, daemon=True).start()
     run = lambda coroutine: asyncio.run_coroutine_threadsafe(coroutine, loop).result(120)  # noqa: E731
     p2p = run(dht.replicate_p2p())
     address, _, bootstrap_id = peer.rpartition("/p2p/")
     run(p2p._client.connect(PeerID.from_base58(bootstrap_id), [Multiaddr(address)]))  # so that its daemon routes it
-    if mode in ("huge", "fuzz"):
+    if mode in ("huge", "fuzz", "owner"):
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         header, vectors = fetch_state(p2p, run, honest[0]["peer_id"], namespace)

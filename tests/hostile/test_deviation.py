@@ -132,14 +132,15 @@ class Twin:
         return found
 
 
-def twin_run(spawn: NodeFactory, label: str, keys: dict[str, Path], attack: str | None = None) -> Twin:
+def twin_run(spawn: NodeFactory, label: str, keys: dict[str, Path], attack: str | None = None,
+             extra: tuple[str, ...] = ()) -> Twin:
     """Nodes a and b to ROUNDS (with forger.py in mode `attack` from right after a is up), each with
     its checkpoints in `label`-a and `label`-b.
 
     With an attack they wait for three peers: the forger's record counts as one (an open run cannot
     tell it from an honest node's), so with two, a would train with the forger alone while b is
     still starting. --min-peers only gates the start: the runs' steps are alike."""
-    options = (*OPTIONS, "--min-peers", "3" if attack else "2")
+    options = (*OPTIONS, *extra, "--min-peers", "3" if attack else "2")
     a = spawn(f"{label}-a", *options, "--identity", str(keys["a"]), run_id=RUN_ID)
     twin = Twin([a], Checkpoints(a.workdir / a.name / RUN_ID / "node.json"))
     with (forging_process(a.wait_for_address(), attack) if attack else contextlib.nullcontext()) as forger:
@@ -207,7 +208,7 @@ def test_a_huge_contributor_moves_phi_no_further_than_the_clip_bound(
     for r in rounds:
         reach = OUTER_LR * sum(MOMENTUM ** j for j in range(ROUNDS - r + 2))  # outer_lr·(1 + μ + … + μ^(N−r+1))
         if (clip := clips.get(r)) is not None:
-            # both honest nodes declare the same tokens (same H, batch, seq_len): the cap is 4× theirs
+            # both honest nodes declare the same tokens (same H, batch, seq_len): the cap is TOKEN_CAP_MULTIPLE × theirs
             share = clip.token_cap / (clip.token_cap + 2 * clip.token_cap / TOKEN_CAP_MULTIPLE)
             change = share * (NORM_CLIP_MULTIPLE + 1) * clip.reference + clip.reference + clean_norms[r]
             unclipped += (reach * clip.norm) ** 2  # weight ~1, and its Δs are random: near orthogonal

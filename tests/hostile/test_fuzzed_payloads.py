@@ -63,7 +63,7 @@ def test_a_hundred_thousand_damaged_payloads_change_nothing_they_should_not() ->
         own = averaging.encode(1, own_delta, 1000.0)
         assert own.decoded is not None
         valid = make_codec(config).encode(own_delta * 0.5)
-        bound = (1 + NORM_CLIP_MULTIPLE) * float(own.decoded.norm())  # our Δ plus a peer clipped to 4× ours
+        bound = (1 + NORM_CLIP_MULTIPLE) * float(own.decoded.norm())  # ours plus a peer clipped to ≤ that × ours
         for _ in range(per_codec):
             result = averaging.mean(own, Gathered(Outcome.TOGETHER, 1, {"peer": (damaged(valid, rng), 1000.0)}))
             assert bool(torch.isfinite(result.mean).all()), name

@@ -1,12 +1,14 @@
 """The butterfly between three real hivemind DHT peers in this process (swarm/butterfly.py):
-every member ends with the same bytes for every part, and a vanished owner's part is skipped alike."""
+every member ends with the same bytes for every part, and a vanished owner's part is skipped alike
+(tests/hostile/test_butterfly_owner.py: hostile owners)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from hivemind import DHT
 
 from diloco_node.codec import CodecConfig, make_codec
 from diloco_node.outer.averaging import Averaging
-from diloco_node.round import Reduced
+from diloco_node.round import Reduced, Reducer
 from diloco_node.swarm import butterfly as butterfly_module
 from diloco_node.swarm.butterfly import Butterfly
 from diloco_node.swarm.streams import Streams
@@ -47,18 +49,22 @@ def trio() -> Iterator[list[tuple[str, Streams, Butterfly]]]:
 
 
 def run_round(members: list[tuple[str, Streams, Butterfly]], group: list[str],
-              late: str | None = None, sent: dict[str, int] | None = None) -> dict[str, Reduced]:
-    """Each member's butterfly of round 1, concurrently, with its own Δ (all ones times its index + 1);
+              late: str | None = None, sent: dict[str, int] | None = None,
+              reducers: dict[str, Callable[[Reducer], Reducer]] | None = None) -> dict[str, Reduced]:
+    """Each member's butterfly of round 1, concurrently, with its own Δ (all ones times its index + 4:
+    norms within the clip's 1.25 of the median, so nothing is clipped);
     member `late` starts a second after the others. `sent` gets each member's bytes sent as its
-    exchange returns."""
+    exchange returns. `reducers`: a member reduces its part with reducers[member](its honest reducer)."""
     codec = make_codec(CodecConfig(name="none"))
     results: dict[str, Reduced] = {}
 
     def one(index: int, peer: str, exchange: Streams, butterfly: Butterfly) -> None:
         averaging = Averaging(codec, NUMEL, peer, part_align=1)
-        own = averaging.encode(1, torch.full((NUMEL,), float(index + 1)), 100.0)
+        own = averaging.encode(1, torch.full((NUMEL,), float(index + 4)), 100.0)
         source = averaging.parts(1, own)
         assert source is not None
+        if peer in (reducers or {}):
+            source = dataclasses.replace(source, reduce=(reducers or {})[peer](source.reduce))
         if peer == late:
             time.sleep(1.0)
         results[peer] = exchange.run(butterfly.exchange(1, group, peer, (), NUMEL, source, 5.0), timeout=60)
@@ -82,7 +88,7 @@ def test_every_member_ends_with_the_same_averaged_parts(trio: list[tuple[str, St
     codec = make_codec(CodecConfig(name="none"))
     mean = torch.cat([codec.decode(parts[0][index], end - start) for index, (start, end)
                       in enumerate([(0, 333), (333, 666), (666, 999)])])
-    assert torch.allclose(mean, torch.full((NUMEL,), 2.0))  # (1 + 2 + 3) / 3, equal tokens
+    assert torch.allclose(mean, torch.full((NUMEL,), 5.0))  # (4 + 5 + 6) / 3, equal tokens
     assert [reduced.own_index for _, reduced in sorted(results.items())] == [0, 1, 2]
 
 
@@ -110,3 +116,4 @@ def test_each_member_has_counted_its_rounds_traffic_when_its_exchange_returns(
     run_round(trio, group, late=group[2], sent=sent)
     time.sleep(1.0)  # every stream of the round has ended
     assert sent == {peer: exchange.bytes_sent for peer, exchange, _ in trio}
+

@@ -2,8 +2,9 @@
 
 Islands a and b are public (100 Mbit/s links); c sits on a LAN behind b's namespace, which
 masquerades it as a home router does: c reaches everyone, nobody can open a connection to c. In an
-open run (all-gather by default) c finds at start-up that no peer can dial it, joins as a client,
-and the group exchanges by butterfly with c owning no part. Under blocking all three hold the same
+open run that asks for the butterfly (an open run's `auto` never uses it: a client flag is
+self-declared, docs/architecture.md §9) c finds at start-up that no peer can dial it, joins as a
+client, and the group exchanges by butterfly with c owning no part. Under blocking all three hold the same
 φ round after round; c's status says it is a client, and a's and b's that they are public.
 """
 
@@ -17,7 +18,8 @@ from tests.network.test_islands import need_netns
 
 RATE_MBIT = 100.0
 ROUNDS = 4
-OPTIONS = ["--sync", "blocking", "--inner-steps", "5", "--min-peers", "3", "--max-outer-steps", str(ROUNDS)]
+OPTIONS = ["--sync", "blocking", "--inner-steps", "5", "--min-peers", "3", "--max-outer-steps", str(ROUNDS),
+           "--exchange", "butterfly"]
 
 
 @pytest.mark.timeout(600)

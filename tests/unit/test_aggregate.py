@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from diloco_node.outer import aggregate as aggregate_module
 from diloco_node.outer.aggregate import Contribution, aggregate, bounded_phi_mean
 
 
@@ -14,20 +15,21 @@ def c(peer: str, tokens: float, *values: float) -> Contribution:
     return Contribution(peer, tokens, torch.tensor(values, dtype=torch.float32))
 
 
-def robust_weighted_mean(contributions: list[Contribution], own: str | None = None) -> torch.Tensor:
-    return aggregate(contributions, "clip", own=own).mean
+def robust_weighted_mean(contributions: list[Contribution]) -> torch.Tensor:
+    return aggregate(contributions, "clip").mean
 
 
 def test_token_weighted_mean_without_clipping() -> None:
-    # (1·[1,0] + 1·[0,1] + 2·[1,1]) / 4; norms 1, 1, √2 are all within 4 × median (1)
-    mean = robust_weighted_mean([c("a", 1, 1, 0), c("b", 1, 0, 1), c("c", 2, 1, 1)])
-    assert mean.tolist() == pytest.approx([0.75, 0.75])
+    # norms 1, 1, 0.85 within 1.25 × median (1); tokens 2, 1, 2 within the median (2):
+    # (2·[1,0] + 1·[0,1] + 2·[0.6,0.6]) / 5
+    mean = robust_weighted_mean([c("a", 2, 1, 0), c("b", 1, 0, 1), c("c", 2, 0.6, 0.6)])
+    assert mean.tolist() == pytest.approx([0.64, 0.44])
 
 
-def test_a_long_contribution_is_clipped_to_four_median_norms() -> None:
-    # median norm 1 → limit 4; [100, 0] becomes [4, 0]: ([1,0] + [0,1] + [4,0]) / 3
+def test_a_long_contribution_is_clipped_to_a_quarter_more_than_the_median_norm() -> None:
+    # median norm 1 → limit 1.25; [100, 0] becomes [1.25, 0]: ([1,0] + [0,1] + [1.25,0]) / 3
     mean = robust_weighted_mean([c("a", 1, 1, 0), c("b", 1, 0, 1), c("c", 1, 100, 0)])
-    assert mean.tolist() == pytest.approx([5 / 3, 1 / 3])
+    assert mean.tolist() == pytest.approx([2.25 / 3, 1 / 3])
 
 
 def test_the_result_does_not_depend_on_the_order_received() -> None:
@@ -35,27 +37,29 @@ def test_the_result_does_not_depend_on_the_order_received() -> None:
     assert torch.equal(robust_weighted_mean(contributions), robust_weighted_mean(contributions[::-1]))
 
 
-def test_in_a_pair_the_other_is_clipped_against_our_own_norm() -> None:
-    # ours [1,0] (norm 1) → limit 4; theirs [0,1000] becomes [0,4]: ([1,0] + [0,4]) / 2
-    mean = robust_weighted_mean([c("us", 1, 1, 0), c("them", 1, 0, 1000)], own="us")
-    assert mean.tolist() == pytest.approx([0.5, 2.0])
+def test_in_a_pair_the_longer_is_clipped_to_the_shorter_norm() -> None:
+    # norms 1 and 1000 → limit 1 (the smaller norm, which both members see alike): [0,1000] → [0,1]
+    mean = robust_weighted_mean([c("us", 1, 1, 0), c("them", 1, 0, 1000)])
+    assert mean.tolist() == pytest.approx([0.5, 0.5])
 
 
-def test_in_a_pair_without_ours_the_smaller_norm_is_the_reference() -> None:
-    # norms 3 and 40 → limit 12; [0,40] becomes [0,12]: ([3,0] + [0,12]) / 2
-    mean = robust_weighted_mean([c("a", 1, 3, 0), c("b", 1, 0, 40)])
-    assert mean.tolist() == pytest.approx([1.5, 6.0])
+def test_an_honest_pair_with_equal_norms_clips_nothing() -> None:
+    result = aggregate([c("a", 1, 1, 2), c("b", 1, 2, 1)])
+    assert result.mean.tolist() == pytest.approx([1.5, 1.5]) and result.clipped == ()
 
 
-def test_an_honest_pair_clips_nothing_and_both_sides_agree() -> None:
-    pair = [c("a", 1, 1, 2), c("b", 2, 3, 1)]  # norms √5 and √10: within 4× of each other
-    assert torch.equal(robust_weighted_mean(pair, own="a"), robust_weighted_mean(pair, own="b"))
-    assert robust_weighted_mean(pair, own="a").tolist() == pytest.approx([7 / 3, 4 / 3])
+@pytest.mark.parametrize("scale", [1e3, 1.0, 0.5, 1e-3])
+def test_in_a_pair_the_other_can_cancel_our_step_but_never_reverse_it(scale: float) -> None:
+    ours = torch.tensor([3.0, 4.0])
+    for theirs in (-scale * ours, scale * torch.tensor([-4.0, -2.9])):
+        mean = aggregate([Contribution("us", 1, ours), Contribution("them", 1e30, theirs)]).mean
+        assert float(mean.dot(ours)) >= -1e-6
 
 
 def test_non_finite_and_tokenless_contributions_are_rejected() -> None:
-    mean = robust_weighted_mean([c("a", 1, math.nan, 0), c("b", 0, 5, 5), c("c", 1, 1, 1), c("d", 1, 2, 2)])
-    assert mean.tolist() == pytest.approx([1.5, 1.5])
+    members = [c("a", 1, math.nan, 0), c("b", 0, 5, 5), c("c", 1, 1, 1), c("d", 1, 1.2, 1.2), c("e", math.inf, 1, 1)]
+    result = aggregate(members)
+    assert result.mean.tolist() == pytest.approx([1.0, 1.0]) and result.rejected == ("a", "b", "e")  # d clipped
     with pytest.raises(ValueError):
         robust_weighted_mean([c("a", 1, math.inf, 0)])
 
@@ -66,34 +70,32 @@ def test_clipped_and_rejected_peers_are_named() -> None:
     assert result.reference_norm == pytest.approx(1.0)
 
 
-def test_plain_mean_bounds_nothing() -> None:
-    result = aggregate([c("a", 1, 1, 0), c("b", 1, 0, 1), c("c", 2, 100, 0)], "mean")
-    assert result.mean.tolist() == pytest.approx([50.25, 0.25]) and result.clipped == ()
+def test_plain_mean_bounds_no_norm() -> None:
+    result = aggregate([c("a", 1, 1, 0), c("b", 1, 0, 1), c("c", 1, 100, 0)], "mean")
+    assert result.mean.tolist() == pytest.approx([101 / 3, 1 / 3]) and result.clipped == ()
 
 
 def test_declared_tokens_are_capped_at_the_runs_most() -> None:
     # "c" claims 1e30 tokens: counted at the run's cap (2), like an honest node with 2
-    # (norms 1, 1, 2.83: within 4 × the median) (2·[1,0] + 2·[0,1] + 2·[2,2]) / 6 = [1, 1]
-    result = aggregate([c("a", 2, 1, 0), c("b", 2, 0, 1), c("c", 1e30, 2, 2)], "clip", max_tokens=2)
-    assert result.mean.tolist() == pytest.approx([1.0, 1.0]) and result.clipped == ("c",)
+    # (norms 1, 1, 1.13: within 1.25 × the median) (2·[1,0] + 2·[0,1] + 2·[0.8,0.8]) / 6
+    result = aggregate([c("a", 2, 1, 0), c("b", 2, 0, 1), c("c", 1e30, 0.8, 0.8)], "clip", max_tokens=2)
+    assert result.mean.tolist() == pytest.approx([0.6, 0.6]) and result.clipped == ("c",)
 
 
-def test_declared_tokens_count_at_most_four_typical_ones() -> None:
-    # median declaration 1 → cap 4: c's 1e30 counts 4: (1·[1,0] + 1·[0,1] + 4·[2,2]) / 6
-    result = aggregate([c("a", 1, 1, 0), c("b", 1, 0, 1), c("c", 1e30, 2, 2)], "clip")
-    assert result.mean.tolist() == pytest.approx([9 / 6, 9 / 6]) and result.clipped == ("c",)
+def test_declared_tokens_count_at_most_the_typical_declaration() -> None:
+    # median declaration 1 → cap 1: c's 1e30 counts 1: ([1,0] + [0,1] + [0.8,0.8]) / 3
+    result = aggregate([c("a", 1, 1, 0), c("b", 1, 0, 1), c("c", 1e30, 0.8, 0.8)], "clip")
+    assert result.mean.tolist() == pytest.approx([0.6, 0.6]) and result.clipped == ("c",)
     # a pair: the smaller declaration is the typical one, the same on both sides
-    pair = [c("a", 3, 1, 0), c("b", 1e30, 0, 1)]
-    assert torch.equal(aggregate(pair, own="a").mean, aggregate(pair, own="b").mean)
-    assert aggregate(pair, own="a").mean.tolist() == pytest.approx([3 / 15, 12 / 15])
+    assert aggregate([c("a", 3, 1, 0), c("b", 1e30, 0, 1)]).mean.tolist() == pytest.approx([0.5, 0.5])
 
 
 def test_trimmed_drops_each_coordinates_extremes() -> None:
-    # five members: trim 1 per side per coordinate. Norms 1, 1, 2, 3, 50 → median 2, limit 8:
-    # e scaled to [8, 0]. Coordinate 0: 0 1 2 3 8 → mean of 1 2 3 = 2; coordinate 1: 0 0 1 0 0 → 0 0 0 = 0
+    # five members: trim 1 per side per coordinate. Norms 1, 1, 2, 3, 50 → median 2, limit 2.5:
+    # d and e scaled to [2.5, 0]. Coordinate 0: 0 1 2 2.5 2.5 → mean of 1 2 2.5; coordinate 1: 0 0 0 0 1 → 0
     members = [c("a", 1, 1, 0), c("b", 1, 0, 1), c("c", 1, 2, 0), c("d", 1, 3, 0), c("e", 1, 50, 0)]
     result = aggregate(members, "trimmed")
-    assert result.mean.tolist() == pytest.approx([2.0, 0.0]) and result.clipped == ("e",)
+    assert result.mean.tolist() == pytest.approx([5.5 / 3, 0.0]) and result.clipped == ("d", "e")
 
 
 def test_trimmed_with_few_members_is_clip() -> None:
@@ -102,17 +104,17 @@ def test_trimmed_with_few_members_is_clip() -> None:
 
 
 def test_centered_clip_moves_the_mean_by_at_most_the_radius_per_member() -> None:
-    # norms 1, 1, 1000 → reference 1, limit 4: c is scaled to [4, 0] and clip's mean is
-    # ([1,0] + [1,0] + [4,0]) / 3 = [2, 0]. Then three times: each offset from the center clipped to
-    # radius 1 (the reference), their mean added (first: (−1 − 1 + 1) / 3 = −1/3).
-    members = [c("a", 1, 1, 0), c("b", 1, 1, 0), c("c", 1, 1000, 0)]
-    center = 2.0
+    # norms 1, 1, 1000 → reference 1, limit 1.25: c is scaled to [−1.25, 0] and clip's mean is
+    # ([1,0] + [1,0] − [1.25,0]) / 3 = [0.25, 0]. Then three times: each offset from the center
+    # clipped to radius 1 (the reference), their mean added (first: (0.75 + 0.75 − 1) / 3).
+    members = [c("a", 1, 1, 0), c("b", 1, 1, 0), c("c", 1, -1000, 0)]
+    center = 0.25
     for _ in range(3):
-        offsets = [1 - center, 1 - center, 4 - center]
+        offsets = [1 - center, 1 - center, -1.25 - center]
         center += sum(max(-1.0, min(1.0, o)) for o in offsets) / 3
     result = aggregate(members, "centered-clip")
     assert result.mean.tolist() == pytest.approx([center, 0.0])
-    assert center < 2.0  # closer to the honest [1, 0] than clip's mean
+    assert center > 0.25  # closer to the honest [1, 0] than clip's mean
 
 
 def test_every_aggregator_gives_the_same_bits_on_every_node() -> None:
@@ -134,3 +136,43 @@ def test_noloco_phi_mean_bounds_each_members_pull() -> None:
     assert mean.tolist() == pytest.approx([0.25, 2.5]) and clipped == [2]
     honest, none_clipped = bounded_phi_mean([own, near], [1, 1], own, radius=5.0)
     assert honest.tolist() == pytest.approx([0.5, 0.0]) and none_clipped == []
+
+
+def worst_case_cosine(group_size: int, spread: float = 1.0, seeds: int = 5, dim: int = 4096) -> float:
+    """cos(mean, honest mean) under `clip` when one member of `group_size` is an attacker that knows
+    the honest mean: it claims 1e30 tokens (counted at the cap) and sends the longest vector the clip
+    lets through, in the direction that lowers the cosine most (searched over angles from −honest
+    mean towards a perpendicular). Honest Δs are a common mean plus noise `spread` times as large
+    per coordinate (spread 1: honest Δs at cosine ≈ 0.5 to one another), tokens 900 to 1100."""
+    worst = 1.0
+    for seed in range(seeds):
+        generator = torch.Generator().manual_seed(seed)
+        common = torch.randn(dim, generator=generator)
+        honest = [Contribution(f"h{i}", float(900 + torch.randint(0, 201, (1,), generator=generator)),
+                               common + spread * torch.randn(dim, generator=generator))
+                  for i in range(group_size - 1)]
+        honest_mean = aggregate(honest).mean
+        away = -honest_mean / honest_mean.norm()
+        side = torch.randn(dim, generator=generator)
+        side -= side.dot(away) * away
+        side /= side.norm()
+        for degrees in range(0, 91, 5):
+            angle = math.radians(degrees)
+            direction = math.cos(angle) * away + math.sin(angle) * side
+            attacked = aggregate([*honest, Contribution("x", 1e30, 1e6 * direction)])
+            assert "x" in attacked.clipped  # it reached the clip and the cap: the most it can pull
+            cosine = float(torch.nn.functional.cosine_similarity(attacked.mean, honest_mean, dim=0))
+            worst = min(worst, cosine)
+    return worst
+
+
+def test_one_attacker_that_knows_the_honest_mean_cannot_turn_the_mean_around() -> None:
+    """docs/architecture.md §3, 'Bound': at M = 3 cos ≥ 0.5, at M = 8 cos ≥ 0.8 (4× clip and 4× cap: −1)."""
+    assert worst_case_cosine(3) >= 0.5
+    assert worst_case_cosine(8) >= 0.8
+
+
+def test_the_old_four_times_bounds_fail_the_same_measure(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(aggregate_module, "NORM_CLIP_MULTIPLE", 4.0)
+    monkeypatch.setattr(aggregate_module, "TOKEN_CAP_MULTIPLE", 4.0)
+    assert worst_case_cosine(3) < 0 and worst_case_cosine(8) < 0.5

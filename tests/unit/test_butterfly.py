@@ -3,12 +3,15 @@ against the all-gather mean the same contributions give."""
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import pytest
 import torch
 
 from diloco_node.codec import CodecConfig, make_codec
 from diloco_node.outer.averaging import Averaging
-from diloco_node.round import Gathered, Outcome, PartIn, Reduced, part_bounds
+from diloco_node.round import Gathered, Outcome, Own, PartIn, Reduced, part_bounds
 from diloco_node.swarm.butterfly import owners
 
 PEERS = ("a", "b", "c", "d")
@@ -30,9 +33,14 @@ def test_owners_are_the_members_that_accept_connections_in_peer_order() -> None:
     assert owners(["c", "a", "b"], clients=["b"]) == ("a", "c")
 
 
-def butterfly_mean(codec_name: str, deltas: dict[str, torch.Tensor], tokens: dict[str, float],
-                   lie: dict[str, float] | None = None) -> torch.Tensor:
-    """What member 'a' gets when every member owns a part, reduces it and hands it back."""
+Declare = dict[str, dict[int, tuple[float, tuple[float, ...]]]]  # member → owner index → (norm, part norms)
+
+
+def reduce_all(codec_name: str, deltas: dict[str, torch.Tensor], tokens: dict[str, float],
+               lie: dict[str, float] | None = None, declare: Declare | None = None
+               ) -> tuple[dict[str, Averaging], dict[str, Own], dict[int, tuple[bytes, dict[str, Any]]]]:
+    """Every member owns a part and reduces it: the members, their own contributions and the averaged
+    parts. `lie`: a member declares this for each part norm; `declare`: other part norms per owner."""
     numel = next(iter(deltas.values())).numel()
     codec = make_codec(CodecConfig(name=codec_name))
     members = {p: Averaging(codec, numel, p, part_align=64 if codec_name == "int4" else 1) for p in deltas}
@@ -43,11 +51,26 @@ def butterfly_mean(codec_name: str, deltas: dict[str, torch.Tensor], tokens: dic
     parts = {}
     for index, owner in enumerate(order):
         start, end = bounds[index]
-        pushed = [PartIn(p, sources[p].encode(start, end), tokens[p], (lie or {}).get(p, sources[p].norm))
-                  for p in sorted(deltas)]
-        parts[index] = members[owner].reduce_part(0, (start, end), pushed)
-    gathered = Gathered(Outcome.TOGETHER, 0, reduced=Reduced(tuple(sorted(deltas)), len(order), parts, 0))
-    return members["a"].mean(owns["a"], gathered).mean
+        pushed = []
+        for p in sorted(deltas):
+            norm, norms = (declare or {}).get(p, {}).get(index) or (
+                sources[p].norm, tuple((lie or {}).get(p, n) for n in sources[p].norms(bounds)))
+            pushed.append(PartIn(p, sources[p].encode(start, end), tokens[p], norm, norms))
+        parts[index] = members[owner].reduce_part(0, index, bounds, pushed)
+    return members, owns, parts
+
+
+def mean_from(members: dict[str, Averaging], owns: dict[str, Own], parts: dict[int, tuple[bytes, dict[str, Any]]],
+              member: str = "a") -> torch.Tensor:
+    group = tuple(sorted(members))
+    gathered = Gathered(Outcome.TOGETHER, 0, reduced=Reduced(group, len(group), parts, group.index(member)))
+    return members[member].mean(owns[member], gathered).mean
+
+
+def butterfly_mean(codec_name: str, deltas: dict[str, torch.Tensor], tokens: dict[str, float],
+                   lie: dict[str, float] | None = None) -> torch.Tensor:
+    """What member 'a' gets when every member owns a part, reduces it and hands it back."""
+    return mean_from(*reduce_all(codec_name, deltas, tokens, lie))
 
 
 def allgather_mean(codec_name: str, deltas: dict[str, torch.Tensor], tokens: dict[str, float]) -> torch.Tensor:
@@ -85,23 +108,85 @@ def test_a_huge_contribution_is_clipped_per_part_as_its_whole_would_be() -> None
 def test_a_part_longer_than_its_declared_norm_is_left_out() -> None:
     deltas, tokens = honest(), dict.fromkeys(PEERS, 1.0)
     deltas["d"] = deltas["d"] * 1e6
-    # d declares a tiny norm to escape clipping: every owner drops its part, so the mean is a, b, c's
+    # d declares tiny part norms to escape clipping: every owner drops its part, so the mean is a, b, c's
     lied = butterfly_mean("none", deltas, tokens, lie={"d": 1.0})
     without = allgather_mean("none", {p: deltas[p] for p in "abc"}, tokens)
     assert torch.allclose(lied, without, rtol=1e-5, atol=1e-6)
 
 
 def test_a_part_nobody_delivered_is_zero_in_the_mean() -> None:
-    numel = 300
+    deltas, tokens = honest(300), dict.fromkeys(PEERS, 1.0)
+    members, owns, parts = reduce_all("none", deltas, tokens)
+    whole = mean_from(members, owns, parts)
+    del parts[1]
+    mean = mean_from(members, owns, parts)
+    assert mean[75:150].eq(0).all() and torch.equal(mean[:75], whole[:75]) and torch.equal(mean[150:], whole[150:])
+
+
+def test_an_owner_returning_a_huge_part_is_skipped_by_every_member_alike() -> None:
+    deltas, tokens = honest(), dict.fromkeys(PEERS, 1.0)
+    members, owns, parts = reduce_all("none", deltas, tokens)
+    whole = mean_from(members, owns, parts)
     codec = make_codec(CodecConfig(name="none"))
-    averaging = Averaging(codec, numel, "a", part_align=1)
-    own = averaging.encode(0, torch.ones(numel), 1.0)
-    part = codec.encode(torch.full((100,), 2.0))
-    reduced = Reduced(("a", "b", "c"), 3, {0: (part, {"used": ["a"], "tokens": [1.0]}),
-                                           2: (part, {"used": ["a"], "tokens": [1.0]})}, 0)
+    averaged, report = parts[2]
+    parts[2] = codec.encode(codec.decode(averaged, 250) * 1e16), report  # the owner of part 2 attacks
+    means = [mean_from(members, owns, parts, member) for member in PEERS]
+    assert all(torch.equal(mean, means[0]) for mean in means)  # every member skips it alike
+    assert means[0][500:750].eq(0).all() and torch.equal(means[0][:500], whole[:500])
+    # a part just within what the declared contributions allow is kept (the bound is not looser than that)
+    parts[2] = codec.encode(codec.decode(averaged, 250) * 1.1), report
+    assert mean_from(members, owns, parts)[500:750].ne(0).any()
+
+
+def test_a_whole_norm_declared_for_every_part_is_refused_by_its_owners() -> None:
+    """The √M pull: a member that declares its whole norm as each part's norm could bring each part
+    at the length of its whole Δ. Its part norms must add up to its whole norm, so no owner takes it."""
+    deltas, tokens = honest(), dict.fromkeys(PEERS, 1.0)
+    deltas["d"] = deltas["d"] * 1e6
+    members, owns, parts = reduce_all("none", deltas, tokens, lie={"d": float(deltas["d"].norm())})
+    assert all("d" in report["rejected"] and "d" not in report["used"] for _, report in parts.values())
+
+
+def test_a_member_that_declares_differently_to_different_owners_loses_the_parts_that_disagree() -> None:
+    deltas, tokens = honest(), dict.fromkeys(PEERS, 1.0)
+    _, _, honest_parts = reduce_all("none", deltas, tokens)
+    norm, _, norms = honest_parts[0][1]["declared"]["d"]
+    # to owner 3 alone, d declares a Δ twice as long (consistent in itself, so owner 3 takes it)
+    twice = (2 * norm, tuple(2 * n for n in norms))
+    members, owns, parts = reduce_all("none", deltas, tokens, declare={"d": {3: twice}})
+    assert "d" in parts[3][1]["used"]
+    means = [mean_from(members, owns, parts, member) for member in PEERS]
+    assert all(torch.equal(mean, means[0]) for mean in means)  # every member skips part 3 alike
+    assert means[0][750:].eq(0).all() and means[0][:750].ne(0).any()
+    # an owner that misreports d's declaration: its part disagrees with the others' and is skipped alike
+    members, owns, parts = reduce_all("none", deltas, tokens)
+    averaged, report = parts[1]
+    parts[1] = averaged, {**report, "declared": {**report["declared"], "d": [2 * norm, 1.0, [2 * n for n in norms]]}}
+    means = [mean_from(members, owns, parts, member) for member in PEERS]
+    assert all(torch.equal(mean, means[0]) for mean in means) and means[0][250:500].eq(0).all()
+
+
+def test_part_norms_that_do_not_add_up_are_refused_by_the_owner() -> None:
+    deltas, tokens = honest(), dict.fromkeys(PEERS, 1.0)
+    _, _, honest_parts = reduce_all("none", deltas, tokens)
+    norm, _, norms = honest_parts[0][1]["declared"]["d"]
+    _, _, parts = reduce_all("none", deltas, tokens, declare={"d": {3: (norm, tuple(2 * n for n in norms))}})
+    assert "d" in parts[3][1]["rejected"] and "d" not in parts[3][1]["used"]
+
+
+@pytest.mark.parametrize("report", [
+    {"used": 5}, {"used": ["a"], "tokens": [1.0]}, {"used": ["z"], "tokens": [1.0], "declared": {"z": [1, 1, [1]]}},
+    {"used": ["a", "a"], "tokens": [1, 1], "declared": {"a": [1, 1, [1, 0, 0, 0]]}},
+    {"used": ["a"], "tokens": [math.inf], "declared": {"a": [1, math.inf, [1, 0, 0, 0]]}},
+    {"used": ["a"], "tokens": [5.0], "declared": {"a": [1, 1.0, [1, 0, 0, 0]]}},  # more than it declared
+    {"used": ["a"], "tokens": [1.0], "declared": {"a": [1, 1.0, "xyz"]}}, {"used": [], "tokens": []}])
+def test_a_malformed_or_impossible_owner_report_skips_its_part(report: dict[str, Any]) -> None:
+    codec = make_codec(CodecConfig(name="none"))
+    averaging = Averaging(codec, 8, "a", part_align=1)
+    own = averaging.encode(0, torch.ones(8), 1.0)
+    reduced = Reduced(PEERS, 4, {0: (codec.encode(torch.full((2,), 0.1)), report)}, None)
     result = averaging.mean(own, Gathered(Outcome.TOGETHER, 0, reduced=reduced))
-    assert result.mean[:100].eq(2).all() and result.mean[100:200].eq(0).all() and result.mean[200:].eq(2).all()
-    assert result.group == ("a",) and result.own_share == 1.0
+    assert result.mean.eq(0).all() and result.group == ()
 
 
 def test_a_malformed_owner_report_takes_no_share() -> None:
@@ -116,5 +201,20 @@ def test_an_owner_given_only_tokenless_parts_averages_nothing() -> None:
     codec = make_codec(CodecConfig(name="none"))
     averaging = Averaging(codec, 4, "a", part_align=1)
     part = codec.encode(torch.ones(2))
-    averaged, report = averaging.reduce_part(0, (0, 2), [PartIn("b", part, 0.0, 2.0), PartIn("c", part, -1.0, 2.0)])
+    declared = (2.0, 0.0)
+    averaged, report = averaging.reduce_part(0, 0, ((0, 2), (2, 4)), [PartIn("b", part, 0.0, 2.0, declared),
+                                                                      PartIn("c", part, -1.0, 2.0, declared)])
     assert averaged == b"" and report["rejected"] == ["b", "c"]
+
+
+def test_infinite_tokens_from_two_members_are_refused_not_raised() -> None:
+    """#28: `tokens: Infinity` from two members made the owner's mean non-finite (CodecError out of gather)."""
+    codec = make_codec(CodecConfig(name="none"))
+    averaging = Averaging(codec, 4, "a", part_align=1)
+    part = codec.encode(torch.ones(2))
+    declared = (math.sqrt(2), 0.0)
+    parts = [PartIn("a", part, 1.0, math.sqrt(2), declared), PartIn("b", part, math.inf, math.sqrt(2), declared),
+             PartIn("c", part, math.inf, math.sqrt(2), declared)]
+    averaged, report = averaging.reduce_part(0, 0, ((0, 2), (2, 4)), parts)
+    assert report["used"] == ["a"] and report["rejected"] == ["b", "c"]
+    assert codec.decode(averaged, 2).tolist() == [1.0, 1.0]

@@ -363,6 +363,15 @@ def test_butterfly_is_refused_where_it_cannot_run_with_one_reason() -> None:
         NodeConfig(reachability="private", compression="topk")
 
 
+def test_a_self_declared_client_cannot_switch_an_open_run_to_butterfly() -> None:
+    """A client flag in a record forces its group to the butterfly where the run may use it: in an
+    open run (no run owner) only --exchange butterfly allows that (docs/architecture.md §9)."""
+    assert not NodeConfig().butterfly_possible and NodeConfig().butterfly_from is None
+    assert NodeConfig(exchange="butterfly").butterfly_possible
+    with pytest.raises(ValueError, match="open run exchanges by butterfly only with --exchange butterfly"):
+        NodeConfig(reachability="private")
+
+
 # --- config as a leaf (registry.py) -----------------------------------------------------------
 
 
