@@ -86,9 +86,9 @@ class Matchmaker:
         for our group and matchmaking with it agree even if a peer joins or leaves in between."""
         assert self.settings.group_size, "groups are drawn for NoLoCo only"
         if self._draw is None or self._draw[0] != round_:
-            # Only peers with proven work and newcomers (swarm/proofs.py): free identities drawn
-            # into groups would leave their honest members without a partner.
-            peers = self.presence.drawable(round_)
+            # A node that left after exchanging this round still counts: nodes that draw after it
+            # left then draw the same groups as those that drew before (a run's end, a volunteer's Ctrl-C).
+            peers = [*self.presence.compatible_peers(), *self.presence.departed_after(round_)]
             self._draw = (round_, random_groups(peers, self.settings.run_id, round_, self.settings.group_size))
         return self._draw[1]
 

@@ -174,14 +174,6 @@ class Presence:
         who = proofs.counted(self.proofs.proven(), self.anchors, found)
         return {p: r for p, r in found.items() if p != self.peer_id and (who is None or p in who)}
 
-    def drawable(self, round_: int) -> list[str]:
-        """NoLoCo: the peers `round_`'s groups are drawn among (proofs.drawable), ourselves included.
-        A node that left after exchanging this round still counts: nodes that draw after it left
-        then draw the same groups as those that drew before (a run's end, a volunteer's Ctrl-C)."""
-        found = {**{p: self._departed[p] for p in self.departed_after(round_)}, **self.compatible_peers()}
-        who = proofs.counted(self.proofs.proven(), self.anchors, found)
-        return sorted(proofs.drawable(self.proofs.proven(), who, found) | {self.peer_id})
-
     def known(self, peer: str, refresh: bool = False) -> NodeRecord | None:
         """`peer`'s record when it is a verified, admitted node of this run with our config (live,
         or left within RECORD_TTL)."""
@@ -287,7 +279,7 @@ class Presence:
         """Whose records decide (proofs.counted), and the newcomers the barrier waits for in
         `round_`: unproven peers that took the state of a counted peer or ours (its record vouches
         for them) and are at `round_`, each in one round only (proofs.Proofs.newcomers). NoLoCo's
-        drawn group (`among`) was drawn among such peers already (proofs.drawable): all of it counts."""
+        drawn group (`among`) counts whole, as its draw counts every record (proofs.py)."""
         if among is not None:
             return set(among), set()
         found = self.compatible_peers()

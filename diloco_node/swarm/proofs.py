@@ -18,6 +18,11 @@ The barrier also waits, for one round only, for a *newcomer*: a peer that took a
 state (that peer vouched for it in its record) and has not been proven yet. A joiner can thus
 take part in its first round, where its payload is checked; a record that never becomes ready
 holds nobody up.
+
+NoLoCo's draws still count every record (docs/architecture.md §9, known limits): in groups of two a
+node proves only its partners, so the proofs split the run into islands, which from one island
+look exactly like free identities proving each other; drawing among proven peers would freeze the
+first round's pairing.
 """
 
 from __future__ import annotations
@@ -54,17 +59,6 @@ def deciding(records: Iterable[NodeRecord], who: Collection[str] | None) -> list
 def vouched_by(records: Mapping[str, NodeRecord], who: Collection[str]) -> set[str]:
     """The peers that those of `who` with a record vouched for (took their state)."""
     return {peer for voucher in who if voucher in records for peer in records[voucher].vouched}
-
-
-def drawable(proven: Collection[str], who: Collection[str] | None, records: Mapping[str, NodeRecord]) -> set[str]:
-    """NoLoCo: the peers a round's groups are drawn among (ourselves left to the caller). Our own
-    proven peers see only their own groups' work, so the draw takes in, one hop away, those our
-    counted peers proved, and the newcomers they vouched for: honest nodes then draw from the
-    same set. Every record when nothing counts yet."""
-    if who is None:
-        return set(records)
-    hop = set(who) | {peer for p in who if p in records for peer in records[p].proven}
-    return {peer for peer in hop | vouched_by(records, who) | set(proven) if peer in records}
 
 
 class Proofs:

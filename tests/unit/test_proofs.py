@@ -1,5 +1,5 @@
 """Free identities decide nothing (swarm/proofs.py): with 3 to 10 forged records beside two honest
-nodes, the barrier, "behind", the state a joiner takes and NoLoCo's draw follow proven peers only."""
+nodes, the barrier, "behind" and the state a joiner takes follow proven peers only."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from diloco_node.round import Outcome
 from diloco_node.swarm import proofs, records
 from diloco_node.swarm.presence import round_state
-from diloco_node.swarm.proofs import PROOF_ROUNDS, Proofs, anchor_ids, counted, drawable
+from diloco_node.swarm.proofs import PROOF_ROUNDS, Proofs, anchor_ids, counted
 from diloco_node.swarm.records import MAX_PROVEN, NodeRecord, reference_state
 from tests.unit.test_records import presence_seeing
 
@@ -61,17 +61,6 @@ def test_a_joiner_takes_the_state_its_anchor_and_the_peers_it_proved_serve(sybil
     assert anchor_ids(["/ip4/1.2.3.4/tcp/5/p2p/QmA", "/dns/x/tcp/1"]) == {"QmA"}
 
 
-def test_noloco_draws_among_proven_peers_one_hop_away_and_newcomers() -> None:
-    records = {r.peer_id: r for r in [honest("a", proven=("b",)), honest("b", proven=("a", "c")), honest("c"),
-                                      dataclasses.replace(honest("d"), vouched=("joiner",)), honest("joiner"),
-                                      *forged(10)]}
-    # we proved a; a proved b; b proved c; d proved by nobody we know
-    assert drawable({"a"}, {"a"}, records) == {"a", "b"}
-    assert drawable({"b"}, {"b"}, records) == {"a", "b", "c"}
-    assert drawable({"d"}, {"d"}, records) == {"d", "joiner"}
-    assert drawable(set(), None, records) == set(records), "before any proof every record is drawn"
-
-
 def test_proofs_last_a_few_rounds_are_bounded_and_never_name_us() -> None:
     memory = Proofs("us")
     assert memory.prove(3, ["us", "a", "b"]) and memory.proven() == {"a", "b"}
@@ -101,7 +90,6 @@ def test_the_barrier_returns_as_soon_as_the_proven_peer_is_ready(monkeypatch, sy
     assert not presence.ahead_of(ROUND) and not presence.all_past(ROUND)
     assert set(presence.deciding_peers()) == {"b"}
     assert presence._record.proven == ("b",), "our record tells joiners anchored on us whom we proved"
-    assert presence.drawable(ROUND) == ["b", "us"]
 
 
 def test_the_barrier_waits_for_a_joiner_we_served_in_its_first_round_only(monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -110,10 +98,20 @@ def test_the_barrier_waits_for_a_joiner_we_served_in_its_first_round_only(monkey
     presence.prove(ROUND - 1, ["b"])
     presence.vouch("joiner")
     never = threading.Event()
-    assert presence.wait_for_round(ROUND, timeout=0, stop=never) == Outcome.TIMEOUT
+    assert presence.round_state(ROUND) == Outcome.WAITING, "the joiner we served is waited for"
     # the next round: the joiner, still not ready, is no newcomer any more and holds nobody up
     nxt = ROUND + 1
     monkeypatch.setattr(records, "fetch", lambda _dht, _run: ({r.peer_id: r for r in [
         dataclasses.replace(honest("b"), round=nxt, ready_round=nxt), dataclasses.replace(joiner, round=nxt),
         *forged(3)]}, {}))
     assert presence.wait_for_round(nxt, timeout=0, stop=never) == Outcome.TOGETHER
+
+
+def test_a_newcomer_that_never_becomes_ready_holds_the_barrier_for_the_grace_only(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from diloco_node.swarm import presence as presence_module
+
+    presence = presence_seeing(monkeypatch, [honest("b"), honest("taker", ready=False)])
+    presence.prove(ROUND - 1, ["b"])
+    presence.vouch("taker")  # it downloaded our state under a fresh identity, and stays unready
+    monkeypatch.setattr(presence_module, "NEWCOMER_GRACE_SECONDS", 0.5)
+    assert presence.wait_for_round(ROUND, timeout=60, stop=threading.Event()) == Outcome.TOGETHER
