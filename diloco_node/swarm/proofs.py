@@ -9,8 +9,8 @@ forged for free: a proven peer computed and sent a valid contribution.
 Who counts in a decision (`counted`):
 - our own proven peers, once we have any;
 - before that (a joiner, a node just restarted): our *anchors*, the peers the operator named with
-  `--peers` that have a record, and the peers each anchor's record lists as proven by it. The
-  operator chose the anchor; its list names only peers whose work it checked;
+  `--peers` whose records list peers they proved, and those peers. The operator chose the anchor;
+  its list names only peers whose work it checked;
 - with neither (the first round of a fresh run, or anchors that are not nodes of the run): every
   record, as before any proof exists (a known limit, §9).
 
@@ -45,9 +45,12 @@ def counted(proven: Collection[str], anchors: Collection[str], records: Mapping[
     """The peers whose records decide (see the module's docstring); None: every record counts."""
     if proven:
         return set(proven)
-    endorsed = {peer for peer in anchors if peer in records}
-    for peer in list(endorsed):
-        endorsed.update(records[peer].proven)
+    endorsed: set[str] = set()
+    for peer in anchors:
+        # an anchor that has proved nobody yet (the run's first exchange is still to come) vouches
+        # for nobody either: until then every record counts, as for every node of a fresh run
+        if peer in records and records[peer].proven:
+            endorsed.update({peer, *records[peer].proven})
     return endorsed or None
 
 

@@ -56,8 +56,10 @@ def test_a_joiner_takes_the_state_its_anchor_and_the_peers_it_proved_serve(sybil
     assert who == {"a", "b"}
     assert reference_state(proofs.deciding(records.values(), who)) == HONEST_SERVED
     assert counted({"b"}, {"a"}, records) == {"b"}, "our own proofs, once we have any, decide"
-    # an anchor that is no node of the run (a DHT-only bootstrap peer) leaves every record counting
+    # an anchor that is no node of the run (a DHT-only bootstrap peer) leaves every record counting,
+    # as does one that has proved nobody yet (a fresh run before its first exchange)
     assert counted(set(), {"bootstrap"}, records) is None
+    assert counted(set(), {"a"}, {"a": honest("a"), "b": honest("b")}) is None
     assert anchor_ids(["/ip4/1.2.3.4/tcp/5/p2p/QmA", "/dns/x/tcp/1"]) == {"QmA"}
 
 
