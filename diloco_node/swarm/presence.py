@@ -41,10 +41,11 @@ WAITING_LOG_SECONDS = 30.0
 FIRST_POLL_SECONDS = 0.3
 MAX_POLL_SECONDS = 1.0
 # How long the barrier waits for a newcomer (a peer that took a proven peer's state, swarm/proofs.py)
-# once the proven peers are ready: a joiner starts its first round a state download later than
-# they did (seen in tests: 6 to 9 s on a loaded machine); a forged identity that downloaded our
-# state and never becomes ready lengthens one round by this much, once.
-NEWCOMER_GRACE_SECONDS = 15.0
+# once the proven peers are ready, as a share of the round timeout: a joiner starts its first round
+# a state download later than they did (seconds for a small model, more for a large one, whose
+# runs set a longer round timeout); a forged identity that downloaded our state and never becomes
+# ready lengthens one round by this much, once.
+NEWCOMER_GRACE = 0.5
 
 
 def polls() -> Iterator[float]:
@@ -239,7 +240,7 @@ class Presence:
         phase of `round_`.
 
         Only proven peers are waited for up to `timeout`; a newcomer (proofs.py) for at most
-        NEWCOMER_GRACE_SECONDS once they are ready: anyone can take our state under a fresh
+        NEWCOMER_GRACE of it once they are ready: anyone can take our state under a fresh
         identity and never become ready.
 
         Returns TOGETHER (everyone is ready), TIMEOUT (go on with those that are), ALONE
@@ -257,7 +258,7 @@ class Presence:
                 return state
             if newcomers and round_state(others.values(), round_, counted) == Outcome.TOGETHER:
                 counted_ready_at = counted_ready_at or time.monotonic()
-                if time.monotonic() - counted_ready_at > min(NEWCOMER_GRACE_SECONDS, timeout):
+                if time.monotonic() - counted_ready_at > NEWCOMER_GRACE * timeout:
                     late = sorted(p for p in newcomers if others[p].ready_round < round_)
                     logger.info("round=%d not waiting longer for newcomer %s", round_, ", ".join(late))
                     return Outcome.TOGETHER
