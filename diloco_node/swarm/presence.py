@@ -165,10 +165,6 @@ class Presence:
             with self._record_lock:
                 self._record = dataclasses.replace(self._record, proven=tuple(sorted(self.proofs.proven())))
 
-    def counted(self, refresh: bool = False) -> set[str] | None:
-        """The peers whose records decide (proofs.counted); None: every record does (no proof yet)."""
-        return proofs.counted(self.proofs.proven(), self.anchors, self.compatible_peers(refresh=refresh))
-
     def deciding_peers(self, refresh: bool = False) -> dict[str, NodeRecord]:
         """The live records that decide: those of counted peers (all before any proof), ourselves excluded."""
         found = self.compatible_peers(refresh=refresh)

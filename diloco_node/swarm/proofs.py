@@ -11,8 +11,8 @@ Who counts in a decision (`counted`):
 - before that (a joiner, a node just restarted): our *anchors*, the peers the operator named with
   `--peers` whose records list peers they proved, and those peers. The operator chose the anchor;
   its list names only peers whose work it checked;
-- with neither (the first round of a fresh run, or anchors that are not nodes of the run): every
-  record, as before any proof exists (a known limit, §9).
+- with neither (a fresh run before its first exchange, or anchors that are no nodes of the run):
+  every record, as before any proof exists (a known limit, §9).
 
 The barrier also waits, for one round only, for a *newcomer*: a peer that took a counted peer's
 state (that peer vouched for it in its record) and has not been proven yet. A joiner can thus

@@ -263,10 +263,12 @@ def canonical_digest(nodes: Iterable[NodeRecord], round_: int, served: bool = Fa
 
 
 def reference_state(nodes: Iterable[NodeRecord]) -> tuple[int, str] | None:
-    """The served state (settled round, digest) most nodes announce: the one a joiner takes, so
-    that one peer's claim alone cannot choose it. None when two or more nodes serve and no state
-    has more announcers than every other and at least two of them: then nothing tells an honest
-    server from a lying one (a tie never goes to the later round, which anyone can claim)."""
+    """The served state (settled round, digest) most of `nodes` announce: the one a joiner takes,
+    so that one peer's claim alone cannot choose it (`nodes`: the records that decide, see
+    swarm/proofs.py, so that free identities cannot outvote proven peers). None when two or more
+    nodes serve and no state has more announcers than every other and at least two of them: then
+    nothing tells an honest server from a lying one (a tie never goes to the later round, which
+    anyone can claim)."""
     counts: dict[tuple[int, str], int] = {}
     for record in nodes:
         if record.served_digest:
