@@ -90,6 +90,8 @@ class Node:
                 self.announce(ready=False)
             self.swarm.share_state()
             return
+        if report.result is not None:  # whose checked work went into the mean we applied (swarm/proofs.py)
+            self.swarm.prove(self.state.round, report.result.group)
         if report.diverged:  # our Δ was still a fine direction to contribute; our φ is what must be replaced
             logger.warning("round=%d our φ differs from the swarm's; re-syncing after this round", self.state.round)
             self.swarm.stop_sharing()

@@ -23,7 +23,7 @@ import torch
 
 from diloco_node.admission import Gate
 from diloco_node.round import Gathered, Outcome, PartSource
-from diloco_node.swarm import records
+from diloco_node.swarm import proofs, records
 from diloco_node.swarm.butterfly import Butterfly
 from diloco_node.swarm.contacts import Contacts
 from diloco_node.swarm.dht import SwarmSettings, is_client, start_dht
@@ -54,7 +54,8 @@ class Swarm:
         self.client = is_client(settings, self._dht, namespace)
         isolation = Isolation(Contacts(self._dht, self.peer_id, settings.initial_peers), settings.run_id)
         self._presence = Presence(self._dht, self.peer_id, settings.run_id, settings.fingerprint, settings.config,
-                                  isolation, signed_by, self.gate, self.client)
+                                  isolation, signed_by, self.gate, self.client,
+                                  anchors=proofs.anchor_ids(settings.initial_peers))
         averager = start_averager(self._dht, namespace, settings, self.client)  # forks: before our threads
         self._streams = Streams(self._dht)
         self._exchange = PayloadExchange(self._streams, namespace, settings.max_payload_bytes,
@@ -132,6 +133,11 @@ class Swarm:
     def mark_exchanged(self, round_: int) -> None:
         self._presence.mark_exchanged(round_)
 
+    def prove(self, round_: int, peers: Collection[str]) -> None:
+        """`peers`' contributions passed our checks and went into the mean we applied in `round_`
+        (the AverageResult's group): they are proven peers (swarm/proofs.py)."""
+        self._presence.prove(round_, peers)
+
     def _may_fetch_payload(self, peer: str, round_: int, token: str, group: tuple[str, ...] | None) -> str | None:
         """Why `peer` may not fetch our payload of `round_` (None: it may). Once our group is known:
         its members, and joiners a member vouched for (they complete rounds their server had in
@@ -186,13 +192,13 @@ class Swarm:
         self._sharing.clear()
 
     def _serve_state(self, peer: str) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        """Our state for `peer` (on the streams' executor), None while we do not share. A joiner
-        handed rounds in flight is vouched for: it fetches those rounds' payloads from our group."""
+        """Our state for `peer` (on the streams' executor), None while we do not share. A joiner is
+        vouched for: the barrier waits for it in its first round (swarm/proofs.py), and one handed
+        rounds in flight fetches those rounds' payloads from our group."""
         if not self._sharing.is_set():
             return None
         metadata, vectors = self._state_provider()
-        if metadata.get("in_flight"):
-            self._presence.vouch(peer)
+        self._presence.vouch(peer)
         return metadata, vectors
 
     def download_state(self, timeout: float, stop: threading.Event, check_digest: bool,
@@ -201,9 +207,10 @@ class Swarm:
         is in the run (we start it), the run's state is `held` already, nobody shared it in time,
         or `stop` was set."""
         def others() -> dict[str, records.NodeRecord]:
-            # a client cannot be dialled: it serves no state, and its announcements are not asked for
-            return {p: r for p, r in self._presence.compatible_peers(refresh=True).items()
-                    if p != self.peer_id and not r.client}
+            # a client cannot be dialled: it serves no state, and its announcements are not asked
+            # for; only the records that decide (swarm/proofs.py) choose the state and serve it:
+            # free identities announcing a state of their own cannot outvote proven peers
+            return {p: r for p, r in self._presence.deciding_peers(refresh=True).items() if not r.client}
 
         return download_run_state(self._state, self._streams.run, others, timeout, stop, check_digest, held)
 

@@ -44,6 +44,7 @@ CONFIG_TTL = 3600.0  # seconds a published config stays; nodes store theirs agai
 RECORD_TTL = 25.0  # seconds; a node silent for this long is treated as gone (presence.REFRESH_SECONDS)
 REVOCATION_TTL = 365 * 86400.0  # a revocation stays for as long as any admission is likely to
 MAX_VOUCHED = 8
+MAX_PROVEN = 16  # peers a record lists as proven by its node (swarm/proofs.py)
 Token = pydantic.constr(strict=True, max_length=1024)
 NodeCount = pydantic.conint(strict=True, ge=0)
 Seconds = pydantic.confloat(strict=True, ge=0)
@@ -82,6 +83,7 @@ class NodeValue(pydantic.BaseModel):
     admission: Token = ""  # type: ignore[valid-type]  # permissioned runs: the owner's token for this peer
     vouched: pydantic.conlist(pydantic.StrictStr, max_items=MAX_VOUCHED) = []  # type: ignore[valid-type]
     client: pydantic.StrictBool = False
+    proven: pydantic.conlist(pydantic.StrictStr, max_items=MAX_PROVEN) = []  # type: ignore[valid-type]
 
 
 class RunRecords(pydantic.BaseModel):
@@ -133,6 +135,7 @@ class NodeRecord:
     served_round: int = -1
     served_digest: str = ""
     client: bool = False  # accepts no inbound connection (reachability.py): owns no part, serves nothing
+    proven: tuple[str, ...] = ()  # peers whose checked work this node used recently (swarm/proofs.py)
 
     def may_still_fetch(self, round_: int) -> bool:
         """Whether this node may still fetch a payload of `round_`: it has neither completed that
@@ -147,7 +150,7 @@ class NodeRecord:
                 "left": False,
                 # every field spelled out: the DHT's SchemaValidator refuses values that need defaults filled in
                 "stats": NodeStats(**self.stats).dict(), "admission": self.admission,
-                "vouched": list(self.vouched), "client": self.client}
+                "vouched": list(self.vouched), "client": self.client, "proven": list(self.proven)}
 
     @classmethod
     def from_wire(cls, value: Any, left: bool = False) -> NodeRecord | None:
@@ -160,7 +163,8 @@ class NodeRecord:
             return None
         return cls(parsed.peer_id, parsed.fingerprint, parsed.round, parsed.ready_round,
                    parsed.digest, parsed.stats.dict(), parsed.exchanged_round, parsed.admission,
-                   tuple(parsed.vouched), parsed.served_round, parsed.served_digest, parsed.client)
+                   tuple(parsed.vouched), parsed.served_round, parsed.served_digest, parsed.client,
+                   tuple(parsed.proven))
 
 
 def records_key(run_id: str) -> str:
@@ -259,10 +263,12 @@ def canonical_digest(nodes: Iterable[NodeRecord], round_: int, served: bool = Fa
 
 
 def reference_state(nodes: Iterable[NodeRecord]) -> tuple[int, str] | None:
-    """The served state (settled round, digest) most nodes announce: the one a joiner takes, so
-    that one peer's claim alone cannot choose it. None when two or more nodes serve and no state
-    has more announcers than every other and at least two of them: then nothing tells an honest
-    server from a lying one (a tie never goes to the later round, which anyone can claim)."""
+    """The served state (settled round, digest) most of `nodes` announce: the one a joiner takes,
+    so that one peer's claim alone cannot choose it (`nodes`: the records that decide, see
+    swarm/proofs.py, so that free identities cannot outvote proven peers). None when two or more
+    nodes serve and no state has more announcers than every other and at least two of them: then
+    nothing tells an honest server from a lying one (a tie never goes to the later round, which
+    anyone can claim)."""
     counts: dict[tuple[int, str], int] = {}
     for record in nodes:
         if record.served_digest:
