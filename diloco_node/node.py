@@ -109,7 +109,9 @@ class Node:
             losses.append(self.replica.train_step(self.stream_seed, self.data_position))
             self.data_position += 1
             self.inner_step += 1
-            self.telemetry.update(inner_step=self.inner_step, loss=losses[-1])
+            # micro_batch_size: a step that ran out of memory has lowered it (train/inner.py)
+            self.telemetry.update(inner_step=self.inner_step, loss=losses[-1],
+                                  micro_batch_size=self.replica.micro_batch())
         return losses
 
     def _finish_round(self, losses: list[float], report: RoundReport, timing: RoundTiming) -> None:
