@@ -22,6 +22,7 @@ from diloco_node.replica.layout import flatten
 from diloco_node.round import Outcome, RoundReport
 from diloco_node.swarm import Swarm
 from diloco_node.telemetry.rounds import RoundTiming
+from diloco_node.train.fit import FitError
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,8 @@ class Node:
         return self.parts.swarm
 
     def run(self) -> int:
-        """Rounds until the run's end or a stop; 0, 1 when a local rank failed, 2 when our admission was revoked."""
+        """Rounds until the run's end or a stop; 0, 1 when a local rank failed or a step did not fit in memory
+        at one sequence, 2 when our admission was revoked."""
         try:
             while self.joined and not self.stop_requested.is_set():
                 if self.cfg.max_outer_steps and self.state.round >= self.cfg.max_outer_steps:
@@ -55,7 +57,7 @@ class Node:
                 self.run_round()
             if self.joined:
                 self._settle()
-        except ReplicaError as exc:
+        except (ReplicaError, FitError) as exc:  # FitError: a step out of memory at one sequence (train/fit.py)
             self.failure = str(exc)
             logger.error("stopping: %s (this node resumes from its last checkpoint)", exc)
         finally:

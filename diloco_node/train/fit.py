@@ -28,10 +28,10 @@ logger = logging.getLogger(__name__)
 # CPU: the share of MemAvailable the activations may take. A volunteer's machine runs other
 # programs, and the allocator fragments; half leaves them room.
 CPU_SHARE = 0.5
-# CPU: peak bytes of a forward+backward per byte saved for the backward. The backward holds, beside
-# the saved activations, the gradient of the widest activation it is working through and the
-# parameter gradients; 2x the saved bytes covers that for the transformer blocks here (measured
-# against ru_maxrss on the presets, docs/architecture.md §11).
+# CPU: peak bytes a forward+backward adds per byte autograd saves for the backward (the backward
+# also holds the gradient of the activation it is working through, and attention's temporaries).
+# Measured by benchmarks/micro_batch_memory.py (results/micro_batch_memory.md): 1.12 to 1.20 on the
+# GPT presets, 1.28 to 1.48 on llama-20m; 2 keeps a margin above the worst.
 BACKWARD_FACTOR = 2.0
 
 LossOf = Callable[[torch.Tensor], torch.Tensor]  # tokens [B, T] → the scalar loss of a forward on them
