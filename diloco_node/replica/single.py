@@ -19,7 +19,7 @@ from diloco_node.replica.common import (
 )
 from diloco_node.train.fit import fit_micro_batch
 from diloco_node.train.inner import InnerTrainer, autocast, evaluate, export_moments, import_moments, lm_loss
-from diloco_node.train.model import build_model
+from diloco_node.train.model import build_model, logits_of
 
 
 class SingleReplica:
@@ -39,9 +39,11 @@ class SingleReplica:
         self.trainer = InnerTrainer(self.model, config, self.forward)
 
     def _probe_loss(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The training forward's loss on `tokens` (fit.py sizes micro-batches by it)."""
+        """The loss on `tokens` that fit.py sizes micro-batches by: the module's own forward, not the
+        compiled one (compiling once per candidate size would cost more than the probe; eager keeps
+        usually at least as much for the backward as compiled code does, so the size found fits it)."""
         with autocast(self.device, mixed_precision(self.settings)):
-            return lm_loss(self.forward, tokens, tokens)
+            return lm_loss(logits_of(self.model), tokens, tokens)
 
     @torch.no_grad()
     def load(self, phi: list[torch.Tensor] | None) -> None:
