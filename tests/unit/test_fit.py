@@ -138,3 +138,21 @@ def test_a_replica_with_auto_trains_at_the_size_it_found() -> None:
         assert replica.train_step(7, 0) > 0
     finally:
         replica.close()
+
+
+def test_a_replica_backs_off_and_reports_the_size_it_trains_at() -> None:
+    """The node's own replica (parallel none) turns a step's out-of-memory into a smaller micro-batch,
+    and micro_batch() (what /api/status shows) follows it."""
+    settings = ReplicaSettings(model="tiny", seed=0, data=None, seq_len=32, batch_size=6, eval_batches=1,
+                               inner_lr=1e-3, warmup_steps=2, weight_decay=0.1, grad_clip=1.0, total_steps=20,
+                               precision="fp32", parallel="none", devices=("cpu",), threads=1)
+    replica = make_replica(settings)
+    try:
+        assert replica.micro_batch() == 6  # 0: the whole batch at once
+        calls: list[int] = []
+        replica.trainer.forward = _failing_above(replica.model, 2, calls)  # type: ignore[attr-defined]
+        assert replica.train_step(7, 0) > 0
+        assert calls == [6, 3, 1, 1, 1, 1, 1, 1]  # 6 and 3 ran out; 1 is the largest divisor of 6 ≤ 3 // 2
+        assert replica.micro_batch() == 1
+    finally:
+        replica.close()
