@@ -90,7 +90,14 @@ def _try_on_cuda(model: nn.Module, loss_of: LossOf, batch: int, seq_len: int, de
     # AdamW's moments appear at the first step, after this probe: hold their bytes (two fp32 copies
     # of the parameters) while probing, so the chosen size still fits once they exist.
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    reserve = torch.empty(2 * numel, dtype=torch.float32, device=device)
+    try:
+        reserve = torch.empty(2 * numel, dtype=torch.float32, device=device)
+    except torch.cuda.OutOfMemoryError:
+        reserve = None
+    if reserve is None:  # outside the except, as in largest_fitting
+        torch.cuda.empty_cache()
+        raise FitError(f"the model's parameters and AdamW's moments ({3 * numel * 4 / 2**30:.1f} GiB in fp32) do not "
+                       f"fit {device} beside what else holds its memory")
 
     def attempt(micro: int) -> None:
         tokens = torch.zeros(micro, seq_len, dtype=torch.long, device=device)

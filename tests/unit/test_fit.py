@@ -156,3 +156,16 @@ def test_a_replica_backs_off_and_reports_the_size_it_trains_at() -> None:
         assert replica.micro_batch() == 1
     finally:
         replica.close()
+
+
+def test_the_gpu_probe_tries_real_steps_and_leaves_no_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fit._try_on_cuda's own flow (reserve, forward+backward per candidate, back-off, cleanup), run on
+    the CPU with the seam's out-of-memory standing in for the GPU's: only synchronize needs a GPU."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    model, calls = build_model("tiny", seed=0), []
+    forward = _failing_above(model, 5, calls)
+    before = [p.detach().clone() for p in model.parameters()]
+    micro = fit._try_on_cuda(model, lambda tokens: lm_loss(forward, tokens, tokens), 12, 16, torch.device("cpu"))
+    assert micro == 3 and calls == [12, 6, 3]
+    assert all(p.grad is None for p in model.parameters())  # the probe trains nothing
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
