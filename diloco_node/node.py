@@ -23,6 +23,7 @@ from diloco_node.round import Outcome, RoundReport
 from diloco_node.swarm import Swarm
 from diloco_node.telemetry.rounds import RoundTiming
 from diloco_node.train.data import METER as DATA_METER
+from diloco_node.train.fit import FitError
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,8 @@ class Node:
         return self.parts.swarm
 
     def run(self) -> int:
-        """Rounds until the run's end or a stop; 0, 1 when a local rank failed, 2 when our admission was revoked."""
+        """Rounds until the run's end or a stop; 0, 1 when a local rank failed or a step did not fit in memory
+        at one sequence, 2 when our admission was revoked."""
         try:
             while self.joined and not self.stop_requested.is_set():
                 if self.cfg.max_outer_steps and self.state.round >= self.cfg.max_outer_steps:
@@ -58,7 +60,7 @@ class Node:
                 self.run_round()
             if self.joined:
                 self._settle()
-        except ReplicaError as exc:
+        except (ReplicaError, FitError) as exc:  # FitError: a step out of memory at one sequence (train/fit.py)
             self.failure = str(exc)
             logger.error("stopping: %s (this node resumes from its last checkpoint)", exc)
         finally:
@@ -116,7 +118,9 @@ class Node:
             losses.append(self.replica.train_step(self.stream_seed, self.data_position))
             self.data_position += 1
             self.inner_step += 1
-            self.telemetry.update(inner_step=self.inner_step, loss=losses[-1])
+            # micro_batch_size: a step that ran out of memory has lowered it (train/inner.py)
+            self.telemetry.update(inner_step=self.inner_step, loss=losses[-1],
+                                  micro_batch_size=self.replica.micro_batch())
         self.data_wait = DATA_METER.waited() - waited
         return losses
 

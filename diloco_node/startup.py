@@ -50,6 +50,7 @@ def start(node: Node) -> None:
                 raise AdmissionError(why)
     # local ranks are processes of their own: started before hivemind forks anything (ranks.py)
     node.replica = make_replica(settings_of(cfg), on_failure=node.stop_requested.set)
+    parts.telemetry.update(micro_batch_size=node.replica.micro_batch())  # --micro-batch-size auto: what it found
     outstanding = _resume(node)
     node.say(f"status: {parts.server.start()}")
     swarm = attach_swarm(parts, lambda: _shared_state(node))

@@ -21,7 +21,8 @@ from diloco_node.telemetry.record import ROUND_STATUS_FIELDS
 NODE_STATUS_FIELDS = (
     "run_id", "peer_id", "maddrs", "model", "parameters", "inner_step", "eval_loss_initial", "peers",
     "wire_bytes_sent", "wire_bytes_received", "compression", "exchanging_round", "algorithm", "label",
-    "uptime_seconds", "isolated", "isolated_since", "parallel", "local_ranks", "reachability")
+    "uptime_seconds", "isolated", "isolated_since", "parallel", "local_ranks", "reachability",
+    "micro_batch_size")
 STATUS_FIELDS = NODE_STATUS_FIELDS + ROUND_STATUS_FIELDS
 HISTORY_LIMIT = 2000  # rounds kept for the charts; older ones drop off the front
 # Round-time histogram bounds (seconds). Counted over every round since start, not just the kept
