@@ -39,6 +39,9 @@ class Node:
         self.joined = False  # start-up finished: φ is the run's (or ours to start it) and worth saving
         self.failure: str | None = None  # a local rank failed: nothing of this run is saved
         self.revoked = False  # the run owner revoked our admission: we stopped
+        # why a helper process of hivemind's died (swarm/watchdog.py): we stopped, exit 1; our φ is
+        # still whole and is saved, only the swarm is gone
+        self.helper_failure: str | None = None
         self.replica: Replica | None = None
 
     @property
@@ -47,20 +50,21 @@ class Node:
         return self.parts.swarm
 
     def run(self) -> int:
-        """Rounds until the run's end or a stop; 0, 1 when a local rank failed, 2 when our admission was revoked."""
+        """Rounds until the run's end or a stop; 0, 1 when a local rank or a helper process died, 2 when our
+        admission was revoked."""
         try:
             while self.joined and not self.stop_requested.is_set():
                 if self.cfg.max_outer_steps and self.state.round >= self.cfg.max_outer_steps:
                     break
                 self.run_round()
-            if self.joined:
+            if self.joined and not self.helper_failure:  # without the swarm nothing in flight can finish
                 self._settle()
         except ReplicaError as exc:
             self.failure = str(exc)
             logger.error("stopping: %s (this node resumes from its last checkpoint)", exc)
         finally:
             self.shutdown()
-        return 1 if self.failure else 2 if self.revoked else 0
+        return 1 if self.failure or self.helper_failure else 2 if self.revoked else 0
 
     def run_round(self) -> None:
         assert self.parts.update is not None and self.replica is not None

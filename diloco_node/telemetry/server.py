@@ -30,6 +30,10 @@ class StatusServerError(NodeError, RuntimeError):
 
 
 async def healthz(request: web.Request) -> web.Response:
+    """200 while the node works; 503 with the reason once it cannot (it is stopping, exit 1)."""
+    why = request.app[TELEMETRY_KEY].unhealthy()
+    if why is not None:
+        return web.json_response({"ok": False, "reason": why}, status=503)
     return web.json_response({"ok": True})
 
 
@@ -94,7 +98,11 @@ class StatusServer:
 
     async def _bind(self) -> int:
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self._host, self._requested_port, reuse_address=False)
+        # SO_REUSEADDR: a client that read a page with `Connection: close` leaves the closed
+        # connection in TIME-WAIT on our side for a minute, and without it a node restarted at once
+        # could not bind its port. It never lets two live servers share a port on Linux (that is
+        # SO_REUSEPORT, left off), so a port that is really taken is still refused.
+        site = web.TCPSite(self._runner, self._host, self._requested_port, reuse_address=True)
         await site.start()
         return int(self._runner.addresses[0][1])  # the real port when 0 asked for a free one
 
