@@ -267,8 +267,9 @@ class NodeProcess:
         """Stop the node as a user would and return the seconds it took; fails unless it exits 0
         within `within` seconds, leaves no helper process behind and prints no traceback.
 
-        how: "ctrl-c" (SIGINT to the node's whole process group, as a terminal sends it) or
-        "sigterm" (to the main pid, as `kill`, `docker stop` and systemd send it).
+        how: "ctrl-c" (SIGINT to the node's whole process group, as a terminal sends it),
+        "sigterm" (to the main pid, as `kill`, `docker stop` and systemd send it) or "sighup" (to
+        the main pid, as a closed terminal or ssh session, or `kill -HUP`, sends it).
         """
         assert self.process and self.process.poll() is None, f"{self.name} is not running"
         helpers = descendants(self.process.pid)
@@ -276,8 +277,8 @@ class NodeProcess:
         if how == "ctrl-c":
             os.killpg(self.process.pid, signal.SIGINT)
         else:
-            assert how == "sigterm", how
-            self.process.send_signal(signal.SIGTERM)
+            assert how in ("sigterm", "sighup"), how
+            self.process.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGHUP)
         try:
             code = self.process.wait(timeout=within)
         except subprocess.TimeoutExpired:
