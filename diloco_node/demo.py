@@ -53,10 +53,35 @@ def progress_of(node: NodeProcess) -> NodeProgress:
 # What stops the demo: Ctrl-C (SIGINT to the terminal's foreground group), `kill` (SIGTERM), a closed
 # terminal (SIGHUP). Each is passed on to the nodes, which run in sessions of their own and would
 # otherwise outlive the demo.
-STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _Deferral:
+    """A stop held back while a node is being started: raised between Popen and its pid being
+    kept, it would leave that node running unseen. (Blocking the signals instead would not do:
+    the node would inherit the blocked mask and never see a stop.)"""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.pending = False
+
+    def __enter__(self) -> None:
+        self.active = True
+
+    def __exit__(self, *_: object) -> None:
+        self.active = False
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+
+_starting = _Deferral()
 
 
 def _as_ctrl_c(_signum: int, _frame: FrameType | None) -> None:
+    if _starting.active:
+        _starting.pending = True
+        return
     raise KeyboardInterrupt
 
 
@@ -98,7 +123,7 @@ def _on_round(bar: tqdm) -> Callable[[dict[str, Any]], None]:
 
 
 def run_demo(nodes: int, rounds: int, inner_steps: int, model: str) -> int:
-    for signum in (signal.SIGTERM, signal.SIGHUP):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, _as_ctrl_c)
     run_id = f"demo-{secrets.token_hex(3)}"
     threads = max(1, (os.cpu_count() or 1) // nodes)
@@ -119,13 +144,8 @@ def run_demo(nodes: int, rounds: int, inner_steps: int, model: str) -> int:
             # "stop now, without saving"); the user's DILOCO_* settings apply, as to any node they start
             node = NodeProcess(f"node{index}", args, workdir, env=dict(os.environ), on_event=_on_round(bar))
             started.append(node)
-            # a stop signal held back while the node starts: raised between Popen and its pid being
-            # kept, it would leave that node running unseen
-            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-            try:
+            with _starting:
                 node.start()
-            finally:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
             if index == 0:
                 first_address = _first_address(node)
                 if not first_address:
