@@ -75,8 +75,27 @@ def exit_later(seconds: float, code: int, line: str) -> None:
     timer.start()
 
 
+_closed_in_helpers: set[int] = set()  # the node's listening sockets (the status server's)
+
+
+def close_in_helpers(fd: int, close: bool = True) -> None:
+    """Have every helper forked from now on close `fd` at once (close=False: no longer). A fork
+    keeps every descriptor (only exec drops Python's non-inheritable ones): a helper holding the
+    status server's listening socket would keep the port taken after the node exits."""
+    if close:
+        _closed_in_helpers.add(fd)
+    else:
+        _closed_in_helpers.discard(fd)
+
+
 def become_helper() -> None:
-    """What a helper process of the node does first: ignore Ctrl-C, own process group, die with the node."""
+    """What a helper process of the node does first: close the node's listening sockets, ignore
+    Ctrl-C, own process group, die with the node."""
+    for fd in _closed_in_helpers:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
     for signum in STOP_SIGNALS:
         # SIGINT ignored: the node stops its helpers itself; SIGTERM, SIGHUP default: `kill` still works.
         signal.signal(signum, signal.SIG_IGN if signum == signal.SIGINT else signal.SIG_DFL)

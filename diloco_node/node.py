@@ -20,7 +20,7 @@ from diloco_node.outer.diloco import pseudo_gradient
 from diloco_node.replica import Replica, ReplicaError
 from diloco_node.replica.layout import flatten
 from diloco_node.round import Outcome, RoundReport
-from diloco_node.swarm import Swarm
+from diloco_node.swarm import HelperTimeout, Swarm
 from diloco_node.telemetry.rounds import RoundTiming
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,10 @@ class Node:
         except ReplicaError as exc:
             self.failure = str(exc)
             logger.error("stopping: %s (this node resumes from its last checkpoint)", exc)
+        except HelperTimeout as exc:  # a helper call no caller could do without (the watchdog may have said why)
+            if not self.helper_failure:
+                self.helper_failure = str(exc)
+                logger.error("stopping: %s (exit 1: restart the node; it resumes from its last checkpoint)", exc)
         finally:
             self.shutdown()
         return 1 if self.failure or self.helper_failure else 2 if self.revoked else 0

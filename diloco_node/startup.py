@@ -56,13 +56,11 @@ def start(node: Node) -> None:
     # local ranks are processes of their own: started before hivemind forks anything (ranks.py)
     node.replica = make_replica(settings_of(cfg), on_failure=node.stop_requested.set)
     outstanding = _resume(node)
+    node.say(f"status: {parts.server.start()}")  # its socket is closed in hivemind's forked helpers
     swarm = attach_swarm(parts, lambda: _shared_state(node))
     parts.signals.install()  # again: hivemind's averager has just set SIGINT to SIG_IGN in this process
     swarm.watch(on_isolation=lambda since: _on_isolation(node, since), on_revoked=lambda: _on_revoked(node),
                 on_helper_dead=lambda why: _on_helper_dead(node, why))
-    # After hivemind's forks: a forked helper would hold the listening socket open (a restart then
-    # finds the port taken while the helper lives on) and keep the status server up for a dead node.
-    node.say(f"status: {parts.server.start()}")
     parts.wire.start()
     for address in swarm.visible_addresses():
         node.say(f"peer address: {address}")

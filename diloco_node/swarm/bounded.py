@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 from hivemind import DHT
 from hivemind.dht.node import DHTNode
 
+from diloco_node.errors import NodeError
+
 T = TypeVar("T")
 
 # A `latest=True` read asks the nodes nearest the key one after another, each with hivemind's
@@ -44,8 +46,12 @@ _streak = 0  # calls that timed out in a row, since the last call answered
 _gone: str | None = None  # why the helpers are dead (watchdog.py); set once, never cleared
 
 
-class HelperTimeout(TimeoutError):
-    """A helper process (hivemind's DHT or averager) did not answer a call in time."""
+class HelperTimeout(NodeError, TimeoutError):
+    """A helper process (hivemind's DHT or averager) did not answer a call in time. Where no caller
+    takes it as a failed call (start-up, the round loop), the node stops: exit 1, a restart may
+    find the helpers well (docs/architecture.md §10)."""
+
+    exit_code = 1
 
 
 class HelperGone(HelperTimeout):

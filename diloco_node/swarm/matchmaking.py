@@ -59,7 +59,11 @@ def start_averager(dht: DHT, namespace: str, settings: SwarmSettings, client: bo
         next_chunk_timeout=NEXT_CHUNK_TIMEOUT, allreduce_timeout=settings.round_timeout, allow_state_sharing=False,
         target_group_size=settings.group_size, client_mode=client)
     # hivemind's start=True waits for the averager's process without a limit
-    averager.run_in_background(await_ready=True, timeout=bounded.AVERAGER_START_TIMEOUT)
+    try:
+        averager.run_in_background(await_ready=True, timeout=bounded.AVERAGER_START_TIMEOUT)
+    except TimeoutError:
+        raise bounded.HelperTimeout(f"hivemind's averager process did not start within "
+                                    f"{bounded.AVERAGER_START_TIMEOUT:.0f}s") from None
     return averager
 
 
