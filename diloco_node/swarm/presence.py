@@ -338,6 +338,8 @@ class Presence:
                 if time.monotonic() - looked_at >= every:
                     looked_at = time.monotonic()
                     self._look(every)
+            except bounded.HelperGone:  # the node is stopping and said why
+                return
             except Exception as exc:  # a missed heartbeat is retried; the loop must outlive it
                 logger.warning("heartbeat failed: %r", exc)
 
