@@ -96,6 +96,7 @@ def call(function: Callable[[], T], timeout: float, what: str) -> T:
     up after `timeout`. The thread stays blocked if the helper died; the node then exits (watchdog.py)."""
     _check()
     done: Future[T] = Future()
+    done.set_running_or_notify_cancel()  # running: a late answer is still set, never refused as cancelled
 
     def run() -> None:
         try:
