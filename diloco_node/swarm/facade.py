@@ -23,7 +23,7 @@ import torch
 
 from diloco_node.admission import Gate
 from diloco_node.round import Gathered, Outcome, PartSource
-from diloco_node.swarm import proofs, records
+from diloco_node.swarm import bounded, proofs, records
 from diloco_node.swarm.butterfly import Butterfly
 from diloco_node.swarm.contacts import Contacts
 from diloco_node.swarm.dht import SwarmSettings, is_client, start_dht
@@ -35,6 +35,7 @@ from diloco_node.swarm.reachability import DialBack
 from diloco_node.swarm.statesync import StateService, download_run_state
 from diloco_node.swarm.streams import Streams
 from diloco_node.swarm.transfer import Transfer
+from diloco_node.swarm.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class Swarm:
         self.settings = settings
         self.gate = settings.gate or Gate(settings.run_id)
         self._dht, signed_by = start_dht(settings)
-        self.peer_id = str(self._dht.peer_id)
+        self.peer_id = bounded.peer_id(self._dht)
         namespace = f"{settings.run_id}_{settings.fingerprint}"
         self.client = is_client(settings, self._dht, namespace)
         isolation = Isolation(Contacts(self._dht, self.peer_id, settings.initial_peers), settings.run_id)
@@ -75,17 +76,21 @@ class Swarm:
                                   self._exchange, self._butterfly)
         self._matchmaker = Matchmaker(averager, settings, self.peer_id, self._presence, self._streams,
                                       self._exchange, self._butterfly, self._transfer.butterfly_for)
+        self._watchdog = Watchdog({"DHT": self._dht, "averager": averager})
 
     # --- membership ---------------------------------------------------------------------------
 
     def visible_addresses(self) -> list[str]:
-        return [str(addr) for addr in self._dht.get_visible_maddrs()]
+        return bounded.visible_maddrs(self._dht)
 
-    def watch(self, on_isolation: Callable[[float | None], None], on_revoked: Callable[[], None]) -> None:
+    def watch(self, on_isolation: Callable[[float | None], None], on_revoked: Callable[[], None],
+              on_helper_dead: Callable[[str], None]) -> None:
         """Called on the heartbeat's thread: when we are cut off from every peer or back (the time
-        it began, None when back), and when the run owner revoked our admission."""
+        it began, None when back), and when the run owner revoked our admission; on the watchdog's
+        thread, once: when one of hivemind's helper processes died (why, in one line)."""
         self._presence.isolation.on_change = on_isolation
         self._presence.on_revoked = on_revoked
+        self._watchdog.start(on_helper_dead)
 
     def check_compatible(self) -> None:
         """IncompatibleRun when the run's live nodes all use another config."""
@@ -221,14 +226,19 @@ class Swarm:
     # --- leaving ------------------------------------------------------------------------------
 
     def leave(self) -> None:
-        if self.gate.refusal(self.peer_id, self.gate.token) is None:  # revoked: nobody fetches from us
-            self._transfer.drain(self._presence.may_still_fetch)
-        self._presence.leave()
+        self._watchdog.stop()  # the helpers are shut down on purpose from here on
+        helpers_alive = self._watchdog.dead() is None
+        if helpers_alive:
+            if self.gate.refusal(self.peer_id, self.gate.token) is None:  # revoked: nobody fetches from us
+                self._transfer.drain(self._presence.may_still_fetch)
+            self._presence.leave()
+        else:  # nobody can fetch from us or read a withdrawal; each DHT call would only wait out its timeout
+            self._watchdog.end_orphans()
         for service in (self._dial_back, self._butterfly, self._state, self._exchange):
             try:
                 service.detach()
             except Exception as exc:  # leaving must not fail; the handler goes with the daemon anyway
                 logger.debug("closing a stream service failed: %r", exc)
         self._streams.close()
-        self._matchmaker.shutdown()
+        self._matchmaker.shutdown(graceful=helpers_alive)
         self._dht.shutdown()

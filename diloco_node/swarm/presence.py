@@ -19,7 +19,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from diloco_node.admission import Gate
 from diloco_node.errors import NodeError
 from diloco_node.round import Outcome
-from diloco_node.swarm import proofs, records
+from diloco_node.swarm import bounded, proofs, records
 from diloco_node.swarm.isolation import Isolation
 from diloco_node.swarm.records import NodeRecord
 
@@ -179,6 +179,13 @@ class Presence:
         return self._live.get(peer) or self._departed.get(peer)
 
     def _publish(self) -> None:
+        try:
+            self._store_record()
+        except bounded.HelperTimeout as exc:  # the heartbeat publishes again at its next tick
+            if not isinstance(exc, bounded.HelperGone):  # the node is stopping and said why
+                logger.warning("our record was not published: %s", exc)
+
+    def _store_record(self) -> None:
         with self._dht_lock:
             if time.monotonic() - self._config_published_at >= records.CONFIG_TTL / 2:
                 # first, so that a node refusing our record finds what differs
@@ -344,9 +351,14 @@ class Presence:
             logger.debug("withdraw failed: %r", exc)
 
     def _fetch(self) -> dict[str, NodeRecord]:
-        with self._dht_lock:
-            found, departed = records.fetch(self._dht, self.run_id)
-            self._read_at = time.monotonic()
+        try:
+            with self._dht_lock:
+                found, departed = records.fetch(self._dht, self.run_id)
+                self._read_at = time.monotonic()
+        except bounded.HelperTimeout as exc:  # what we last read stands; every wait reads again
+            if not isinstance(exc, bounded.HelperGone):
+                logger.warning("the run's records were not read: %s", exc)
+            return dict(self._live)
         found, departed = self._admitted(found), self._admitted(departed)
         self._live = {p: r for p, r in found.items() if r.fingerprint == self.fingerprint}
         self._departed = {p: r for p, r in departed.items() if r.fingerprint == self.fingerprint}
@@ -390,6 +402,8 @@ class Presence:
                 if time.monotonic() - looked_at >= every:
                     looked_at = time.monotonic()
                     self._look(every)
+            except bounded.HelperGone:  # the node is stopping and said why
+                return
             except Exception as exc:  # a missed heartbeat is retried; the loop must outlive it
                 logger.warning("heartbeat failed: %r", exc)
 

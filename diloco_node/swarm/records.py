@@ -37,6 +37,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from diloco_node.fingerprint import fingerprint_of
 from diloco_node.identity import peer_id_of_public_key
+from diloco_node.swarm import bounded
 
 logger = logging.getLogger(__name__)
 
@@ -185,31 +186,31 @@ def owned_subkey(peer_id: str, signed_by: RSASignatureValidator) -> bytes:
 
 
 def publish(dht: DHT, run_id: str, record: NodeRecord, signed_by: RSASignatureValidator) -> None:
-    dht.store(records_key(run_id), subkey=owned_subkey(record.peer_id, signed_by), value=record.to_wire(),
-              expiration_time=get_dht_time() + RECORD_TTL)
+    bounded.store(dht, records_key(run_id), subkey=owned_subkey(record.peer_id, signed_by), value=record.to_wire(),
+                  expiration_time=get_dht_time() + RECORD_TTL)
 
 
 def publish_revocation(dht: DHT, run_id: str, token: str) -> bool:
-    return bool(dht.store(revocations_key(run_id), subkey=token, value=True,
-                          expiration_time=get_dht_time() + REVOCATION_TTL))
+    return bounded.store(dht, revocations_key(run_id), subkey=token, value=True,
+                         expiration_time=get_dht_time() + REVOCATION_TTL)
 
 
 def fetch_revocations(dht: DHT, run_id: str) -> list[str]:
     """The run's published revocation tokens, unchecked (admission.Gate checks the owner's signature)."""
-    found = dht.get(revocations_key(run_id), latest=True)
+    found = bounded.get(dht, revocations_key(run_id))
     if found is None or not isinstance(found.value, dict):
         return []
     return [subkey for subkey in found.value if isinstance(subkey, str)]
 
 
 def publish_config(dht: DHT, run_id: str, config: dict[str, Any]) -> None:
-    dht.store(configs_key(run_id), subkey=fingerprint_of(config), value=config,
-              expiration_time=get_dht_time() + CONFIG_TTL)
+    bounded.store(dht, configs_key(run_id), subkey=fingerprint_of(config), value=config,
+                  expiration_time=get_dht_time() + CONFIG_TTL)
 
 
 def fetch_config(dht: DHT, run_id: str, fingerprint: str) -> dict[str, Any] | None:
     """The config published for `fingerprint`, None when none hashes to it."""
-    found = dht.get(configs_key(run_id), latest=True)
+    found = bounded.get(dht, configs_key(run_id))
     item = found.value.get(fingerprint) if found is not None and isinstance(found.value, dict) else None
     config = item.value if isinstance(item, ValueWithExpiration) else None
     return config if isinstance(config, dict) and fingerprint_of(config) == fingerprint else None
@@ -221,15 +222,15 @@ def withdraw(dht: DHT, run_id: str, record: NodeRecord, signed_by: RSASignatureV
     The DHT keeps the value with the latest expiration, so the marker must outlive the record it
     replaces; readers skip it like an expired record.
     """
-    dht.store(records_key(run_id), subkey=owned_subkey(record.peer_id, signed_by),
-              value={**record.to_wire(), "left": True},
-              expiration_time=get_dht_time() + RECORD_TTL + 1)
+    bounded.store(dht, records_key(run_id), subkey=owned_subkey(record.peer_id, signed_by),
+                  value={**record.to_wire(), "left": True},
+                  expiration_time=get_dht_time() + RECORD_TTL + 1)
 
 
 def fetch(dht: DHT, run_id: str) -> tuple[dict[str, NodeRecord], dict[str, NodeRecord]]:
     """The run's well-formed records by peer id: the live nodes', and those of nodes that left
     within the last RECORD_TTL seconds (as they were when they left)."""
-    found = dht.get(records_key(run_id), latest=True)
+    found = bounded.get(dht, records_key(run_id))
     if found is None or not isinstance(found.value, dict):
         return {}, {}
     live: dict[str, NodeRecord] = {}

@@ -41,6 +41,7 @@ class Telemetry:
         self._round_buckets = [0] * len(ROUND_SECONDS_BUCKETS)
         self._round_count, self._round_sum = 0, 0.0
         self._refresh: Callable[[], None] | None = None
+        self._unhealthy: str | None = None  # why /healthz fails (a helper process died), None while healthy
 
     def refresh_with(self, refresh: Callable[[], None]) -> None:
         """`refresh` brings live figures (wire bytes) up to date before a reader's fresh snapshot."""
@@ -55,6 +56,14 @@ class Telemetry:
         with self._lock:
             if self._values.get(key) == value:
                 self._values[key] = None
+
+    def mark_unhealthy(self, why: str) -> None:
+        with self._lock:
+            self._unhealthy = why
+
+    def unhealthy(self) -> str | None:
+        with self._lock:
+            return self._unhealthy
 
     def snapshot(self, fresh: bool = False) -> dict[str, Any]:
         if fresh and self._refresh:
