@@ -305,6 +305,11 @@ class Presence:
                 logger.warning("ignored peer %s: not admitted (%s)", peer, why)
         return admitted
 
+    def read_revocations(self) -> None:
+        """Read the run's revocations now (the heartbeat reads them too): a joiner reads them before
+        it chooses whom to download the run's state from."""
+        self._check_revocations()
+
     def _check_revocations(self) -> None:
         if not self.gate.permissioned:
             return
