@@ -11,9 +11,10 @@ decode into something else.
 
 Version 2 adds codecs, flags and codec parameters to version 1 (fp32 only); version 1 payloads are
 refused. Decoding checks every header field against what the receiver expects (the model's
-parameter count, its own codec and the codec parameters of the run's config) and against the raw length that numel and the parameters
-imply, so a truncated, oversized, mismatched, corrupt or inflated payload raises CodecError after
-at most a header's worth of work; memory is only ever allocated up to the expected raw size.
+parameter count, its own codec and the codec parameters of the run's config) and against the raw
+length that numel and the parameters imply, so a truncated, oversized, mismatched, corrupt or
+inflated payload raises CodecError after at most a header's worth of work; memory is only ever
+allocated up to the expected raw size.
 """
 
 from __future__ import annotations
