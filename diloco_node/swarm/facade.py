@@ -141,11 +141,12 @@ class Swarm:
         if why := self.gate.refusal(peer, token):
             return why
         if group is None:
-            return None if self._presence.known(peer, refresh=True) else "not a verified node of this run"
+            verified = self._presence.known(peer) or self._presence.recent_peers().get(peer)
+            return None if verified else "not a verified node of this run"
         if peer in group:
             return None
         for refresh in (False, True):  # a fresh vouch may not have reached our last look at the records
-            vouchers = self._presence.compatible_peers(refresh=refresh)
+            vouchers = self._presence.recent_peers() if refresh else self._presence.compatible_peers()
             if any(peer in vouchers[member].vouched for member in group if member in vouchers):
                 return None
         return "not a member of the round's group"

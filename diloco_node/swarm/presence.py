@@ -40,6 +40,9 @@ WAITING_LOG_SECONDS = 30.0
 # to 1 s: a peer that arrives at once is seen at once, and a long wait costs a read a second, not three.
 FIRST_POLL_SECONDS = 0.3
 MAX_POLL_SECONDS = 1.0
+# A request from a peer we do not know reads the records again at most this often: fresh peer ids
+# cannot make us read the DHT (under its lock) once per request (docs/architecture.md §9)
+UNKNOWN_PEER_READ_SECONDS = 2.0
 
 
 def polls() -> Iterator[float]:
@@ -146,6 +149,13 @@ class Presence:
         if refresh and peer not in self._live and peer not in self._departed:
             self._fetch()
         return self._live.get(peer) or self._departed.get(peer)
+
+    def recent_peers(self) -> dict[str, NodeRecord]:
+        """compatible_peers, the records read again unless read within UNKNOWN_PEER_READ_SECONDS
+        (what a stream handler asks about a peer that may be unknown: fresh ids cost no DHT reads)."""
+        if time.monotonic() - self._read_at >= UNKNOWN_PEER_READ_SECONDS:
+            self._fetch()
+        return dict(self._live)
 
     def _publish(self) -> None:
         with self._dht_lock:
