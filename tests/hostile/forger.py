@@ -11,6 +11,9 @@ Usage: forger.py PEER_MULTIADDR RUN_ID MODE
   its record following an honest node's round and digest; its peer id sorts before the honest
   ones, so a joiner asks it first;
 - drip: as poison, but serves the state one kilobyte a second;
+- nested, far, named: as poison, but serves the honest bytes with a lying header: metadata nested
+  30,000 deep within the size limit, a round 1,000 ahead of the records, or naming the honest node
+  as the server (a joiner would complete the rounds in flight from the group that node names);
 - huge: takes part in every round (hivemind's matchmaking, the run's payload protocol) with a
   pseudo-gradient ~1e6 times an honest one's norm, declaring 1e30 tokens;
 - fuzz: takes part in every round with a valid payload damaged at random (bytes flipped, cut,
@@ -186,6 +189,23 @@ def contribute(dht: DHT, p2p, run, namespace: str, key: str, me: str, signer, mo
     averager.shutdown()
 
 
+STATE_MODES = ("poison", "drip", "nested", "far", "named")
+
+
+def lying_header(header: bytes, mode: str, me: str) -> bytes:
+    """An honest state's answer header as the hostile server `me` sends it in `mode`."""
+    fields = json.loads(header)
+    metadata = {**fields["metadata"], "server": me}
+    if mode == "nested":  # within the joiner's 64 KiB limit on the header
+        return json.dumps({**fields, "metadata": metadata})[:-1].encode() + \
+            b', "deep": ' + b"[" * 30000 + b"]" * 30000 + b"}"
+    if mode == "far":
+        metadata["round"] += 1000
+    if mode == "named":
+        metadata["server"] = fields["metadata"]["server"]
+    return json.dumps({**fields, "metadata": metadata}).encode()
+
+
 def main() -> None:
     peer, run_id, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     key = f"{run_id}_nodes"
@@ -193,7 +213,7 @@ def main() -> None:
                 record_validators=[RSASignatureValidator()])  # strips the signatures off what it reads
     honest = honest_records(scout, key)
     scout.shutdown()
-    path, signer, me = make_identity([r["peer_id"] for r in honest] if mode in ("poison", "drip") else None)
+    path, signer, me = make_identity([r["peer_id"] for r in honest] if mode in STATE_MODES else None)
     dht = DHT(initial_peers=[peer], start=True, record_validators=[signer], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
               identity_path=str(path))
     assert str(dht.peer_id) == me
@@ -213,9 +233,11 @@ def main() -> None:
         contribute(dht, p2p, run, namespace, key, me, signer, mode, numel, stop)
         dht.shutdown()
         return
-    if mode in ("poison", "drip"):
+    if mode in STATE_MODES:
         header, vectors = fetch_state(p2p, run, honest[0]["peer_id"], namespace)
-        poisoned = (np.frombuffer(vectors, dtype=np.float32) + 1).astype(np.float32).tobytes()
+        poisoned = (np.frombuffer(vectors, dtype=np.float32) + 1).astype(np.float32).tobytes() \
+            if mode in ("poison", "drip") else vectors
+        header = lying_header(header, mode, me)
 
         async def serve(_info, reader, writer) -> None:
             await reader.readexactly(int.from_bytes(await reader.readexactly(HEADER), "big"))
@@ -233,7 +255,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # after the DHT's process has forked
     announced = False
     while not stop.is_set():
-        source = next(r for r in honest_records(dht, key) if r["peer_id"] != me) if mode in ("poison", "drip") \
+        source = next(r for r in honest_records(dht, key) if r["peer_id"] != me) if mode in STATE_MODES \
             else honest[0]
         forged = {**source, "peer_id": me}
         if mode == "ahead":
