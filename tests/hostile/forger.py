@@ -233,8 +233,8 @@ def main() -> None:
         contribute(dht, p2p, run, namespace, key, me, signer, mode, numel, stop)
         dht.shutdown()
         return
-    if mode in STATE_MODES:
-        header, vectors = fetch_state(p2p, run, honest[0]["peer_id"], namespace)
+    if mode in STATE_MODES:  # from the highest peer id: the honest node (other forgers sort before it)
+        header, vectors = fetch_state(p2p, run, honest[-1]["peer_id"], namespace)
         poisoned = (np.frombuffer(vectors, dtype=np.float32) + 1).astype(np.float32).tobytes() \
             if mode in ("poison", "drip") else vectors
         header = lying_header(header, mode, me)
@@ -255,7 +255,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # after the DHT's process has forked
     announced = False
     while not stop.is_set():
-        source = next(r for r in honest_records(dht, key) if r["peer_id"] != me) if mode in STATE_MODES \
+        source = [r for r in honest_records(dht, key) if r["peer_id"] != me][-1] if mode in STATE_MODES \
             else honest[0]
         forged = {**source, "peer_id": me}
         if mode == "ahead":
