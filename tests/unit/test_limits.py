@@ -123,14 +123,16 @@ def test_state_metadata_must_name_the_peer_that_served_it_and_a_round_the_record
     good = {"round": 7, "server": PEER, "fingerprint": "fp", "has_momentum": True, "in_flight": [6]}
     assert metadata_refusal(good, PEER, others) is None
     assert "names another server" in str(metadata_refusal({**good, "server": OTHER}, PEER, others))
-    assert "far ahead" in str(metadata_refusal({**good, "round": 10}, PEER, others))
+    assert metadata_refusal({**good, "round": 7 + 16}, PEER, others) is None  # records lag a fast node
+    assert "far ahead" in str(metadata_refusal({**good, "round": 7 + 17}, PEER, others))
+    assert "far ahead" in str(metadata_refusal({**good, "round": 30}, PEER, {PEER: _serving(PEER, 7)}))
     assert "malformed round" in str(metadata_refusal({**good, "round": 10**30}, PEER, others))
     assert "malformed round" in str(metadata_refusal({**good, "round": True}, PEER, others))
     assert "in flight" in str(metadata_refusal({**good, "in_flight": [7]}, PEER, others))
     assert "in flight" in str(metadata_refusal({**good, "in_flight": list(range(7)) * 2}, PEER, others))
     assert "momentum" in str(metadata_refusal({**good, "has_momentum": "yes"}, PEER, others))
     assert "no record" in str(metadata_refusal(good, PEER, {OTHER: _serving(OTHER, 7)}))
-    # a server whose own record claims a huge round gets no further than what most nodes show
+    # a server whose own record claims a huge round gets no further than the other nodes' records
     liar = {**others, PEER: _serving(PEER, 10**6), "third": _serving("third", 7)}
     assert "far ahead" in str(metadata_refusal({**good, "round": 10**6}, PEER, liar))
     assert servers_in_order(liar, None)[-1] == PEER
