@@ -63,9 +63,10 @@ class DialBack(StreamService):
             if len(self._last_asked) > 4096:  # forget the oldest askers: the table stays small
                 self._last_asked = dict(sorted(self._last_asked.items(), key=lambda item: item[1])[-2048:])
             self._last_asked[peer] = now
+            # only the asker's own host; none of its addresses there (another IP family, a relay):
+            # an empty answer, which the asker takes as "cannot tell", not as "unreachable"
             asker = _host(getattr(info, "addr", None))
-            reached = await asyncio.gather(*(_dial(address) if asker is not None and _host(address) == asker
-                                             else _refused() for address in addresses))
+            reached = await asyncio.gather(*(_dial(a) for a in addresses if asker is not None and _host(a) == asker))
             await send(writer, json.dumps({"reachable": list(reached)}).encode())
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError) as exc:
             self._refuse_once(peer, str(exc), "dial-back request from peer=%s refused: %s", peer, exc,
@@ -83,10 +84,6 @@ def _host(address: object) -> str | None:
         return next((str(value) for protocol, value in parts if protocol.name in ("ip4", "ip6")), None)
     except Exception:  # multiaddr raises its own errors on malformed text
         return None
-
-
-async def _refused() -> bool:
-    return False
 
 
 async def _dial(address: str) -> bool:
