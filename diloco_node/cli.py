@@ -200,9 +200,10 @@ def revoke(owner_key: Path, run_id: str, peers: tuple[str, ...], peer_id: str) -
         except ValueError as exc:
             fail(str(exc))
     setup_logging("WARNING")
+    from diloco_node.admission import load_owner_key
     from diloco_node.swarm import publish_revocation
 
-    publish_revocation(list(peers), run_id, token)  # or SwarmError
+    publish_revocation(list(peers), run_id, token, load_owner_key(owner_key).public_key())  # or SwarmError
     click.echo(f"revoked {peer_id} in run {run_id}")
 
 

@@ -131,7 +131,7 @@ class PayloadCodec:
 
     def decode(self, payload: bytes, expected_numel: int) -> torch.Tensor:
         t = self._transform
-        header, raw = wire.unpack(payload, expected_numel, t.codec, t.dtype, t.raw_length)
+        header, raw = wire.unpack(payload, expected_numel, t.codec, t.dtype, t.raw_length, t.params)
         flat = t.decode(raw, header.numel, header.param_a, header.param_b)
         quantize.check_finite(flat, "payload")
         return flat

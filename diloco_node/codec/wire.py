@@ -11,9 +11,10 @@ decode into something else.
 
 Version 2 adds codecs, flags and codec parameters to version 1 (fp32 only); version 1 payloads are
 refused. Decoding checks every header field against what the receiver expects (the model's
-parameter count and its own codec) and against the raw length that numel and the parameters
-imply, so a truncated, oversized, mismatched, corrupt or inflated payload raises CodecError after
-at most a header's worth of work; memory is only ever allocated up to the expected raw size.
+parameter count, its own codec and the codec parameters of the run's config) and against the raw
+length that numel and the parameters imply, so a truncated, oversized, mismatched, corrupt or
+inflated payload raises CodecError after at most a header's worth of work; memory is only ever
+allocated up to the expected raw size.
 """
 
 from __future__ import annotations
@@ -119,9 +120,13 @@ def split_first(payload: bytes | bytearray | memoryview) -> tuple[bytes, bytes]:
 
 
 def unpack(
-    payload: bytes | bytearray | memoryview, expected_numel: int, codec: int, dtype: int, raw_length: RawLength
+    payload: bytes | bytearray | memoryview, expected_numel: int, codec: int, dtype: int, raw_length: RawLength,
+    params: tuple[int, int] | None = None,
 ) -> tuple[Header, bytearray]:
-    """Validate every header field, the checksum and the zstd frame; return the raw body."""
+    """Validate every header field, the checksum and the zstd frame; return the raw body.
+    `params`: the codec parameters the run's config fixes (fingerprinted, so every node of a run
+    has the same); a header naming others is refused before they are used (a sender's block size
+    of 2^24 in a 1 KB payload)."""
     from diloco_node.codec import entropy
 
     header = read_header(payload)
@@ -131,6 +136,9 @@ def unpack(
         raise CodecError(f"unknown flags {header.flags:#x}")
     if header.numel != expected_numel:
         raise CodecError(f"payload holds {header.numel} values, the model has {expected_numel}")
+    if params is not None and (header.param_a, header.param_b) != params:
+        raise CodecError(f"payload codec parameters {header.param_a}/{header.param_b}, the run's are "
+                         f"{params[0]}/{params[1]}")
     expected_raw = raw_length(header.numel, header.param_a, header.param_b)  # checks the parameters
     if header.raw_length != expected_raw:
         raise CodecError(f"raw length {header.raw_length} does not match numel and codec ({expected_raw})")

@@ -37,6 +37,7 @@ from typing import Any
 from hivemind.p2p import PeerID
 
 from diloco_node.round import PartIn, PartSource, Reduced, part_bounds
+from diloco_node.swarm.messages import parse_part_request, parse_push, parse_report
 from diloco_node.swarm.streams import HEADER_LEN, Streams, StreamService, receive, send
 
 logger = logging.getLogger(__name__)
@@ -308,10 +309,7 @@ class Butterfly(StreamService):
             writer.close()
         self._count(sent=3 * HEADER_LEN + len(request) + len(payload) + 1,
                     received=2 * HEADER_LEN + len(meta) + len(averaged))
-        report = json.loads(meta)
-        if not isinstance(report, dict):
-            raise ValueError("the answer's report is not an object")
-        return averaged, report
+        return averaged, parse_report(meta)  # ValueError: that owner's part is not taken
 
     async def _recover(self, round_: int, rnd: _Round, group: tuple[str, ...], owning: tuple[str, ...],
                        missing: list[int], ourselves: str) -> None:
@@ -366,21 +364,20 @@ class Butterfly(StreamService):
         rnd: _Round | None = None
         try:
             request = await receive(reader, MAX_REQUEST_BYTES, timeout=10)
-            payload = await receive(reader, self._max_part, timeout=60)
-            self._count(received=2 * HEADER_LEN + len(request) + len(payload))
-            fields = json.loads(request)
-            round_, index, group = fields["round"], fields["part"], tuple(fields["group"])
-            tokens, norm, token = float(fields["tokens"]), float(fields["norm"]), str(fields.get("admission", ""))
-            if not isinstance(fields.get("norms", []), list):
-                raise ValueError("malformed push")
-            norms = tuple(float(n) for n in fields.get("norms", []))
-            if not (isinstance(round_, int) and isinstance(index, int) and all(isinstance(p, str) for p in group)):
-                raise ValueError("malformed push")
+            push = parse_push(request)
+            if isinstance(push, str):
+                raise ValueError(push)
+            round_, index, group, tokens, norm, norms = push.round, push.part, push.group, push.tokens, push.norm, \
+                push.norms
             answer: tuple[bytes, dict[str, Any]] = (b"", {})
             rnd = self._round_for_push(round_)
-            why = await self.loop.run_in_executor(None, self._may, peer, round_, token, rnd.group if rnd else None)
+            # admission before the body (up to ~5 B/param) is read: a refused peer costs a header
+            why = await self.loop.run_in_executor(None, self._may, peer, round_, push.token,
+                                                  rnd.group if rnd else None)
             if why is None and peer not in group:
                 why = "not in the group it names"
+            payload = await receive(reader, self._max_part, timeout=60) if why is None else b""
+            self._count(received=2 * HEADER_LEN + len(request) + len(payload))
             if why is not None:
                 self._refuse_once(peer, why, REFUSAL, round_, peer, why)
             elif rnd is not None:
@@ -418,9 +415,11 @@ class Butterfly(StreamService):
             request = await receive(reader, MAX_REQUEST_BYTES, timeout=10)
             await receive(reader, 0, timeout=10)
             received = 2 * HEADER_LEN + len(request)
-            fields = json.loads(request)
-            round_, index, token = fields["round"], fields["part"], str(fields.get("admission", ""))
-            rnd = self._rounds.get(round_) if isinstance(round_, int) else None
+            asked = parse_part_request(request)
+            if isinstance(asked, str):
+                raise ValueError(asked)
+            round_, index, token = asked.round, asked.part, asked.token
+            rnd = self._rounds.get(round_)
             answer: tuple[bytes, dict[str, Any]] = (b"", {})
             if rnd is not None and rnd.finished and rnd.group is not None:
                 why = await self.loop.run_in_executor(None, self._may, peer, round_, token, rnd.group)

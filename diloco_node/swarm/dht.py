@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 
@@ -61,7 +62,8 @@ def start_dht(settings: SwarmSettings) -> tuple[DHT, RSASignatureValidator]:
             try:
                 return DHT(initial_peers=list(settings.initial_peers), host_maddrs=list(settings.listen),
                            announce_maddrs=list(settings.announce) or None, start=True, startup_timeout=30,
-                           record_validators=records.validators(settings.run_id, signed_by),
+                           record_validators=records.validators(settings.run_id, signed_by,
+                                                                settings.gate.owner if settings.gate else None),
                            identity_path=str(path), client_mode=settings.reachability == "private"), signed_by
             except Exception as exc:  # hivemind reports p2pd and bootstrap failures as generic errors
                 message = explain_start_failure(settings, exc)
@@ -89,11 +91,11 @@ def is_client(settings: SwarmSettings, dht: DHT, namespace: str) -> bool:
     return reachable is False
 
 
-def publish_revocation(initial_peers: Sequence[str], run_id: str, token: str) -> None:
+def publish_revocation(initial_peers: Sequence[str], run_id: str, token: str, owner: Ed25519PublicKey) -> None:
     """Store the owner's revocation `token` in the run's DHT (reached through `initial_peers`)."""
     try:
         dht = DHT(initial_peers=list(initial_peers), start=True, client_mode=True, startup_timeout=30,
-                  record_validators=records.validators(run_id, RSASignatureValidator()))
+                  record_validators=records.validators(run_id, RSASignatureValidator(), owner))
     except Exception as exc:  # hivemind reports bootstrap failures as generic errors
         raise SwarmError(f"cannot reach any peer ({', '.join(initial_peers)}): {str(exc).splitlines()[0]}") from None
     try:

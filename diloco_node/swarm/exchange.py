@@ -26,7 +26,8 @@ from typing import Any
 from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
-from diloco_node.swarm.streams import HEADER_LEN, Streams, StreamService, receive, send
+from diloco_node.swarm.messages import MAX_DECLARED, parse_payload_request, peer_ids
+from diloco_node.swarm.streams import HEADER_LEN, Streams, StreamService, parse_json, receive, send
 
 logger = logging.getLogger(__name__)
 
@@ -137,12 +138,14 @@ class PayloadExchange(StreamService):
     async def _serve(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             request = await receive(reader, MAX_REQUEST_BYTES, timeout=10)
-            fields = json.loads(request)
-            round_, token, peer = fields["round"], fields.get("admission", ""), str(info.peer_id)
+            asked, peer = parse_payload_request(request), str(info.peer_id)
+            if isinstance(asked, str):
+                raise ValueError(asked)
+            round_, token = asked.round, asked.token
             with self._offers_changed:
-                offer = self._offers.get(round_) if isinstance(round_, int) else None
+                offer = self._offers.get(round_)
                 group = offer.group if offer else None
-            if offer is not None and isinstance(token, str):
+            if offer is not None:
                 why = await self.loop.run_in_executor(None, self._may_fetch, peer, round_, token, group)
                 if why is not None:
                     self._refuse_once(peer, why, "round=%d refused our payload to peer=%s: %s", round_, peer, why)
@@ -217,16 +220,18 @@ class PayloadExchange(StreamService):
                            received=2 * HEADER_LEN + len(meta) + len(payload))
         if not payload:
             return None
-        tokens, group = _parse_meta(json.loads(meta))
+        tokens, group = _parse_meta(parse_json(meta))
         return Fetched(payload, tokens, group)
 
 
 def _parse_meta(meta: Any) -> tuple[float, tuple[str, ...] | None]:
     """A peer's (tokens, group) for its payload; ValueError on anything else."""
     tokens = meta.get("tokens") if isinstance(meta, dict) else None
-    if isinstance(tokens, bool) or not isinstance(tokens, (int, float)) or not math.isfinite(tokens) or tokens <= 0:
-        raise ValueError(f"payload tokens {tokens!r} are not a positive number")
+    if isinstance(tokens, bool) or not isinstance(tokens, (int, float)) or not math.isfinite(tokens) \
+            or not 0 < tokens <= MAX_DECLARED:
+        raise ValueError(f"payload tokens {str(tokens)[:20]!r} are not a positive number in range")
     group = meta.get("group")
-    if group is not None and not (isinstance(group, list) and all(isinstance(p, str) for p in group)):
-        raise ValueError("payload group is not a list of peer ids")
-    return float(tokens), tuple(group) if group is not None else None
+    members = peer_ids(group) if group is not None else None
+    if group is not None and members is None:
+        raise ValueError("payload group is not a list of distinct peer ids")
+    return float(tokens), members

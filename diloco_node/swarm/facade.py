@@ -65,11 +65,12 @@ class Swarm:
         self._state_provider = state_provider
         self._sharing = threading.Event()
         self._state = StateService(self._streams, namespace, numel, state_vectors, self._serve_state,
-                                   self.gate.refusal, self.gate.token)
+                                   self.gate.refusal, self.gate.token, on_shared=self._shared_state)
         self._state.attach()
         self._butterfly = Butterfly(self._streams, namespace, settings.max_payload_bytes, self._may_fetch_payload,
                                     self.gate.token, settings.round_timeout)
-        self._butterfly.attach()
+        if settings.butterfly_possible:  # an all-gather run serves no part: no handler to read pushes on
+            self._butterfly.attach()
         self._dial_back = DialBack(self._streams, namespace)
         self._dial_back.attach()
         self._transfer = Transfer(settings, self.peer_id, self.client, numel, self._presence, self._streams,
@@ -151,11 +152,12 @@ class Swarm:
         if why := self.gate.refusal(peer, token):
             return why
         if group is None:
-            return None if self._presence.known(peer, refresh=True) else "not a verified node of this run"
+            verified = self._presence.known(peer) or self._presence.recent_peers().get(peer)
+            return None if verified else "not a verified node of this run"
         if peer in group:
             return None
         for refresh in (False, True):  # a fresh vouch may not have reached our last look at the records
-            vouchers = self._presence.compatible_peers(refresh=refresh)
+            vouchers = self._presence.recent_peers() if refresh else self._presence.compatible_peers()
             if any(peer in vouchers[member].vouched for member in group if member in vouchers):
                 return None
         return "not a member of the round's group"
@@ -197,20 +199,23 @@ class Swarm:
         self._sharing.clear()
 
     def _serve_state(self, peer: str) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        """Our state for `peer` (on the streams' executor), None while we do not share. A joiner is
-        vouched for: the barrier waits for it in its first round (swarm/proofs.py), and one handed
-        rounds in flight fetches those rounds' payloads from our group."""
+        """Our state for `peer` (on the streams' executor), None while we do not share."""
         if not self._sharing.is_set():
             return None
-        metadata, vectors = self._state_provider()
+        return self._state_provider()
+
+    def _shared_state(self, peer: str, metadata: dict[str, Any]) -> None:
+        """A joiner we served is vouched for: the barrier waits for it in its first round
+        (swarm/proofs.py), and one handed rounds in flight fetches those rounds' payloads from our group."""
         self._presence.vouch(peer)
-        return metadata, vectors
 
     def download_state(self, timeout: float, stop: threading.Event, check_digest: bool,
                        held: tuple[int, str] | None = None) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         """φ and the outer state from a peer (statesync.download_run_state); None when nobody else
         is in the run (we start it), the run's state is `held` already, nobody shared it in time,
         or `stop` was set."""
+        self._presence.read_revocations()  # a revoked server is not asked, even before our first heartbeat
+
         def others() -> dict[str, records.NodeRecord]:
             # a client cannot be dialled: it serves no state, and its announcements are not asked
             # for; only the records that decide (swarm/proofs.py) choose the state and serve it:

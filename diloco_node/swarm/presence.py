@@ -46,6 +46,9 @@ MAX_POLL_SECONDS = 1.0
 # runs set a longer round timeout); a forged identity that downloaded our state and never becomes
 # ready lengthens one round by this much, once.
 NEWCOMER_GRACE = 0.5
+# A request from a peer we do not know reads the records again at most this often: fresh peer ids
+# cannot make us read the DHT (under its lock) once per request (docs/architecture.md §9)
+UNKNOWN_PEER_READ_SECONDS = 2.0
 
 
 def polls() -> Iterator[float]:
@@ -177,6 +180,13 @@ class Presence:
         if refresh and peer not in self._live and peer not in self._departed:
             self._fetch()
         return self._live.get(peer) or self._departed.get(peer)
+
+    def recent_peers(self) -> dict[str, NodeRecord]:
+        """compatible_peers, the records read again unless read within UNKNOWN_PEER_READ_SECONDS
+        (what a stream handler asks about a peer that may be unknown: fresh ids cost no DHT reads)."""
+        if time.monotonic() - self._read_at >= UNKNOWN_PEER_READ_SECONDS:
+            self._fetch()
+        return dict(self._live)
 
     def _publish(self) -> None:
         try:
@@ -380,6 +390,11 @@ class Presence:
                 self._unadmitted[peer] = why
                 logger.warning("ignored peer %s: not admitted (%s)", peer, why)
         return admitted
+
+    def read_revocations(self) -> None:
+        """Read the run's revocations now (the heartbeat reads them too): a joiner reads them before
+        it chooses whom to download the run's state from."""
+        self._check_revocations()
 
     def _check_revocations(self) -> None:
         if not self.gate.permissioned:

@@ -7,8 +7,10 @@ connection we opened, which works through any NAT. A node that nobody can dial j
 no part, and serves nothing (payloads, state).
 
 The dial-back handler connects and closes, sends nothing, dials at most MAX_ADDRESSES addresses per
-request and answers each peer at most once per ASK_INTERVAL seconds, so it cannot be turned into a
-scanner or an amplifier.
+request, only on the host the asker's own connection comes from (a relayed asker gets nothing
+dialled), and answers each peer at most once per ASK_INTERVAL seconds, so it cannot be turned into
+a scanner or an amplifier of other hosts, whatever peer ids an asker makes up. (Records carry no
+addresses, so the asker's connection is the address we know to be its own; docs/architecture.md §9.)
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from diloco_node.swarm import bounded
-from diloco_node.swarm.streams import Streams, StreamService, receive, send
+from diloco_node.swarm.messages import parse_dial_back
+from diloco_node.swarm.streams import Streams, StreamService, parse_json, receive, send
 
 logger = logging.getLogger(__name__)
 
@@ -52,23 +55,36 @@ class DialBack(StreamService):
     async def _serve(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(info.peer_id)
         try:
-            request = json.loads(await receive(reader, MAX_REQUEST_BYTES, timeout=10))
-            addresses = request.get("addresses") if isinstance(request, dict) else None
-            if not (isinstance(addresses, list) and all(isinstance(a, str) for a in addresses)):
-                raise ValueError("malformed dial-back request")
+            addresses = parse_dial_back(await receive(reader, MAX_REQUEST_BYTES, timeout=10), MAX_ADDRESSES)
+            if isinstance(addresses, str):
+                raise ValueError(addresses)
             now = time.monotonic()
             if now - self._last_asked.get(peer, -ASK_INTERVAL) < ASK_INTERVAL:
                 raise ValueError("asked again too soon")
             if len(self._last_asked) > 4096:  # forget the oldest askers: the table stays small
                 self._last_asked = dict(sorted(self._last_asked.items(), key=lambda item: item[1])[-2048:])
             self._last_asked[peer] = now
-            reached = await asyncio.gather(*(_dial(address) for address in addresses[:MAX_ADDRESSES]))
+            # only the asker's own host; none of its addresses there (another IP family, a relay):
+            # an empty answer, which the asker takes as "cannot tell", not as "unreachable"
+            asker = _host(getattr(info, "addr", None))
+            reached = await asyncio.gather(*(_dial(a) for a in addresses if asker is not None and _host(a) == asker))
             await send(writer, json.dumps({"reachable": list(reached)}).encode())
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError) as exc:
             self._refuse_once(peer, str(exc), "dial-back request from peer=%s refused: %s", peer, exc,
                               level=logging.INFO)
         finally:
             writer.close()
+
+
+def _host(address: object) -> str | None:
+    """The ip4/ip6 host of a multiaddr (text or Multiaddr); None for a relayed, DNS or malformed one."""
+    try:
+        parts = Multiaddr(str(address)).items()
+        if any(protocol.name == "p2p-circuit" for protocol, _ in parts):
+            return None
+        return next((str(value) for protocol, value in parts if protocol.name in ("ip4", "ip6")), None)
+    except Exception:  # multiaddr raises its own errors on malformed text
+        return None
 
 
 async def _dial(address: str) -> bool:
@@ -111,7 +127,7 @@ async def _ask(p2p: P2P, peer: str, namespace: str, addresses: list[str]) -> boo
             p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler_name(namespace)), ASK_TIMEOUT)
         try:
             await send(writer, json.dumps({"addresses": addresses[:MAX_ADDRESSES]}).encode())
-            answer = json.loads(await receive(reader, MAX_REQUEST_BYTES, ASK_TIMEOUT))
+            answer = parse_json(await receive(reader, MAX_REQUEST_BYTES, ASK_TIMEOUT))
         finally:
             writer.close()
         reached = answer.get("reachable") if isinstance(answer, dict) else None

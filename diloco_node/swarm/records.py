@@ -10,7 +10,8 @@ cannot break the barrier or the dashboard.
 
 A permissioned run's revocations live under `<run_id>_revoked`, one subkey per owner-signed token
 (the subkey, not the value: a value can be replaced by anyone storing a later one, a subkey cannot
-be taken away).
+be taken away). `RunValidator` stores a subkey there only when the run owner signed it (none in an
+open run), and bounds the bytes of every record of the run, on store and on read (§9).
 
 The fingerprinted config is not in the record: every DHT read of the records returns all of them and
 every heartbeat sends ours, and the config is needed only to tell a refused peer what differs. It
@@ -29,12 +30,17 @@ from typing import Any
 import pydantic.v1 as pydantic  # hivemind's SchemaValidator speaks pydantic v1
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from diloco_node import admission
 from diloco_node.fingerprint import fingerprint_of
 from diloco_node.identity import peer_id_of_public_key
 from diloco_node.swarm import bounded
@@ -46,9 +52,19 @@ RECORD_TTL = 25.0  # seconds; a node silent for this long is treated as gone (pr
 REVOCATION_TTL = 365 * 86400.0  # a revocation stays for as long as any admission is likely to
 MAX_VOUCHED = 8
 MAX_PROVEN = 16  # peers a record lists as proven by its node (swarm/proofs.py)
+MAX_ROUND = 1 << 40  # no run gets near; a larger round is a lie that would overflow what we publish
 Token = pydantic.constr(strict=True, max_length=1024)
-NodeCount = pydantic.conint(strict=True, ge=0)
-Seconds = pydantic.confloat(strict=True, ge=0)
+NodeCount = pydantic.conint(strict=True, ge=0, le=1 << 62)
+Seconds = pydantic.confloat(strict=True, ge=0, le=1e12)
+PeerIdText = pydantic.constr(strict=True, max_length=64)  # libp2p's base58 ids are 46 or 52 characters
+Hash = pydantic.constr(strict=True, max_length=64)  # our digests and fingerprints are 16 hex digits
+Round = pydantic.conint(strict=True, ge=-1, le=MAX_ROUND)
+# The most bytes one record's value may take (after its signature is stripped): a node's record is
+# ~0.6 KB (~3 KB with an admission, 8 vouched and 16 proven peers), a config ~2 KB; a 3 MB digest
+# was stored before these bounds
+MAX_NODE_RECORD_BYTES = 4096
+MAX_CONFIG_BYTES = 32768
+MAX_REVOCATION_BYTES = 16
 
 
 class NodeStats(pydantic.BaseModel):
@@ -71,20 +87,20 @@ class NodeStats(pydantic.BaseModel):
 
 
 class NodeValue(pydantic.BaseModel):
-    peer_id: pydantic.StrictStr
-    fingerprint: pydantic.StrictStr
-    round: pydantic.StrictInt
-    ready_round: pydantic.StrictInt
-    exchanged_round: pydantic.StrictInt
-    digest: pydantic.StrictStr
-    served_round: pydantic.StrictInt = -1
-    served_digest: pydantic.StrictStr = ""
+    peer_id: PeerIdText  # type: ignore[valid-type]
+    fingerprint: Hash  # type: ignore[valid-type]
+    round: Round  # type: ignore[valid-type]
+    ready_round: Round  # type: ignore[valid-type]
+    exchanged_round: Round  # type: ignore[valid-type]
+    digest: Hash  # type: ignore[valid-type]
+    served_round: Round = -1  # type: ignore[valid-type]
+    served_digest: Hash = ""  # type: ignore[valid-type]
     left: pydantic.StrictBool = False
     stats: NodeStats = NodeStats()
     admission: Token = ""  # type: ignore[valid-type]  # permissioned runs: the owner's token for this peer
-    vouched: pydantic.conlist(pydantic.StrictStr, max_items=MAX_VOUCHED) = []  # type: ignore[valid-type]
+    vouched: pydantic.conlist(PeerIdText, max_items=MAX_VOUCHED) = []  # type: ignore[valid-type]
     client: pydantic.StrictBool = False
-    proven: pydantic.conlist(pydantic.StrictStr, max_items=MAX_PROVEN) = []  # type: ignore[valid-type]
+    proven: pydantic.conlist(PeerIdText, max_items=MAX_PROVEN) = []  # type: ignore[valid-type]
 
 
 class RunRecords(pydantic.BaseModel):
@@ -102,9 +118,43 @@ def signer(identity: Any) -> RSASignatureValidator:
     return RSASignatureValidator(key)
 
 
-def validators(run_id: str, signed_by: RSASignatureValidator) -> list[Any]:
-    """The DHT record validators every node of a run installs (schema first, then signatures)."""
-    return [SchemaValidator(RunRecords, allow_extra_keys=True, prefix=run_id), signed_by]
+class RunValidator(RecordValidatorBase):
+    """The run's own rules beyond the schema: a size bound on each record's value, and revocation
+    subkeys only when the run owner signed them (`owner`; None: an open run, which has none).
+    Without it anyone could store junk under `<run>_revoked` (4,000 subkeys cost 0.46 s and
+    3.8 MiB per heartbeat read) or a node record with a 3 MB digest."""
+
+    def __init__(self, run_id: str, owner: Ed25519PublicKey | None):
+        self._run_id, self._owner = run_id, owner
+        self._bounds = {DHTID.generate(source=key).to_bytes(): bound for key, bound in (
+            (records_key(run_id), MAX_NODE_RECORD_BYTES), (configs_key(run_id), MAX_CONFIG_BYTES),
+            (revocations_key(run_id), MAX_REVOCATION_BYTES))}
+        self._revoked_key = DHTID.generate(source=revocations_key(run_id)).to_bytes()
+
+    def validate(self, record: DHTRecord) -> bool:
+        bound = self._bounds.get(record.key)
+        if bound is None:  # not one of the run's keys (hivemind's own, the averager's)
+            return True
+        if len(record.value) > bound:
+            return False
+        return record.key != self._revoked_key or self.revocation_signed(record.subkey)
+
+    def revocation_signed(self, subkey: bytes) -> bool:
+        """Whether a serialized `<run>_revoked` subkey is a revocation the run owner signed."""
+        if self._owner is None or len(subkey) > 2 * admission.MAX_TOKEN_CHARS:
+            return False
+        try:
+            token = DHTProtocol.serializer.loads(subkey)
+            admission.read(token, self._owner, self._run_id, "revoke")
+        except Exception:  # msgpack's errors, AdmissionError: not a revocation of this run's owner
+            return False
+        return True
+
+
+def validators(run_id: str, signed_by: RSASignatureValidator, owner: Ed25519PublicKey | None = None) -> list[Any]:
+    """The DHT record validators every node of a run installs (schema first, then signatures, and
+    the run's bounds; `owner`: the run owner's key, whose revocations alone are stored)."""
+    return [SchemaValidator(RunRecords, allow_extra_keys=True, prefix=run_id), signed_by, RunValidator(run_id, owner)]
 
 
 def bound_peer_id(subkey: bytes) -> str | None:

@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from hivemind.p2p import PeerID
 
 from diloco_node.replica.layout import digest
 from diloco_node.swarm.records import NodeRecord, reference_state
-from diloco_node.swarm.streams import HEADER_LEN, Streams, StreamService, receive, send
+from diloco_node.swarm.streams import HEADER_LEN, Limits, Streams, StreamService, parse_json, receive, send
 
 logger = logging.getLogger(__name__)
 
@@ -55,59 +56,175 @@ AccessPolicy = Callable[[str, str], "str | None"]
 Acceptance = Callable[[str, SharedState], "str | None"]
 
 
+MAX_SERVES = 2  # state transfers served at once, each holding at most one snapshot of φ and the momentum
+SNAPSHOT_REUSE_SECONDS = 5.0  # a serve under way lends its snapshot to requests this recent
+# one state request per peer at a time, and a few a second: a joiner asks each server once per retry
+STATE_LIMITS = Limits(per_peer=1, total=16, rate=1.0, burst=4.0)
+# How far a served round may lead the records: a record lags its node by the rounds it ran between
+# announcing and our read (a solo node of a test runs several a second), a lie of 10^30 does not
+MAX_ROUNDS_AHEAD = 16
+MAX_ROUND = 1 << 40  # no run gets near; anything beyond is a lie that would break our own records
+MAX_ROUNDS_IN_FLIGHT = 8  # above what any server holds (outer/state.py checks the exact bound)
+MAX_METADATA_DEPTH = 3  # the header {"metadata": {"in_flight": [...]}}
+
+@dataclass
+class _Snapshot:
+    """One copy of our state, lent to every serve under way (`users`)."""
+
+    shared: SharedState
+    taken: float
+    users: int = 1
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A well-formed state request: the admission token it shows."""
+
+    token: str
+
+
+def parse_request(data: bytes) -> Admission | str:
+    """A state request → the admission it shows, or why it is malformed (never raises)."""
+    try:
+        request = parse_json(data, max_depth=1)
+    except ValueError:
+        return "malformed request"
+    token = request.get("admission", "") if isinstance(request, dict) else None
+    return Admission(token) if isinstance(token, str) else "malformed request"
+
+
+def parse_header(data: bytes, max_vectors: int) -> tuple[dict[str, Any], int]:
+    """A server's answer header → (its metadata, the vectors it announces); StateRefused for
+    anything else: not JSON, nested too deep, not sharing, a count out of range."""
+    try:
+        header = parse_json(data, MAX_METADATA_DEPTH)
+    except ValueError as exc:
+        raise StateRefused(f"malformed answer ({exc})") from None
+    if not isinstance(header, dict) or header.get("sharing") is not True:
+        raise StateRefused(NOT_SHARING)
+    count = header.get("vectors")
+    if isinstance(count, bool) or not isinstance(count, int) or not 2 <= count <= max_vectors:
+        raise StateRefused(f"it announced {str(count)[:20]!r} vectors")
+    metadata = header.get("metadata")
+    if not isinstance(metadata, dict):
+        raise StateRefused("malformed answer (no metadata)")
+    return metadata, count
+
+
+def lower_median(rounds: Sequence[int]) -> int:
+    ordered = sorted(rounds)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def metadata_refusal(metadata: Any, server: str, others: dict[str, NodeRecord]) -> str | None:
+    """Why a state's metadata (outside φ's digest) is not taken from `server`, checked against the
+    run's records `others`; None when it may be. The server must name itself (the joiner completes
+    the rounds in flight from the group of the server named), and its round and rounds in flight
+    must be ones the records show: no more than MAX_ROUNDS_AHEAD past the furthest record of the
+    other nodes (the server's own, when it is alone: its own record cannot vouch for it otherwise)."""
+    if not isinstance(metadata, dict):
+        return "malformed metadata"
+    if metadata.get("server") != server:
+        return f"it names another server ({str(metadata.get('server'))[:60]!r})"
+    round_, in_flight = metadata.get("round"), metadata.get("in_flight", [])
+    if isinstance(round_, bool) or not isinstance(round_, int) or not 0 <= round_ <= MAX_ROUND:
+        return f"malformed round {str(round_)[:20]!r}"
+    if not (isinstance(in_flight, list) and len(in_flight) <= MAX_ROUNDS_IN_FLIGHT
+            and all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < round_ for r in in_flight)):
+        return "malformed rounds in flight"
+    if not isinstance(metadata.get("has_momentum", False), bool):
+        return "malformed momentum flag"
+    if server not in others:
+        return "it has no record in the run"
+    shown = max((r.round for p, r in others.items() if p != server), default=others[server].round)
+    if round_ > shown + MAX_ROUNDS_AHEAD:
+        return f"its round {round_} is far ahead of the run's records (round {shown})"
+    return None
+
+
 class StateRefused(Exception):
     """A download from one peer that failed or was refused; the next peer is tried."""
 
 
 class StateService(StreamService):
     def __init__(self, streams: Streams, namespace: str, numel: int, max_vectors: int, provider: StateProvider,
-                 may_download: AccessPolicy, token: str = "", on_moved: Callable[[int, int], None] | None = None):
+                 may_download: AccessPolicy, token: str = "", on_moved: Callable[[int, int], None] | None = None,
+                 on_shared: Callable[[str, dict[str, Any]], None] | None = None):
         """`max_vectors`: the most flat vectors a state may hold (φ, momentum, rounds in flight);
         `on_moved(sent, received)` counts the state's bytes, by default in `streams` with the
-        payloads' (the node's traffic is their sum); pass one to keep a tally of its own."""
-        super().__init__(streams, f"{namespace}_state")
+        payloads' (the node's traffic is their sum); pass one to keep a tally of its own.
+        `on_shared(peer, metadata)`: told of every peer a state goes to (a snapshot is shared by
+        the joiners that arrive together, so `provider` is not asked for each)."""
+        super().__init__(streams, f"{namespace}_state", STATE_LIMITS)
         self._numel, self._max_vectors = numel, max_vectors
         self._provider, self._may_download, self._token = provider, may_download, token
         self._on_moved = on_moved or streams.count
+        self._on_shared = on_shared
+        self._serving = 0  # transfers under way (on the streams' loop only)
+        self._shared: _Snapshot | None = None
 
     # --- serving ------------------------------------------------------------------------------
 
     async def _serve(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(info.peer_id)
         try:
-            request = json.loads(await receive(reader, MAX_REQUEST_BYTES, READ_TIMEOUT))
-            token = request.get("admission", "") if isinstance(request, dict) else None
-            why = "malformed request" if not isinstance(token, str) else \
-                await self.loop.run_in_executor(None, self._may_download, peer, token)
-            shared = None if why else await self._snapshot(peer)
-            if why:
+            request = parse_request(await receive(reader, MAX_REQUEST_BYTES, READ_TIMEOUT))
+            why = request if isinstance(request, str) else \
+                await self.loop.run_in_executor(None, self._may_download, peer, request.token)
+            if why is not None:
                 self._refuse_once(peer, why, "refused our state to peer=%s: %s", peer, why)
-            if shared is None:
+            if why is not None or self._serving >= MAX_SERVES:  # busy: the asker asks again (NOT_SHARING)
                 await send(writer, json.dumps({"sharing": False}).encode())
                 return
-            metadata, vectors = shared
-            await send(writer, json.dumps({"sharing": True, "metadata": metadata, "vectors": len(vectors)}).encode())
-            writer.write((len(vectors) * self._numel * 4).to_bytes(HEADER_LEN, "big"))
-            for vector in vectors:
-                data = vector.detach().float().contiguous().numpy().tobytes()
-                for start in range(0, len(data), CHUNK_BYTES):
-                    writer.write(data[start:start + CHUNK_BYTES])
-                    await asyncio.wait_for(writer.drain(), READ_TIMEOUT)
-            self._on_moved(len(vectors) * self._numel * 4, 0)
+            self._serving += 1
+            try:
+                await self._send_state(peer, writer)
+            finally:
+                self._serving -= 1
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, TypeError) as exc:
             logger.warning("state request from peer=%s failed: %s", peer, type(exc).__name__)
         finally:
             writer.close()
 
-    async def _snapshot(self, peer: str) -> SharedState | None:
-        """Our state for `peer`, waiting up to SHARE_WAIT_SECONDS for us to share again: a blocking
-        node shares only between its exchanges, windows a joiner polling from afar would miss."""
+    async def _send_state(self, peer: str, writer: asyncio.StreamWriter) -> None:
+        snapshot = await self._snapshot(peer)
+        if snapshot is None:
+            await send(writer, json.dumps({"sharing": False}).encode())
+            return
+        try:
+            metadata, vectors = snapshot.shared
+            if self._on_shared is not None:
+                await self.loop.run_in_executor(None, self._on_shared, peer, metadata)
+            await send(writer, json.dumps({"sharing": True, "metadata": metadata, "vectors": len(vectors)}).encode())
+            writer.write((len(vectors) * self._numel * 4).to_bytes(HEADER_LEN, "big"))
+            for vector in vectors:
+                # the snapshot's own memory, a chunk at a time: no second copy of φ per request
+                data = memoryview(vector.detach().float().contiguous().numpy()).cast("B")  # type: ignore[arg-type]
+                for start in range(0, len(data), CHUNK_BYTES):
+                    writer.write(bytes(data[start:start + CHUNK_BYTES]))
+                    await asyncio.wait_for(writer.drain(), READ_TIMEOUT)
+            self._on_moved(len(vectors) * self._numel * 4, 0)
+        finally:
+            snapshot.users -= 1
+            if snapshot.users == 0 and self._shared is snapshot:
+                self._shared = None  # no copy of φ is held between serves
+
+    async def _snapshot(self, peer: str) -> _Snapshot | None:
+        """Our state for `peer`: the snapshot a serve under way holds, when it is recent (so joiners
+        arriving together share one copy of φ and the momentum), else a fresh one, waiting up to
+        SHARE_WAIT_SECONDS for us to share again: a blocking node shares only between its
+        exchanges, windows a joiner polling from afar would miss."""
+        shared = self._shared
+        if shared is not None and self.loop.time() - shared.taken < SNAPSHOT_REUSE_SECONDS:
+            shared.users += 1
+            return shared
         until = self.loop.time() + SHARE_WAIT_SECONDS
-        while (shared := await self.loop.run_in_executor(None, self._provider, peer)) is None:
+        while (state := await self.loop.run_in_executor(None, self._provider, peer)) is None:
             if self.loop.time() > until:
                 return None
             await asyncio.sleep(SHARE_POLL_SECONDS)
-        return shared
+        self._shared = _Snapshot(state, self.loop.time())
+        return self._shared
 
     # --- downloading --------------------------------------------------------------------------
 
@@ -127,41 +244,45 @@ class StateService(StreamService):
             raise StateRefused(f"cannot reach it ({type(exc).__name__})") from None
         try:
             await send(writer, json.dumps({"admission": self._token}).encode())
-            header = json.loads(await receive(reader, MAX_META_BYTES, READ_TIMEOUT))
-            if not isinstance(header, dict) or header.get("sharing") is not True:
-                raise StateRefused(NOT_SHARING)
-            count = header.get("vectors")
-            if not isinstance(count, int) or not 2 <= count <= self._max_vectors:
-                raise StateRefused(f"it announced {count!r} vectors")
+            metadata, count = parse_header(await receive(reader, MAX_META_BYTES, READ_TIMEOUT), self._max_vectors)
             data = bytearray()
             size = int.from_bytes(await asyncio.wait_for(reader.readexactly(HEADER_LEN), READ_TIMEOUT), "big")
             if size != count * self._numel * 4:
                 raise StateRefused(f"it announced {size} bytes for {count} vectors of the model's size")
+            # a slow drip is cut at the least rate, whatever the pace of single reads
             deadline = min(deadline, started + SETUP_SECONDS + size / LEAST_RATE)
             while len(data) < size:
                 if self.loop.time() > deadline:
                     raise StateRefused(f"too slow: {len(data)} of {size} bytes in time")
-                chunk = await asyncio.wait_for(reader.read(min(CHUNK_BYTES, size - len(data))), READ_TIMEOUT)
+                chunk = await asyncio.wait_for(reader.read(min(CHUNK_BYTES, size - len(data))),
+                                               max(min(READ_TIMEOUT, deadline - self.loop.time()), 0.01))
                 if not chunk:
                     raise StateRefused(f"it closed the stream after {len(data)} of {size} bytes")
                 data += chunk
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
             raise StateRefused(f"transfer failed ({type(exc).__name__})") from None
-        except ValueError as exc:  # JSON or an oversized header
+        except ValueError as exc:  # an oversized header
             raise StateRefused(f"malformed answer ({exc})") from None
         finally:
             writer.close()
         self._on_moved(0, len(data))
         flat = torch.frombuffer(data, dtype=torch.float32)
-        metadata = header.get("metadata")
-        return (metadata if isinstance(metadata, dict) else {}), list(flat.split(self._numel))
+        return metadata, list(flat.split(self._numel))
 
 
 def servers_in_order(others: dict[str, NodeRecord], reference: tuple[int, str] | None) -> list[str]:
     """Whom to ask for the run's state, in order: the nodes serving the state most of the run
-    announces, then the others, furthest round first."""
-    return sorted(others, key=lambda p: ((others[p].served_round, others[p].served_digest) != reference,
-                                         -others[p].round, p))
+    announces, then the others, furthest round first; a record further ahead than
+    MAX_ROUNDS_AHEAD past what most nodes announce comes last (anyone can announce a huge round
+    to be asked first)."""
+    shown = lower_median([r.round for r in others.values()]) if others else 0
+
+    def order(peer: str) -> tuple[bool, bool, int, str]:
+        record = others[peer]
+        ahead = record.round > shown + MAX_ROUNDS_AHEAD
+        return (record.served_round, record.served_digest) != reference, ahead, -min(record.round, shown), peer
+
+    return sorted(others, key=order)
 
 
 def settled_state(shared: SharedState) -> tuple[int, str] | None:
@@ -251,8 +372,11 @@ def download_run_state(service: StateService, run: Callable[[Any, float, threadi
     logger.info("downloading state from peers")
     logged: set[tuple[str, str]] = set()
 
-    def accept(_peer: str, shared: SharedState) -> str | None:
-        return agreement(shared, peers, started, stop) if check_digest else None
+    def accept(peer: str, shared: SharedState) -> str | None:
+        why = metadata_refusal(shared[0], peer, peers())
+        if why is None and check_digest:
+            why = agreement(shared, peers, started, stop)
+        return why
 
     while True:
         others = peers()

@@ -2,18 +2,24 @@
 
 `Streams` is the event loop thread our stream handlers live on, the replica of hivemind's P2P they
 speak through, and the count of the payload bytes they move. `StreamService` is the base of each
-protocol: its handlers attached to and detached from that P2P, and refusals logged once per peer
-and reason. `send`/`receive` are the length-prefixed framing of every protocol.
+protocol: its handlers attached to and detached from that P2P, each behind `StreamLimits` (per-peer
+and total concurrency, a per-peer request rate: checked before a byte is read), and refusals logged
+once per peer and reason. `send`/`receive` are the length-prefixed framing of every protocol, and
+`parse_json` the bounded parse of every JSON message (docs/architecture.md §9).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from hivemind import DHT
@@ -26,6 +32,10 @@ STOP_POLL_SECONDS = 0.5  # how soon a long transfer notices a stop
 ATTACH_TIMEOUT = 30.0
 DETACH_TIMEOUT = 5.0
 REPLICATE_TIMEOUT = 60.0
+MAX_JSON_DEPTH = 8  # our messages nest 3 deep at most; json.loads recurses once per level
+MAX_TRACKED_PEERS = 4096  # per-peer tables (limits, logged refusals) forget the least recent beyond this
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_JSON_NESTING = re.compile(rb"[\[\]{}]")
 
 # A stream handler: hivemind calls it with the stream's info (its peer_id) and its two ends.
 Handler = Callable[[Any, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -44,6 +54,92 @@ async def receive(reader: asyncio.StreamReader, limit: int, timeout: float) -> b
     if length > limit:
         raise ValueError(f"message of {length} bytes exceeds the limit of {limit}")
     return await asyncio.wait_for(reader.readexactly(length), timeout)
+
+
+def parse_json(data: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """`data` as JSON; ValueError when it is not JSON, nests deeper than `max_depth` (checked
+    before parsing: a deep nest within any size limit would raise RecursionError in json.loads),
+    or holds NaN or ±Infinity (numbers no message of ours carries)."""
+    depth = 0
+    for bracket in _JSON_NESTING.findall(_JSON_STRING.sub(b"", data)):
+        depth += 1 if bracket in b"[{" else -1
+        if depth > max_depth:
+            raise ValueError(f"JSON nested deeper than {max_depth}")
+    return json.loads(data, parse_constant=_refuse_constant)  # ValueError (UnicodeDecodeError, JSONDecodeError)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"JSON constant {name} refused")
+
+
+class LRUSet:
+    """A set that forgets its least recently added members beyond `capacity`: a per-peer table
+    fresh peer ids cannot grow without bound."""
+
+    def __init__(self, capacity: int = MAX_TRACKED_PEERS):
+        self._items: OrderedDict[Any, None] = OrderedDict()
+        self._capacity = capacity
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, item: Any) -> None:
+        self._items[item] = None
+        self._items.move_to_end(item)
+        while len(self._items) > self._capacity:
+            self._items.popitem(last=False)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How much of a handler one peer, and all peers together, may hold: streams open at once, and
+    requests per second (a bucket of `burst` refilled at `rate`). Fresh peer ids get fresh buckets,
+    which is why `total` bounds them all."""
+
+    per_peer: int = 4
+    total: int = 64
+    rate: float = 8.0
+    burst: float = 32.0
+
+
+class StreamLimits:
+    """The bookkeeping of `Limits` for one service; used on the streams' event loop only."""
+
+    def __init__(self, limits: Limits, capacity: int = MAX_TRACKED_PEERS):
+        self.limits = limits
+        self._open: dict[str, int] = {}
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # peer → (tokens, at)
+        self._capacity = capacity
+
+    def admit(self, peer: str, now: float | None = None) -> str | None:
+        """Why a new stream from `peer` is refused now; None when it is taken (then `release` it)."""
+        now = time.monotonic() if now is None else now
+        if sum(self._open.values()) >= self.limits.total:
+            return f"{self.limits.total} streams open already"
+        if self._open.get(peer, 0) >= self.limits.per_peer:
+            return f"{self.limits.per_peer} of its streams open already"
+        tokens, at = self._buckets.pop(peer, (self.limits.burst, now))
+        tokens = min(self.limits.burst, tokens + (now - at) * self.limits.rate)
+        self._buckets[peer] = (tokens - 1.0, now) if tokens >= 1.0 else (tokens, now)
+        while len(self._buckets) > self._capacity:
+            self._buckets.popitem(last=False)
+        if tokens < 1.0:
+            return f"more than {self.limits.rate:g} requests/s"
+        self._open[peer] = self._open.get(peer, 0) + 1
+        return None
+
+    def release(self, peer: str) -> None:
+        left = self._open.get(peer, 0) - 1
+        if left > 0:
+            self._open[peer] = left
+        else:
+            self._open.pop(peer, None)
+
+    def open_streams(self) -> int:
+        return sum(self._open.values())
 
 
 class Streams:
@@ -103,11 +199,12 @@ class StreamService(ABC):
     """One protocol on the shared streams: the handler `name` serves `_serve` (a subclass may add
     handlers to `_handlers`), attached and detached from any thread but the streams' loop."""
 
-    def __init__(self, streams: Streams, name: str):
+    def __init__(self, streams: Streams, name: str, limits: Limits = Limits()):
         self.streams, self.p2p, self.loop = streams, streams.p2p, streams.loop
         self.name = name
         self._handlers: dict[str, Handler] = {name: self._serve}
-        self._refusals_logged: set[tuple[str, str]] = set()
+        self._refusals_logged = LRUSet()
+        self._limits = StreamLimits(limits)  # one budget for all of this service's handlers
 
     def attach(self) -> None:
         """Serve our handlers; raises when the daemon would not take one."""
@@ -115,7 +212,23 @@ class StreamService(ABC):
 
     async def _attach(self) -> None:
         for name, handler in self._handlers.items():
-            await self.p2p.add_binary_stream_handler(name, handler)
+            await self.p2p.add_binary_stream_handler(name, self._limited(handler))
+
+    def _limited(self, handler: Handler) -> Handler:
+        """`handler` behind our limits: a stream over them is closed before anything is read."""
+        async def limited(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            peer = str(info.peer_id)
+            why = self._limits.admit(peer)
+            if why is not None:
+                self._refuse_once(peer, why, "%s refused a stream from peer=%s: %s", self.name, peer, why,
+                                  level=logging.INFO)
+                writer.close()
+                return
+            try:
+                await handler(info, reader, writer)
+            finally:
+                self._limits.release(peer)
+        return limited
 
     def detach(self) -> None:
         """Stop serving; never raises (the handlers go with the daemon anyway)."""

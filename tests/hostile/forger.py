@@ -11,6 +11,9 @@ Usage: forger.py PEER_MULTIADDR RUN_ID MODE
   its record following an honest node's round and digest; its peer id sorts before the honest
   ones, so a joiner asks it first;
 - drip: as poison, but serves the state one kilobyte a second;
+- nested, far, named: as poison, but serves the honest bytes with a lying header: metadata nested
+  30,000 deep within the size limit, a round 1,000 ahead of the records, or naming the honest node
+  as the server (a joiner would complete the rounds in flight from the group that node names);
 - huge: takes part in every round (hivemind's matchmaking, the run's payload protocol) with a
   pseudo-gradient ~1e6 times an honest one's norm, declaring 1e30 tokens;
 - fuzz: takes part in every round with a valid payload damaged at random (bytes flipped, cut,
@@ -323,6 +326,23 @@ def contribute(dht: DHT, p2p, run, namespace: str, key: str, me: str, signer, mo
     averager.shutdown()
 
 
+STATE_MODES = ("poison", "drip", "nested", "far", "named")
+
+
+def lying_header(header: bytes, mode: str, me: str) -> bytes:
+    """An honest state's answer header as the hostile server `me` sends it in `mode`."""
+    fields = json.loads(header)
+    metadata = {**fields["metadata"], "server": me}
+    if mode == "nested":  # within the joiner's 64 KiB limit on the header
+        return json.dumps({**fields, "metadata": metadata})[:-1].encode() + \
+            b', "deep": ' + b"[" * 30000 + b"]" * 30000 + b"}"
+    if mode == "far":
+        metadata["round"] += 1000
+    if mode == "named":
+        metadata["server"] = fields["metadata"]["server"]
+    return json.dumps({**fields, "metadata": metadata}).encode()
+
+
 def main() -> None:
     peer, run_id, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     count = int(sys.argv[4]) if mode == "sybils" else 1
@@ -331,7 +351,7 @@ def main() -> None:
                 record_validators=[RSASignatureValidator()])  # strips the signatures off what it reads
     honest = honest_records(scout, key)
     scout.shutdown()
-    path, signer, me = make_identity([r["peer_id"] for r in honest] if mode in ("poison", "drip") else None)
+    path, signer, me = make_identity([r["peer_id"] for r in honest] if mode in STATE_MODES else None)
     identities = [(signer, me)] + [make_identity()[1:] for _ in range(count - 1)]
     dht = DHT(initial_peers=[peer], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=str(path),
               record_validators=[ManyKeys([s for s, _ in identities]) if count > 1 else signer])
@@ -357,9 +377,11 @@ def main() -> None:
         contribute(dht, p2p, run, namespace, key, me, signer, mode, numel, stop)
         dht.shutdown()
         return
-    if mode in ("poison", "drip"):
-        header, vectors = fetch_state(p2p, run, honest[0]["peer_id"], namespace)
-        poisoned = (np.frombuffer(vectors, dtype=np.float32) + 1).astype(np.float32).tobytes()
+    if mode in STATE_MODES:  # from the highest peer id: the honest node (other forgers sort before it)
+        header, vectors = fetch_state(p2p, run, honest[-1]["peer_id"], namespace)
+        poisoned = (np.frombuffer(vectors, dtype=np.float32) + 1).astype(np.float32).tobytes() \
+            if mode in ("poison", "drip") else vectors
+        header = lying_header(header, mode, me)
 
         async def serve(_info, reader, writer) -> None:
             await reader.readexactly(int.from_bytes(await reader.readexactly(HEADER), "big"))
@@ -377,7 +399,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # after the DHT's process has forked
     announced = False
     while not stop.is_set():
-        source = next(r for r in honest_records(dht, key) if r["peer_id"] != me) if mode in ("poison", "drip") \
+        source = [r for r in honest_records(dht, key) if r["peer_id"] != me][-1] if mode in STATE_MODES \
             else honest[0]
         forged = {**source, "peer_id": me}
         if mode == "ahead":

@@ -282,3 +282,43 @@ def test_a_fetch_is_retried_until_the_peer_can_be_reached() -> None:
             exchange.streams.close()
         second.shutdown()
         first.shutdown()
+
+
+def test_a_second_state_request_from_one_peer_is_refused_while_its_first_is_served(caplog) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    import torch
+
+    from diloco_node.swarm.statesync import StateRefused, StateService
+
+    first = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    second = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), start=True)
+    hosts = [Streams(dht) for dht in (first, second)]
+    release = threading.Event()
+
+    def slow_provider(peer: str) -> tuple[dict, list[torch.Tensor]]:
+        release.wait(5)  # the first request holds its stream while we snapshot
+        return {"round": 1}, [torch.zeros(10), torch.ones(10)]
+
+    server = StateService(hosts[0], "xlimit", 10, 4, slow_provider, lambda peer, token: None)
+    server.attach()
+    client = StateService(hosts[1], "xlimit", 10, 4, lambda peer: None, lambda peer, token: None)
+
+    async def both() -> list[object]:
+        held = asyncio.ensure_future(client.download(str(first.peer_id), 20))
+        await asyncio.sleep(1.0)
+        second_try = await asyncio.gather(client.download(str(first.peer_id), 20), return_exceptions=True)
+        release.set()
+        return [await held, *second_try]
+
+    try:
+        with caplog.at_level("INFO", logger="diloco_node.swarm.statesync"):
+            served, refused = hosts[1].run(both(), 40)
+        assert isinstance(served, tuple) and torch.equal(served[1][1], torch.ones(10))
+        assert isinstance(refused, StateRefused), refused
+        assert f"refused a stream from peer={second.peer_id}: 1 of its streams open already" in caplog.text
+    finally:
+        for host in hosts:
+            host.close()
+        second.shutdown()
+        first.shutdown()

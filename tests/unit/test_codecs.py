@@ -271,11 +271,17 @@ def test_payload_of_another_codec_or_model_is_refused() -> None:
         make_codec(CodecConfig(name="int4")).decode(payload, 1001)
 
 
-def test_a_different_block_size_is_read_from_the_header() -> None:
+def test_codec_parameters_other_than_the_runs_are_refused() -> None:
+    # the run's config fixes them (they are fingerprinted): a sender's header may not choose them
     x = heavy_tailed(1000)
     payload = make_codec(CodecConfig(name="int8", block_size=128)).encode(x)
-    decoded = make_codec(CodecConfig(name="int8", block_size=64)).decode(payload, 1000)
-    assert torch.equal(decoded, roundtrip("int8", x, block_size=128))
+    with pytest.raises(CodecError, match="codec parameters 128/0, the run's are 64/0"):
+        make_codec(CodecConfig(name="int8", block_size=64)).decode(payload, 1000)
+    huge = make_codec(CodecConfig(name="topk", topk_chunk=256, topk_k=8)).encode(x)
+    fields = wire.HEADER.unpack_from(huge)[:-1]
+    forged = wire.seal((*fields[:6], 1 << 24, fields[7], *fields[8:]), huge[wire.HEADER.size:])
+    with pytest.raises(CodecError, match="codec parameters"):
+        make_codec(CodecConfig(name="topk", topk_chunk=256, topk_k=8)).decode(forged, 1000)
 
 
 def _zstd_payload(raw: bytes, declared_raw: int, frame: bytes | None = None) -> bytes:
@@ -329,11 +335,12 @@ def test_out_of_range_codes_are_refused() -> None:
         body[8] = patch[0]  # first code byte after 4 bf16 scales (block 64, 256 values)
         with pytest.raises(CodecError, match="outside"):
             make_codec(CodecConfig(name=name)).decode(forge(payload, body=bytes(body), reseal=True), 256)
-    payload = make_codec(CodecConfig(name="topk", topk_chunk=200, topk_k=4, zstd=False)).encode(x)
+    topk = CodecConfig(name="topk", topk_chunk=200, topk_k=4, zstd=False)
+    payload = make_codec(topk).encode(x)
     body = bytearray(payload[wire.HEADER.size:])
     body[4] = 250  # an offset past the chunk of 200 (2 chunks → 4 bytes of scales first)
     with pytest.raises(CodecError, match="offset"):
-        make_codec(CodecConfig(name="topk")).decode(forge(payload, body=bytes(body), reseal=True), 256)
+        make_codec(topk).decode(forge(payload, body=bytes(body), reseal=True), 256)
 
 
 @pytest.mark.parametrize("bits", [8, 2])
@@ -363,7 +370,7 @@ def test_sign_bitmap_that_disagrees_with_its_header_is_refused() -> None:
     body = bytearray(payload[wire.HEADER.size:])
     body[16:18] = b"\xff\x00"  # 8 blocks, other ones than the encoder chose: a valid vector all the same
     assert int((make_codec(cfg).decode(forge(payload, body=bytes(body), reseal=True), 1000)[:512] != 0).sum()) == 512
-    with pytest.raises(CodecError, match="raw length"):  # another share of blocks than the header implies
+    with pytest.raises(CodecError, match="codec parameters"):  # another share of blocks than the run's
         make_codec(cfg).decode(forge(payload, param_b=400, reseal=True), 1000)
 
 

@@ -1,0 +1,285 @@
+"""Property-based fuzzing of every stream handler's parsing and validation (docs/architecture.md §9):
+each pure function a handler runs on what a peer sent is driven with 10^4 adversarial inputs, and
+nothing but its documented refusal may come out (a refusal value, or the one exception type its
+caller turns into one log line). The network round-trips around these functions are covered by
+tests/hostile/test_state_servers.py and tests/integration; here only the parsing, so 10^4 cases
+each stay within seconds."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from diloco_node.admission import Claims, Gate, sign
+from diloco_node.codec import CodecConfig, CodecError, make_codec, wire
+from diloco_node.swarm import messages, records
+from diloco_node.swarm.exchange import _parse_meta
+from diloco_node.swarm.records import NodeRecord, RunValidator
+from diloco_node.swarm.statesync import (
+    Admission,
+    StateRefused,
+    metadata_refusal,
+    parse_header,
+    parse_request,
+    servers_in_order,
+)
+from diloco_node.swarm.streams import parse_json
+
+CASES_PER_HANDLER = int(os.environ.get("FUZZ_CASES", "10000"))
+BATCH = 10  # cases per Hypothesis example: its own overhead per example is larger than a parse
+CASES = settings(max_examples=max(CASES_PER_HANDLER // BATCH, 1), deadline=None, database=None,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+PEER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+OTHER = "QmaCpDMGvV2BGHeYERUEnRQAwe3N8SzbUtfsmvsqQLuvuJ"
+
+# Each case is built from a seed Hypothesis draws (cheap enough for 10^4 cases per handler on a
+# loaded CI core) by `adversarial`: numbers at and beyond every bound a check has (huge, negative,
+# non-finite, bool: an int in Python), strings of every length, nested lists and objects; a message
+# is the handler's own valid example with some of its keys replaced, dropped or added, so that
+# the checks deep in a parser are reached too; its bytes are that JSON (NaN and ±Infinity as a
+# peer may send them), or raw bytes, a deep nest, a truncation.
+EDGE_NUMBERS = [0, -1, 1, 2, 2**31, 2**40, 2**40 + 1, 2**63, 2**64, 10**30, -(10**30), 1e308, -1e-308, 0.5,
+                float("nan"), float("inf"), float("-inf"), True, False]
+EDGE_TEXT = [PEER, OTHER, "", "x" * 2000, "[" * 100, "\u0000", "Infinity", "1e999"]
+
+
+def adversarial(rng: random.Random, keys: tuple[str, ...] = (), depth: int = 0) -> Any:
+    kind = rng.randrange(8 if depth < 4 else 5)
+    if kind == 0:
+        return None
+    if kind == 1:
+        return rng.choice(EDGE_NUMBERS)
+    if kind == 2:
+        return rng.choice([rng.randint(-(2**70), 2**70), rng.uniform(-1e12, 1e12), rng.randint(-3, 300)])
+    if kind == 3:
+        return rng.choice(EDGE_TEXT)
+    if kind == 4:
+        return "".join(chr(rng.randrange(32, 0x2FFF)) for _ in range(rng.randrange(12)))
+    if kind == 5:
+        return [adversarial(rng, keys, depth + 1) for _ in range(rng.randrange(6))]
+    if kind == 6:
+        return [rng.choice([PEER, OTHER, "c", ""]) for _ in range(rng.randrange(5))]
+    return {rng.choice([*keys, "x", ""]) if keys else "x": adversarial(rng, keys, depth + 1)
+            for _ in range(rng.randrange(5))}
+
+
+def message(rng: random.Random, valid: dict[str, Any]) -> Any:
+    """`valid` with some keys replaced, dropped or added; now and then any value at all."""
+    if rng.random() < 0.1:
+        return adversarial(rng, tuple(valid))
+    fields = dict(valid)
+    for _ in range(rng.randrange(1, 4)):
+        key = rng.choice([*valid, "stray"])
+        if rng.random() < 0.2:
+            fields.pop(key, None)
+        else:
+            fields[key] = adversarial(rng, tuple(valid))
+    return fields
+
+
+def encoded(rng: random.Random, value: Any) -> bytes:
+    kind = rng.randrange(10)
+    if kind == 0:
+        return rng.randbytes(rng.randrange(300))
+    if kind == 1:
+        depth = rng.randrange(1, 20000)
+        return b"[" * depth + b"]" * depth if rng.random() < 0.5 else b'{"a":' * depth + b"1" + b"}" * depth
+    text = json.dumps(value, allow_nan=True).encode()
+    return text[:rng.randrange(len(text) + 1)] if kind == 2 else text
+
+
+SEEDS = st.integers(0, 2**64 - 1)
+
+
+def fuzzed(check: Callable[[random.Random], None]) -> Callable[[int], None]:
+    """A test running `check` on BATCH cases from each seed Hypothesis draws."""
+    @CASES
+    @given(SEEDS)
+    def test(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(BATCH):
+            check(rng)
+    test.__name__ = test.__qualname__ = check.__name__
+    return test
+
+
+@fuzzed
+def test_parse_json_refuses_with_value_error_only(rng: random.Random) -> None:
+    data = encoded(rng, adversarial(rng))
+    try:
+        parse_json(data)
+    except ValueError:
+        pass
+
+
+@fuzzed
+def test_payload_requests(rng: random.Random) -> None:
+    data = encoded(rng, message(rng, {"round": 3, "admission": ""}))
+    asked = messages.parse_payload_request(data)
+    assert isinstance(asked, str) or (0 <= asked.round <= messages.MAX_ROUND and isinstance(asked.token, str))
+
+
+@fuzzed
+def test_butterfly_pushes(rng: random.Random) -> None:
+    data = encoded(rng, message(rng, {"round": 3, "part": 1, "group": [PEER, OTHER], "tokens": 10.0, "norm": 1.5,
+                                      "admission": ""}))
+    push = messages.parse_push(data)
+    if not isinstance(push, str):
+        assert math.isfinite(push.tokens) and math.isfinite(push.norm) and 0 <= push.part < len(push.group)
+        assert 0 <= push.tokens <= messages.MAX_DECLARED and 0 <= push.norm <= messages.MAX_DECLARED
+
+
+@fuzzed
+def test_part_requests(rng: random.Random) -> None:
+    data = encoded(rng, message(rng, {"round": 3, "part": 1, "admission": ""}))
+    assert isinstance(messages.parse_part_request(data), (str, messages.PartRequest))
+
+
+@fuzzed
+def test_owner_reports(rng: random.Random) -> None:
+    data = encoded(rng, message(rng, {"used": [PEER, OTHER], "tokens": [1.0, 2.0], "clipped": [], "rejected": ["c"],
+                                      "group": [PEER, OTHER, "c"], "parts": 2}))
+    try:
+        report = messages.parse_report(data)
+    except ValueError:
+        return
+    # what outer/averaging.py does with a report must now hold without a TypeError
+    used, tokens = report.get("used", []), report.get("tokens", [])
+    counted = dict(zip(used, (float(t) for t in tokens), strict=True))
+    assert all(math.isfinite(t) for t in counted.values())
+    assert all(isinstance(p, str) for key in ("used", "clipped", "rejected") for p in report.get(key, ()))
+
+
+@fuzzed
+def test_dial_back_requests(rng: random.Random) -> None:
+    data = encoded(rng, message(rng, {"addresses": ["/ip4/127.0.0.1/tcp/1"]}))
+    addresses = messages.parse_dial_back(data, 8)
+    assert isinstance(addresses, str) or (len(addresses) <= 8 and all(isinstance(a, str) for a in addresses))
+
+
+@fuzzed
+def test_payload_answers_metadata(rng: random.Random) -> None:
+    data = encoded(rng, message(rng, {"tokens": 4096.0, "group": [PEER, OTHER]}))
+    try:
+        tokens, group = _parse_meta(parse_json(data))
+    except ValueError:
+        return
+    assert math.isfinite(tokens) and tokens > 0 and (group is None or all(isinstance(p, str) for p in group))
+
+
+@fuzzed
+def test_state_requests(rng: random.Random) -> None:
+    data = encoded(rng, message(rng, {"admission": ""}))
+    assert isinstance(parse_request(data), (str, Admission))
+
+
+@fuzzed
+def test_state_answer_headers(rng: random.Random) -> None:
+    data = encoded(rng, message(rng, {"sharing": True, "vectors": 2, "metadata": {"round": 3, "server": PEER}}))
+    try:
+        metadata, count = parse_header(data, max_vectors=4)
+    except StateRefused as exc:
+        assert "\n" not in str(exc)
+        return
+    assert isinstance(metadata, dict) and 2 <= count <= 4
+
+
+@fuzzed
+def test_state_metadata(rng: random.Random) -> None:
+    metadata = message(rng, {"round": 7, "server": PEER, "in_flight": [6], "has_momentum": True, "fingerprint": "fp"})
+    others = {peer: NodeRecord(peer, "fp", rng.choice([0, 7, 8, 2**40, rng.randrange(100)]), 0, "d")
+              for peer in rng.sample([PEER, OTHER, "c"], rng.randrange(4))}
+    server = rng.choice([PEER, OTHER])
+    why = metadata_refusal(metadata, server, others)
+    if why is None:  # taken: the round is one our own records can publish
+        assert isinstance(metadata["round"], int) and 0 <= metadata["round"] <= records.MAX_ROUND
+        assert metadata["server"] == server
+    assert sorted(servers_in_order(others, None)) == sorted(others)
+
+
+GOOD_RECORD = NodeRecord(PEER, "0123456789abcdef", 3, 2, "0123456789abcdef").to_wire()
+
+
+@fuzzed
+def test_node_records(rng: random.Random) -> None:
+    value = message(rng, GOOD_RECORD)
+    if rng.random() < 0.3 and isinstance(value, dict):
+        value["stats"] = message(rng, GOOD_RECORD["stats"])
+    record = NodeRecord.from_wire(value, left=rng.random() < 0.1)
+    if record is not None:
+        assert -1 <= record.round <= records.MAX_ROUND and len(record.digest) <= 64
+
+
+OWNER = Ed25519PrivateKey.generate()
+VALIDATOR = RunValidator("run", OWNER.public_key())
+RUN_KEYS = [DHTID.generate(source=key).to_bytes()
+            for key in (records.records_key("run"), records.configs_key("run"), records.revocations_key("run"))]
+REVOCATION = sign(OWNER, Claims("revoke", "run", PEER))
+
+
+def serialized(rng: random.Random, value: Any) -> bytes:
+    """What a peer may put in a DHT record's subkey or value: msgpack of anything, or raw bytes."""
+    if rng.random() < 0.2:
+        return rng.randbytes(rng.randrange(200))
+    try:
+        return DHTProtocol.serializer.dumps(value)
+    except (OverflowError, TypeError, ValueError):  # msgpack has no such number: raw bytes then
+        return rng.randbytes(8)
+
+
+@fuzzed
+def test_dht_records_of_the_run(rng: random.Random) -> None:
+    subkey = rng.choice([REVOCATION, REVOCATION[:-3] + "AAA", sign(OWNER, Claims("admit", "run", PEER)),
+                         adversarial(rng)])
+    value = message(rng, GOOD_RECORD) if rng.random() < 0.5 else adversarial(rng)
+    record = DHTRecord(rng.choice(RUN_KEYS), serialized(rng, subkey), serialized(rng, value), 0.0)
+    assert isinstance(VALIDATOR.validate(record), bool)
+
+
+GATE = Gate("run", OWNER.public_key())
+ADMISSION = sign(OWNER, Claims("admit", "run", PEER))
+
+
+@fuzzed
+def test_admission_tokens(rng: random.Random) -> None:
+    token = rng.choice([ADMISSION, REVOCATION])
+    at = rng.randrange(len(token))
+    token = rng.choice([token[:at] + chr(rng.randrange(32, 0x2FFF)) + token[at + 1:], token[:at], str(adversarial(rng)),
+                        "dn1." + token[at:]])
+    why = GATE.refusal(PEER, token)
+    assert why is None or isinstance(why, str)
+    assert GATE.add_revocations([token]) <= {PEER}
+
+
+NUMEL = 1000
+CODEC = CodecConfig(name="int8", block_size=64)
+VALID = make_codec(CODEC).encode(torch.randn(NUMEL, generator=torch.Generator().manual_seed(0)))
+FIELDS = wire.HEADER.unpack_from(VALID)[:-1]
+
+
+@fuzzed
+def test_codec_header_parameters(rng: random.Random) -> None:
+    """The header's numbers, the codec parameters first, anywhere in their range (a valid checksum)."""
+    magic, version, codec, dtype, flags, *numbers = FIELDS
+    for index in rng.sample(range(len(numbers)), rng.randrange(1, 4)):
+        bits = 32 if index in (1, 2) else 64
+        numbers[index] = rng.choice([0, 1, 64, 2**24, 2**bits - 1, rng.randrange(2**bits), numbers[index] + 1])
+    body = VALID[wire.HEADER.size:] if rng.random() < 0.7 else rng.randbytes(rng.randrange(1100))
+    payload = wire.seal((magic, version, codec, dtype, flags, *numbers), body)
+    try:
+        decoded = make_codec(CODEC).decode(payload, NUMEL)
+    except CodecError:
+        return
+    assert (numbers[1], numbers[2]) == (64, 0) and decoded.shape == (NUMEL,)

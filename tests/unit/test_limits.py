@@ -1,0 +1,186 @@
+"""Limits on what a peer can make a node do: bounded JSON, per-peer stream limits, bounded tables,
+record and revocation validators, state metadata checked against the serving peer and the records,
+and handler messages refused at the boundary (docs/architecture.md §9)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import get_dht_time
+
+from diloco_node.admission import Claims, sign
+from diloco_node.swarm import messages, records
+from diloco_node.swarm.reachability import _host
+from diloco_node.swarm.records import NodeRecord, RunValidator
+from diloco_node.swarm.statesync import (
+    Admission,
+    StateRefused,
+    metadata_refusal,
+    parse_header,
+    parse_request,
+    servers_in_order,
+)
+from diloco_node.swarm.streams import Limits, LRUSet, StreamLimits, parse_json
+
+PEER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+OTHER = "QmaCpDMGvV2BGHeYERUEnRQAwe3N8SzbUtfsmvsqQLuvuJ"
+
+
+# --- bounded JSON ---------------------------------------------------------------------------------
+
+def test_nested_json_within_any_size_limit_is_refused_before_parsing() -> None:
+    for deep in (b"[" * 60000 + b"]" * 60000, b'{"a":' * 20000 + b"1" + b"}" * 20000, b"[" * 9):
+        with pytest.raises(ValueError, match="nested deeper"):
+            parse_json(deep)
+    assert parse_json(b'{"a": [[1, {"b": "[[[[[[[[[[[["}]]}') == {"a": [[1, {"b": "[[[[[[[[[[[["}]]}
+    assert parse_json(b"[" * 8 + b"]" * 8) == [[[[[[[[]]]]]]]]
+
+
+@pytest.mark.parametrize("text", [b'{"tokens": Infinity}', b"NaN", b"[-Infinity]", b"1" * 5000, b"\xff\xfe",
+                                  b"", b"{", b'{"a": 1}}'])
+def test_json_a_node_never_sends_is_refused_as_value_error(text: bytes) -> None:
+    with pytest.raises(ValueError):
+        parse_json(text)
+
+
+# --- stream limits ----------------------------------------------------------------------------
+
+def test_one_peer_holds_at_most_its_share_of_streams_and_requests() -> None:
+    limits = StreamLimits(Limits(per_peer=2, total=3, rate=1.0, burst=3.0))
+    assert limits.admit(PEER, now=0.0) is None and limits.admit(PEER, now=0.0) is None
+    assert "2 of its streams open" in str(limits.admit(PEER, now=0.0))
+    limits.release(PEER)
+    assert limits.admit(PEER, now=0.0) is None  # the third of its burst
+    limits.release(PEER)
+    assert "requests/s" in str(limits.admit(PEER, now=0.1))  # burst spent, not refilled yet
+    assert limits.admit(PEER, now=1.2) is None  # a second later: one more
+    assert limits.admit(OTHER, now=1.2) is None
+    assert "3 streams open" in str(limits.admit("QmFresh", now=1.2))  # fresh ids share the total
+    for peer in (PEER, PEER, OTHER):
+        limits.release(peer)
+    assert limits.open_streams() == 0
+
+
+def test_the_table_of_peers_forgets_the_oldest_beyond_its_capacity() -> None:
+    limits = StreamLimits(Limits(rate=0.0, burst=1.0), capacity=10)
+    for index in range(100):
+        assert limits.admit(f"peer{index}", now=0.0) is None
+        limits.release(f"peer{index}")
+    assert len(limits._buckets) == 10 and limits.open_streams() == 0
+    assert limits.admit("peer99", now=0.0) is not None  # the recent ones are remembered
+    seen = LRUSet(capacity=5)
+    for index in range(50):
+        seen.add(("peer", str(index)))
+    assert len(seen) == 5 and ("peer", "49") in seen and ("peer", "0") not in seen
+
+
+# --- records and revocations in the DHT ---------------------------------------------------------
+
+def _record(key: str, subkey: object, value: object) -> DHTRecord:
+    serialize = DHTProtocol.serializer.dumps
+    return DHTRecord(DHTID.generate(source=key).to_bytes(), serialize(subkey), serialize(value), get_dht_time() + 60)
+
+
+def test_only_the_run_owners_revocations_are_stored() -> None:
+    owner, stranger = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    validator = RunValidator("run", owner.public_key())
+    key = records.revocations_key("run")
+    assert validator.validate(_record(key, sign(owner, Claims("revoke", "run", PEER)), True))
+    for junk in (sign(stranger, Claims("revoke", "run", PEER)), sign(owner, Claims("admit", "run", PEER)),
+                 sign(owner, Claims("revoke", "other", PEER)), "junk", 12345, "x" * 5000):
+        assert not validator.validate(_record(key, junk, True))
+    assert not RunValidator("run", None).validate(_record(key, sign(owner, Claims("revoke", "run", PEER)), True))
+    assert validator.validate(_record("someone_elses_key", "junk", "anything"))  # not the run's keys
+
+
+def test_a_record_of_the_run_is_bounded_field_by_field_and_in_bytes() -> None:
+    good = NodeRecord(PEER, "0123456789abcdef", 3, 2, "0123456789abcdef").to_wire()
+    assert NodeRecord.from_wire(good) is not None
+    for field, value in (("digest", "d" * 3_000_000), ("fingerprint", "f" * 65), ("peer_id", "p" * 65),
+                         ("round", 10**30), ("served_round", -2), ("vouched", ["v" * 100])):
+        assert NodeRecord.from_wire({**good, field: value}) is None, field
+    assert NodeRecord.from_wire({**good, "stats": {**good["stats"], "bytes_sent": 2**70}}) is None
+    validator = RunValidator("run", None)
+    key = records.records_key("run")
+    assert validator.validate(_record(key, "subkey", good))
+    assert not validator.validate(_record(key, "subkey", {**good, "digest": "d" * 3_000_000}))
+    assert not validator.validate(_record(records.configs_key("run"), "fp", {"x": "y" * 40000}))
+
+
+# --- state downloads ---------------------------------------------------------------------------
+
+def _serving(peer: str, round_: int) -> NodeRecord:
+    return NodeRecord(peer, "fp", round_, round_ - 1, "d", served_round=round_, served_digest="s")
+
+
+def test_state_metadata_must_name_the_peer_that_served_it_and_a_round_the_records_show() -> None:
+    others = {PEER: _serving(PEER, 7), OTHER: _serving(OTHER, 7)}
+    good = {"round": 7, "server": PEER, "fingerprint": "fp", "has_momentum": True, "in_flight": [6]}
+    assert metadata_refusal(good, PEER, others) is None
+    assert "names another server" in str(metadata_refusal({**good, "server": OTHER}, PEER, others))
+    assert metadata_refusal({**good, "round": 7 + 16}, PEER, others) is None  # records lag a fast node
+    assert "far ahead" in str(metadata_refusal({**good, "round": 7 + 17}, PEER, others))
+    assert "far ahead" in str(metadata_refusal({**good, "round": 30}, PEER, {PEER: _serving(PEER, 7)}))
+    assert "malformed round" in str(metadata_refusal({**good, "round": 10**30}, PEER, others))
+    assert "malformed round" in str(metadata_refusal({**good, "round": True}, PEER, others))
+    assert "in flight" in str(metadata_refusal({**good, "in_flight": [7]}, PEER, others))
+    assert "in flight" in str(metadata_refusal({**good, "in_flight": list(range(7)) * 2}, PEER, others))
+    assert "momentum" in str(metadata_refusal({**good, "has_momentum": "yes"}, PEER, others))
+    assert "no record" in str(metadata_refusal(good, PEER, {OTHER: _serving(OTHER, 7)}))
+    # a server whose own record claims a huge round gets no further than the other nodes' records
+    liar = {**others, PEER: _serving(PEER, 10**6), "third": _serving("third", 7)}
+    assert "far ahead" in str(metadata_refusal({**good, "round": 10**6}, PEER, liar))
+    assert servers_in_order(liar, None)[-1] == PEER
+
+
+def test_a_state_answer_that_nests_or_lies_is_refused_in_one_line() -> None:
+    nested = json.dumps({"sharing": True, "vectors": 2, "metadata": {"x": 1}}).encode()[:-1] + b"," + \
+        b'"deep": ' + b"[" * 30000 + b"]" * 30000 + b"}"
+    for answer, why in ((nested, "nested deeper"), (b'{"sharing": true, "vectors": true, "metadata": {}}', "vectors"),
+                        (b'{"sharing": true, "vectors": 2}', "no metadata"), (b"[1]", "not sharing"),
+                        (b'{"sharing": true, "vectors": 99, "metadata": {}}', "vectors")):
+        with pytest.raises(StateRefused, match=why) as refused:
+            parse_header(answer, max_vectors=4)
+        assert "\n" not in str(refused.value) and len(str(refused.value)) < 200
+    assert parse_header(b'{"sharing": true, "vectors": 2, "metadata": {"round": 1}}', 4) == ({"round": 1}, 2)
+    assert parse_request(b'{"admission": "t"}') == Admission("t")
+    assert parse_request(b"[" * 5000) == "malformed request"
+    assert parse_request(b'{"admission": 5}') == "malformed request"
+
+
+# --- handler messages ----------------------------------------------------------------------------
+
+def test_a_push_declaring_infinite_or_negative_tokens_is_refused() -> None:
+    push = {"round": 3, "part": 1, "group": [PEER, OTHER], "tokens": 10.0, "norm": 1.5, "admission": ""}
+    assert isinstance(messages.parse_push(json.dumps(push).encode()), messages.Push)
+    for bad in ({"tokens": 1e308 * 10}, {"tokens": -1}, {"norm": float("nan")}, {"part": 2}, {"part": True},
+                {"group": [PEER, PEER]}, {"round": -1}, {"round": 2**41}, {"admission": 7}):
+        text = json.dumps({**push, **bad}).encode()
+        assert isinstance(messages.parse_push(text), str), bad
+
+
+def test_an_owner_report_of_the_wrong_shape_is_refused() -> None:
+    assert messages.parse_report(b'{"used": ["a", "b"], "tokens": [1.0, 2], "clipped": [], "rejected": ["c"]}')
+    for bad in (b'{"used": 5}', b'{"used": ["a"], "tokens": []}', b'{"used": ["a"], "tokens": [Infinity]}',
+                b'{"clipped": [1]}', b'{"parts": 0}', b'{"group": "ab"}', b"[]", b'{"used": ["a"], "tokens": ["1"]}'):
+        with pytest.raises(ValueError):
+            messages.parse_report(bad)
+
+
+def test_dial_back_goes_only_to_the_askers_own_host() -> None:
+    assert _host("/ip4/203.0.113.7/tcp/31337") == "203.0.113.7"
+    assert _host("/ip4/203.0.113.7/tcp/1/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N/p2p-circuit") is None
+    assert _host("/dns4/example.org/tcp/1") is None and _host("nonsense") is None and _host(None) is None
+    assert messages.parse_dial_back(json.dumps({"addresses": ["a"] * 20}).encode(), 8) == ["a"] * 8
+    assert isinstance(messages.parse_dial_back(b'{"addresses": [1]}', 8), str)
+
+
+def test_record_round_and_message_round_bounds_agree() -> None:
+    # one bound for a round everywhere: records, state metadata, handler messages
+    from diloco_node.swarm import statesync
+    assert records.MAX_ROUND == statesync.MAX_ROUND == messages.MAX_ROUND
