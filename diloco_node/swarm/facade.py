@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from diloco_node.admission import Gate
-from diloco_node.round import Gathered, Outcome, PartSource
+from diloco_node.round import Gathered, Outcome, PartSource, held
 from diloco_node.swarm import records
 from diloco_node.swarm.butterfly import Butterfly
 from diloco_node.swarm.contacts import Contacts
@@ -50,6 +50,7 @@ class Swarm:
         self.gate = settings.gate or Gate(settings.run_id)
         self._dht, signed_by = start_dht(settings)
         self.peer_id = str(self._dht.peer_id)
+        self.min_group_size = settings.min_group_size
         namespace = f"{settings.run_id}_{settings.fingerprint}"
         self.client = is_client(settings, self._dht, namespace)
         isolation = Isolation(Contacts(self._dht, self.peer_id, settings.initial_peers), settings.run_id)
@@ -160,14 +161,29 @@ class Swarm:
         group) is ready, call `on_ready`, form the group, fetch. Safe off the main thread; `stop`
         ends the wait."""
         outcome = self._presence.wait_for_round(round_, self.settings.round_timeout, stop, among=among)
+        if outcome == Outcome.ALONE and held(1, self.min_group_size):
+            return self._held(round_, 1)
         if outcome == Outcome.ALONE:
             self._transfer.alone(round_)
         if outcome in (Outcome.STOPPED, Outcome.BEHIND, Outcome.ALONE):
             return Gathered(outcome, round_)
+        # fewer nodes than the minimum in sight (or drawn with us): no matchmaking could form a group
+        candidates = 1 + len(among) if among is not None else max(1, self.peer_count())
+        if held(candidates, self.min_group_size):
+            return self._held(round_, candidates)
         if on_ready is not None:
             on_ready()
         others, fetched = self._matchmaker.group_for(round_, contributing)
+        if held(1 + len(others), self.min_group_size):
+            return self._held(round_, 1 + len(others))
         return self._transfer.move(round_, outcome, others, fetched, contributing, stop)
+
+    def _held(self, round_: int, size: int) -> Gathered:
+        """A round whose group is smaller than --min-group-size: nothing is exchanged, φ takes no step."""
+        logger.info("round=%d held: a group of %d is below --min-group-size %d, so no outer step",
+                    round_, size, self.min_group_size)
+        self._transfer.held(round_)
+        return Gathered(Outcome.HELD, round_)
 
     def gather_group_of(self, round_: int, member: str) -> Gathered:
         return self._transfer.group_of(round_, member)
