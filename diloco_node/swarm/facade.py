@@ -51,6 +51,9 @@ class Swarm:
         self._dht, signed_by = start_dht(settings)
         self.peer_id = str(self._dht.peer_id)
         self.min_group_size = settings.min_group_size
+        # held rounds we have ended but not yet said so (see _held); guarded: overlapped exchanges run on threads
+        self._unmarked_held: set[int] = set()
+        self._held_lock = threading.Lock()
         namespace = f"{settings.run_id}_{settings.fingerprint}"
         self.client = is_client(settings, self._dht, namespace)
         isolation = Isolation(Contacts(self._dht, self.peer_id, settings.initial_peers), settings.run_id)
@@ -131,7 +134,18 @@ class Swarm:
         return self._presence.served_diverged(among)
 
     def mark_exchanged(self, round_: int) -> None:
+        with self._held_lock:
+            if round_ in self._unmarked_held:
+                return  # once we pass the next barrier (_held)
         self._presence.mark_exchanged(round_)
+
+    def _mark_held_before(self, round_: int) -> None:
+        """We passed `round_`'s barrier, so every peer we waited for has left the held rounds before it."""
+        with self._held_lock:
+            done = sorted(r for r in self._unmarked_held if r < round_)
+            self._unmarked_held -= set(done)
+        for held_round in done:
+            self._presence.mark_exchanged(held_round)
 
     def _may_fetch_payload(self, peer: str, round_: int, token: str, group: tuple[str, ...] | None) -> str | None:
         """Why `peer` may not fetch our payload of `round_` (None: it may). Once our group is known:
@@ -162,11 +176,13 @@ class Swarm:
         ends the wait."""
         outcome = self._presence.wait_for_round(round_, self.settings.round_timeout, stop, among=among)
         if outcome == Outcome.ALONE and held(1, self.min_group_size):
+            self._mark_held_before(round_)
             return self._held(round_, 1)
         if outcome == Outcome.ALONE:
             self._transfer.alone(round_)
         if outcome in (Outcome.STOPPED, Outcome.BEHIND, Outcome.ALONE):
             return Gathered(outcome, round_)
+        self._mark_held_before(round_)
         # fewer nodes than the minimum in sight (or drawn with us): no matchmaking could form a group
         candidates = 1 + len(among) if among is not None else max(1, self.peer_count())
         if held(candidates, self.min_group_size):
@@ -179,7 +195,14 @@ class Swarm:
         return self._transfer.move(round_, outcome, others, fetched, contributing, stop)
 
     def _held(self, round_: int, size: int) -> Gathered:
-        """A round whose group is smaller than --min-group-size: nothing is exchanged, φ takes no step."""
+        """A round whose group is smaller than --min-group-size: nothing is exchanged, φ takes no step.
+
+        It is marked exchanged only once we pass the next round's barrier: a held round ends the
+        moment the barrier lets us through, so a peer that had announced itself ready could still be
+        on its way into this barrier, and would read our mark as the run having gone on without it
+        (presence.moved_on) and re-sync for nothing. Its φ is ours, since nobody stepped."""
+        with self._held_lock:
+            self._unmarked_held.add(round_)
         logger.info("round=%d held: a group of %d is below --min-group-size %d, so no outer step",
                     round_, size, self.min_group_size)
         self._transfer.held(round_)
