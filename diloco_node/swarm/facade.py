@@ -51,8 +51,10 @@ class Swarm:
         self._dht, signed_by = start_dht(settings)
         self.peer_id = str(self._dht.peer_id)
         self.min_group_size = settings.min_group_size
-        # held rounds we have ended but not yet said so (see _held); guarded: overlapped exchanges run on threads
-        self._unmarked_held: set[int] = set()
+        # the last rounds we held, and those of them whose exchanged mark waits for the next barrier
+        # (see _held); guarded: overlapped exchanges run on threads
+        self._held_rounds: set[int] = set()
+        self._deferred_marks: set[int] = set()
         self._held_lock = threading.Lock()
         namespace = f"{settings.run_id}_{settings.fingerprint}"
         self.client = is_client(settings, self._dht, namespace)
@@ -135,15 +137,16 @@ class Swarm:
 
     def mark_exchanged(self, round_: int) -> None:
         with self._held_lock:
-            if round_ in self._unmarked_held:
+            if round_ in self._held_rounds:
+                self._deferred_marks.add(round_)
                 return  # once we pass the next barrier (_held)
         self._presence.mark_exchanged(round_)
 
     def _mark_held_before(self, round_: int) -> None:
         """We passed `round_`'s barrier, so every peer we waited for has left the held rounds before it."""
         with self._held_lock:
-            done = sorted(r for r in self._unmarked_held if r < round_)
-            self._unmarked_held -= set(done)
+            done = sorted(r for r in self._deferred_marks if r < round_)
+            self._deferred_marks -= set(done)
         for held_round in done:
             self._presence.mark_exchanged(held_round)
 
@@ -202,7 +205,7 @@ class Swarm:
         on its way into this barrier, and would read our mark as the run having gone on without it
         (presence.moved_on) and re-sync for nothing. Its φ is ours, since nobody stepped."""
         with self._held_lock:
-            self._unmarked_held.add(round_)
+            self._held_rounds = {r for r in self._held_rounds if r >= round_ - 2} | {round_}
         logger.info("round=%d held: a group of %d is below --min-group-size %d, so no outer step",
                     round_, size, self.min_group_size)
         self._transfer.held(round_)
