@@ -118,8 +118,9 @@ class NodeConfig(BaseModel):
                            "else fp32 (φ and the outer step stay fp32)")
     compile: str = Field("off", pattern=r"^(on|off)$", description="on: torch.compile the model for the inner "
                          "steps (parallel none or fsdp); off")
-    micro_batch_size: int = Field(0, ge=0, description="sequences per forward/backward pass on each local rank, "
-                                  "gradients accumulated up to --batch-size (0: the whole batch at once)")
+    micro_batch_size: int | str = Field(0, description="sequences per forward/backward pass on each local rank, "
+                                        "gradients accumulated up to --batch-size (0: the whole batch at once; "
+                                        "auto: the largest that fits the device)")
 
     # --- inner optimizer (AdamW) ---
     inner_steps: int = Field(50, gt=0, description="H: inner AdamW steps per outer round")
@@ -222,6 +223,17 @@ class NodeConfig(BaseModel):
             if "/p2p/" not in value:
                 raise ValueError(f"peer address '{value}' lacks its /p2p/<peer id> part")
         return values
+
+    @field_validator("micro_batch_size", mode="before")
+    @classmethod
+    def _micro_batch(cls, value: Any) -> int | str:
+        """A count ≥ 0 or "auto" (train/fit.py, docs/architecture.md §11); the CLI hands over text."""
+        if value == "auto":
+            return value
+        text = str(value).strip()
+        if isinstance(value, bool) or not (text.isdigit() and isinstance(value, int | str)):
+            raise ValueError(f"'{value}' is neither a number of sequences (0 or more) nor auto")
+        return int(text)
 
     @field_validator("model")
     @classmethod
@@ -360,7 +372,11 @@ class NodeConfig(BaseModel):
             raise ValueError(f"a pipeline of {k} stages needs {k} layers; model '{self.model}' has {layers}")
         if self.batch_size % k:
             raise ValueError(f"batch_size {self.batch_size} does not split over {k} local ranks")
-        if self.micro_batch_size and (self.batch_size // k) % self.micro_batch_size:
+        if self.micro_batch_size == "auto" and self.parallel != "none":
+            raise ValueError(f"micro_batch_size auto needs parallel none (a rank that backs off alone would "
+                             f"stall the others of parallel {self.parallel}); give a number")
+        if isinstance(self.micro_batch_size, int) and self.micro_batch_size and \
+                (self.batch_size // k) % self.micro_batch_size:
             raise ValueError(f"micro_batch_size {self.micro_batch_size} does not divide the {self.batch_size // k} "
                              f"sequences per local rank (batch_size {self.batch_size} over {k})")
         if self.compile == "on" and self.parallel == "pipeline":

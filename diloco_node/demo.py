@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from tqdm import tqdm
@@ -48,11 +50,50 @@ def progress_of(node: NodeProcess) -> NodeProgress:
     return progress
 
 
+# What stops the demo: Ctrl-C (SIGINT to the terminal's foreground group), `kill` (SIGTERM), a closed
+# terminal (SIGHUP). Each is passed on to the nodes, which run in sessions of their own and would
+# otherwise outlive the demo.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _Deferral:
+    """A stop held back while a node is being started: raised between Popen and its pid being
+    kept, it would leave that node running unseen. (Blocking the signals instead would not do:
+    the node would inherit the blocked mask and never see a stop.)"""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.pending = False
+
+    def __enter__(self) -> None:
+        self.active = True
+
+    def __exit__(self, *_: object) -> None:
+        self.active = False
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+
+_starting = _Deferral()
+
+
+def _as_ctrl_c(_signum: int, _frame: FrameType | None) -> None:
+    if _starting.active:
+        _starting.pending = True
+        return
+    raise KeyboardInterrupt
+
+
 def _stop_nodes(nodes: list[NodeProcess]) -> list[int]:
-    """Ctrl-C: each node stops at its next safe point; a second Ctrl-C stops them at once."""
+    """Ctrl-C: each node stops at its next safe point; a second Ctrl-C stops them at once.
+
+    The nodes get SIGTERM, not SIGINT: hivemind's averager ignores SIGINT in the node's process
+    while it starts (lifecycle.py), and a node stopped then would never see it."""
     for attempt in range(2):
         for node in nodes:
-            node.interrupt()
+            if node.running():
+                node.signal(signal.SIGTERM)
         try:
             return _exit_codes(nodes)
         except KeyboardInterrupt:
@@ -82,6 +123,8 @@ def _on_round(bar: tqdm) -> Callable[[dict[str, Any]], None]:
 
 
 def run_demo(nodes: int, rounds: int, inner_steps: int, model: str) -> int:
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _as_ctrl_c)
     run_id = f"demo-{secrets.token_hex(3)}"
     threads = max(1, (os.cpu_count() or 1) // nodes)
     workdir = Path(tempfile.mkdtemp(prefix="diloco-demo-"))
@@ -97,11 +140,12 @@ def run_demo(nodes: int, rounds: int, inner_steps: int, model: str) -> int:
             args = common + ["--checkpoint-dir", str(workdir / f"node{index}")]
             args += ["--peer", first_address] if index else []
             # each node in a session of its own (launch.py): the terminal's Ctrl-C reaches the demo
-            # only, which passes exactly one SIGINT on to each node (a node takes a second one as
+            # only, which passes exactly one stop signal on to each node (a node takes a second one as
             # "stop now, without saving"); the user's DILOCO_* settings apply, as to any node they start
             node = NodeProcess(f"node{index}", args, workdir, env=dict(os.environ), on_event=_on_round(bar))
             started.append(node)
-            node.start()
+            with _starting:
+                node.start()
             if index == 0:
                 first_address = _first_address(node)
                 if not first_address:

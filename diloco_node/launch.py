@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, Any, Self
 
 from diloco_node.errors import NodeError
+from diloco_node.procs import alive, descendants
 from diloco_node.telemetry.record import RoundRecord
 
 # After a node has exited, how long its last lines may take to be read: a helper process that
@@ -102,7 +103,7 @@ class NodeProcess:
         stdout_log = open(self.stdout_log_path, "w") if self.stdout_log_path else None  # noqa: SIM115
         # A session of its own, as a program started in a terminal is the leader of its foreground
         # process group: `stop("ctrl-c")` signals that group as the terminal's Ctrl-C does, and the
-        # caller's own Ctrl-C does not reach the node (the demo passes exactly one on).
+        # caller's own Ctrl-C does not reach the node (the demo passes exactly one stop on).
         self.process = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                         errors="replace", env=self.environment(), cwd=self.cwd or self.workdir,
                                         start_new_session=True)
@@ -266,8 +267,9 @@ class NodeProcess:
         """Stop the node as a user would and return the seconds it took; fails unless it exits 0
         within `within` seconds, leaves no helper process behind and prints no traceback.
 
-        how: "ctrl-c" (SIGINT to the node's whole process group, as a terminal sends it) or
-        "sigterm" (to the main pid, as `kill`, `docker stop` and systemd send it).
+        how: "ctrl-c" (SIGINT to the node's whole process group, as a terminal sends it),
+        "sigterm" (to the main pid, as `kill`, `docker stop` and systemd send it) or "sighup" (to
+        the main pid, as a closed terminal or ssh session, or `kill -HUP`, sends it).
         """
         assert self.process and self.process.poll() is None, f"{self.name} is not running"
         helpers = descendants(self.process.pid)
@@ -275,8 +277,8 @@ class NodeProcess:
         if how == "ctrl-c":
             os.killpg(self.process.pid, signal.SIGINT)
         else:
-            assert how == "sigterm", how
-            self.process.send_signal(signal.SIGTERM)
+            assert how in ("sigterm", "sighup"), how
+            self.process.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGHUP)
         try:
             code = self.process.wait(timeout=within)
         except subprocess.TimeoutExpired:
@@ -293,12 +295,6 @@ class NodeProcess:
         if survivors:
             raise LaunchError(f"{self.name}'s helper processes outlived it: {survivors}")
         return took
-
-    def interrupt(self) -> None:
-        """One SIGINT to the node itself, not its group (the demo passes the user's Ctrl-C on this way):
-        the node stops at its next safe point; a second one stops it at once, without saving."""
-        if self.running():
-            self.signal(signal.SIGINT)
 
     def terminate(self, within: float) -> int | None:
         """Stop it as `kill`, `docker stop` and systemd do, and never raise: SIGTERM (the node saves and
@@ -348,30 +344,3 @@ def parse_event(line: str) -> dict[str, Any] | None:
 def read_events(path: Path) -> list[dict[str, Any]]:
     """A node's events from a file, in order: its --events FILE, or a copy of its stdout."""
     return [event for line in path.read_text().splitlines() if (event := parse_event(line)) is not None]
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid` (hivemind's helpers, p2pd), from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"

@@ -1,9 +1,11 @@
 """How the node's process stops: the signals users send, and the helper processes hivemind forks.
 
-- The first SIGINT (Ctrl-C) or SIGTERM (`kill`, `docker stop`, systemd) asks the node to stop at
-  the next safe point: it settles what is in flight, saves, leaves the swarm and exits 0.
-- A second one stops at once (exit 130 for SIGINT, 143 for SIGTERM), as users expect from a
-  terminal program. Checkpoints are written atomically (checkpoint.py), so the last saved round
+- The first SIGINT (Ctrl-C), SIGTERM (`kill`, `docker stop`, systemd) or SIGHUP (the terminal
+  or ssh session closed, `kill -HUP`) asks the node to stop at the next safe point: it settles
+  what is in flight, saves, leaves the swarm and exits 0. SIGHUP's default would end the process
+  on the spot, without its stop path; a node reloads nothing, so a hangup means stop.
+- A second one stops at once (exit 130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP), as users
+  expect from a terminal program. Checkpoints are written atomically (checkpoint.py), so the last saved round
   survives even that.
 - hivemind forks helper processes (DHT, averager) that then start p2pd. A fork inherits the
   node's Python signal handlers; a forked helper that ran them would "stop at the next safe point"
@@ -31,7 +33,7 @@ from types import FrameType
 
 logger = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -61,10 +63,41 @@ class StopSignals:
         os._exit(128 + signum)
 
 
+def exit_later(seconds: float, code: int, line: str) -> None:
+    """The last resort of a node that must stop: unless it has exited `seconds` from now, write
+    `line` to stderr and end the process with `code`, whatever its main thread is stuck in."""
+    def end() -> None:
+        os.write(2, f"diloco-node: {line}\n".encode())
+        os._exit(code)
+
+    timer = threading.Timer(seconds, end)
+    timer.daemon = True
+    timer.start()
+
+
+_closed_in_helpers: set[int] = set()  # the node's listening sockets (the status server's)
+
+
+def close_in_helpers(fd: int, close: bool = True) -> None:
+    """Have every helper forked from now on close `fd` at once (close=False: no longer). A fork
+    keeps every descriptor (only exec drops Python's non-inheritable ones): a helper holding the
+    status server's listening socket would keep the port taken after the node exits."""
+    if close:
+        _closed_in_helpers.add(fd)
+    else:
+        _closed_in_helpers.discard(fd)
+
+
 def become_helper() -> None:
-    """What a helper process of the node does first: ignore Ctrl-C, own process group, die with the node."""
+    """What a helper process of the node does first: close the node's listening sockets, ignore
+    Ctrl-C, own process group, die with the node."""
+    for fd in _closed_in_helpers:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
     for signum in STOP_SIGNALS:
-        # SIGINT ignored: the node stops its helpers itself; SIGTERM default: `kill` still works.
+        # SIGINT ignored: the node stops its helpers itself; SIGTERM, SIGHUP default: `kill` still works.
         signal.signal(signum, signal.SIG_IGN if signum == signal.SIGINT else signal.SIG_DFL)
     try:
         os.setpgid(0, 0)

@@ -20,9 +20,10 @@ from diloco_node.outer.diloco import pseudo_gradient
 from diloco_node.replica import Replica, ReplicaError
 from diloco_node.replica.layout import flatten
 from diloco_node.round import Outcome, RoundReport
-from diloco_node.swarm import Swarm
+from diloco_node.swarm import HelperTimeout, Swarm
 from diloco_node.telemetry.rounds import RoundTiming
 from diloco_node.train.data import METER as DATA_METER
+from diloco_node.train.fit import FitError
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,9 @@ class Node:
         self.joined = False  # start-up finished: φ is the run's (or ours to start it) and worth saving
         self.failure: str | None = None  # a local rank failed: nothing of this run is saved
         self.revoked = False  # the run owner revoked our admission: we stopped
+        # why a helper process of hivemind's died (swarm/watchdog.py): we stopped, exit 1; our φ is
+        # still whole and is saved, only the swarm is gone
+        self.helper_failure: str | None = None
         self.replica: Replica | None = None
         # seconds the last inner phase waited for batches: this process's (local rank 0's) data meter
         self.data_wait = 0.0
@@ -50,20 +54,25 @@ class Node:
         return self.parts.swarm
 
     def run(self) -> int:
-        """Rounds until the run's end or a stop; 0, 1 when a local rank failed, 2 when our admission was revoked."""
+        """Rounds until the run's end or a stop; 0, 1 when a local rank or a helper process died or a step
+        did not fit in memory at one sequence, 2 when our admission was revoked."""
         try:
             while self.joined and not self.stop_requested.is_set():
                 if self.cfg.max_outer_steps and self.state.round >= self.cfg.max_outer_steps:
                     break
                 self.run_round()
-            if self.joined:
+            if self.joined and not self.helper_failure:  # without the swarm nothing in flight can finish
                 self._settle()
-        except ReplicaError as exc:
+        except (ReplicaError, FitError) as exc:  # FitError: a step out of memory at one sequence (train/fit.py)
             self.failure = str(exc)
             logger.error("stopping: %s (this node resumes from its last checkpoint)", exc)
+        except HelperTimeout as exc:  # a helper call no caller could do without (the watchdog may have said why)
+            if not self.helper_failure:
+                self.helper_failure = str(exc)
+                logger.error("stopping: %s (exit 1: restart the node; it resumes from its last checkpoint)", exc)
         finally:
             self.shutdown()
-        return 1 if self.failure else 2 if self.revoked else 0
+        return 1 if self.failure or self.helper_failure else 2 if self.revoked else 0
 
     def run_round(self) -> None:
         assert self.parts.update is not None and self.replica is not None
@@ -90,6 +99,8 @@ class Node:
                 self.announce(ready=False)
             self.swarm.share_state()
             return
+        if report.result is not None:  # whose checked work went into the mean we applied (swarm/proofs.py)
+            self.swarm.prove(self.state.round, report.result.group)
         if report.diverged:  # our Δ was still a fine direction to contribute; our φ is what must be replaced
             logger.warning("round=%d our φ differs from the swarm's; re-syncing after this round", self.state.round)
             self.swarm.stop_sharing()
@@ -114,7 +125,9 @@ class Node:
             losses.append(self.replica.train_step(self.stream_seed, self.data_position))
             self.data_position += 1
             self.inner_step += 1
-            self.telemetry.update(inner_step=self.inner_step, loss=losses[-1])
+            # micro_batch_size: a step that ran out of memory has lowered it (train/inner.py)
+            self.telemetry.update(inner_step=self.inner_step, loss=losses[-1],
+                                  micro_batch_size=self.replica.micro_batch())
         self.data_wait = DATA_METER.waited() - waited
         return losses
 

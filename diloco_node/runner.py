@@ -24,7 +24,8 @@ def run_node(cfg: NodeConfig) -> int:
         node = Node(build(cfg), say=say)
         start(node)
     except NodeError as exc:
-        click.echo(f"diloco-node: error: {exc}", err=True)
+        if node is None or not node.helper_failure:  # a dead helper was named in its one line already
+            click.echo(f"diloco-node: error: {exc}", err=True)
         if node is not None:
             node.abort()
         return exc.exit_code

@@ -20,13 +20,18 @@ from diloco_node.admission import AdmissionError, Gate, load_token, parse_public
 from diloco_node.checkpoint import CheckpointError, CheckpointStore
 from diloco_node.codec import Codec
 from diloco_node.compose import attach_swarm
-from diloco_node.lifecycle import isolate_forked_children
+from diloco_node.lifecycle import exit_later, isolate_forked_children
 from diloco_node.node import Node
 from diloco_node.outer.state import OuterState
 from diloco_node.outer.sync import Applied
 from diloco_node.replica import Replica, make_replica, settings_of
 
 logger = logging.getLogger(__name__)
+
+# A node whose hivemind helper died must have exited within 30 s of it (docs/architecture.md §10):
+# the watchdog notices within a second, the stop path skips the swarm and saves; should a wait we
+# cannot interrupt hold the main thread (hivemind's own calls), the process ends here.
+HELPER_EXIT_GRACE = 20.0
 
 
 @dataclass(frozen=True)
@@ -50,11 +55,13 @@ def start(node: Node) -> None:
                 raise AdmissionError(why)
     # local ranks are processes of their own: started before hivemind forks anything (ranks.py)
     node.replica = make_replica(settings_of(cfg), on_failure=node.stop_requested.set)
+    parts.telemetry.update(micro_batch_size=node.replica.micro_batch())  # --micro-batch-size auto: what it found
     outstanding = _resume(node)
-    node.say(f"status: {parts.server.start()}")
+    node.say(f"status: {parts.server.start()}")  # its socket is closed in hivemind's forked helpers
     swarm = attach_swarm(parts, lambda: _shared_state(node))
     parts.signals.install()  # again: hivemind's averager has just set SIGINT to SIG_IGN in this process
-    swarm.watch(on_isolation=lambda since: _on_isolation(node, since), on_revoked=lambda: _on_revoked(node))
+    swarm.watch(on_isolation=lambda since: _on_isolation(node, since), on_revoked=lambda: _on_revoked(node),
+                on_helper_dead=lambda why: _on_helper_dead(node, why))
     parts.wire.start()
     for address in swarm.visible_addresses():
         node.say(f"peer address: {address}")
@@ -137,6 +144,18 @@ def _on_revoked(node: Node) -> None:
     logger.error("the run owner revoked this node's admission; stopping")
     node.revoked = True
     node.stop_requested.set()
+
+
+def _on_helper_dead(node: Node, why: str) -> None:
+    """On the watchdog's thread: a helper of hivemind's died, so the swarm is gone for this process.
+    `/healthz` turns unhealthy at once; the node stops (exit 1: docker and systemd restart it,
+    and it resumes from its checkpoint); should the stop itself hang, it is ended within the grace."""
+    logger.error("stopping: %s (exit 1: restart the node; it resumes from its last checkpoint)", why)
+    node.helper_failure = why
+    node.telemetry.mark_unhealthy(why)
+    node.parts.abandon.set()
+    node.stop_requested.set()
+    exit_later(HELPER_EXIT_GRACE, 1, f"{why}; the node did not stop in {HELPER_EXIT_GRACE:.0f}s, ending it")
 
 
 def _on_isolation(node: Node, since: float | None) -> None:

@@ -23,6 +23,15 @@ FAST = ["--listen", "/ip4/127.0.0.1/tcp/0", "--status", "127.0.0.1:0", "--thread
         # most tests check that φ agrees bit for bit, which only blocking promises; a later --sync wins
         "--sync", "blocking"]
 
+
+def fast_on(listen_port: int = 0, status_port: int = 0) -> list[str]:
+    """FAST, listening for peers on `listen_port` and serving status on `status_port` (0: any free one)."""
+    flags = list(FAST)
+    flags[flags.index("--listen") + 1] = f"/ip4/127.0.0.1/tcp/{listen_port}"
+    flags[flags.index("--status") + 1] = f"127.0.0.1:{status_port}"
+    return flags
+
+
 WORLD = 2  # workers / nodes per benchmark configuration
 # DiLoCo as published: each round waits for the group's mean, so every node holds the same φ, with
 # outer momentum 0.9. The codec and data-parallel comparisons pin it (the node's default is eager);

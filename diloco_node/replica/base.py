@@ -48,6 +48,7 @@ class ReplicaSettings:
     init: str = "random"  # random | pretrained: how φ starts (compose.py); a replica's own θ always comes from φ
     compile: bool = False  # torch.compile the model's forward
     micro_batch_size: int = 0  # sequences per forward/backward per rank (0: the rank's whole batch)
+    micro_batch_auto: bool = False  # find the largest micro-batch that fits (train/fit.py); parallel none only
     tokenizer: str | None = None  # a tokenizer.json or its directory (None: bytes)
     text_column: str = "text"  # the column of --data's datasets that holds the text
 
@@ -60,7 +61,9 @@ def settings_of(cfg: NodeConfig) -> ReplicaSettings:
         eval_batches=cfg.eval_batches, inner_lr=cfg.inner_lr, warmup_steps=cfg.warmup_steps,
         weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
         total_steps=cfg.max_outer_steps * cfg.inner_steps, precision=resolve_precision(cfg.precision, devices),
-        compile=cfg.compile == "on", micro_batch_size=cfg.micro_batch_size, parallel=cfg.parallel,
+        compile=cfg.compile == "on", parallel=cfg.parallel,
+        micro_batch_size=cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else 0,
+        micro_batch_auto=cfg.micro_batch_size == "auto",
         devices=devices, threads=cfg.rank_threads(), tokenizer=cfg.tokenizer, text_column=cfg.text_column)
 
 
@@ -104,5 +107,8 @@ class Compute(Protocol):
 
 
 class Replica(Compute, Protocol):
+    def micro_batch(self) -> int:
+        """Sequences per forward/backward on each rank now (a back-off after out-of-memory lowers it)."""
+
     def close(self) -> None:
         """Stop the node's other ranks; idempotent."""

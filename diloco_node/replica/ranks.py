@@ -188,6 +188,11 @@ class RankedReplica:
     def peak_memory(self) -> list[int] | None:
         return self._run("peak_memory", ())  # type: ignore[no-any-return]
 
+    def micro_batch(self) -> int:
+        # fixed over a run here (no back-off across ranks): as set, else the rank's share (FSDP) or
+        # one of the K microbatches (pipeline), which are the same number of sequences
+        return self.settings.micro_batch_size or self.settings.batch_size // len(self.settings.devices)
+
     def close(self) -> None:
         """Tell the ranks to finish and wait for them; a failed node only reaps what is left."""
         if self._closing:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -16,8 +17,9 @@ from diloco_node.replica.common import (
     peak_memory_bytes,
     rank_device,
 )
-from diloco_node.train.inner import InnerTrainer, evaluate, export_moments, import_moments
-from diloco_node.train.model import build_model
+from diloco_node.train.fit import fit_micro_batch
+from diloco_node.train.inner import InnerTrainer, autocast, evaluate, export_moments, import_moments, lm_loss
+from diloco_node.train.model import build_model, logits_of
 
 
 class SingleReplica:
@@ -30,7 +32,18 @@ class SingleReplica:
         self.eval = eval_batches(settings, self.dataset, self.device)  # waits for the read; its DataError here
         self.named = dict(self.model.named_parameters())  # canonical names and order
         self.forward = forward_of(settings, self.model)
-        self.trainer = InnerTrainer(self.model, inner_config(settings), self.forward)
+        config = replace(inner_config(settings), back_off=True)  # one process: a back-off stalls nobody
+        if settings.micro_batch_auto:
+            config.micro_batch = fit_micro_batch(self.model, self._probe_loss, settings.batch_size, settings.seq_len,
+                                                 self.device)
+        self.trainer = InnerTrainer(self.model, config, self.forward)
+
+    def _probe_loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The loss on `tokens` that fit.py sizes micro-batches by: the module's own forward, not the
+        compiled one (compiling once per candidate size would cost more than the probe; eager keeps
+        usually at least as much for the backward as compiled code does, so the size found fits it)."""
+        with autocast(self.device, mixed_precision(self.settings)):
+            return lm_loss(logits_of(self.model), tokens, tokens)
 
     @torch.no_grad()
     def load(self, phi: list[torch.Tensor] | None) -> None:
@@ -67,6 +80,9 @@ class SingleReplica:
 
     def peak_memory(self) -> list[int] | None:
         return [peak_memory_bytes(self.device)]
+
+    def micro_batch(self) -> int:
+        return self.trainer.micro or self.settings.batch_size
 
     def close(self) -> None:
         pass

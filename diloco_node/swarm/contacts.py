@@ -25,6 +25,8 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from diloco_node.swarm import bounded
+
 logger = logging.getLogger(__name__)
 
 MAX_REMEMBERED = 64  # peers kept to dial; the newest win
@@ -114,7 +116,7 @@ class Contacts:
 
     def remember_connected(self) -> None:
         """Note how to reach the peers we are connected to now."""
-        for peer, addresses in self._dht.run_coroutine(_connected_peers).items():
+        for peer, addresses in bounded.run_coroutine(self._dht, _connected_peers).items():
             if addresses and peer != self._peer_id:
                 self._seen.pop(peer, None)
                 self._seen[peer] = addresses  # re-inserted: the newest last
@@ -125,4 +127,4 @@ class Contacts:
         """Dial every contact once; the peer ids that answered."""
         book = {**self._seen, **self._initial}
         book.pop(self._peer_id, None)
-        return self._dht.run_coroutine(functools.partial(_dial, book)) if book else []
+        return bounded.run_coroutine(self._dht, functools.partial(_dial, book)) if book else []

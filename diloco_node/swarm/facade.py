@@ -23,7 +23,7 @@ import torch
 
 from diloco_node.admission import Gate
 from diloco_node.round import Gathered, Outcome, PartSource, held
-from diloco_node.swarm import records
+from diloco_node.swarm import bounded, proofs, records
 from diloco_node.swarm.butterfly import Butterfly
 from diloco_node.swarm.contacts import Contacts
 from diloco_node.swarm.dht import SwarmSettings, is_client, start_dht
@@ -35,6 +35,7 @@ from diloco_node.swarm.reachability import DialBack
 from diloco_node.swarm.statesync import StateService, download_run_state
 from diloco_node.swarm.streams import Streams
 from diloco_node.swarm.transfer import Transfer
+from diloco_node.swarm.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class Swarm:
         self.settings = settings
         self.gate = settings.gate or Gate(settings.run_id)
         self._dht, signed_by = start_dht(settings)
-        self.peer_id = str(self._dht.peer_id)
+        self.peer_id = bounded.peer_id(self._dht)
         self.min_group_size = settings.min_group_size
         # the last rounds we held, and those of them whose exchanged mark waits for the next barrier
         # (see _held); guarded: overlapped exchanges run on threads
@@ -60,7 +61,8 @@ class Swarm:
         self.client = is_client(settings, self._dht, namespace)
         isolation = Isolation(Contacts(self._dht, self.peer_id, settings.initial_peers), settings.run_id)
         self._presence = Presence(self._dht, self.peer_id, settings.run_id, settings.fingerprint, settings.config,
-                                  isolation, signed_by, self.gate, self.client)
+                                  isolation, signed_by, self.gate, self.client,
+                                  anchors=proofs.anchor_ids(settings.initial_peers))
         averager = start_averager(self._dht, namespace, settings, self.client)  # forks: before our threads
         self._streams = Streams(self._dht)
         self._exchange = PayloadExchange(self._streams, namespace, settings.max_payload_bytes,
@@ -80,17 +82,21 @@ class Swarm:
                                   self._exchange, self._butterfly)
         self._matchmaker = Matchmaker(averager, settings, self.peer_id, self._presence, self._streams,
                                       self._exchange, self._butterfly, self._transfer.butterfly_for)
+        self._watchdog = Watchdog({"DHT": self._dht, "averager": averager})
 
     # --- membership ---------------------------------------------------------------------------
 
     def visible_addresses(self) -> list[str]:
-        return [str(addr) for addr in self._dht.get_visible_maddrs()]
+        return bounded.visible_maddrs(self._dht)
 
-    def watch(self, on_isolation: Callable[[float | None], None], on_revoked: Callable[[], None]) -> None:
+    def watch(self, on_isolation: Callable[[float | None], None], on_revoked: Callable[[], None],
+              on_helper_dead: Callable[[str], None]) -> None:
         """Called on the heartbeat's thread: when we are cut off from every peer or back (the time
-        it began, None when back), and when the run owner revoked our admission."""
+        it began, None when back), and when the run owner revoked our admission; on the watchdog's
+        thread, once: when one of hivemind's helper processes died (why, in one line)."""
         self._presence.isolation.on_change = on_isolation
         self._presence.on_revoked = on_revoked
+        self._watchdog.start(on_helper_dead)
 
     def check_compatible(self) -> None:
         """IncompatibleRun when the run's live nodes all use another config."""
@@ -149,6 +155,11 @@ class Swarm:
             self._deferred_marks -= set(done)
         for held_round in done:
             self._presence.mark_exchanged(held_round)
+
+    def prove(self, round_: int, peers: Collection[str]) -> None:
+        """`peers`' contributions passed our checks and went into the mean we applied in `round_`
+        (the AverageResult's group): they are proven peers (swarm/proofs.py)."""
+        self._presence.prove(round_, peers)
 
     def _may_fetch_payload(self, peer: str, round_: int, token: str, group: tuple[str, ...] | None) -> str | None:
         """Why `peer` may not fetch our payload of `round_` (None: it may). Once our group is known:
@@ -228,13 +239,13 @@ class Swarm:
         self._sharing.clear()
 
     def _serve_state(self, peer: str) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        """Our state for `peer` (on the streams' executor), None while we do not share. A joiner
-        handed rounds in flight is vouched for: it fetches those rounds' payloads from our group."""
+        """Our state for `peer` (on the streams' executor), None while we do not share. A joiner is
+        vouched for: the barrier waits for it in its first round (swarm/proofs.py), and one handed
+        rounds in flight fetches those rounds' payloads from our group."""
         if not self._sharing.is_set():
             return None
         metadata, vectors = self._state_provider()
-        if metadata.get("in_flight"):
-            self._presence.vouch(peer)
+        self._presence.vouch(peer)
         return metadata, vectors
 
     def download_state(self, timeout: float, stop: threading.Event, check_digest: bool,
@@ -243,9 +254,10 @@ class Swarm:
         is in the run (we start it), the run's state is `held` already, nobody shared it in time,
         or `stop` was set."""
         def others() -> dict[str, records.NodeRecord]:
-            # a client cannot be dialled: it serves no state, and its announcements are not asked for
-            return {p: r for p, r in self._presence.compatible_peers(refresh=True).items()
-                    if p != self.peer_id and not r.client}
+            # a client cannot be dialled: it serves no state, and its announcements are not asked
+            # for; only the records that decide (swarm/proofs.py) choose the state and serve it:
+            # free identities announcing a state of their own cannot outvote proven peers
+            return {p: r for p, r in self._presence.deciding_peers(refresh=True).items() if not r.client}
 
         return download_run_state(self._state, self._streams.run, others, timeout, stop, check_digest, held)
 
@@ -256,14 +268,19 @@ class Swarm:
     # --- leaving ------------------------------------------------------------------------------
 
     def leave(self) -> None:
-        if self.gate.refusal(self.peer_id, self.gate.token) is None:  # revoked: nobody fetches from us
-            self._transfer.drain(self._presence.may_still_fetch)
-        self._presence.leave()
+        self._watchdog.stop()  # the helpers are shut down on purpose from here on
+        helpers_alive = self._watchdog.dead() is None
+        if helpers_alive:
+            if self.gate.refusal(self.peer_id, self.gate.token) is None:  # revoked: nobody fetches from us
+                self._transfer.drain(self._presence.may_still_fetch)
+            self._presence.leave()
+        else:  # nobody can fetch from us or read a withdrawal; each DHT call would only wait out its timeout
+            self._watchdog.end_orphans()
         for service in (self._dial_back, self._butterfly, self._state, self._exchange):
             try:
                 service.detach()
             except Exception as exc:  # leaving must not fail; the handler goes with the daemon anyway
                 logger.debug("closing a stream service failed: %r", exc)
         self._streams.close()
-        self._matchmaker.shutdown()
+        self._matchmaker.shutdown(graceful=helpers_alive)
         self._dht.shutdown()

@@ -20,6 +20,7 @@ from hivemind.averaging.allreduce import AllreduceException
 from hivemind.utils import get_dht_time
 
 from diloco_node.round import Outcome, PartSource
+from diloco_node.swarm import bounded
 from diloco_node.swarm.butterfly import Butterfly
 from diloco_node.swarm.dht import SwarmSettings
 from diloco_node.swarm.exchange import Fetched, PayloadExchange
@@ -44,6 +45,7 @@ NEXT_CHUNK_TIMEOUT = 10.0  # hivemind's all-reduce: a member silent this long is
 # We stop waiting sooner once every peer has finished the round without us.
 MISSED_ALLREDUCE_GRACE = 2 * NEXT_CHUNK_TIMEOUT + 5.0
 GROUP_POLL_SECONDS = 0.5  # between asks for a group whose matchmaking is under way
+AVERAGER_EXIT_SECONDS = 5.0  # what a terminated averager gets to exit (it ends at SIGTERM's default)
 
 # What we bring to a round's butterfly when its group exchanges by butterfly, else None (transfer.py)
 ButterflyFor = Callable[[int, Collection[str]], PartSource | None]
@@ -51,14 +53,21 @@ ButterflyFor = Callable[[int, Collection[str]], PartSource | None]
 
 def start_averager(dht: DHT, namespace: str, settings: SwarmSettings, client: bool) -> DecentralizedAverager:
     """hivemind's averager, which forks its process: started before any thread of ours."""
-    return DecentralizedAverager(
-        [torch.zeros(1)], dht, start=True, prefix=namespace,
+    averager = DecentralizedAverager(
+        [torch.zeros(1)], dht, start=False, prefix=namespace,
         min_matchmaking_time=settings.matchmaking_time, request_timeout=min(3.0, settings.matchmaking_time / 2),
         next_chunk_timeout=NEXT_CHUNK_TIMEOUT, allreduce_timeout=settings.round_timeout, allow_state_sharing=False,
         target_group_size=settings.group_size, client_mode=client,
         # from 3 on, a pair is no group (round.held): a leader waits for a third member until the
         # step's timeout instead of assembling a pair at the end of its window
-        min_group_size=settings.min_group_size if settings.min_group_size > 2 else 2)
+        min_group_size=settings.min_group_size)
+    # hivemind's start=True waits for the averager's process without a limit
+    try:
+        averager.run_in_background(await_ready=True, timeout=bounded.AVERAGER_START_TIMEOUT)
+    except TimeoutError:
+        raise bounded.HelperTimeout(f"hivemind's averager process did not start within "
+                                    f"{bounded.AVERAGER_START_TIMEOUT:.0f}s") from None
+    return averager
 
 
 class Matchmaker:
@@ -184,11 +193,16 @@ class Matchmaker:
         timeout = min(self.settings.round_timeout, 4 * self.settings.matchmaking_time + MATCHMAKING_SLACK)
         try:
             with self._averager_lock:
-                self._averager.set_group_bits(bits)
-                control = self._averager.step(
+                bounded.wait(self._averager.set_group_bits(bits, wait=False), bounded.AVERAGER_CALL_TIMEOUT,
+                             "averager's set_group_bits")
+                control = bounded.call(lambda: self._averager.step(
                     gather={"round": round_}, timeout=timeout,
-                    scheduled_time=get_dht_time() + self.settings.matchmaking_time, wait=False)
-            gathered = control.result()
+                    scheduled_time=get_dht_time() + self.settings.matchmaking_time, wait=False),
+                    bounded.AVERAGER_CALL_TIMEOUT, "averager's step")
+            # the step gives up finding a group after `timeout`; a group it found then all-reduces
+            # the dummy within allreduce_timeout (the round timeout)
+            gathered = bounded.wait(control, timeout + self.settings.round_timeout + MATCHMAKING_SLACK,
+                                    "averager's matchmaking")
         except Exception as exc:  # hivemind surfaces timeouts and peer failures as assorted types
             logger.warning("round=%d no group formed (%s)", round_, type(exc).__name__)
             # the group formed and its all-reduce failed on our side only: its leader may still
@@ -206,5 +220,18 @@ class Matchmaker:
                 group.append(str(peer))
         return group, True
 
-    def shutdown(self) -> None:
-        self._averager.shutdown()
+    def shutdown(self, graceful: bool = True) -> None:
+        """`graceful`: let the averager unregister its handlers from p2pd; not when a helper died
+        (p2pd may be gone, and the averager would print the failure as a traceback)."""
+        if not self._averager.is_alive():  # hivemind logs a dead averager's shutdown as an exception
+            return
+        if graceful:
+            self._averager.shutdown()
+        else:
+            self._averager.terminate()
+            self._averager.join(AVERAGER_EXIT_SECONDS)
+
+    @property
+    def process(self) -> DecentralizedAverager:
+        """The averager's helper process, for the watchdog."""
+        return self._averager

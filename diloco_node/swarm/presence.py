@@ -19,7 +19,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from diloco_node.admission import Gate
 from diloco_node.errors import NodeError
 from diloco_node.round import Outcome
-from diloco_node.swarm import records
+from diloco_node.swarm import bounded, proofs, records
 from diloco_node.swarm.isolation import Isolation
 from diloco_node.swarm.records import NodeRecord
 
@@ -40,6 +40,12 @@ WAITING_LOG_SECONDS = 30.0
 # to 1 s: a peer that arrives at once is seen at once, and a long wait costs a read a second, not three.
 FIRST_POLL_SECONDS = 0.3
 MAX_POLL_SECONDS = 1.0
+# How long the barrier waits for a newcomer (a peer that took a proven peer's state, swarm/proofs.py)
+# once the proven peers are ready, as a share of the round timeout: a joiner starts its first round
+# a state download later than they did (seconds for a small model, more for a large one, whose
+# runs set a longer round timeout); a forged identity that downloaded our state and never becomes
+# ready lengthens one round by this much, once.
+NEWCOMER_GRACE = 0.5
 
 
 def polls() -> Iterator[float]:
@@ -50,17 +56,23 @@ def polls() -> Iterator[float]:
         poll = min(1.5 * poll, MAX_POLL_SECONDS)
 
 
-def round_state(others: Collection[NodeRecord], round_: int) -> Outcome:
-    """Where `others` stand on `round_`: behind (most of them already exchanged it, so the run went
-    on without us), alone (none is left), together (all finished their inner phase of it) or waiting.
+def round_state(others: Collection[NodeRecord], round_: int, counted: Collection[str] | None = None,
+                newcomers: Collection[str] = ()) -> Outcome:
+    """Where `others` stand on `round_`: behind (most of the counted ones already exchanged it, so
+    the run went on without us), alone (none is left), together (all the counted ones and the
+    `newcomers` finished their inner phase of it) or waiting.
 
-    Most, not one: any peer can publish a record claiming a far-ahead round, and "behind" makes us
-    drop our work and re-sync."""
-    if moved_on(others, round_):
+    `counted`: the peers whose records decide (proofs.counted; None: all). Any peer can publish
+    records claiming a far-ahead round, which would make us drop our work and re-sync, or one that
+    never becomes ready, which would hold the barrier for the round timeout: only proven peers
+    decide and are waited for (and newcomers, once, see proofs.py). Unproven peers that are ready
+    still take part in the round's matchmaking."""
+    if moved_on(proofs.deciding(others, counted), round_):
         return Outcome.BEHIND
     if not others:
         return Outcome.ALONE
-    if all(r.ready_round >= round_ for r in others):
+    waited = [r for r in others if counted is None or r.peer_id in counted or r.peer_id in newcomers]
+    if all(r.ready_round >= round_ for r in waited):
         return Outcome.TOGETHER
     return Outcome.WAITING
 
@@ -76,9 +88,12 @@ class IncompatibleRun(NodeError, RuntimeError):
 
 class Presence:
     def __init__(self, dht: DHT, peer_id: str, run_id: str, fingerprint: str, config: dict[str, Any],
-                 isolation: Isolation, signed_by: RSASignatureValidator, gate: Gate, client: bool = False):
-        """`client`: we accept no inbound connection (reachability.py), and our record says so."""
+                 isolation: Isolation, signed_by: RSASignatureValidator, gate: Gate, client: bool = False,
+                 anchors: Collection[str] = ()):
+        """`client`: we accept no inbound connection (reachability.py), and our record says so;
+        `anchors`: the peer ids the operator named with `--peers` (proofs.py)."""
         self._dht, self.peer_id, self.run_id = dht, peer_id, run_id
+        self.proofs, self.anchors = proofs.Proofs(peer_id), frozenset(anchors) - {peer_id}
         self.isolation = isolation  # fed by the heartbeat
         self._signer, self.gate = signed_by, gate
         self.on_revoked: Callable[[], None] | None = None  # the run owner revoked our own admission
@@ -133,12 +148,28 @@ class Presence:
                                                exchanged_round=max(round_, self._record.exchanged_round))
 
     def vouch(self, peer: str) -> None:
-        """`peer` took our state with rounds in flight: it may fetch those rounds' payloads from our
-        group, which serves them only to members and to those a member vouches for."""
+        """`peer` took our state: the barrier waits for it in its first round (proofs.py), and it
+        may fetch the payloads of rounds we had in flight from our group, which serves them only to
+        members and to those a member vouches for."""
         with self._record_lock:
+            if self._record.vouched[-1:] == (peer,):
+                return  # said already: a peer asking again costs us no store
             vouched = [p for p in self._record.vouched if p != peer][-(records.MAX_VOUCHED - 1):] + [peer]
             self._record = dataclasses.replace(self._record, vouched=tuple(vouched))
             self._publish()
+
+    def prove(self, round_: int, peers: Collection[str]) -> None:
+        """`peers`' checked contributions went into the mean we applied in `round_` (proofs.py); our
+        record lists our proven peers from the next store on (a joiner anchored on us counts them)."""
+        if self.proofs.prove(round_, peers):
+            with self._record_lock:
+                self._record = dataclasses.replace(self._record, proven=tuple(sorted(self.proofs.proven())))
+
+    def deciding_peers(self, refresh: bool = False) -> dict[str, NodeRecord]:
+        """The live records that decide: those of counted peers (all before any proof), ourselves excluded."""
+        found = self.compatible_peers(refresh=refresh)
+        who = proofs.counted(self.proofs.proven(), self.anchors, found)
+        return {p: r for p, r in found.items() if p != self.peer_id and (who is None or p in who)}
 
     def known(self, peer: str, refresh: bool = False) -> NodeRecord | None:
         """`peer`'s record when it is a verified, admitted node of this run with our config (live,
@@ -148,6 +179,13 @@ class Presence:
         return self._live.get(peer) or self._departed.get(peer)
 
     def _publish(self) -> None:
+        try:
+            self._store_record()
+        except bounded.HelperTimeout as exc:  # the heartbeat publishes again at its next tick
+            if not isinstance(exc, bounded.HelperGone):  # the node is stopping and said why
+                logger.warning("our record was not published: %s", exc)
+
+    def _store_record(self) -> None:
         with self._dht_lock:
             if time.monotonic() - self._config_published_at >= records.CONFIG_TTL / 2:
                 # first, so that a node refusing our record finds what differs
@@ -204,19 +242,32 @@ class Presence:
         """Wait until every live compatible peer (of `among`, when given) has finished its inner
         phase of `round_`.
 
+        Only proven peers are waited for up to `timeout`; a newcomer (proofs.py) for at most
+        NEWCOMER_GRACE of it once they are ready: anyone can take our state under a fresh
+        identity and never become ready.
+
         Returns TOGETHER (everyone is ready), TIMEOUT (go on with those that are), ALONE
         (nobody else is in the run), BEHIND (others already finished this round) or STOPPED
         (the node was asked to stop while waiting).
         """
         deadline = time.monotonic() + timeout
         pauses = polls()
+        counted_ready_at: float | None = None  # when every counted peer was ready, newcomers aside
         while True:
             others = self._others(among)
-            state = round_state(others.values(), round_)
+            counted, newcomers = self._waited_for(others, round_, among)
+            state = round_state(others.values(), round_, counted, newcomers)
             if state != Outcome.WAITING:
                 return state
+            if newcomers and round_state(others.values(), round_, counted) == Outcome.TOGETHER:
+                counted_ready_at = counted_ready_at or time.monotonic()
+                if time.monotonic() - counted_ready_at > NEWCOMER_GRACE * timeout:
+                    late = sorted(p for p in newcomers if others[p].ready_round < round_)
+                    logger.info("round=%d not waiting longer for newcomer %s", round_, ", ".join(late))
+                    return Outcome.TOGETHER
             if time.monotonic() > deadline:
-                waiting = sorted(p for p, r in others.items() if r.ready_round < round_)
+                waiting = sorted(p for p, r in others.items() if r.ready_round < round_
+                                 and (counted is None or p in counted or p in newcomers))
                 logger.warning("round=%d barrier timed out; not waiting for %s", round_, ", ".join(waiting))
                 return Outcome.TIMEOUT
             if stop.wait(next(pauses)):
@@ -224,15 +275,34 @@ class Presence:
 
     def round_state(self, round_: int, among: Collection[str] | None = None) -> Outcome:
         """Where the others (of `among`, when given) stand on `round_` right now; see `round_state`."""
-        return round_state(self._others(among).values(), round_)
+        others = self._others(among)
+        return round_state(others.values(), round_, *self._waited_for(others, round_, among))
+
+    def _waited_for(self, others: dict[str, NodeRecord], round_: int,
+                    among: Collection[str] | None) -> tuple[set[str] | None, set[str]]:
+        """Whose records decide (proofs.counted), and the newcomers the barrier waits for in
+        `round_`: unproven peers that took the state of a counted peer or ours (its record vouches
+        for them) and are at `round_`, each in one round only (proofs.Proofs.newcomers). NoLoCo's
+        drawn group (`among`) counts whole, as its draw counts every record (proofs.py)."""
+        if among is not None:
+            return set(among), set()
+        found = self.compatible_peers()
+        counted = proofs.counted(self.proofs.proven(), self.anchors, found)
+        if counted is None:
+            return None, set()
+        vouched = proofs.vouched_by(found, counted | {self.peer_id})
+        candidates = [p for p in vouched if p in others and p not in counted
+                      and (others[p].round == round_ or others[p].ready_round >= round_)]
+        return counted, self.proofs.newcomers(candidates, round_)
 
     def _others(self, among: Collection[str] | None) -> dict[str, NodeRecord]:
         return {p: r for p, r in self._fetch().items()
                 if p != self.peer_id and r.fingerprint == self.fingerprint and (among is None or p in among)}
 
     def all_past(self, round_: int) -> bool:
-        """Whether every other live node has already exchanged `round_` (so we are behind them)."""
-        others = [r for p, r in self.compatible_peers(refresh=True).items() if p != self.peer_id]
+        """Whether every other live node that decides (proofs.py) has already exchanged `round_`
+        (so we are behind them)."""
+        others = self.deciding_peers(refresh=True).values()
         return bool(others) and all(r.exchanged_round >= round_ for r in others)
 
     def isolated(self) -> bool:
@@ -243,8 +313,9 @@ class Presence:
         return self.isolation.cut_off([p for p in self.compatible_peers() if p != self.peer_id])
 
     def ahead_of(self, round_: int) -> bool:
-        """Whether most other live nodes of the run have already exchanged `round_` (we are behind)."""
-        return moved_on([r for p, r in self.compatible_peers(refresh=True).items() if p != self.peer_id], round_)
+        """Whether most other live nodes of the run that decide (proofs.py) have already exchanged
+        `round_` (we are behind)."""
+        return moved_on(list(self.deciding_peers(refresh=True).values()), round_)
 
     def served_diverged(self, among: Collection[str]) -> bool:
         """Whether the state we serve, as our record last announced it, differs from the one most
@@ -280,9 +351,14 @@ class Presence:
             logger.debug("withdraw failed: %r", exc)
 
     def _fetch(self) -> dict[str, NodeRecord]:
-        with self._dht_lock:
-            found, departed = records.fetch(self._dht, self.run_id)
-            self._read_at = time.monotonic()
+        try:
+            with self._dht_lock:
+                found, departed = records.fetch(self._dht, self.run_id)
+                self._read_at = time.monotonic()
+        except bounded.HelperTimeout as exc:  # what we last read stands; every wait reads again
+            if not isinstance(exc, bounded.HelperGone):
+                logger.warning("the run's records were not read: %s", exc)
+            return dict(self._live)
         found, departed = self._admitted(found), self._admitted(departed)
         self._live = {p: r for p, r in found.items() if r.fingerprint == self.fingerprint}
         self._departed = {p: r for p, r in departed.items() if r.fingerprint == self.fingerprint}
@@ -326,6 +402,8 @@ class Presence:
                 if time.monotonic() - looked_at >= every:
                     looked_at = time.monotonic()
                     self._look(every)
+            except bounded.HelperGone:  # the node is stopping and said why
+                return
             except Exception as exc:  # a missed heartbeat is retried; the loop must outlive it
                 logger.warning("heartbeat failed: %r", exc)
 

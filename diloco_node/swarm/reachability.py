@@ -23,6 +23,7 @@ from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from diloco_node.swarm import bounded
 from diloco_node.swarm.streams import Streams, StreamService, receive, send
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ def detect(dht: DHT, namespace: str, initial_peers: Sequence[str]) -> bool | Non
     """Whether a peer could dial us: True as soon as one says so, False when every peer asked
     answered and none could, None when nobody answered (we are the first node, or peers are old)."""
     peers = [address.split("/p2p/")[-1] for address in initial_peers if "/p2p/" in address][:PEERS_ASKED]
-    addresses = [str(address) for address in dht.get_visible_maddrs()]
+    addresses = bounded.visible_maddrs(dht)
     if not peers:
         return None
 

@@ -37,6 +37,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from diloco_node.fingerprint import fingerprint_of
 from diloco_node.identity import peer_id_of_public_key
+from diloco_node.swarm import bounded
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ CONFIG_TTL = 3600.0  # seconds a published config stays; nodes store theirs agai
 RECORD_TTL = 25.0  # seconds; a node silent for this long is treated as gone (presence.REFRESH_SECONDS)
 REVOCATION_TTL = 365 * 86400.0  # a revocation stays for as long as any admission is likely to
 MAX_VOUCHED = 8
+MAX_PROVEN = 16  # peers a record lists as proven by its node (swarm/proofs.py)
 Token = pydantic.constr(strict=True, max_length=1024)
 NodeCount = pydantic.conint(strict=True, ge=0)
 Seconds = pydantic.confloat(strict=True, ge=0)
@@ -82,6 +84,7 @@ class NodeValue(pydantic.BaseModel):
     admission: Token = ""  # type: ignore[valid-type]  # permissioned runs: the owner's token for this peer
     vouched: pydantic.conlist(pydantic.StrictStr, max_items=MAX_VOUCHED) = []  # type: ignore[valid-type]
     client: pydantic.StrictBool = False
+    proven: pydantic.conlist(pydantic.StrictStr, max_items=MAX_PROVEN) = []  # type: ignore[valid-type]
 
 
 class RunRecords(pydantic.BaseModel):
@@ -133,6 +136,7 @@ class NodeRecord:
     served_round: int = -1
     served_digest: str = ""
     client: bool = False  # accepts no inbound connection (reachability.py): owns no part, serves nothing
+    proven: tuple[str, ...] = ()  # peers whose checked work this node used recently (swarm/proofs.py)
 
     def may_still_fetch(self, round_: int) -> bool:
         """Whether this node may still fetch a payload of `round_`: it has neither completed that
@@ -147,7 +151,7 @@ class NodeRecord:
                 "left": False,
                 # every field spelled out: the DHT's SchemaValidator refuses values that need defaults filled in
                 "stats": NodeStats(**self.stats).dict(), "admission": self.admission,
-                "vouched": list(self.vouched), "client": self.client}
+                "vouched": list(self.vouched), "client": self.client, "proven": list(self.proven)}
 
     @classmethod
     def from_wire(cls, value: Any, left: bool = False) -> NodeRecord | None:
@@ -160,7 +164,8 @@ class NodeRecord:
             return None
         return cls(parsed.peer_id, parsed.fingerprint, parsed.round, parsed.ready_round,
                    parsed.digest, parsed.stats.dict(), parsed.exchanged_round, parsed.admission,
-                   tuple(parsed.vouched), parsed.served_round, parsed.served_digest, parsed.client)
+                   tuple(parsed.vouched), parsed.served_round, parsed.served_digest, parsed.client,
+                   tuple(parsed.proven))
 
 
 def records_key(run_id: str) -> str:
@@ -181,31 +186,31 @@ def owned_subkey(peer_id: str, signed_by: RSASignatureValidator) -> bytes:
 
 
 def publish(dht: DHT, run_id: str, record: NodeRecord, signed_by: RSASignatureValidator) -> None:
-    dht.store(records_key(run_id), subkey=owned_subkey(record.peer_id, signed_by), value=record.to_wire(),
-              expiration_time=get_dht_time() + RECORD_TTL)
+    bounded.store(dht, records_key(run_id), subkey=owned_subkey(record.peer_id, signed_by), value=record.to_wire(),
+                  expiration_time=get_dht_time() + RECORD_TTL)
 
 
 def publish_revocation(dht: DHT, run_id: str, token: str) -> bool:
-    return bool(dht.store(revocations_key(run_id), subkey=token, value=True,
-                          expiration_time=get_dht_time() + REVOCATION_TTL))
+    return bounded.store(dht, revocations_key(run_id), subkey=token, value=True,
+                         expiration_time=get_dht_time() + REVOCATION_TTL)
 
 
 def fetch_revocations(dht: DHT, run_id: str) -> list[str]:
     """The run's published revocation tokens, unchecked (admission.Gate checks the owner's signature)."""
-    found = dht.get(revocations_key(run_id), latest=True)
+    found = bounded.get(dht, revocations_key(run_id))
     if found is None or not isinstance(found.value, dict):
         return []
     return [subkey for subkey in found.value if isinstance(subkey, str)]
 
 
 def publish_config(dht: DHT, run_id: str, config: dict[str, Any]) -> None:
-    dht.store(configs_key(run_id), subkey=fingerprint_of(config), value=config,
-              expiration_time=get_dht_time() + CONFIG_TTL)
+    bounded.store(dht, configs_key(run_id), subkey=fingerprint_of(config), value=config,
+                  expiration_time=get_dht_time() + CONFIG_TTL)
 
 
 def fetch_config(dht: DHT, run_id: str, fingerprint: str) -> dict[str, Any] | None:
     """The config published for `fingerprint`, None when none hashes to it."""
-    found = dht.get(configs_key(run_id), latest=True)
+    found = bounded.get(dht, configs_key(run_id))
     item = found.value.get(fingerprint) if found is not None and isinstance(found.value, dict) else None
     config = item.value if isinstance(item, ValueWithExpiration) else None
     return config if isinstance(config, dict) and fingerprint_of(config) == fingerprint else None
@@ -217,15 +222,15 @@ def withdraw(dht: DHT, run_id: str, record: NodeRecord, signed_by: RSASignatureV
     The DHT keeps the value with the latest expiration, so the marker must outlive the record it
     replaces; readers skip it like an expired record.
     """
-    dht.store(records_key(run_id), subkey=owned_subkey(record.peer_id, signed_by),
-              value={**record.to_wire(), "left": True},
-              expiration_time=get_dht_time() + RECORD_TTL + 1)
+    bounded.store(dht, records_key(run_id), subkey=owned_subkey(record.peer_id, signed_by),
+                  value={**record.to_wire(), "left": True},
+                  expiration_time=get_dht_time() + RECORD_TTL + 1)
 
 
 def fetch(dht: DHT, run_id: str) -> tuple[dict[str, NodeRecord], dict[str, NodeRecord]]:
     """The run's well-formed records by peer id: the live nodes', and those of nodes that left
     within the last RECORD_TTL seconds (as they were when they left)."""
-    found = dht.get(records_key(run_id), latest=True)
+    found = bounded.get(dht, records_key(run_id))
     if found is None or not isinstance(found.value, dict):
         return {}, {}
     live: dict[str, NodeRecord] = {}
@@ -259,10 +264,12 @@ def canonical_digest(nodes: Iterable[NodeRecord], round_: int, served: bool = Fa
 
 
 def reference_state(nodes: Iterable[NodeRecord]) -> tuple[int, str] | None:
-    """The served state (settled round, digest) most nodes announce: the one a joiner takes, so
-    that one peer's claim alone cannot choose it. None when two or more nodes serve and no state
-    has more announcers than every other and at least two of them: then nothing tells an honest
-    server from a lying one (a tie never goes to the later round, which anyone can claim)."""
+    """The served state (settled round, digest) most of `nodes` announce: the one a joiner takes,
+    so that one peer's claim alone cannot choose it (`nodes`: the records that decide, see
+    swarm/proofs.py, so that free identities cannot outvote proven peers). None when two or more
+    nodes serve and no state has more announcers than every other and at least two of them: then
+    nothing tells an honest server from a lying one (a tie never goes to the later round, which
+    anyone can claim)."""
     counts: dict[tuple[int, str], int] = {}
     for record in nodes:
         if record.served_digest:

@@ -21,7 +21,8 @@ from diloco_node.telemetry.record import ROUND_STATUS_FIELDS
 NODE_STATUS_FIELDS = (
     "run_id", "peer_id", "maddrs", "model", "parameters", "inner_step", "eval_loss_initial", "peers",
     "wire_bytes_sent", "wire_bytes_received", "compression", "exchanging_round", "algorithm", "label",
-    "uptime_seconds", "isolated", "isolated_since", "parallel", "local_ranks", "reachability")
+    "uptime_seconds", "isolated", "isolated_since", "parallel", "local_ranks", "reachability",
+    "micro_batch_size")
 STATUS_FIELDS = NODE_STATUS_FIELDS + ROUND_STATUS_FIELDS
 HISTORY_LIMIT = 2000  # rounds kept for the charts; older ones drop off the front
 # Round-time histogram bounds (seconds). Counted over every round since start, not just the kept
@@ -40,6 +41,7 @@ class Telemetry:
         self._round_buckets = [0] * len(ROUND_SECONDS_BUCKETS)
         self._round_count, self._round_sum = 0, 0.0
         self._refresh: Callable[[], None] | None = None
+        self._unhealthy: str | None = None  # why /healthz fails (a helper process died), None while healthy
 
     def refresh_with(self, refresh: Callable[[], None]) -> None:
         """`refresh` brings live figures (wire bytes) up to date before a reader's fresh snapshot."""
@@ -54,6 +56,14 @@ class Telemetry:
         with self._lock:
             if self._values.get(key) == value:
                 self._values[key] = None
+
+    def mark_unhealthy(self, why: str) -> None:
+        with self._lock:
+            self._unhealthy = why
+
+    def unhealthy(self) -> str | None:
+        with self._lock:
+            return self._unhealthy
 
     def snapshot(self, fresh: bool = False) -> dict[str, Any]:
         if fresh and self._refresh:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 from aiohttp import web
 
 from diloco_node.errors import NodeError
+from diloco_node.lifecycle import close_in_helpers
 from diloco_node.telemetry import metrics
 from diloco_node.telemetry.meter import Telemetry
 
@@ -30,6 +32,10 @@ class StatusServerError(NodeError, RuntimeError):
 
 
 async def healthz(request: web.Request) -> web.Response:
+    """200 while the node works; 503 with the reason once it cannot (it is stopping, exit 1)."""
+    why = request.app[TELEMETRY_KEY].unhealthy()
+    if why is not None:
+        return web.json_response({"ok": False, "reason": why}, status=503)
     return web.json_response({"ok": True})
 
 
@@ -71,6 +77,25 @@ def build_app(telemetry: Telemetry) -> web.Application:
     return app
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on host:port, with SO_REUSEADDR: a client that read a page with
+    `Connection: close` leaves the closed connection in TIME-WAIT on our side for a minute, and
+    without it a node restarted at once could not bind its port. On Linux it never lets two live
+    servers share a port (that is SO_REUSEPORT, left off): a port really taken is still refused."""
+    family, kind, protocol, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                            flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, protocol)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class StatusServer:
     """Starts synchronously (so a busy port is reported before training starts), then serves."""
 
@@ -81,6 +106,7 @@ class StatusServer:
         self._runner = web.AppRunner(self._app, access_log=None)
         self._thread = threading.Thread(target=self._loop.run_forever, name="status-server", daemon=True)
         self.port = port
+        self._socket: socket.socket | None = None
 
     def start(self) -> str:
         self._thread.start()
@@ -89,16 +115,20 @@ class StatusServer:
             self.port = future.result(timeout=30)
         except OSError as exc:
             raise StatusServerError(
-                f"cannot serve status on {self._host}:{self._requested_port}: {exc.strerror or exc}") from None
+                f"cannot serve status on {self._host}:{self._requested_port}: {(exc.strerror or str(exc)).lower()}"
+            ) from None
         return f"http://{self._host}:{self.port}"
 
     async def _bind(self) -> int:
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self._host, self._requested_port, reuse_address=False)
-        await site.start()
-        return int(self._runner.addresses[0][1])  # the real port when 0 asked for a free one
+        self._socket = listening_socket(self._host, self._requested_port)
+        close_in_helpers(self._socket.fileno())  # hivemind forks its helpers after this (lifecycle.py)
+        await web.SockSite(self._runner, self._socket).start()
+        return int(self._socket.getsockname()[1])  # the real port when 0 asked for a free one
 
     def stop(self) -> None:
+        if self._socket is not None:
+            close_in_helpers(self._socket.fileno(), close=False)
         if self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=10)
             self._loop.call_soon_threadsafe(self._loop.stop)

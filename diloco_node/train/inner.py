@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diloco_node.train.fit import smaller_micro_batch
+
 logger = logging.getLogger(__name__)
 
 
@@ -31,6 +33,9 @@ class InnerConfig:
     grad_clip: float = 1.0
     mixed_precision: torch.dtype | None = None  # bf16 mixed precision (forward under autocast); None: fp32
     micro_batch: int = 0  # sequences per forward/backward, gradients accumulated over the batch (0: all at once)
+    # on CUDA's out-of-memory, redo the step with half the micro-batch (train/fit.py) rather than fail;
+    # one process only: a rank of FSDP or a pipeline that backed off alone would stall the others
+    back_off: bool = False
 
 
 def lr_at(step: int, cfg: InnerConfig) -> float:
@@ -90,6 +95,7 @@ class InnerTrainer:
         self.cfg = cfg
         self.forward: Forward = forward if forward is not None else model
         self.step = 0
+        self.micro = cfg.micro_batch  # lowered by a back-off; 0: the whole batch at once
         self.optimizer = torch.optim.AdamW(
             _param_groups(model, cfg.weight_decay), lr=lr_at(0, cfg), betas=cfg.betas,
             **({"fused": True} if fused_on(model) else {}),
@@ -99,7 +105,31 @@ class InnerTrainer:
         lr = lr_at(self.step, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        micro = self.cfg.micro_batch if 0 < self.cfg.micro_batch < len(x) else len(x)
+        while True:
+            micro = self.micro if 0 < self.micro < len(x) else len(x)
+            try:
+                loss = self._accumulate(x, y, micro)
+            except torch.cuda.OutOfMemoryError:
+                if not self.cfg.back_off:
+                    raise
+            else:
+                break
+            # the same batch again from zero gradients, in smaller pieces: the step's result is the one
+            # it would have had (up to summation order); outside the except so its activations are freed
+            self.optimizer.zero_grad(set_to_none=True)
+            self.micro = smaller_micro_batch(len(x), micro)
+            logger.warning("out of memory at micro-batch %d: now %d", micro, self.micro)
+            if x.device.type == "cuda":
+                torch.cuda.empty_cache()
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return float(loss.detach())
+
+    def _accumulate(self, x: torch.Tensor, y: torch.Tensor, micro: int) -> torch.Tensor:
+        """Gradients of the batch's mean loss, summed over pieces of `micro` sequences; the mean loss."""
         pieces = list(zip(x.split(micro), y.split(micro), strict=True))
         total = torch.zeros((), device=x.device)
         # FSDP: reduce-scatter once, after the last piece (a model that is not sharded has no such switch)
@@ -112,13 +142,7 @@ class InnerTrainer:
             # each piece's mean weighted by its share of the batch: the gradient of the batch's mean
             (loss * (len(xm) / len(x))).backward()
             total += loss.detach() * (len(xm) / len(x))
-        loss = total
-        if self.cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return float(loss.detach())
+        return total
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "step": self.step}

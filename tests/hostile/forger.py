@@ -19,6 +19,10 @@ Usage: forger.py PEER_MULTIADDR RUN_ID MODE
   of its own); it waits for every member's push of its part and answers with the mean of their
   slices and a well-formed report: in even rounds times 1e16 to everyone, in odd rounds halved for
   every second pusher (different bytes to different members, each within the clip bound).
+- sybils N (N ≥ 2): N identities from one process, one record each, all following the honest
+  round but never ready, all claiming a far-ahead exchanged round, listing each other as proven
+  and vouched for, and announcing one served state: an honest node's, shifted by 1, which the
+  first identity (the DHT's own) serves.
 
 It prints `forging PEER_ID` once its record is stored, then refreshes it until SIGTERM, on which
 it shuts its DHT down and exits 0.
@@ -27,6 +31,7 @@ it shuts its DHT down and exits 0.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import signal
 import sys
@@ -73,6 +78,61 @@ def make_identity(below: list[str] | None = None) -> tuple[Path, RSASignatureVal
     wrapped = RSAPrivateKey.__new__(RSAPrivateKey)
     wrapped.__setstate__({"_private_key": der})
     return path, RSASignatureValidator(wrapped), peer_id
+
+
+class ManyKeys(RSASignatureValidator):
+    """hivemind's record signer for several identities at once: a record is signed with the key
+    whose public half its subkey carries (hivemind's own signer holds one key)."""
+
+    def __init__(self, signers: list[RSASignatureValidator]):
+        super().__init__(signers[0]._private_key)
+        self._signers = signers
+
+    def sign_value(self, record) -> bytes:  # type: ignore[no-untyped-def]
+        for signer in self._signers:
+            if signer.local_public_key in (record.subkey or b""):
+                return signer.sign_value(record)
+        return record.value
+
+
+def sybils(dht: DHT, p2p, run, namespace: str, key: str, identities: list[tuple[RSASignatureValidator, str]],
+           honest: list[dict]) -> None:
+    """Mode `sybils`: serve a poisoned state from the first identity, publish every identity's record."""
+    header, vectors = fetch_state(p2p, run, honest[0]["peer_id"], namespace)
+    poisoned = (np.frombuffer(vectors, dtype=np.float32) + 1).astype(np.float32).tobytes()
+    # the settled round and digest of the state it serves, as an honest record announces them
+    served = (json.loads(header)["metadata"]["round"], hashlib.sha256(poisoned).hexdigest()[:16])
+
+    async def serve(_info, reader, writer) -> None:
+        await reader.readexactly(int.from_bytes(await reader.readexactly(HEADER), "big"))
+        writer.write(len(header).to_bytes(HEADER, "big") + header + len(poisoned).to_bytes(HEADER, "big") + poisoned)
+        await writer.drain()
+        writer.close()
+
+    run(p2p.add_binary_stream_handler(f"{namespace}_state", serve))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    ids = [peer for _, peer in identities]
+    announced = False
+    while not stop.is_set():
+        now = [r for r in honest_records(dht, key, stop) if r["peer_id"] not in ids]
+        if not now:
+            stop.wait(0.2)
+            continue
+        round_ = max(r["round"] for r in now)
+        stored = 0
+        for signer, me in identities:
+            forged = {**now[0], "peer_id": me, "round": round_, "ready_round": round_ - 1,
+                      "exchanged_round": FAR_AHEAD, "served_round": served[0], "served_digest": served[1],
+                      "vouched": ids[:8]}
+            if "proven" in forged:  # the records of this version list proven peers: claim each other
+                forged["proven"] = ids[:16]
+            stored += bool(dht.store(key, subkey=me.encode() + signer.local_public_key, value=forged,
+                                     expiration_time=get_dht_time() + TTL))
+        if stored == len(identities) and not announced:
+            print(f"forging {' '.join(ids)}", flush=True)
+            announced = True
+        stop.wait(REFRESH_SECONDS)
 
 
 def honest_records(dht: DHT, key: str, stop: threading.Event | None = None) -> list[dict]:
@@ -265,14 +325,16 @@ def contribute(dht: DHT, p2p, run, namespace: str, key: str, me: str, signer, mo
 
 def main() -> None:
     peer, run_id, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    count = int(sys.argv[4]) if mode == "sybils" else 1
     key = f"{run_id}_nodes"
     scout = DHT(initial_peers=[peer], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True,
                 record_validators=[RSASignatureValidator()])  # strips the signatures off what it reads
     honest = honest_records(scout, key)
     scout.shutdown()
     path, signer, me = make_identity([r["peer_id"] for r in honest] if mode in ("poison", "drip") else None)
-    dht = DHT(initial_peers=[peer], start=True, record_validators=[signer], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-              identity_path=str(path))
+    identities = [(signer, me)] + [make_identity()[1:] for _ in range(count - 1)]
+    dht = DHT(initial_peers=[peer], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=str(path),
+              record_validators=[ManyKeys([s for s, _ in identities]) if count > 1 else signer])
     assert str(dht.peer_id) == me
     namespace = f"{run_id}_{honest[0]['fingerprint']}"
     loop = asyncio.new_event_loop()
@@ -282,6 +344,10 @@ def main() -> None:
     p2p = run(dht.replicate_p2p())
     address, _, bootstrap_id = peer.rpartition("/p2p/")
     run(p2p._client.connect(PeerID.from_base58(bootstrap_id), [Multiaddr(address)]))  # so that its daemon routes it
+    if mode == "sybils":
+        sybils(dht, p2p, run, namespace, key, identities, honest)
+        dht.shutdown()
+        return
     if mode in ("huge", "fuzz", "owner"):
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -19,8 +19,9 @@ def spawn(tmp_path: Path):
     started: list[NodeProcess] = []
 
     def start(name: str, *extra: str, run_id: str = "itest", peer: NodeProcess | None = None,
-              checkpoint: bool = True) -> NodeProcess:
-        args = [*FAST, "--run-id", run_id, *extra]
+              checkpoint: bool = True, base: list[str] | None = None) -> NodeProcess:
+        """`base`: the flags in place of FAST (harness.nodes.fast_on: FAST on given ports)."""
+        args = [*(FAST if base is None else base), "--run-id", run_id, *extra]
         args += ["--checkpoint-dir", str(tmp_path / name) if checkpoint else ""]
         if peer is not None:
             args += ["--peer", peer.wait_for_address()]

@@ -149,6 +149,7 @@ def cli(*args: str) -> Result:
     (["--parallel", "fsdp", "--devices", "cpu,cpu,cpu", "--local-ranks", "2"], ["devices lists 3"]),
     (["--parallel", "mesh", "--local-ranks", "2"], ["parallel"]),
     (["--precision", "fp16"], ["precision"]),
+    (["--micro-batch-size", "auto", "--parallel", "fsdp", "--local-ranks", "2"], ["micro_batch_size auto"]),
     (["--parallel", "fsdp", "--devices", "cuda:0,cuda:1"], ["cuda:0,cuda:1"]),
 ])
 def test_bad_layout(nodes: Processes, args: list[str], words: list[str]) -> None:

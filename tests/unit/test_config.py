@@ -417,6 +417,32 @@ def test_unknown_presets_and_codecs_are_named_with_the_known_ones() -> None:
         f"invalid value for 'compression': unknown codec 'zip' (known: {', '.join(CODECS)})"
 
 
+# --- micro_batch_size: a count or auto (train/fit.py) -----------------------------------------
+
+
+def test_micro_batch_size_takes_a_count_or_auto() -> None:
+    assert build_config({"micro_batch_size": "auto"}).micro_batch_size == "auto"
+    assert build_config({"micro_batch_size": "4", "batch_size": 8}).micro_batch_size == 4  # text from a flag
+    assert build_config({"micro_batch_size": 0}).micro_batch_size == 0  # the whole batch at once
+    for bad in (-1, "abc", 2.5, True, "", "-1"):
+        with pytest.raises(ConfigError, match="invalid value for 'micro_batch_size': .* nor auto"):
+            build_config({"micro_batch_size": bad})
+    with pytest.raises(ConfigError, match="micro_batch_size auto needs parallel none"):
+        build_config({"micro_batch_size": "auto", "parallel": "fsdp", "local_ranks": 2})
+    assert "micro_batch_size" not in NodeConfig().fingerprint_fields()  # each node picks its own
+
+
+def test_micro_batch_size_from_the_cli() -> None:
+    result = _cli_config("--micro-batch-size", "auto")
+    assert result.returncode == 0, result.stderr
+    assert _parse(result.stdout)[0]["micro_batch_size"] == "auto"
+    for bad in ("-1", "abc"):
+        result = _cli_config("--micro-batch-size", bad)
+        assert result.returncode == 2
+        assert result.stderr.splitlines() == [f"diloco-node: error: invalid value for 'micro_batch_size': '{bad}' "
+                                              "is neither a number of sequences (0 or more) nor auto"]
+
+
 # --- --min-group-size (docs/architecture.md §9: a pair cannot tell who lies) -------------------
 
 

@@ -4,6 +4,7 @@ where the peers we average with stand on a round."""
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 from hivemind.utils import ValueWithExpiration, get_dht_time
@@ -164,6 +165,13 @@ def offline(monkeypatch, found: list[NodeRecord]) -> None:  # type: ignore[no-un
     monkeypatch.setattr(records, "fetch_config", lambda _dht, _run, _fingerprint: None)
 
 
+def answered(value: object) -> Future[object]:
+    """What hivemind's DHT returns with `return_future=True`, already answered."""
+    future: Future[object] = Future()
+    future.set_result(value)
+    return future
+
+
 def presence_seeing(monkeypatch, found: list[NodeRecord]) -> Presence:  # type: ignore[no-untyped-def]
     offline(monkeypatch, found)
     return Presence(SimpleNamespace(), "us", "run", "fp", {}, SimpleNamespace(), None, Gate("run"))  # type: ignore[arg-type]
@@ -210,14 +218,15 @@ def test_a_record_counts_only_under_the_key_of_the_peer_it_claims_to_be(tmp_path
     assert records.bound_peer_id(b"no key here") is None
 
     class FakeDHT:  # what hivemind's get returns once the DHT has checked the signatures
-        def get(self, key, latest):  # type: ignore[no-untyped-def]
+        def get(self, key, latest, return_future):  # type: ignore[no-untyped-def]
+            assert return_future  # every call of ours waits a bounded time (swarm/bounded.py)
             expires = get_dht_time() + 10
             honest = ValueWithExpiration(record(ours, 3, "d").to_wire(), expires)
             value = {records.owned_subkey(ours, signed_by): honest,
                      # a record under our key that claims to be another peer: an impersonation
                      ours.encode()[:4] + signed_by.local_public_key:
                          ValueWithExpiration(record(theirs, 3, "d").to_wire(), expires)}
-            return ValueWithExpiration(value, expires)
+            return answered(ValueWithExpiration(value, expires))
 
     live, _ = records.fetch(FakeDHT(), "run")  # type: ignore[arg-type]
     assert list(live) == [ours]
@@ -312,7 +321,7 @@ def test_a_published_config_counts_only_under_its_own_fingerprint() -> None:
     ours = NodeConfig().fingerprint()
     forged = {**config, "model": "small"}
     stored = {ours: ValueWithExpiration(config, 1e12), "f" * 16: ValueWithExpiration(forged, 1e12)}
-    dht = SimpleNamespace(get=lambda key, latest: ValueWithExpiration(stored, 1e12))
+    dht = SimpleNamespace(get=lambda key, latest, return_future: answered(ValueWithExpiration(stored, 1e12)))
     assert records.fetch_config(dht, "run", ours) == config  # type: ignore[arg-type]
     stored[ours] = ValueWithExpiration(forged, 1e12)  # someone stored another config under our fingerprint
     assert records.fetch_config(dht, "run", ours) is None  # type: ignore[arg-type]

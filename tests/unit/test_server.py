@@ -83,6 +83,18 @@ def test_healthz() -> None:
     serve(filled_telemetry(), check)
 
 
+def test_healthz_answers_503_with_the_reason_once_the_node_is_unhealthy() -> None:
+    telemetry = filled_telemetry()
+    telemetry.mark_unhealthy("hivemind's DHT process (pid 7) died (exit code -9)")
+
+    async def check(client: TestClient) -> None:
+        response = await client.get("/healthz")
+        assert response.status == 503
+        assert await response.json() == {"ok": False, "reason": "hivemind's DHT process (pid 7) died (exit code -9)"}
+
+    serve(telemetry, check)
+
+
 def _all_keys_and_strings(value: Any) -> tuple[list[str], list[str]]:
     if isinstance(value, dict):
         nested = [_all_keys_and_strings(v) for v in value.values()]

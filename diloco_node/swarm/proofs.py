@@ -1,0 +1,109 @@
+"""Proven peers: who may decide anything about the run (docs/architecture.md §9, "free identities").
+
+Identities are free in an open run: anyone can publish any number of validly signed records. So a
+record alone decides nothing. A peer is *proven* to us when its contribution passed our checks and
+went into a mean we applied (the AverageResult's group: its payload decoded and was bounded, or,
+under butterfly, its part was used), within the last PROOF_ROUNDS of our rounds. Work cannot be
+forged for free: a proven peer computed and sent a valid contribution.
+
+Who counts in a decision (`counted`):
+- our own proven peers, once we have any;
+- before that (a joiner, a node just restarted): our *anchors*, the peers the operator named with
+  `--peers` whose records list peers they proved, and those peers. The operator chose the anchor;
+  its list names only peers whose work it checked;
+- with neither (a fresh run before its first exchange, or anchors that are no nodes of the run):
+  every record, as before any proof exists (a known limit, §9).
+
+The barrier also waits, for one round only, for a *newcomer*: a peer that took a counted peer's
+state (that peer vouched for it in its record) and has not been proven yet. A joiner can thus
+take part in its first round, where its payload is checked; a record that never becomes ready
+holds nobody up.
+
+NoLoCo's draws still count every record (docs/architecture.md §9, known limits): in groups of two a
+node proves only its partners, so the proofs split the run into islands, which from one island
+look exactly like free identities proving each other; drawing among proven peers would freeze the
+first round's pairing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Collection, Iterable, Mapping
+
+from diloco_node.swarm.records import MAX_PROVEN, NodeRecord
+
+PROOF_ROUNDS = 8  # a peer stays proven this many of our rounds after its last checked contribution
+MAX_NEWCOMERS = 256  # newcomers remembered as already waited for (oldest forgotten first)
+
+
+def anchor_ids(initial_peers: Iterable[str]) -> frozenset[str]:
+    """The peer ids in the operator's `--peers` multiaddrs (`.../p2p/<peer id>`)."""
+    return frozenset(address.rsplit("/p2p/", 1)[1] for address in initial_peers if "/p2p/" in address)
+
+
+def counted(proven: Collection[str], anchors: Collection[str], records: Mapping[str, NodeRecord]) -> set[str] | None:
+    """The peers whose records decide (see the module's docstring); None: every record counts."""
+    if proven:
+        return set(proven)
+    endorsed: set[str] = set()
+    for peer in anchors:
+        # an anchor that has proved nobody yet (the run's first exchange is still to come) vouches
+        # for nobody either: until then every record counts, as for every node of a fresh run
+        if peer in records and records[peer].proven:
+            endorsed.update({peer, *records[peer].proven})
+    return endorsed or None
+
+
+def deciding(records: Iterable[NodeRecord], who: Collection[str] | None) -> list[NodeRecord]:
+    """The records of `who` (all of them when None)."""
+    return [r for r in records if who is None or r.peer_id in who]
+
+
+def vouched_by(records: Mapping[str, NodeRecord], who: Collection[str]) -> set[str]:
+    """The peers that those of `who` with a record vouched for (took their state)."""
+    return {peer for voucher in who if voucher in records for peer in records[voucher].vouched}
+
+
+class Proofs:
+    """Our bounded memory of proven peers, and of the newcomers the barrier already waited for."""
+
+    def __init__(self, peer_id: str):
+        self.peer_id = peer_id
+        self._lock = threading.Lock()  # proved on the round loop, read by the barrier's thread too
+        self._last: dict[str, int] = {}  # peer → our round whose mean last used its contribution
+        self._round = -1  # the latest round we proved anyone in
+        self._waited: dict[str, int] = {}  # newcomer → the round the barrier waited for it
+
+    def prove(self, round_: int, peers: Iterable[str]) -> bool:
+        """`peers`' contributions went into the mean we applied in `round_`; whether the set changed."""
+        with self._lock:
+            before = self._current()
+            self._round = max(self._round, round_)
+            for peer in peers:
+                if peer != self.peer_id:
+                    self._last[peer] = max(round_, self._last.get(peer, round_))
+            # bounded: the most recently proven first (the record lists MAX_PROVEN of them)
+            recent = sorted(self._last.items(), key=lambda item: -item[1])[:MAX_PROVEN]
+            self._last = dict(recent)
+            return self._current() != before
+
+    def proven(self) -> frozenset[str]:
+        """The peers proven within the last PROOF_ROUNDS rounds."""
+        with self._lock:
+            return self._current()
+
+    def _current(self) -> frozenset[str]:
+        return frozenset(p for p, at in self._last.items() if at > self._round - PROOF_ROUNDS)
+
+    def newcomers(self, candidates: Iterable[str], round_: int) -> set[str]:
+        """Those of `candidates` (unproven, vouched for) the barrier may wait for in `round_`: each
+        once only, in the first round it was waited for."""
+        with self._lock:
+            waited = set()
+            for peer in candidates:
+                first = self._waited.setdefault(peer, round_)
+                if first == round_:
+                    waited.add(peer)
+            while len(self._waited) > MAX_NEWCOMERS:
+                del self._waited[next(iter(self._waited))]
+            return waited

@@ -1,0 +1,71 @@
+"""Free identities decide nothing (#28, must-hold 2): one stock hivemind process (forger.py,
+mode `sybils`) publishes 3 or 10 validly signed records beside two honest nodes. Each follows the
+honest round but never becomes ready (it used to hold every barrier for the round timeout),
+claims a far-ahead exchanged round (it used to make honest nodes re-sync every round), and
+announces a state shifted by 1 that one of them serves (a joiner used to download it: most
+records announced it). Only proven peers decide (swarm/proofs.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.hostile.test_forged_records import FORGER, STOP_SECONDS
+from tests.integration.conftest import NodeFactory
+from tests.integration.test_swarm import assert_same_digests
+
+pytestmark = pytest.mark.integration
+
+ROUND_TIMEOUT = "30"  # a record that held the barrier would make a round wait this long
+
+
+@pytest.mark.parametrize("count", [3, 10])
+def test_forged_identities_neither_resync_nor_stall_nor_poison_a_joiner(spawn: NodeFactory, count: int) -> None:
+    options = ("--inner-steps", "5", "--min-peers", "2", "--run-id", "hostile", "--round-timeout", ROUND_TIMEOUT)
+    a = spawn("a", *options, checkpoint=False)
+    b = spawn("b", *options, peer=a, checkpoint=False)
+    a.wait_for_round(1), b.wait_for_round(1)  # a and b proved each other's work: the run is under way
+    since, since_round = (len(a.stderr_lines), len(b.stderr_lines)), max(a.rounds)
+    with sybils(a.wait_for_address(), count):  # on return, every forged record is stored
+        joiner = spawn("joiner", *options, peer=a, checkpoint=False)
+        joiner.wait_joined()
+        # its first round may miss its group and re-sync (as without forged records): from the
+        # round after its first recorded one on, it averages with both honest nodes
+        joiner.wait_until(lambda: joiner.rounds, 90, "a first round")
+        first = min(joiner.rounds)
+        assert_same_digests([a, b, joiner], range(first + 1, first + 3))
+        synced = joiner.events_of("synced")
+        assert synced, "the joiner downloaded the run's state"
+        for event in synced:  # every state it took is one the honest nodes held, never the forged one
+            assert event["digest"] == a.wait_for_round(event["round"]).digest, joiner.log_text()[-3000:]
+        assert all(node.rounds[r].group_size == 3 for node in (a, b, joiner) for r in range(first + 1, first + 3))
+        assert a.status().get("peers") == 3 + count, "the forged records should still be there"
+        for node, start in zip((a, b), since, strict=True):
+            log = "".join(node.stderr_lines[start:])
+            assert "re-sync" not in log and "barrier timed out" not in log, node.log_text()[-3000:]
+            # a forged identity that took our state is waited for once, for the newcomer grace only
+            assert log.count("not waiting longer for newcomer") <= 1, node.log_text()[-3000:]
+            under_attack = [r for r in node.rounds.values() if r.round > since_round]
+            assert under_attack and all(r.wait_seconds < float(ROUND_TIMEOUT) for r in under_attack)
+
+
+@contextlib.contextmanager
+def sybils(peer: str, count: int) -> Iterator[list[str]]:
+    """forger.py in mode `sybils` with `count` identities against the run `hostile`; their peer ids."""
+    forger = subprocess.Popen([sys.executable, str(FORGER), peer, "hostile", "sybils", str(count)],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert forger.stdout is not None
+        line = forger.stdout.readline()
+        assert line.startswith("forging "), line
+        yield line.split()[1:]
+    finally:
+        forger.terminate()
+        started = time.monotonic()
+        assert forger.wait(STOP_SECONDS) == 0
+        assert time.monotonic() - started < STOP_SECONDS

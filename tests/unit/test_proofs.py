@@ -1,0 +1,116 @@
+"""Free identities decide nothing (swarm/proofs.py): with 3 to 10 forged records beside two honest
+nodes, the barrier, "behind" and the state a joiner takes follow proven peers only."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+
+from diloco_node.round import Outcome
+from diloco_node.swarm import proofs, records
+from diloco_node.swarm.presence import round_state
+from diloco_node.swarm.proofs import PROOF_ROUNDS, Proofs, anchor_ids, counted
+from diloco_node.swarm.records import MAX_PROVEN, NodeRecord, reference_state
+from tests.unit.test_records import presence_seeing
+
+ROUND = 7
+HONEST_SERVED = (ROUND, "honest")
+
+
+def honest(peer: str, ready: bool = True, proven: tuple[str, ...] = ()) -> NodeRecord:
+    return NodeRecord(peer, "fp", ROUND, ROUND if ready else ROUND - 1, "d", exchanged_round=ROUND - 1,
+                      served_round=HONEST_SERVED[0], served_digest=HONEST_SERVED[1], proven=proven)
+
+
+def forged(count: int) -> list[NodeRecord]:
+    """Records anyone can publish: at our round but never ready, all past it already, announcing a
+    state of their own, and proving each other."""
+    ids = tuple(f"sybil{i}" for i in range(count))
+    return [NodeRecord(peer, "fp", ROUND, ROUND - 1, "d", exchanged_round=10**6, served_round=ROUND,
+                       served_digest="forged", proven=ids, vouched=ids[:8]) for peer in ids]
+
+
+@pytest.mark.parametrize("sybils", [3, 10])
+def test_forged_records_neither_make_us_behind_nor_hold_the_barrier(sybils: int) -> None:
+    others = [honest("b"), *forged(sybils)]
+    assert round_state(others, ROUND) == Outcome.BEHIND, "what records alone decided"
+    assert round_state(others, ROUND, counted={"b"}) == Outcome.TOGETHER
+    assert round_state([honest("b", ready=False), *forged(sybils)], ROUND, counted={"b"}) == Outcome.WAITING
+    # most proven peers past the round: behind, whatever the forged records say
+    past = dataclasses.replace(honest("b"), exchanged_round=ROUND)
+    assert round_state([past, honest("c", ready=False), *forged(sybils)], ROUND, counted={"b", "c"}) == Outcome.WAITING
+    assert round_state([past, dataclasses.replace(past, peer_id="c"), *forged(sybils)], ROUND,
+                       counted={"b", "c"}) == Outcome.BEHIND
+    # a newcomer (vouched for, unproven) is waited for; forged ones that are not newcomers are not
+    assert round_state([honest("b"), honest("joiner", ready=False), *forged(sybils)], ROUND,
+                       counted={"b"}, newcomers={"joiner"}) == Outcome.WAITING
+
+
+@pytest.mark.parametrize("sybils", [3, 10])
+def test_a_joiner_takes_the_state_its_anchor_and_the_peers_it_proved_serve(sybils: int) -> None:
+    records = {r.peer_id: r for r in [honest("a", proven=("b",)), honest("b", proven=("a",)), *forged(sybils)]}
+    assert reference_state(records.values())[1] == "forged", "what records alone decided"  # type: ignore[index]
+    who = counted(set(), {"a"}, records)  # a joiner: no proof of its own, `--peers` named a
+    assert who == {"a", "b"}
+    assert reference_state(proofs.deciding(records.values(), who)) == HONEST_SERVED
+    assert counted({"b"}, {"a"}, records) == {"b"}, "our own proofs, once we have any, decide"
+    # an anchor that is no node of the run (a DHT-only bootstrap peer) leaves every record counting,
+    # as does one that has proved nobody yet (a fresh run before its first exchange)
+    assert counted(set(), {"bootstrap"}, records) is None
+    assert counted(set(), {"a"}, {"a": honest("a"), "b": honest("b")}) is None
+    assert anchor_ids(["/ip4/1.2.3.4/tcp/5/p2p/QmA", "/dns/x/tcp/1"]) == {"QmA"}
+
+
+def test_proofs_last_a_few_rounds_are_bounded_and_never_name_us() -> None:
+    memory = Proofs("us")
+    assert memory.prove(3, ["us", "a", "b"]) and memory.proven() == {"a", "b"}
+    assert not memory.prove(4, ["us", "a", "b"]), "the same peers: nothing new to publish"
+    memory.prove(4 + PROOF_ROUNDS, ["us", "a"])
+    assert memory.proven() == {"a"}, "b has not contributed for PROOF_ROUNDS rounds"
+    memory.prove(20, [f"p{i}" for i in range(3 * MAX_PROVEN)])
+    assert len(memory.proven()) == MAX_PROVEN
+
+
+def test_a_newcomer_is_waited_for_in_one_round_only() -> None:
+    memory = Proofs("us")
+    assert memory.newcomers(["joiner"], 5) == {"joiner"}
+    assert memory.newcomers(["joiner"], 5) == {"joiner"}, "every look at the records within the round"
+    assert memory.newcomers(["joiner"], 6) == set(), "a vouched record that never became ready"
+    for index in range(3 * proofs.MAX_NEWCOMERS):
+        memory.newcomers([f"n{index}"], 7)
+    assert len(memory._waited) <= proofs.MAX_NEWCOMERS
+
+
+@pytest.mark.parametrize("sybils", [3, 10])
+def test_the_barrier_returns_as_soon_as_the_proven_peer_is_ready(monkeypatch, sybils: int) -> None:  # type: ignore[no-untyped-def]
+    presence = presence_seeing(monkeypatch, [honest("b"), *forged(sybils)])
+    presence.prove(ROUND - 1, ["b"])
+    never = threading.Event()
+    assert presence.wait_for_round(ROUND, timeout=60, stop=never) == Outcome.TOGETHER
+    assert not presence.ahead_of(ROUND) and not presence.all_past(ROUND)
+    assert set(presence.deciding_peers()) == {"b"}
+    assert presence._record.proven == ("b",), "our record tells joiners anchored on us whom we proved"
+
+
+def test_the_barrier_waits_for_a_joiner_we_served_in_its_first_round_only(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    joiner = honest("joiner", ready=False)
+    presence = presence_seeing(monkeypatch, [honest("b"), joiner, *forged(3)])
+    presence.prove(ROUND - 1, ["b"])
+    presence.vouch("joiner")
+    never = threading.Event()
+    assert presence.round_state(ROUND) == Outcome.WAITING, "the joiner we served is waited for"
+    # the next round: the joiner, still not ready, is no newcomer any more and holds nobody up
+    nxt = ROUND + 1
+    monkeypatch.setattr(records, "fetch", lambda _dht, _run: ({r.peer_id: r for r in [
+        dataclasses.replace(honest("b"), round=nxt, ready_round=nxt), dataclasses.replace(joiner, round=nxt),
+        *forged(3)]}, {}))
+    assert presence.wait_for_round(nxt, timeout=0, stop=never) == Outcome.TOGETHER
+
+
+def test_a_newcomer_that_never_becomes_ready_holds_the_barrier_for_the_grace_only(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    presence = presence_seeing(monkeypatch, [honest("b"), honest("taker", ready=False)])
+    presence.prove(ROUND - 1, ["b"])
+    presence.vouch("taker")  # it downloaded our state under a fresh identity, and stays unready
+    assert presence.wait_for_round(ROUND, timeout=1, stop=threading.Event()) == Outcome.TOGETHER
