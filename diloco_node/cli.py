@@ -52,9 +52,11 @@ def _option_for(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
     help_text = f"{describe(name)} [default: {default}; env {envvar}]"
     if is_list:
         return click.option(flag, name, multiple=True, envvar=envvar, help=help_text)
-    numbers: dict[Any, type] = {int: int, float: float, int | None: int, float | None: float}
-    kind = numbers.get(field.annotation, str)
-    return click.option(flag, name, type=kind, default=None, envvar=envvar, help=help_text)
+    # numbers travel as text: pydantic parses them, so a bad one is the same one line as a bad file value
+    # (click's own parsing would print its usage block)
+    numbers: dict[Any, str] = {int: "INTEGER", float: "FLOAT", int | None: "INTEGER", float | None: "FLOAT"}
+    return click.option(flag, name, type=str, default=None, envvar=envvar, help=help_text,
+                        metavar=numbers.get(field.annotation, "TEXT"))
 
 
 def node_options(func: Callable[..., Any]) -> Callable[..., Any]:

@@ -158,6 +158,9 @@ class NodeConfig(BaseModel):
                           "see README, scale)")
     max_tokens_per_round: int = Field(0, ge=0, description="most tokens a peer's contribution to a round counts "
                                       "for (0: only the group's median declaration)")
+    min_group_size: int = Field(2, ge=2, le=64, description="fewest nodes, this one included, whose mean φ steps "
+                                "on; a round with a smaller group takes no outer step (an open run should set 3: "
+                                "a pair cannot tell who lies, docs/architecture.md §9)")
 
     # --- NoLoCo: gossip in small random groups instead of averaging over the swarm (docs/architecture.md §3) ---
     algorithm: str = Field("diloco", pattern=r"^(diloco|noloco)$",
@@ -294,6 +297,9 @@ class NodeConfig(BaseModel):
         if self.algorithm == "noloco" and self.sync != "blocking":
             raise ValueError(f"algorithm noloco runs with sync blocking only, not {self.sync} (its small groups "
                              "already keep exchanges short)")
+        if self.algorithm == "noloco" and self.group_size < self.min_group_size:
+            raise ValueError(f"group_size {self.group_size} is below min_group_size {self.min_group_size}: no "
+                             "drawn group could ever average")
         return self
 
     @model_validator(mode="after")
@@ -433,6 +439,8 @@ class NodeConfig(BaseModel):
             **DATA_IDENTITY.get()(self),  # the tokenizer's and the eval split's digests, when given
             "algorithm": self.algorithm, "sync": self.sync, **self._outer_fingerprint(), **self.codec_fingerprint(),
             "aggregator": self.aggregator, "max_tokens_per_round": self.max_tokens_per_round,
+            # every member must hold rounds alike, or a pair would split φ (docs/architecture.md §9)
+            **({"min_group_size": self.min_group_size} if self.min_group_size != 2 else {}),
             **({"run_owner": self.run_owner} if self.run_owner else {}),
             # with run_owner, codec, algorithm and aggregator this fixes which groups use butterfly
             **({"exchange": self.exchange} if self.exchange != "auto" else {}),

@@ -29,6 +29,9 @@ class Outcome(StrEnum):
     TIMEOUT = "timeout"  # the barrier ran out: we went on with whoever was ready
     ALONE = "alone"  # nobody else in the run (or our group left): our own Δ is the mean
     LOST = "lost"  # overlapped modes: no exchange has landed to apply yet
+    # our group was smaller than --min-group-size: φ takes no step from the round, which still ends
+    # (docs/architecture.md §9). Every node of such a group holds alike, so their φ stays the same.
+    HELD = "held"
     # φ did not step: the run moved on without us (re-sync), a stop came, or we are cut off
     BEHIND = "behind"
     STOPPED = "stopped"
@@ -36,6 +39,16 @@ class Outcome(StrEnum):
 
 
 NO_STEP = frozenset({Outcome.BEHIND, Outcome.STOPPED, Outcome.ISOLATED})
+
+
+def held(group_size: int, min_group_size: int) -> bool:
+    """Whether a round whose group (ourselves included) has `group_size` members takes no outer step.
+
+    At the default minimum of 2 nothing is held: a node by itself applies its own Δ, as it always did
+    (a run starts with one node). From 3 on, fewer members than the minimum, one included, hold: a
+    pair, or one node averaging by itself while another trains beside it, would otherwise step φ
+    apart, and a pair cannot tell an honest Δ from a lying one (docs/architecture.md §9)."""
+    return min_group_size > 2 and group_size < min_group_size
 
 
 # --- what a round offers ------------------------------------------------------------------------
@@ -155,6 +168,7 @@ class Transport(Protocol):
     """What outer/ asks of the swarm in a round (implemented by swarm.Swarm)."""
 
     peer_id: str
+    min_group_size: int  # groups smaller than this take no outer step (`held`)
 
     def offer(self, round_: int, payload: bytes | None, tokens: float, parts: PartSource | None = None) -> None:
         """Make our encoded contribution to `round_` fetchable by its group (None: we have none);

@@ -126,6 +126,10 @@ class Averaging:
         """The 'mean' of a round we average by ourselves."""
         return self.mean(own, Gathered(Outcome.ALONE))
 
+    def nothing(self, own: Own) -> AverageResult:
+        """The 'mean' of a held round (round.held): no contribution at all, so no step."""
+        return AverageResult((), torch.zeros(self.numel), 0.0, own.codec_seconds)
+
     def mean_of(self, gathered: Gathered, member: str) -> torch.Tensor | None:
         """The mean `member` computed over its group's payloads (all gathered, its own included):
         what a joiner needs for a round its server averaged (OverlappedUpdate.inherit)."""

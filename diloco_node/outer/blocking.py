@@ -25,7 +25,7 @@ class BlockingUpdate(NoPending):
             gathered = ctx.swarm.gather(round_, own.payload is not None, ctx.stop, on_ready=ctx.swarm.stop_sharing)
         if gathered.outcome in (Outcome.STOPPED, Outcome.BEHIND):
             return RoundReport(gathered.outcome, own, None)
-        result = ctx.averaging.mean(own, gathered)
+        result = ctx.averaging.nothing(own) if gathered.outcome == Outcome.HELD else ctx.averaging.mean(own, gathered)
         if solo_while_isolated(ctx, result, round_):
             return RoundReport(Outcome.ISOLATED, own, result)
         # compared before the step: the records of this round carry the φ every member started it from

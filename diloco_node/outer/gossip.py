@@ -9,7 +9,7 @@ import torch
 
 from diloco_node.outer.noloco import NoLoCoOptimizer, consensus_distance
 from diloco_node.outer.update import NoPending, UpdateContext, exchanging, solo_while_isolated
-from diloco_node.round import Outcome, RoundReport
+from diloco_node.round import Outcome, RoundReport, held
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,11 @@ class GossipUpdate(NoPending):
         ctx.swarm.offer(round_, own.payload, tokens)
         others = [peer for peer in ctx.swarm.drawn_group(round_) if peer != ctx.swarm.peer_id]
         outcome = Outcome.ALONE
-        if not others:  # the odd one out this round: nobody to wait for
+        if held(1 + len(others), ctx.swarm.min_group_size):  # drawn into too small a group (a run that small)
+            logger.info("round=%d held: a drawn group of %d is below --min-group-size %d, so no outer step",
+                        round_, 1 + len(others), ctx.swarm.min_group_size)
+            outcome, result = Outcome.HELD, ctx.averaging.nothing(own)
+        elif not others:  # the odd one out this round: nobody to wait for
             logger.info("round=%d drawn to average alone", round_)
             result = ctx.averaging.alone(own)
         else:
@@ -36,7 +40,9 @@ class GossipUpdate(NoPending):
                 gathered = ctx.swarm.gather(round_, own.payload is not None, ctx.stop, among=others)
             if gathered.outcome == Outcome.STOPPED:
                 return RoundReport(Outcome.STOPPED, own, None)
-            if gathered.outcome in (Outcome.ALONE, Outcome.BEHIND):
+            if gathered.outcome == Outcome.HELD:
+                outcome, result = Outcome.HELD, ctx.averaging.nothing(own)
+            elif gathered.outcome in (Outcome.ALONE, Outcome.BEHIND):
                 logger.info("round=%d our group has left or moved on; averaging alone", round_)
                 result = ctx.averaging.alone(own)
             else:

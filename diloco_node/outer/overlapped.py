@@ -107,6 +107,11 @@ class OverlappedUpdate:
             total += correction(applied, None)
         self.restored = []
         for applied, outcome in finished:
+            if outcome is not None and outcome.outcome == Outcome.HELD:
+                # a held round steps nothing (round.held): take back what we applied of it early;
+                # a blocking node holds φ as it was, and so does the settled copy
+                total -= applied.weight * applied.own
+                continue
             total += correction(applied, _mean(outcome))
             mean = _mean(outcome)
             settled.step(mean if mean is not None else applied.own)
@@ -123,6 +128,8 @@ class OverlappedUpdate:
         if gathered.outcome in (Outcome.STOPPED, Outcome.BEHIND):
             return Landed(gathered.outcome, None)
         ctx.swarm.mark_exchanged(round_)
+        if gathered.outcome == Outcome.HELD:
+            return Landed(Outcome.HELD, ctx.averaging.nothing(own))
         return Landed(gathered.outcome, ctx.averaging.mean(own, gathered))
 
     def settle(self) -> AverageResult | None:

@@ -48,6 +48,7 @@ class SwarmSettings:
     butterfly_from: int | None = None
     butterfly_possible: bool = False  # whether the run can exchange by butterfly (a group with a client must)
     reachability: str = "auto"  # public, private or auto (reachability.py)
+    min_group_size: int = 2  # smaller groups take no outer step (round.held); hivemind forms none below it
 
 
 def start_dht(settings: SwarmSettings) -> tuple[DHT, RSASignatureValidator]:

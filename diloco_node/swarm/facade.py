@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from diloco_node.admission import Gate
-from diloco_node.round import Gathered, Outcome, PartSource
+from diloco_node.round import Gathered, Outcome, PartSource, held
 from diloco_node.swarm import bounded, proofs, records
 from diloco_node.swarm.butterfly import Butterfly
 from diloco_node.swarm.contacts import Contacts
@@ -51,6 +51,12 @@ class Swarm:
         self.gate = settings.gate or Gate(settings.run_id)
         self._dht, signed_by = start_dht(settings)
         self.peer_id = bounded.peer_id(self._dht)
+        self.min_group_size = settings.min_group_size
+        # the last rounds we held, and those of them whose exchanged mark waits for the next barrier
+        # (see _held); guarded: overlapped exchanges run on threads
+        self._held_rounds: set[int] = set()
+        self._deferred_marks: set[int] = set()
+        self._held_lock = threading.Lock()
         namespace = f"{settings.run_id}_{settings.fingerprint}"
         self.client = is_client(settings, self._dht, namespace)
         isolation = Isolation(Contacts(self._dht, self.peer_id, settings.initial_peers), settings.run_id)
@@ -137,7 +143,19 @@ class Swarm:
         return self._presence.served_diverged(among)
 
     def mark_exchanged(self, round_: int) -> None:
+        with self._held_lock:
+            if round_ in self._held_rounds:
+                self._deferred_marks.add(round_)
+                return  # once we pass the next barrier (_held)
         self._presence.mark_exchanged(round_)
+
+    def _mark_held_before(self, round_: int) -> None:
+        """We passed `round_`'s barrier, so every peer we waited for has left the held rounds before it."""
+        with self._held_lock:
+            done = sorted(r for r in self._deferred_marks if r < round_)
+            self._deferred_marks -= set(done)
+        for held_round in done:
+            self._presence.mark_exchanged(held_round)
 
     def prove(self, round_: int, peers: Collection[str]) -> None:
         """`peers`' contributions passed our checks and went into the mean we applied in `round_`
@@ -173,14 +191,38 @@ class Swarm:
         group) is ready, call `on_ready`, form the group, fetch. Safe off the main thread; `stop`
         ends the wait."""
         outcome = self._presence.wait_for_round(round_, self.settings.round_timeout, stop, among=among)
+        if outcome == Outcome.ALONE and held(1, self.min_group_size):
+            self._mark_held_before(round_)
+            return self._held(round_, 1)
         if outcome == Outcome.ALONE:
             self._transfer.alone(round_)
         if outcome in (Outcome.STOPPED, Outcome.BEHIND, Outcome.ALONE):
             return Gathered(outcome, round_)
+        self._mark_held_before(round_)
+        # fewer nodes than the minimum in sight (or drawn with us): no matchmaking could form a group
+        candidates = 1 + len(among) if among is not None else max(1, self.peer_count())
+        if held(candidates, self.min_group_size):
+            return self._held(round_, candidates)
         if on_ready is not None:
             on_ready()
         others, fetched = self._matchmaker.group_for(round_, contributing)
+        if held(1 + len(others), self.min_group_size):
+            return self._held(round_, 1 + len(others))
         return self._transfer.move(round_, outcome, others, fetched, contributing, stop)
+
+    def _held(self, round_: int, size: int) -> Gathered:
+        """A round whose group is smaller than --min-group-size: nothing is exchanged, φ takes no step.
+
+        It is marked exchanged only once we pass the next round's barrier: a held round ends the
+        moment the barrier lets us through, so a peer that had announced itself ready could still be
+        on its way into this barrier, and would read our mark as the run having gone on without it
+        (presence.moved_on) and re-sync for nothing. Its φ is ours, since nobody stepped."""
+        with self._held_lock:
+            self._held_rounds = {r for r in self._held_rounds if r >= round_ - 2} | {round_}
+        logger.info("round=%d held: a group of %d is below --min-group-size %d, so no outer step",
+                    round_, size, self.min_group_size)
+        self._transfer.held(round_)
+        return Gathered(Outcome.HELD, round_)
 
     def gather_group_of(self, round_: int, member: str) -> Gathered:
         return self._transfer.group_of(round_, member)

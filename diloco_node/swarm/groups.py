@@ -17,12 +17,14 @@ from collections.abc import Iterable
 GROUP_BITS = 8  # group key bits for the group index: up to 256 groups (more nodes share keys)
 
 
-def random_groups(peers: Iterable[str], run_id: str, round_: int, size: int) -> list[list[str]]:
-    """Split the peers into ⌈N/size⌉ groups of sizes differing by at most one, all ≤ size."""
+def random_groups(peers: Iterable[str], run_id: str, round_: int, size: int, least: int = 1) -> list[list[str]]:
+    """Split the peers into ⌈N/size⌉ groups of sizes differing by at most one, all ≤ size; with
+    `least` (--min-group-size from 3), into fewer where needed so that none is smaller than `least`
+    (then a group may be larger than `size`, below 2·least). A run of fewer than `least` is one group."""
     ordered = sorted(set(peers))
     seed = hashlib.sha256(f"{run_id}:{round_}".encode()).digest()
     random.Random(seed).shuffle(ordered)
-    count = max(1, math.ceil(len(ordered) / size))
+    count = max(1, min(math.ceil(len(ordered) / size), len(ordered) // least))
     return [ordered[index::count] for index in range(count)]
 
 

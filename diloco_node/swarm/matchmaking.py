@@ -57,7 +57,10 @@ def start_averager(dht: DHT, namespace: str, settings: SwarmSettings, client: bo
         [torch.zeros(1)], dht, start=False, prefix=namespace,
         min_matchmaking_time=settings.matchmaking_time, request_timeout=min(3.0, settings.matchmaking_time / 2),
         next_chunk_timeout=NEXT_CHUNK_TIMEOUT, allreduce_timeout=settings.round_timeout, allow_state_sharing=False,
-        target_group_size=settings.group_size, client_mode=client)
+        target_group_size=settings.group_size, client_mode=client,
+        # from 3 on, a pair is no group (round.held): a leader waits for a third member until the
+        # step's timeout instead of assembling a pair at the end of its window
+        min_group_size=settings.min_group_size)
     # hivemind's start=True waits for the averager's process without a limit
     try:
         averager.run_in_background(await_ready=True, timeout=bounded.AVERAGER_START_TIMEOUT)
@@ -98,7 +101,9 @@ class Matchmaker:
             # A node that left after exchanging this round still counts: nodes that draw after it
             # left then draw the same groups as those that drew before (a run's end, a volunteer's Ctrl-C).
             peers = [*self.presence.compatible_peers(), *self.presence.departed_after(round_)]
-            self._draw = (round_, random_groups(peers, self.settings.run_id, round_, self.settings.group_size))
+            # from 3 on, no drawn group is smaller than --min-group-size (it would be held, round.held)
+            least = self.settings.min_group_size if self.settings.min_group_size > 2 else 1
+            self._draw = (round_, random_groups(peers, self.settings.run_id, round_, self.settings.group_size, least))
         return self._draw[1]
 
     def drawn_group(self, round_: int) -> list[str]:

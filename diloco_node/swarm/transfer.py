@@ -61,6 +61,10 @@ class Transfer:
         flight completes it from our payload at once, instead of waiting a round timeout for a group."""
         self._exchange.expect(round_, [self.peer_id], self.peer_id)
 
+    def held(self, round_: int) -> None:
+        """`round_` is held (round.held): nobody waits on us for a butterfly part."""
+        self._streams.run(self._butterfly.close(round_), timeout=5)
+
     def move(self, round_: int, outcome: Outcome, others: list[str], fetched: dict[str, Fetched | None],
              contributing: bool, stop: threading.Event) -> Gathered:
         """Exchange `round_`'s payloads with `others` (any already `fetched` are not asked again)."""

@@ -441,3 +441,33 @@ def test_micro_batch_size_from_the_cli() -> None:
         assert result.returncode == 2
         assert result.stderr.splitlines() == [f"diloco-node: error: invalid value for 'micro_batch_size': '{bad}' "
                                               "is neither a number of sequences (0 or more) nor auto"]
+
+
+# --- --min-group-size (docs/architecture.md §9: a pair cannot tell who lies) -------------------
+
+
+@pytest.mark.parametrize("value", [1, 0, -3, 65, 2.5, "three", True])
+def test_min_group_size_is_an_integer_from_2_named_in_one_line(value: Any) -> None:
+    assert "'min_group_size'" in _error({"min_group_size": value})
+
+
+def test_min_group_size_is_fingerprinted_and_its_default_leaves_the_fingerprint_alone() -> None:
+    assert build_config({}).min_group_size == 2
+    assert build_config({"min_group_size": 2}).fingerprint() == build_config({}).fingerprint()
+    assert build_config({"min_group_size": 3}).fingerprint() != build_config({}).fingerprint()
+    assert build_config({"min_group_size": "3"}).min_group_size == 3  # as a flag or env var gives it
+
+
+def test_noloco_groups_cannot_be_smaller_than_the_minimum() -> None:
+    message = _error({"algorithm": "noloco", "group_size": 2, "min_group_size": 3})
+    assert "group_size 2" in message and "min_group_size 3" in message
+    assert build_config({"algorithm": "noloco", "group_size": 3, "min_group_size": 3}).min_group_size == 3
+
+
+@pytest.mark.parametrize("flag", ["1", "x"])
+def test_bad_min_group_size_flag_is_one_line_exit_2(flag: str) -> None:
+    result = _cli_config("--min-group-size", flag)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [result.stderr.strip()]
+    assert result.stderr.startswith("diloco-node: error:") and "min_group_size" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout

@@ -64,6 +64,15 @@ def test_groups_cover_everyone_once_and_never_exceed_the_size(count: int, size: 
     assert sorted(p for g in groups for p in g) == sorted(PEERS[:count])
 
 
+@pytest.mark.parametrize(("count", "size", "least", "sizes"), [
+    (2, 3, 3, [2]), (4, 3, 3, [4]), (5, 3, 3, [5]), (6, 3, 3, [3, 3]), (7, 4, 3, [4, 3]), (7, 3, 3, [4, 3])])
+def test_with_a_minimum_no_drawn_group_is_smaller_unless_the_run_is(count: int, size: int, least: int,
+                                                                    sizes: list[int]) -> None:
+    groups = random_groups(PEERS[:count], "run", 5, size, least)
+    assert sorted(len(g) for g in groups) == sorted(sizes)
+    assert sorted(p for g in groups for p in g) == sorted(PEERS[:count])
+
+
 def test_groups_agree_across_nodes_and_change_across_rounds() -> None:
     # every node draws the same groups from the same view, whatever order it lists the peers in
     assert random_groups(PEERS[:4], "run", 3, 2) == random_groups(list(reversed(PEERS[:4])), "run", 3, 2)

@@ -105,7 +105,8 @@ def test_nodes_that_left_after_exchanging_the_round_still_count_in_its_draw() ->
         _live={"us": peer_at("us", 5), "c": peer_at("c", 4), "d": peer_at("d", 5)},
         _departed={"a": peer_at("a", 5, exchanged_round=5), "b": peer_at("b", 4, exchanged_round=4)})
     assert Presence.departed_after(presence, 5) == ["a"]  # type: ignore[arg-type]  # b left before round 5
-    member = SimpleNamespace(settings=SimpleNamespace(group_size=2, run_id="run"), presence=SimpleNamespace(
+    settings = SimpleNamespace(group_size=2, run_id="run", min_group_size=2)
+    member = SimpleNamespace(settings=settings, presence=SimpleNamespace(
         compatible_peers=lambda: presence._live, departed_after=lambda round_: Presence.departed_after(
             presence, round_)), _draw=None)
     before_a_left = random_groups(["a", "c", "d", "us"], "run", 5, 2)

@@ -37,9 +37,15 @@ class Averaging:
             return AverageResult((), torch.zeros(NUMEL), 0.0, 0.0)
         return AverageResult(("a", "b"), self.means[gathered.round].clone(), 0.5, 0.0)
 
+    def nothing(self, own: Own) -> AverageResult:
+        return AverageResult((), torch.zeros(NUMEL), 0.0, 0.0)
+
 
 class Swarm:
-    def __init__(self) -> None:
+    """The group of a round of `held` was smaller than --min-group-size (round.held)."""
+
+    def __init__(self, held: tuple[int, ...] = ()) -> None:
+        self.held = held
         self.peer_count = lambda: 2
         self.mark_exchanged = lambda round_: None
         self.served_diverged = lambda among: False
@@ -48,7 +54,7 @@ class Swarm:
         pass
 
     def gather(self, round_: int, contributing: bool, stop: threading.Event) -> Gathered:
-        return Gathered(Outcome.TOGETHER, round_)
+        return Gathered(Outcome.HELD if round_ in self.held else Outcome.TOGETHER, round_)
 
 
 class Telemetry:
@@ -59,10 +65,11 @@ class Telemetry:
         pass
 
 
-def node(sync: str, means: list[torch.Tensor], alone: tuple[int, ...] = ()) -> OverlappedUpdate:
+def node(sync: str, means: list[torch.Tensor], alone: tuple[int, ...] = (),
+         held: tuple[int, ...] = ()) -> OverlappedUpdate:
     phi = [torch.linspace(-1.0, 1.0, NUMEL).reshape(2, 3)]
     state = OuterState(phi, OuterOptimizer(phi, 0.7, 0.9))
-    ctx = UpdateContext(state, Averaging(means, alone), Swarm(), Telemetry(),  # type: ignore[arg-type]
+    ctx = UpdateContext(state, Averaging(means, alone), Swarm(held), Telemetry(),  # type: ignore[arg-type]
                         threading.Event(), threading.Event())
     return OverlappedUpdate(ctx, state.optimizer, NodeConfig(sync=sync))  # type: ignore[arg-type]
 
@@ -89,6 +96,28 @@ def test_nodes_with_different_own_deltas_serve_the_same_state_as_a_blocking_node
     optimizer = OuterOptimizer(blocking, 0.7, 0.9)
     for mean in means[:-1]:
         optimizer.step([mean.reshape(2, 3)])
+    assert torch.equal(served_a.phi, blocking[0].flatten())
+    assert torch.equal(served_a.momentum, optimizer.momentum_buffers()[0].flatten())
+
+
+@pytest.mark.parametrize("sync", ["eager", "delayed"])
+def test_held_rounds_step_nothing_and_nodes_still_serve_the_same_state(sync: str) -> None:
+    """--min-group-size: a held round's own Δ, applied early by eager, is taken back, and the settled
+    copy skips the round as a blocking node does, whatever each node's own Δ was."""
+    generator = torch.Generator().manual_seed(6)
+    rounds = 5
+    means = [torch.randn(NUMEL, generator=generator) for _ in range(rounds)]
+    a, b = node(sync, means, held=(1, 2)), node(sync, means, held=(1, 2))
+    for round_ in range(rounds):
+        for update in (a, b):
+            update.finish_round(round_, torch.randn(NUMEL, generator=generator), 100.0)
+            update.pending.wait(round_, 5.0)
+    served_a, served_b = a.ctx.state.served(a.served), b.ctx.state.served(b.served)
+    assert served_a.digest() == served_b.digest()
+    blocking = [torch.linspace(-1.0, 1.0, NUMEL).reshape(2, 3)]
+    optimizer = OuterOptimizer(blocking, 0.7, 0.9)
+    for round_ in (0, 3):  # rounds 1 and 2 were held, round 4 is still in flight
+        optimizer.step([means[round_].reshape(2, 3)])
     assert torch.equal(served_a.phi, blocking[0].flatten())
     assert torch.equal(served_a.momentum, optimizer.momentum_buffers()[0].flatten())
 
