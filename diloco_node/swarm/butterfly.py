@@ -37,7 +37,7 @@ from typing import Any
 from hivemind.p2p import PeerID
 
 from diloco_node.round import PartIn, PartSource, Reduced, part_bounds
-from diloco_node.swarm.messages import parse_part_request, parse_push, parse_report
+from diloco_node.swarm.messages import hash_list, parse_digests_request, parse_part_request, parse_push, parse_report
 from diloco_node.swarm.streams import HEADER_LEN, Streams, StreamService, receive, send
 
 logger = logging.getLogger(__name__)
@@ -65,13 +65,6 @@ RECEIVED = b"\x01"  # an acknowledgement: the whole answer was read
 REFUSAL = "round=%d refused a butterfly exchange with peer=%s: %s"
 
 
-def _hash_list(value: Any, count: int) -> list[str | None] | None:
-    """A member's part hashes as it told them; None when malformed."""
-    if isinstance(value, list) and len(value) == count and all(v is None or isinstance(v, str) for v in value):
-        return value
-    return None
-
-
 def owners(group: Sequence[str], clients: Sequence[str] = ()) -> tuple[str, ...]:
     """The members owning a part each, in peer order: all but those that accept no connection."""
     return tuple(sorted(p for p in group if p not in set(clients)))
@@ -93,7 +86,7 @@ class _Round:
     owning: tuple[str, ...] = ()  # the part owners, in part order
     finished: bool = False  # our exchange of the round has ended: what we hold is all we will hold
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # `finished` is set: our hashes are final
-    told: dict[str, list[str | None]] = field(default_factory=dict)  # member → the part hashes it told us
+    told: dict[str, tuple[str | None, ...]] = field(default_factory=dict)  # member → the part hashes it told us
     asked: set[str] = field(default_factory=set)  # members we answered our hashes to
     answered: asyncio.Event = field(default_factory=asyncio.Event)  # `asked` grew
 
@@ -222,7 +215,7 @@ class Butterfly(StreamService):
                 _, answer = await self._ask(peer, self._digest_name, request, b"", deadline)
             except Exception:  # a member gone or silent: it cannot split what the others compare
                 return
-            if (told := _hash_list(answer.get("digests"), len(owning))) is not None:
+            if (told := hash_list(answer.get("digests"), len(owning))) is not None:
                 rnd.told[peer] = told
         await asyncio.gather(*(ask(peer) for peer in group if peer != ourselves))
         # the members that answered us ask us too: the round's traffic holds those answers (and we
@@ -444,9 +437,11 @@ class Butterfly(StreamService):
             request = await receive(reader, MAX_REQUEST_BYTES, timeout=10)
             await receive(reader, 0, timeout=10)
             received = 2 * HEADER_LEN + len(request)
-            fields = json.loads(request)
-            round_, token = fields["round"], str(fields.get("admission", ""))
-            rnd = self._round_for_push(round_) if isinstance(round_, int) else None
+            asked = parse_digests_request(request)
+            if isinstance(asked, str):
+                raise ValueError(asked)
+            round_, token = asked.round, asked.token
+            rnd = self._round_for_push(round_)
             answer: dict[str, Any] = {}
             why = await self.loop.run_in_executor(None, self._may, peer, round_, token, rnd.group if rnd else None)
             if why is not None:
@@ -455,8 +450,8 @@ class Butterfly(StreamService):
                 # the asker may end its exchange before ours: our hashes are final once we have ended
                 await asyncio.wait_for(rnd.settled.wait(), COMPARE_SECONDS)
                 if rnd.group is not None and peer in rnd.group:
-                    if (told := _hash_list(fields.get("digests"), len(rnd.owning))) is not None:
-                        rnd.told.setdefault(peer, told)
+                    if len(asked.digests) == len(rnd.owning):
+                        rnd.told.setdefault(peer, asked.digests)
                     answer = {"digests": self._hashes(rnd)}
             sent = await self._answer(writer, (b"", answer))
             self._count(sent=sent, received=received)

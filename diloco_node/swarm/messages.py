@@ -2,7 +2,7 @@
 
 Each takes the bytes a peer sent and returns the message's fields, checked (types, ranges, sizes),
 or the reason it is malformed: a handler refuses it in one line and nothing else changes. Pure so
-that a property-based test can drive each with adversarial input (tests/unit/test_handler_fuzz.py):
+that a property-based test can drive each with adversarial input (tests/hostile/test_handler_fuzz.py):
 nothing a peer sends may raise out of a handler (docs/architecture.md §9).
 
 The state protocol's messages are parsed in statesync.py (parse_request, parse_header,
@@ -124,6 +124,36 @@ def parse_part_request(data: bytes) -> PartRequest | str:
     if round_ is None or type(part) is not int or not 0 <= part < MAX_GROUP or token is None:
         return "malformed part request"
     return PartRequest(round_, part, token)
+
+
+@dataclass(frozen=True)
+class DigestsRequest:
+    """A member's hashes of a round's averaged parts, compared before applying them (butterfly.py)."""
+
+    round: int
+    token: str
+    digests: tuple[str | None, ...]  # one per part: its SHA-256 in hex, None for a part it lacks
+
+
+def hash_list(value: Any, count: int) -> tuple[str | None, ...] | None:
+    """`count` part hashes (hex SHA-256, or None for a part not held); None when malformed."""
+    if isinstance(value, list) and len(value) == count and all(
+            v is None or (isinstance(v, str) and len(v) == 64) for v in value):
+        return tuple(value)
+    return None
+
+
+def parse_digests_request(data: bytes) -> DigestsRequest | str:
+    fields = _object(data)
+    if fields is None:
+        return "malformed hash request"
+    round_, token, digests = _round(fields.get("round")), _token(fields.get("admission", "")), fields.get("digests")
+    if round_ is None or token is None or not isinstance(digests, list) or len(digests) > MAX_GROUP:
+        return "malformed hash request"
+    told = hash_list(digests, len(digests))
+    if told is None:
+        return "malformed hash request (digests)"
+    return DigestsRequest(round_, token, told)
 
 
 def parse_report(data: bytes) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from diloco_node.admission import Claims, Gate, sign
 from diloco_node.codec import CodecConfig, CodecError, make_codec, wire
+from diloco_node.outer import verify
 from diloco_node.swarm import messages, records
 from diloco_node.swarm.exchange import _parse_meta
 from diloco_node.swarm.records import NodeRecord, RunValidator
@@ -160,6 +161,60 @@ def test_owner_reports(rng: random.Random) -> None:
     counted = dict(zip(used, (float(t) for t in tokens), strict=True))
     assert all(math.isfinite(t) for t in counted.values())
     assert all(isinstance(p, str) for key in ("used", "clipped", "rejected") for p in report.get(key, ()))
+
+
+@fuzzed
+def test_butterfly_pushes_with_part_norms(rng: random.Random) -> None:
+    data = encoded(rng, message(rng, {"round": 3, "part": 0, "group": [PEER, OTHER], "tokens": 10.0, "norm": 1.5,
+                                      "norms": [0.9, 1.2], "admission": ""}))
+    push = messages.parse_push(data)
+    if not isinstance(push, str):
+        assert all(math.isfinite(n) and 0 <= n <= messages.MAX_DECLARED for n in push.norms)
+
+
+HASH = "ab" * 32
+
+
+@fuzzed
+def test_butterfly_hash_requests(rng: random.Random) -> None:
+    data = encoded(rng, message(rng, {"round": 3, "admission": "", "digests": [HASH, None]}))
+    asked = messages.parse_digests_request(data)
+    if not isinstance(asked, str):
+        assert all(d is None or (isinstance(d, str) and len(d) == 64) for d in asked.digests)
+
+
+PARTS = 2
+BOUNDS = [(0, 8), (8, 16)]
+GOOD_REPORT = {"used": sorted([PEER, OTHER]), "tokens": [10.0, 10.0], "clipped": [], "rejected": [],
+               "declared": {OTHER: [1.0, 10.0, [0.6, 0.8]], PEER: [1.0, 10.0, [0.8, 0.6]]}}
+
+
+def _decode(data: bytes, numel: int) -> torch.Tensor:
+    if len(data) != 4 * numel:
+        raise CodecError("not a part")
+    return torch.frombuffer(bytearray(data), dtype=torch.float32)
+
+
+@fuzzed
+def test_owner_reports_as_members_check_them(rng: random.Random) -> None:
+    """outer/verify.py on whatever an owner's report holds, after the boundary parse let it through."""
+    parts = {}
+    for index in range(PARTS):
+        report = message(rng, GOOD_REPORT) if rng.random() < 0.7 else dict(GOOD_REPORT)
+        if isinstance(report, dict) and rng.random() < 0.5:
+            report["declared"] = message(rng, GOOD_REPORT["declared"])
+        try:
+            checked = messages.parse_report(json.dumps(report, allow_nan=True).encode())
+        except ValueError:
+            continue
+        extreme = rng.random() < 0.3  # else a part the declarations allow (norm ≈ 0.28)
+        values = torch.tensor([rng.choice([1e16, float("nan"), 0.1] if extreme else [0.1, -0.1]) for _ in range(8)],
+                              dtype=torch.float32)
+        parts[rng.choice([index, index, -1, 7])] = (values.numpy().tobytes(), checked)
+    kept = verify.verified_parts(parts, [OTHER, PEER, "c"], PARTS, _decode, BOUNDS, "clip", None, 3)
+    # a kept part is finite and within what the declarations allow (pair: the shorter whole norm, 1)
+    assert all(torch.isfinite(values).all() and float(values.norm()) <= 1.0 * (1 + verify.SLACK) + 1e-6
+               for values, _ in kept.values())
 
 
 @fuzzed
