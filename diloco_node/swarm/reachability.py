@@ -64,16 +64,29 @@ class DialBack(StreamService):
             if len(self._last_asked) > 4096:  # forget the oldest askers: the table stays small
                 self._last_asked = dict(sorted(self._last_asked.items(), key=lambda item: item[1])[-2048:])
             self._last_asked[peer] = now
-            # only the asker's own host; none of its addresses there (another IP family, a relay):
-            # an empty answer, which the asker takes as "cannot tell", not as "unreachable"
-            asker = _host(getattr(info, "addr", None))
-            reached = await asyncio.gather(*(_dial(a) for a in addresses if asker is not None and _host(a) == asker))
+            reached = await self._dial_own(_host(getattr(info, "addr", None)), addresses)
             await send(writer, json.dumps({"reachable": list(reached)}).encode())
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError) as exc:
             self._refuse_once(peer, str(exc), "dial-back request from peer=%s refused: %s", peer, exc,
                               level=logging.INFO)
         finally:
             writer.close()
+
+
+    @staticmethod
+    async def _dial_own(asker: str | None, addresses: list[str]) -> list[bool]:
+        """Dial the addresses on the asker's own host only. When it announces addresses of its
+        connection's IP family but none on that host, it connects from elsewhere: behind a NAT, whose
+        public address is not one it knows, so it is unreachable (answered without dialling other
+        hosts). An empty answer (a relayed asker, or only addresses of another family) tells the
+        asker nothing, which it takes as "cannot tell", not as "unreachable"."""
+        if asker is None:
+            return []
+        own = [a for a in addresses if _host(a) == asker]
+        if own:
+            return list(await asyncio.gather(*(_dial(a) for a in own)))
+        same_family = [a for a in addresses if (host := _host(a)) is not None and (":" in host) == (":" in asker)]
+        return [False] if same_family else []
 
 
 def _host(address: object) -> str | None:

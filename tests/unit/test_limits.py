@@ -4,6 +4,7 @@ and handler messages refused at the boundary (docs/architecture.md §9)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -15,7 +16,7 @@ from hivemind.utils import get_dht_time
 
 from diloco_node.admission import Claims, sign
 from diloco_node.swarm import messages, records
-from diloco_node.swarm.reachability import _host
+from diloco_node.swarm.reachability import DialBack, _host
 from diloco_node.swarm.records import NodeRecord, RunValidator
 from diloco_node.swarm.statesync import (
     Admission,
@@ -178,6 +179,15 @@ def test_dial_back_goes_only_to_the_askers_own_host() -> None:
     assert _host("/dns4/example.org/tcp/1") is None and _host("nonsense") is None and _host(None) is None
     assert messages.parse_dial_back(json.dumps({"addresses": ["a"] * 20}).encode(), 8) == ["a"] * 8
     assert isinstance(messages.parse_dial_back(b'{"addresses": [1]}', 8), str)
+
+
+def test_dial_back_answers_an_asker_behind_a_nat_without_dialling_other_hosts() -> None:
+    """Its addresses are on a LAN, its connection comes from the router's public address: unreachable,
+    and nothing on the LAN (another host, from where we stand) is dialled."""
+    lan = ["/ip4/10.1.2.3/tcp/4000", "/ip6/fd00::3/tcp/4000"]
+    assert asyncio.run(DialBack._dial_own("203.0.113.7", lan)) == [False]
+    assert asyncio.run(DialBack._dial_own("2001:db8::7", lan[:1])) == []  # only another family: cannot tell
+    assert asyncio.run(DialBack._dial_own(None, lan)) == []  # relayed: cannot tell
 
 
 def test_record_round_and_message_round_bounds_agree() -> None:
