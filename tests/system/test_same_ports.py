@@ -57,7 +57,7 @@ def test_sighup_stops_and_a_restart_binds_the_same_ports(spawn: NodeFactory, tmp
     node.stop("sighup", within=STOP_BOUND)  # exit 0, no traceback, no helper left (NodeProcess.stop)
     log = node.log_text()
     assert "received SIGHUP; stopping" in log and "left the swarm at round=" in log
-    assert (tmp_path / "a" / "itest" / "node.pt").exists()
+    assert (tmp_path / "a" / "itest" / "node.json").exists()
 
     again = spawn("a", "--inner-steps", "5", base=base)
     again.wait_for_round(again.wait_joined() + 1)
