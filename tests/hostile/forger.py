@@ -15,7 +15,8 @@ Usage: forger.py PEER_MULTIADDR RUN_ID MODE
   30,000 deep within the size limit, a round 1,000 ahead of the records, or naming the honest node
   as the server (a joiner would complete the rounds in flight from the group that node names);
 - huge: takes part in every round (hivemind's matchmaking, the run's payload protocol) with a
-  pseudo-gradient ~1e6 times an honest one's norm, declaring 1e30 tokens;
+  pseudo-gradient ~1e6 times an honest one's norm, declaring 1e15 tokens (the most a node
+  accepts: more is refused as malformed);
 - fuzz: takes part in every round with a valid payload damaged at random (bytes flipped, cut,
   grown), a fresh one each round. It prints `contributed ROUND GROUP_SIZE` per round it averaged in.
 - owner: a run exchanging by butterfly: takes part in every round and owns a part (pushing nothing
@@ -62,6 +63,7 @@ TTL = 15.0
 HEADER = 8
 ROUND_BITS = 24  # the run's matchmaking key: the round number in binary
 MATCHMAKING_TIME = 2.0  # the honest nodes' --matchmaking-time in the tests
+HUGE_TOKENS = 1e15  # mode huge's declaration: the most a node accepts (swarm/messages.py MAX_DECLARED)
 
 
 def make_identity(below: list[str] | None = None) -> tuple[Path, RSASignatureValidator, str]:
@@ -285,7 +287,7 @@ def contribute(dht: DHT, p2p, run, namespace: str, key: str, me: str, signer, mo
     async def serve(_info, reader, writer) -> None:
         request = json.loads(await reader.readexactly(int.from_bytes(await reader.readexactly(HEADER), "big")))
         payload, group = offers.get(request.get("round"), (b"", None))
-        meta = json.dumps({"tokens": 1e30 if mode == "huge" else 4096.0, "group": group}).encode()
+        meta = json.dumps({"tokens": HUGE_TOKENS if mode == "huge" else 4096.0, "group": group}).encode()
         writer.write(len(meta).to_bytes(HEADER, "big") + meta + len(payload).to_bytes(HEADER, "big") + payload)
         await writer.drain()
         await reader.read(1)

@@ -3,7 +3,8 @@ at all when its payload is rejected; honest nodes' memory stays that of the clea
 
 Two honest nodes train the same run twice from the same identities, seeds and options: once alone
 (the clean twin) and once with forger.py's "huge" peer in the groups from the first rounds on (a
-pseudo-gradient ~1e6 times an honest one's norm, declaring 1e30 tokens). Both stop after ROUNDS.
+pseudo-gradient ~1e6 times an honest one's norm, declaring 1e15 tokens, the most a node accepts).
+Both stop after ROUNDS.
 
 The bound, from outer/aggregate.py's "clip" and the outer step's linearity: in a round the forger
 is in, its Δ counts at most NORM_CLIP_MULTIPLE × the reference norm ref_r (the group's median:

@@ -87,7 +87,7 @@ def test_a_joiner_takes_the_runs_state_past_a_hostile_state_server(spawn: NodeFa
 
 @pytest.mark.parametrize("mode", ["huge", "fuzz"])
 def test_a_hostile_contributor_is_clipped_or_rejected_and_the_run_goes_on(spawn: NodeFactory, mode: str) -> None:
-    """huge: a pseudo-gradient ~1e6 times an honest norm declaring 1e30 tokens; fuzz: a damaged
+    """huge: a pseudo-gradient ~1e6 times an honest norm declaring 1e15 tokens; fuzz: a damaged
     payload each round. Either way, three rounds with it in the group and the two honest nodes
     still agree, learn, and count what they clipped or rejected."""
     options = ("--inner-steps", "5", "--min-peers", "2", "--run-id", "hostile")
