@@ -37,17 +37,44 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
 
 
+# How long a stop that arrives during start-up may take. Start-up runs C code that never returns to
+# the interpreter when a helper it waits on has died (torch's shared-memory manager, seen under load:
+# hivemind's first shared tensor then spins), and Python runs signal handlers between bytecodes
+# only; so the stop is also watched from a thread, through the wakeup fd the C-level handler writes
+# to. A healthy start-up checks the stop request within seconds (the state download, the wait for
+# peers); one that has not ended in this long is stuck, and the node ends with exit 1.
+STARTUP_STOP_GRACE = 30.0
+
+
 class StopSignals:
-    """The first stop signal sets `requested`; a second ends the process at once."""
+    """The first stop signal sets `requested`; a second ends the process at once. While `starting`,
+    a stop the main thread cannot act on (stuck in C code) ends the process after STARTUP_STOP_GRACE."""
 
     def __init__(self) -> None:
         self.requested = threading.Event()
+        self.starting = True  # cleared by start-up once it has returned (startup.start)
         self._received: int | None = None
+        self._wakeup: int | None = None  # the read end of the pipe the C-level handler writes to
 
     def install(self) -> None:
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._handle)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+        if self._wakeup is None:
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+            self._wakeup = read
+            threading.Thread(target=self._guard_startup, name="stop-guard", daemon=True).start()
+
+    def _guard_startup(self) -> None:
+        """On the first signal during start-up: the last resort, should start-up never return."""
+        assert self._wakeup is not None
+        while os.read(self._wakeup, 64):
+            if self.starting:
+                exit_later(STARTUP_STOP_GRACE, 1, f"stop signal received during start-up, which has not ended "
+                                                  f"{STARTUP_STOP_GRACE:.0f}s later; ending it")
+                return
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         # Runs on the main thread between two bytecodes. The first signal logs (logging's locks are
@@ -99,6 +126,7 @@ def become_helper() -> None:
     for signum in STOP_SIGNALS:
         # SIGINT ignored: the node stops its helpers itself; SIGTERM, SIGHUP default: `kill` still works.
         signal.signal(signum, signal.SIG_IGN if signum == signal.SIGINT else signal.SIG_DFL)
+    signal.set_wakeup_fd(-1)  # the node's stop guard reads that pipe, not a helper's signals
     try:
         os.setpgid(0, 0)
     except OSError:  # already a group leader (cannot happen after fork, but never fail a fork)

@@ -44,6 +44,13 @@ class Resumed:
 
 def start(node: Node) -> None:
     """Join the run: on return `node.joined` says whether to train (a stop may have come first)."""
+    try:
+        _start(node)
+    finally:
+        node.parts.signals.starting = False  # from here on the round loop acts on stops itself
+
+
+def _start(node: Node) -> None:
     parts, cfg = node.parts, node.cfg
     parts.signals.install()
     isolate_forked_children()
