@@ -6,6 +6,8 @@ serving side's memory while four joiners download at once (docs/architecture.md 
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -74,7 +76,7 @@ def test_four_joiners_downloading_at_once_hold_at_most_a_few_copies_of_the_state
     script = tmp_path / "server.py"
     script.write_text(SERVER)
     server = subprocess.Popen([sys.executable, str(script), str(NUMEL)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
     assert server.stdin is not None and server.stdout is not None
     joiners: list[DHT] = []
     try:
@@ -118,7 +120,8 @@ def test_four_joiners_downloading_at_once_hold_at_most_a_few_copies_of_the_state
         for host in streams:
             host.close()
     finally:
-        server.kill()
+        # the whole group: a SIGKILL of the script alone orphaned its forked DHT process and p2pd
+        os.killpg(server.pid, signal.SIGKILL)
         server.wait(10)
         for dht in joiners:
             dht.shutdown()
