@@ -400,17 +400,23 @@ class Butterfly(StreamService):
             if not rnd.unwritten:
                 rnd.written.set()
 
+    @staticmethod
+    async def _read_request(reader: asyncio.StreamReader, parse: Callable[[bytes], Any]) -> tuple[Any, int]:
+        """A request with no body, parsed by its messages.py parser (ValueError: malformed), and
+        the bytes it took."""
+        request = await receive(reader, MAX_REQUEST_BYTES, timeout=10)
+        await receive(reader, 0, timeout=10)
+        asked = parse(request)
+        if isinstance(asked, str):
+            raise ValueError(asked)
+        return asked, 2 * HEADER_LEN + len(request)
+
     async def _serve_part(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """An averaged part we hold, for a member whose owner vanished or a joiner completing a round."""
         peer = str(info.peer_id)
         sent = received = 0
         try:
-            request = await receive(reader, MAX_REQUEST_BYTES, timeout=10)
-            await receive(reader, 0, timeout=10)
-            received = 2 * HEADER_LEN + len(request)
-            asked = parse_part_request(request)
-            if isinstance(asked, str):
-                raise ValueError(asked)
+            asked, received = await self._read_request(reader, parse_part_request)
             round_, index, token = asked.round, asked.part, asked.token
             rnd = self._rounds.get(round_)
             answer: tuple[bytes, dict[str, Any]] = (b"", {})
@@ -434,12 +440,7 @@ class Butterfly(StreamService):
         peer = str(info.peer_id)
         sent = received = 0
         try:
-            request = await receive(reader, MAX_REQUEST_BYTES, timeout=10)
-            await receive(reader, 0, timeout=10)
-            received = 2 * HEADER_LEN + len(request)
-            asked = parse_digests_request(request)
-            if isinstance(asked, str):
-                raise ValueError(asked)
+            asked, received = await self._read_request(reader, parse_digests_request)
             round_, token = asked.round, asked.token
             rnd = self._round_for_push(round_)
             answer: dict[str, Any] = {}
