@@ -38,7 +38,7 @@ from hivemind.p2p import PeerID
 
 from diloco_node.round import PartIn, PartSource, Reduced, part_bounds
 from diloco_node.swarm.messages import hash_list, parse_digests_request, parse_part_request, parse_push, parse_report
-from diloco_node.swarm.streams import HEADER_LEN, Streams, StreamService, receive, send
+from diloco_node.swarm.streams import HEADER_LEN, PEER_FAILURES, Streams, StreamService, receive, send
 
 logger = logging.getLogger(__name__)
 
@@ -386,7 +386,7 @@ class Butterfly(StreamService):
             self._count(received=int(acknowledged))
             if acknowledged and rnd is not None:
                 rnd.awaited.discard(peer)
-        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError) as exc:
+        except PEER_FAILURES as exc:
             logger.warning("butterfly push from peer=%s failed: %s", peer, type(exc).__name__)
         finally:
             self._written(rnd, peer)
@@ -429,7 +429,7 @@ class Butterfly(StreamService):
                     answer = averaged, {**report, "group": list(rnd.group), "parts": len(rnd.owning)}
             sent = await self._answer(writer, answer)
             received += await asyncio.wait_for(reader.read(1), timeout=10) == RECEIVED
-        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError) as exc:
+        except PEER_FAILURES as exc:
             logger.warning("butterfly part request from peer=%s failed: %s", peer, type(exc).__name__)
         finally:
             self._count(sent=sent, received=received)
@@ -461,7 +461,7 @@ class Butterfly(StreamService):
                 rnd.asked.add(peer)
                 rnd.answered.set()
             received += await asyncio.wait_for(reader.read(1), timeout=10) == RECEIVED
-        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError) as exc:
+        except PEER_FAILURES as exc:
             logger.warning("butterfly hash request from peer=%s failed: %s", peer, type(exc).__name__)
         finally:
             self._count(sent=sent, received=received)

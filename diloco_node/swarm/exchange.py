@@ -27,7 +27,7 @@ from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from diloco_node.swarm.messages import MAX_DECLARED, parse_payload_request, peer_ids
-from diloco_node.swarm.streams import HEADER_LEN, Streams, StreamService, parse_json, receive, send
+from diloco_node.swarm.streams import HEADER_LEN, PEER_FAILURES, Streams, StreamService, parse_json, receive, send
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class PayloadExchange(StreamService):
                     self._offers_changed.notify_all()
             self.streams.count(sent=2 * HEADER_LEN + len(meta) + len(payload),
                                  received=HEADER_LEN + len(request) + acknowledged)
-        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError) as exc:
+        except PEER_FAILURES as exc:
             logger.warning("payload request failed: %s", type(exc).__name__)
         finally:
             writer.close()

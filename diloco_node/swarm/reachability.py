@@ -27,7 +27,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from diloco_node.swarm import bounded
 from diloco_node.swarm.messages import parse_dial_back
-from diloco_node.swarm.streams import Streams, StreamService, parse_json, receive, send
+from diloco_node.swarm.streams import PEER_FAILURES, Streams, StreamService, parse_json, receive, send
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class DialBack(StreamService):
             self._last_asked[peer] = now
             reached = await self._dial_own(_host(getattr(info, "addr", None)), addresses)
             await send(writer, json.dumps({"reachable": list(reached)}).encode())
-        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError) as exc:
+        except PEER_FAILURES as exc:
             self._refuse_once(peer, str(exc), "dial-back request from peer=%s refused: %s", peer, exc,
                               level=logging.INFO)
         finally:

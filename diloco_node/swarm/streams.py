@@ -32,6 +32,9 @@ STOP_POLL_SECONDS = 0.5  # how soon a long transfer notices a stop
 ATTACH_TIMEOUT = 30.0
 DETACH_TIMEOUT = 5.0
 REPLICATE_TIMEOUT = 60.0
+# What a stream handler catches from one peer's request: the peer went away, was too slow, or sent
+# something malformed (parsers raise ValueError); each ends that request with one log line.
+PEER_FAILURES = (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError)
 MAX_JSON_DEPTH = 8  # our messages nest 3 deep at most; json.loads recurses once per level
 MAX_TRACKED_PEERS = 4096  # per-peer tables (limits, logged refusals) forget the least recent beyond this
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
