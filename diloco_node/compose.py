@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from diloco_node.admission import Gate
+from diloco_node.budget import barrier_timeout
 from diloco_node.checkpoint import CheckpointStore
 from diloco_node.codec import Codec, CodecConfig, codec_config_of, make_codec, max_payload_bytes
 from diloco_node.config import NodeConfig
@@ -90,7 +91,8 @@ def attach_swarm(parts: Parts, shared_state: Callable[[], tuple[dict[str, Any], 
         max_payload_bytes=(2 if gossip else 1) * max_payload_bytes(parts.state.numel),
         group_size=cfg.group_size if gossip else None, identity=cfg.identity_path, gate=parts.gate,
         butterfly_from=cfg.butterfly_from, butterfly_possible=cfg.butterfly_possible, reachability=cfg.reachability,
-        min_group_size=cfg.min_group_size)
+        min_group_size=cfg.min_group_size,
+        barrier_timeout=barrier_timeout(cfg.round_seconds, cfg.round_timeout) if cfg.round_seconds else None)
     swarm = parts.swarm = Swarm(settings, parts.state.numel, shared_state, MAX_SHARED_VECTORS)
     averaging = Averaging(parts.codec, parts.state.numel, swarm.peer_id, parts.phi_codec, cfg.aggregator,
                           cfg.max_tokens_per_round or None, cfg.part_align if cfg.butterfly_possible else None)

@@ -11,6 +11,7 @@ into a package's own objects is that package's job (codec.codec_config_of, repli
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from collections.abc import Callable
@@ -124,6 +125,9 @@ class NodeConfig(BaseModel):
 
     # --- inner optimizer (AdamW) ---
     inner_steps: int = Field(50, gt=0, description="H: inner AdamW steps per outer round")
+    round_seconds: float | None = Field(None, description="T: rounds by time budget instead of --inner-steps: a "
+                                        "round ends on a deadline of the swarm's clock every T seconds and each "
+                                        "node trains as many inner steps as fit (docs/architecture.md §13)")
     inner_lr: float = Field(4e-4, gt=0, description="peak inner learning rate")
     warmup_steps: int = Field(50, ge=0, description="inner linear warmup steps")
     weight_decay: float = Field(0.1, ge=0, description="inner AdamW weight decay")
@@ -293,6 +297,18 @@ class NodeConfig(BaseModel):
         return data
 
     @model_validator(mode="after")
+    def _one_round_length(self) -> NodeConfig:
+        """A round is H steps or T seconds, never both (docs/architecture.md §13)."""
+        if self.round_seconds is None:
+            return self
+        if not (math.isfinite(self.round_seconds) and self.round_seconds > 0):
+            raise ValueError(f"round_seconds must be a number of seconds > 0, not {self.round_seconds}")
+        if "inner_steps" in self.model_fields_set:
+            raise ValueError("give --round-seconds (a round of T seconds) or --inner-steps (a round of H steps), "
+                             "not both")
+        return self
+
+    @model_validator(mode="after")
     def _noloco_is_blocking(self) -> NodeConfig:
         if self.algorithm == "noloco" and self.sync != "blocking":
             raise ValueError(f"algorithm noloco runs with sync blocking only, not {self.sync} (its small groups "
@@ -441,6 +457,8 @@ class NodeConfig(BaseModel):
             "aggregator": self.aggregator, "max_tokens_per_round": self.max_tokens_per_round,
             # every member must hold rounds alike, or a pair would split φ (docs/architecture.md §9)
             **({"min_group_size": self.min_group_size} if self.min_group_size != 2 else {}),
+            # every member must end its rounds on the same deadlines (docs/architecture.md §13)
+            **({"round_seconds": self.round_seconds} if self.round_seconds is not None else {}),
             **({"run_owner": self.run_owner} if self.run_owner else {}),
             # with run_owner, codec, algorithm and aggregator this fixes which groups use butterfly
             **({"exchange": self.exchange} if self.exchange != "auto" else {}),

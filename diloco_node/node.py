@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 
+from diloco_node.budget import StepClock, deadline
 from diloco_node.compose import Parts
 from diloco_node.export import export_info
 from diloco_node.outer.diloco import pseudo_gradient
@@ -47,6 +48,7 @@ class Node:
         self.replica: Replica | None = None
         # seconds the last inner phase waited for batches: this process's (local rank 0's) data meter
         self.data_wait = 0.0
+        self.step_clock = StepClock()  # --round-seconds: our recent step times (budget.py)
 
     @property
     def swarm(self) -> Swarm:
@@ -84,8 +86,14 @@ class Node:
         if losses is None or self._cut_off("after its inner phase"):
             return  # a stop mid-round: the checkpoint keeps the round's start
         computed = time.monotonic()
+        if not losses:  # --round-seconds: not one step fits before the deadline (docs/architecture.md §13)
+            estimate = self.step_clock.estimate() or 0.0
+            logger.warning("round=%d skipped: one inner step (%.1fs) does not fit before the round's deadline; "
+                           "taking the others' mean, trying again next round", self.state.round, estimate)
+            self.step_clock.forget()
         self.announce(ready=True)
         delta = flatten(pseudo_gradient(self.state.phi, self.replica.theta() or []))
+        # tokens 0: no payload, we still take the group's mean (outer/averaging.py)
         tokens = float(len(losses) * self.cfg.batch_size * self.cfg.seq_len)
         report = self.parts.update.finish_round(self.state.round, delta, tokens)
         if not report.stepped:
@@ -113,16 +121,21 @@ class Node:
         self.swarm.share_state()
 
     def _inner_phase(self) -> list[float] | None:
-        """θ ← φ, then H inner steps; None when a stop came first."""
+        """θ ← φ, then H inner steps, or under --round-seconds as many as fit before the round's
+        deadline on the swarm's clock (none: the round is skipped); None when a stop came first."""
         assert self.replica is not None
         with self.state.lock:
             self.replica.load(self.state.phi)
-        losses = []
+        losses: list[float] = []
         waited = DATA_METER.waited()
-        for _ in range(self.cfg.inner_steps):
+        seconds = self.cfg.round_seconds
+        end = deadline(self.swarm.clock(), seconds) if seconds else 0.0
+        while self._one_more(len(losses), end):
             if self.stop_requested.is_set():
                 return None
+            started = time.monotonic()
             losses.append(self.replica.train_step(self.stream_seed, self.data_position))
+            self.step_clock.add(time.monotonic() - started)
             self.data_position += 1
             self.inner_step += 1
             # micro_batch_size: a step that ran out of memory has lowered it (train/inner.py)
@@ -130,6 +143,12 @@ class Node:
                                   micro_batch_size=self.replica.micro_batch())
         self.data_wait = DATA_METER.waited() - waited
         return losses
+
+    def _one_more(self, steps: int, end: float) -> bool:
+        """Whether the inner phase takes another step: H of them, or while one fits before `end`."""
+        if not self.cfg.round_seconds:
+            return steps < self.cfg.inner_steps
+        return self.step_clock.fits(self.swarm.clock(), end)
 
     def _finish_round(self, losses: list[float], report: RoundReport, timing: RoundTiming) -> None:
         """Everything the round leaves behind: its record (status, history, events, log line, our

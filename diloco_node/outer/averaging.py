@@ -38,6 +38,8 @@ class Averaging:
         then averages the same values, and top-k's error feedback keeps what was not sent.
         """
         started = time.perf_counter()
+        if tokens <= 0:  # a round we trained no step of (--round-seconds, docs/architecture.md §13)
+            return Own(None, None, tokens, 0.0)
         try:
             payload = self.codec.encode(pseudo_gradient)
             decoded = self.codec.decode(payload, self.numel)

@@ -49,6 +49,9 @@ class SwarmSettings:
     butterfly_possible: bool = False  # whether the run can exchange by butterfly (a group with a client must)
     reachability: str = "auto"  # public, private or auto (reachability.py)
     min_group_size: int = 2  # smaller groups take no outer step (round.held); hivemind forms none below it
+    # how long the barrier waits for peers (None: round_timeout); shorter under --round-seconds, where a
+    # peer not ready soon after the common deadline is frozen or gone (docs/architecture.md §13)
+    barrier_timeout: float | None = None
 
 
 def start_dht(settings: SwarmSettings) -> tuple[DHT, RSASignatureValidator]:

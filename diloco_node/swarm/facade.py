@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
+from hivemind.utils import get_dht_time
 
 from diloco_node.admission import Gate
 from diloco_node.round import Gathered, Outcome, PartSource, held
@@ -133,6 +134,12 @@ class Swarm:
     def all_past(self, round_: int) -> bool:
         return self._presence.all_past(round_)
 
+    @staticmethod
+    def clock() -> float:
+        """The swarm's clock (hivemind's DHT time, by which every record expires): round deadlines
+        under --round-seconds are points of it (budget.py)."""
+        return float(get_dht_time())
+
     def peer_count(self) -> int:
         return len(self._presence.compatible_peers())
 
@@ -190,7 +197,8 @@ class Swarm:
         """The other members' payloads for `round_`: wait until the run (or `among`, NoLoCo's drawn
         group) is ready, call `on_ready`, form the group, fetch. Safe off the main thread; `stop`
         ends the wait."""
-        outcome = self._presence.wait_for_round(round_, self.settings.round_timeout, stop, among=among)
+        outcome = self._presence.wait_for_round(round_, self.settings.barrier_timeout or self.settings.round_timeout,
+                                                stop, among=among)
         if outcome == Outcome.ALONE and held(1, self.min_group_size):
             self._mark_held_before(round_)
             return self._held(round_, 1)

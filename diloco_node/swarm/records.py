@@ -81,6 +81,10 @@ class NodeStats(pydantic.BaseModel):
     last_exchange_seconds: Seconds = 0.0  # type: ignore[valid-type]
     utilization: pydantic.confloat(strict=True, ge=0, le=1) | None = None  # type: ignore[valid-type]
     time: Seconds = 0.0  # type: ignore[valid-type]  # unix time of the last update
+    # what its last round trained (--round-seconds: it differs per node, docs/architecture.md §13)
+    last_round_inner_steps: NodeCount = 0  # type: ignore[valid-type]
+    last_round_tokens: pydantic.confloat(strict=True, ge=0, le=1e15) = 0.0  # type: ignore[valid-type]
+    last_round_tokens_per_second: pydantic.confloat(strict=True, ge=0, le=1e15) = 0.0  # type: ignore[valid-type]
 
     class Config:
         extra = pydantic.Extra.forbid

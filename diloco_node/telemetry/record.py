@@ -48,7 +48,8 @@ class RoundRecord:
     round: int = field(metadata=_shows("outer_step", peer="rounds",
                                        metric=("counter", "diloco_outer_steps", "outer rounds completed")))
     time: float = field(metadata=_shows(peer="time"))  # unix time the round finished
-    loss: float = field(metadata=_shows(
+    # None: a round we trained no step of (skipped, docs/architecture.md §13)
+    loss: float | None = field(metadata=_shows(
         "loss", metric=("gauge", "diloco_loss", "mean training loss of the last round")))
     eval_loss: float = field(metadata=_shows(
         "eval_loss", metric=("gauge", "diloco_eval_loss", "held-out eval loss of φ")))
@@ -105,6 +106,19 @@ class RoundRecord:
     data_wait_seconds: float = field(default=0.0, metadata=_shows(
         "data_wait_seconds", metric=("gauge", "diloco_data_wait_seconds",
                                      "seconds the inner loop of the last round waited for data")))
+    # last (newer still): what this round trained, which under --round-seconds differs per node and
+    # round (docs/architecture.md §13): inner steps, the tokens declared with our Δ, their rate over the
+    # compute seconds; `skipped`: not one step fitted before the round's deadline
+    last_round_inner_steps: int = field(default=0, metadata=_shows(
+        "last_round_inner_steps", peer="last_round_inner_steps",
+        metric=("gauge", "diloco_last_round_inner_steps", "inner steps trained in the last round")))
+    last_round_tokens: float = field(default=0.0, metadata=_shows(
+        "last_round_tokens", peer="last_round_tokens",
+        metric=("gauge", "diloco_last_round_tokens", "tokens trained in the last round")))
+    last_round_tokens_per_second: float = field(default=0.0, metadata=_shows(
+        "last_round_tokens_per_second", peer="last_round_tokens_per_second",
+        metric=("gauge", "diloco_last_round_tokens_per_second", "tokens per compute second in the last round")))
+    skipped: bool = field(default=False, metadata=_shows("last_round_skipped"))
     # NoLoCo (gossip) runs: the event carries `group` and `consensus_distance`, the log line ends with them
     gossip: bool = field(default=False, repr=False)
 
@@ -136,12 +150,15 @@ class RoundRecord:
 
     def log_line(self) -> str:
         """The round's log line (key=value, one per round; readers use the events instead)."""
-        line = (f"round={self.round} loss={self.loss:.4f} eval_loss={self.eval_loss:.4f} "
+        loss = "-" if self.loss is None else f"{self.loss:.4f}"
+        line = (f"round={self.round} loss={loss} eval_loss={self.eval_loss:.4f} "
                 f"group_size={self.group_size} sent={self.bytes_sent} received={self.bytes_received} "
                 f"seconds={self.round_seconds:.1f} payload={self.payload_bytes} "
                 f"bytes_per_param={self.bytes_per_param:.4f} codec_seconds={self.codec_seconds:.3f} "
                 f"utilization={self.utilization:.3f} transfer={self.transfer_bytes or 0}/"
-                f"{self.transfer_seconds or 0.0:.3f}s digest={self.digest}")
+                f"{self.transfer_seconds or 0.0:.3f}s digest={self.digest} "
+                f"inner_steps={self.last_round_inner_steps} tokens={self.last_round_tokens:.0f}"
+                f"{' skipped' if self.skipped else ''}")
         if self.gossip:  # NoLoCo: how far φ was from the group's, and who the group was
             distance = self.consensus_distance
             line += (f" consensus_distance={'-' if distance is None else f'{distance:.3e}'}"

@@ -39,13 +39,14 @@ def round_record(round_: int, losses: list[float], eval_loss: float, report: Rou
                  peak_memory: list[int] | None = None) -> RoundRecord:
     """`before` is the status snapshot from before this round's totals were updated."""
     result, own = report.result, report.own
+    tokens = own.tokens if own else 0.0  # what we declared with our Δ (steps × batch × seq_len)
     numel = before["parameters"]
     payload = own.payload_bytes if own else 0
     raw = 4 * numel * (2 if gossip else 1)  # fp32 size of what we sent: NoLoCo sends Δ and φ
     codec_seconds = result.codec_seconds if result else own.codec_seconds if own else 0.0
     clipped, rejected = (result.clipped, result.rejected) if result else ((), ())
     return RoundRecord(
-        round=round_, time=time.time(), loss=sum(losses) / len(losses), eval_loss=eval_loss,
+        round=round_, time=time.time(), loss=sum(losses) / len(losses) if losses else None, eval_loss=eval_loss,
         group_size=len(result.group) if result else 0,
         bytes_sent=traffic.sent - before["bytes_sent"], bytes_received=traffic.received - before["bytes_received"],
         bytes_sent_total=traffic.sent, bytes_received_total=traffic.received, **traffic.wire,
@@ -62,7 +63,9 @@ def round_record(round_: int, losses: list[float], eval_loss: float, report: Rou
         contributions_rejected=before.get("contributions_rejected", 0) + len(rejected),
         group=tuple(result.group) if result else (), consensus_distance=report.consensus_distance if gossip else None,
         digest=digest, peak_memory_bytes=tuple(peak_memory) if peak_memory is not None else None,
-        outcome=str(report.outcome), gossip=gossip)
+        outcome=str(report.outcome), gossip=gossip, last_round_inner_steps=len(losses), last_round_tokens=tokens,
+        last_round_tokens_per_second=round(tokens / timing.compute, 1) if timing.compute > 0 else 0.0,
+        skipped=not losses)
 
 
 class RoundReporter:

@@ -60,7 +60,8 @@ def test_event_round_trips_through_json_and_from_event(record: RoundRecord) -> N
 
 
 def test_event_keeps_todays_keys_and_leaves_out_what_was_never_there() -> None:
-    tail = ("digest", "peak_memory_bytes", "outcome", "data_wait_seconds")
+    tail = ("digest", "peak_memory_bytes", "outcome", "data_wait_seconds", "last_round_inner_steps",
+            "last_round_tokens", "last_round_tokens_per_second", "skipped")
     assert tuple(sample().event()) == EVENT_KEYS + tail
     measured = sample(wire_sent=10, wire_received=20, wire_sent_total=100, wire_received_total=200).event()
     assert tuple(measured) == EVENT_KEYS[:9] + WIRE_FIELDS + EVENT_KEYS[9:] + tail
@@ -81,13 +82,19 @@ def test_an_older_event_reads_with_nones_for_what_it_lacks() -> None:
 def test_log_line_is_todays_format() -> None:
     head = ("round=4 loss=2.9812 eval_loss=2.7800 group_size=2 sent=1644398 received=1644397 seconds=5.1 "
             "payload=1644370 bytes_per_param=3.5571 codec_seconds=0.020 utilization=0.412 ")
-    assert sample().log_line() == head + "transfer=1644370/0.139s digest=546cabc"
+    trained = " inner_steps=0 tokens=0"
+    assert sample().log_line() == head + "transfer=1644370/0.139s digest=546cabc" + trained
     unfetched = sample(transfer_bytes=None, transfer_seconds=None, digest="d")
-    assert unfetched.log_line() == head + "transfer=0/0.000s digest=d"
+    assert unfetched.log_line() == head + "transfer=0/0.000s digest=d" + trained
     assert sample(gossip=True, consensus_distance=0.00123, digest="d").log_line() == (
-        head + "transfer=1644370/0.139s digest=d consensus_distance=1.230e-03 group=a,b")
+        head + "transfer=1644370/0.139s digest=d" + trained + " consensus_distance=1.230e-03 group=a,b")
+    # --round-seconds (docs/architecture.md §13): what the round trained, and a round that trained nothing
+    assert sample(last_round_inner_steps=7, last_round_tokens=7168.0).log_line().endswith(
+        "digest=546cabc inner_steps=7 tokens=7168")
+    skipped = sample(loss=None, skipped=True).log_line()
+    assert skipped.startswith("round=4 loss=- eval_loss=2.7800 ") and skipped.endswith("tokens=0 skipped")
     assert sample(gossip=True, group=(), digest="d").log_line() == (
-        head + "transfer=1644370/0.139s digest=d consensus_distance=- group=-")
+        head + "transfer=1644370/0.139s digest=d" + trained + " consensus_distance=- group=-")
 
 
 def test_settled_record_spells_bytes_as_the_round_event() -> None:
@@ -142,12 +149,16 @@ def test_reporter_feeds_status_history_peer_stats_and_swarm_table(gossip: bool) 
     status = telemetry.snapshot()
     assert (status["compute_seconds"], status["wait_seconds"], status["utilization"]) == (3.0, 2.0, 0.6)
     assert status["data_wait_seconds"] == 0.0
+    trained = (status["last_round_inner_steps"], status["last_round_tokens"], status["last_round_skipped"])
+    assert trained == (1, 1.0, False)
     assert (record.bytes_sent, record.bytes_received, record.utilization, status["contributions_clipped"]) == (
         1000, 2000, 0.4, 2)
     stats = reporter.peer_stats(record)
     assert stats == {"label": "lbl", "rounds": 4, "bytes_sent": 6000, "bytes_received": 9000,
                      "last_round_bytes_sent": 1000, "last_round_bytes_received": 2000, "wire_bytes_sent": 1000,
-                     "wire_bytes_received": 2000, "last_exchange_seconds": 1.5, "utilization": 0.6, "time": record.time}
+                     "wire_bytes_received": 2000, "last_exchange_seconds": 1.5, "utilization": 0.6, "time": record.time,
+                     # what the round trained: 1 step, the tokens we declared (1.0), over 1 s of compute
+                     "last_round_inner_steps": 1, "last_round_tokens": 1.0, "last_round_tokens_per_second": 1.0}
     reporter.swarm_table({"me": stats, "b": {"label": "other"}}, "me", [77])
     rows = {row["peer_id"]: row for row in telemetry.peers()}
     assert rows["me"]["is_self"] and rows["me"]["rounds"] == 4 and rows["me"]["bandwidth_bps"] == 8 * 3000 / 1.5

@@ -113,7 +113,10 @@ def test_status_has_state_and_no_secrets_or_paths() -> None:
         assert status["run_id"] == RUN and status["outer_step"] == 2 and status["loss"] == 3.9
         assert status["uptime_seconds"] >= 0
         keys, strings = _all_keys_and_strings(status)
-        assert not [k for k in keys if "key" in k.lower() or "secret" in k.lower() or "token" in k.lower()]
+        # `last_round_tokens*` count the tokens a round trained (docs/architecture.md §13), no credential
+        counted = {"last_round_tokens", "last_round_tokens_per_second"}
+        assert not [k for k in keys if ("key" in k.lower() or "secret" in k.lower() or "token" in k.lower())
+                    and k not in counted]
         private = (CHECKPOINT_DIR, str(Path.home()), "/root/", "/home/")
         assert not [s for s in strings for p in private if p in s], strings
 
@@ -388,9 +391,11 @@ def test_swarm_rows_read_the_published_stats() -> None:
         "peer_id": "me", "label": "n", "rounds": 4, "bytes_sent": 10, "bytes_received": 20,
         "last_round_bytes_sent": 3, "last_round_bytes_received": 5, "wire_bytes_sent": 11,
         "wire_bytes_received": None, "utilization": 0.5, "bandwidth_bps": 32.0, "last_seen": 1_700_000_000.0,
-        "is_self": True, "clipped": 0, "rejected": 0}
+        "is_self": True, "clipped": 0, "rejected": 0, "last_round_inner_steps": None, "last_round_tokens": None,
+        "last_round_tokens_per_second": None}
     assert swarm_row("new", {}, False) == {
         "peer_id": "new", "label": "", "rounds": 0, "bytes_sent": 0, "bytes_received": 0,
         "last_round_bytes_sent": 0, "last_round_bytes_received": 0, "wire_bytes_sent": None,
         "wire_bytes_received": None, "utilization": None, "bandwidth_bps": None, "last_seen": None,
-        "is_self": False, "clipped": 0, "rejected": 0}
+        "is_self": False, "clipped": 0, "rejected": 0, "last_round_inner_steps": None, "last_round_tokens": None,
+        "last_round_tokens_per_second": None}

@@ -1,0 +1,67 @@
+"""Rounds by time budget (`--round-seconds T`, docs/architecture.md §13): when a round's inner phase
+ends, and when a node should not start another step.
+
+The deadlines are the points k·T of the swarm's clock (hivemind's DHT time, the Unix time every
+node's records already expire by), so every node computes the same ones without a message: no
+round-0 start to publish, nothing a frozen or joining node could miss. A round's inner phase runs to
+the first grid point at least MIN_SHARE·T ahead; nodes that finished the last exchange together
+therefore stop together, whatever their speed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+# An inner phase that would start with less than this share of T left runs to the grid point after:
+# a blocking exchange ending just before a grid point would otherwise leave a round of a few steps
+# (or none) for everyone. Small, because a blocking exchange longer than (1 − MIN_SHARE)·T makes the
+# round 2T. Nodes that straddle it by a moment pick deadlines T apart; the earlier one
+# then waits at the barrier, and the next round's deadline is common again.
+MIN_SHARE = 0.25
+# The next step is estimated by the longest of the last STEP_WINDOW steps: stopping a step early
+# costs a step, overshooting holds the whole group at the barrier.
+STEP_WINDOW = 4
+# Under --round-seconds the barrier waits for peers up to this share of T (at least BARRIER_FLOOR s,
+# at most --round-timeout): every node stops by the deadline, so a peer not ready well after it is
+# frozen or gone and must not hold the others (§13).
+BARRIER_SHARE = 1.0
+BARRIER_FLOOR = 5.0
+
+
+def deadline(now: float, seconds: float) -> float:
+    """The end of the inner phase that starts at `now` on the swarm's clock: the first point k·T
+    (k an integer) at least MIN_SHARE·T after `now`."""
+    end = (math.floor(now / seconds) + 1) * seconds
+    return end + seconds if end - now < MIN_SHARE * seconds else end
+
+
+def barrier_timeout(seconds: float, round_timeout: float) -> float:
+    """How long the barrier waits for peers in a round of `seconds` (see BARRIER_SHARE)."""
+    return min(round_timeout, max(BARRIER_FLOOR, BARRIER_SHARE * seconds))
+
+
+class StepClock:
+    """Durations of this node's recent inner steps, and whether one more fits before a deadline.
+    Used by the round loop's thread only."""
+
+    def __init__(self, window: int = STEP_WINDOW):
+        self.recent: deque[float] = deque(maxlen=window)
+
+    def add(self, seconds: float) -> None:
+        self.recent.append(seconds)
+
+    def forget(self) -> None:
+        """After a skipped round: measure again. A step timed while the machine was busy (or the node
+        stopped) would otherwise make every later round look too short to try."""
+        self.recent.clear()
+
+    def estimate(self) -> float | None:
+        """The next step's expected seconds; None before any step was timed."""
+        return max(self.recent) if self.recent else None
+
+    def fits(self, now: float, end: float) -> bool:
+        """Whether a step started at `now` is expected to end by `end`. With no step timed yet it is
+        tried: a node's first step measures its speed."""
+        estimate = self.estimate()
+        return now < end if estimate is None else now + estimate <= end
