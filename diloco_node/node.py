@@ -130,6 +130,8 @@ class Node:
         waited = DATA_METER.waited()
         seconds = self.cfg.round_seconds
         end = deadline(self.swarm.clock(), seconds) if seconds else 0.0
+        if seconds:  # the schedule decays with the run's rounds, not our steps (docs/architecture.md §13)
+            self.replica.set_progress(self.state.round / self.cfg.max_outer_steps if self.cfg.max_outer_steps else 0.0)
         while self._one_more(len(losses), end):
             if self.stop_requested.is_set():
                 return None
@@ -197,8 +199,10 @@ class Node:
         if self.parts.update is not None:
             self.parts.update.forget()
             self.parts.update.inherit(*installed)
-        # A joiner's learning-rate schedule follows the run's progress, not its own step count.
-        self.inner_step = max(self.inner_step, self.state.round * self.cfg.inner_steps)
+        # A joiner's learning-rate schedule follows the run's progress, not its own step count. Under
+        # --round-seconds that progress is the round (set each inner phase): it skips the warmup only.
+        self.inner_step = max(self.inner_step, self.state.round * self.cfg.inner_steps if not self.cfg.round_seconds
+                              else self.cfg.warmup_steps if self.state.round else 0)
         self.replica.advance_schedule(self.inner_step)
         logger.info("synced state from peers round=%d digest=%s", self.state.round, self.state.digest())
         self.events.emit("synced", round=self.state.round, digest=self.state.digest())

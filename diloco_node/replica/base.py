@@ -60,7 +60,9 @@ def settings_of(cfg: NodeConfig) -> ReplicaSettings:
         model=cfg.model, seed=cfg.seed, init=cfg.init, data=cfg.data, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
         eval_batches=cfg.eval_batches, inner_lr=cfg.inner_lr, warmup_steps=cfg.warmup_steps,
         weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-        total_steps=cfg.max_outer_steps * cfg.inner_steps, precision=resolve_precision(cfg.precision, devices),
+        # under --round-seconds a node's step count depends on its speed: the decay follows the rounds
+        total_steps=0 if cfg.round_seconds else cfg.max_outer_steps * cfg.inner_steps,
+        precision=resolve_precision(cfg.precision, devices),
         compile=cfg.compile == "on", parallel=cfg.parallel,
         micro_batch_size=cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else 0,
         micro_batch_auto=cfg.micro_batch_size == "auto",
@@ -98,6 +100,10 @@ class Compute(Protocol):
 
     def advance_schedule(self, step: int) -> None:
         """Move the learning-rate schedule forward to `step` if behind (a joiner follows the run's progress)."""
+
+    def set_progress(self, progress: float) -> None:
+        """Under --round-seconds: the run's progress in [0, 1] for the rounds that follow; the lr then
+        warms up by this node's steps and decays by the progress (train/inner.py budget_lr_at)."""
 
     def prepare_data(self, stream_seed: int, position: int) -> None:
         """Start making the batches from `position` in the background, before the first train_step asks."""

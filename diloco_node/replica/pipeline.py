@@ -33,7 +33,7 @@ from diloco_node.replica.common import (
 )
 from diloco_node.replica.hf_stages import HFStage, build_hf_stage
 from diloco_node.train.hf import HFSpec
-from diloco_node.train.inner import InnerTrainer, autocast, export_moments, import_moments, lr_at
+from diloco_node.train.inner import InnerTrainer, autocast, export_moments, import_moments
 from diloco_node.train.model import GPT, Block, GPTConfig, resolve_model
 
 COPY = "<the tie's copy>"  # the key of the last stage's head copy among its named parameters (load_inner_state)
@@ -166,7 +166,7 @@ class PipelineCompute:
         x, y = self.dataset.train_batch(self.settings.batch_size, stream_seed, position)
         x, y = x.to(self.device), y.to(self.device)
         for group in self.trainer.optimizer.param_groups:
-            group["lr"] = lr_at(self.trainer.step, self.trainer.cfg)
+            group["lr"] = self.trainer.lr()
         losses: list[torch.Tensor] = []
         with autocast(self.device, mixed_precision(self.settings)):
             self._run(self.schedule.step, x, y, losses)
@@ -247,6 +247,9 @@ class PipelineCompute:
 
     def advance_schedule(self, step: int) -> None:
         self.trainer.step = max(self.trainer.step, step)
+
+    def set_progress(self, progress: float) -> None:
+        self.trainer.progress = progress
 
     def prepare_data(self, stream_seed: int, position: int) -> None:
         self.dataset.prepare(self.settings.batch_size, stream_seed, position)

@@ -182,6 +182,9 @@ class RankedReplica:
     def advance_schedule(self, step: int) -> None:
         self._run("advance_schedule", (step,))
 
+    def set_progress(self, progress: float) -> None:
+        self._run("set_progress", (progress,))
+
     def prepare_data(self, stream_seed: int, position: int) -> None:
         self._run("prepare_data", (stream_seed, position))
 

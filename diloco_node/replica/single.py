@@ -75,6 +75,9 @@ class SingleReplica:
     def advance_schedule(self, step: int) -> None:
         self.trainer.step = max(self.trainer.step, step)
 
+    def set_progress(self, progress: float) -> None:
+        self.trainer.progress = progress
+
     def prepare_data(self, stream_seed: int, position: int) -> None:
         self.dataset.prepare(self.settings.batch_size, stream_seed, position)
 

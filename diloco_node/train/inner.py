@@ -57,6 +57,22 @@ def lr_at(step: int, cfg: InnerConfig) -> float:
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
+def budget_lr_at(step: int, progress: float, cfg: InnerConfig) -> float:
+    """Learning rate under --round-seconds (docs/architecture.md §13), where nodes take different
+    numbers of steps per round: warmup by this node's own steps ``step`` (it exists for its own AdamW
+    moments), times a cosine by the run's ``progress`` in [0, 1] (the round over --max-outer-steps, the
+    same on every node whatever its speed):
+
+        lr · min(1, (step + 1) / warmup_steps) · (r + (1 − r)·½·(1 + cos(π·progress)))
+
+    with r = ``min_lr_ratio``. ``total_steps`` is not used: a node's step count at the end of the run
+    depends on its speed.
+    """
+    warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps > 0 else 1.0
+    progress = min(1.0, max(0.0, progress))
+    return cfg.lr * warm * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Decay only matrices (linear and embedding weights, >= 2 dims); biases and LayerNorm
     gains are 1-d and stay undecayed, as in GPT-2/nanoGPT. The positional embedding is a matrix
@@ -95,14 +111,20 @@ class InnerTrainer:
         self.cfg = cfg
         self.forward: Forward = forward if forward is not None else model
         self.step = 0
+        # the run's progress under --round-seconds (budget_lr_at); None: the step-indexed lr_at
+        self.progress: float | None = None
         self.micro = cfg.micro_batch  # lowered by a back-off; 0: the whole batch at once
         self.optimizer = torch.optim.AdamW(
             _param_groups(model, cfg.weight_decay), lr=lr_at(0, cfg), betas=cfg.betas,
             **({"fused": True} if fused_on(model) else {}),
         )
 
+    def lr(self) -> float:
+        """The learning rate of the next step."""
+        return lr_at(self.step, self.cfg) if self.progress is None else budget_lr_at(self.step, self.progress, self.cfg)
+
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        lr = lr_at(self.step, self.cfg)
+        lr = self.lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         while True:

@@ -1,0 +1,151 @@
+"""Rounds by time budget (docs/architecture.md §13): the deadlines on the swarm's clock, when a step
+still fits, the barrier's wait, the learning-rate schedule when step counts differ, and the config."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from diloco_node.budget import BARRIER_FLOOR, MIN_SHARE, StepClock, barrier_timeout, deadline
+from diloco_node.config import ConfigError, build_config
+from diloco_node.train.inner import InnerConfig, budget_lr_at, lr_at
+
+# --- deadlines ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("now", "seconds", "expected"), [
+    (100.0, 10.0, 110.0),  # on a grid point: the next one, a whole T away
+    (101.0, 10.0, 110.0),  # 9 s left ≥ T/4
+    (107.5, 10.0, 110.0),  # exactly T/4 left: still this one
+    (107.6, 10.0, 120.0),  # less than T/4 left: the one after
+    (1_795_000_003.2, 4.0, 1_795_000_008.0),  # Unix times: 4.8 s left (the grid point at …004 is 0.8 s away)
+    (0.0, 0.5, 0.5),
+])
+def test_deadline_is_the_first_grid_point_at_least_a_quarter_round_away(now: float, seconds: float,
+                                                                         expected: float) -> None:
+    assert MIN_SHARE == 0.25
+    end = deadline(now, seconds)
+    assert end == pytest.approx(expected, abs=1e-6)
+    assert MIN_SHARE * seconds - 1e-9 <= end - now <= (1 + MIN_SHARE) * seconds + 1e-9
+
+
+def test_nodes_that_start_apart_within_a_round_share_its_deadline() -> None:
+    """Two nodes that ended the exchange 0.9 s apart (different clocks of the same swarm time) stop
+    together: the deadline is a grid point of the swarm's clock, not 'now + T'."""
+    assert deadline(1_000_000_000.2, 5.0) == deadline(1_000_000_001.1, 5.0) == 1_000_000_005.0
+    # and every later round of either lands on the same grid, T apart
+    assert deadline(1_000_000_005.3, 5.0) - deadline(1_000_000_000.2, 5.0) == 5.0
+
+
+def test_barrier_waits_a_round_at_least_the_floor_at_most_the_round_timeout() -> None:
+    assert barrier_timeout(30.0, 60.0) == 30.0
+    assert barrier_timeout(2.0, 60.0) == BARRIER_FLOOR == 5.0
+    assert barrier_timeout(300.0, 60.0) == 60.0
+
+
+# --- steps that fit ----------------------------------------------------------------------------
+
+
+def test_first_step_is_tried_then_the_longest_recent_step_decides() -> None:
+    clock = StepClock(window=3)
+    assert clock.estimate() is None
+    assert clock.fits(now=9.99, end=10.0)  # nothing timed yet: try one (it measures our speed)
+    assert not clock.fits(now=10.0, end=10.0)  # but never past the deadline
+    for seconds in (0.5, 2.0, 1.0):
+        clock.add(seconds)
+    assert clock.estimate() == 2.0
+    assert clock.fits(now=8.0, end=10.0) and not clock.fits(now=8.01, end=10.0)
+    clock.add(0.5)  # the 2 s step drops out of a window of 3: a node that sped up gets more steps
+    clock.add(0.5)
+    assert clock.estimate() == 1.0
+    clock.add(4.0)  # slowed down 4×: the next step is estimated at once at the slow speed
+    assert clock.estimate() == 4.0 and not clock.fits(now=7.0, end=10.0)
+
+
+def test_a_skipped_round_forgets_the_step_times() -> None:
+    clock = StepClock()
+    clock.add(30.0)  # a step timed while the process was stopped
+    assert not clock.fits(now=0.0, end=10.0)
+    clock.forget()
+    assert clock.estimate() is None and clock.fits(now=0.0, end=10.0)
+
+
+# --- the schedule --------------------------------------------------------------------------------
+
+
+CFG = InnerConfig(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
+
+
+@pytest.mark.parametrize(("step", "progress", "expected"), [
+    (0, 0.0, 1e-4),  # first step: lr/W, the cosine at its top
+    (4, 0.0, 5e-4),
+    (9, 0.0, 1e-3),  # warmup done at step W − 1, as lr_at
+    (500, 0.0, 1e-3),
+    (500, 0.5, 1e-3 * (0.1 + 0.9 * 0.5)),  # half way: the middle of the cosine, 5.5e-4
+    (500, 1.0, 1e-4),  # the floor at the end of the run
+    (500, 3.0, 1e-4),  # past the end: stays at the floor
+    (4, 0.5, 0.5 * 5.5e-4),  # a joiner half way through the run still warms its own moments
+])
+def test_budget_lr_hand_values(step: int, progress: float, expected: float) -> None:
+    assert budget_lr_at(step, progress, CFG) == pytest.approx(expected, rel=1e-12)
+
+
+def test_budget_lr_is_the_same_for_fast_and_slow_nodes_at_the_same_round() -> None:
+    """A node of 4× the speed takes 4× the steps per round; past warmup both use one lr per round, so
+    the fast node does not race through the decay (indexed by steps, it would reach the floor at a
+    quarter of the run)."""
+    rounds, slow, fast = 8, 20, 80
+    for round_ in range(1, rounds):
+        progress = round_ / rounds
+        assert budget_lr_at(round_ * slow, progress, CFG) == budget_lr_at(round_ * fast, progress, CFG)
+    by_steps = InnerConfig(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1, total_steps=rounds * slow)
+    assert lr_at(2 * fast, by_steps) == pytest.approx(1e-4)  # what indexing by steps would have done at round 2
+    assert budget_lr_at(2 * fast, 2 / rounds, CFG) > 8e-4
+
+
+def test_budget_lr_without_a_run_length_is_constant_after_warmup() -> None:
+    no_warmup = InnerConfig(lr=2e-3, warmup_steps=0)
+    assert budget_lr_at(0, 0.0, no_warmup) == 2e-3
+    assert [budget_lr_at(s, 0.0, CFG) for s in (10, 1000, 10**6)] == [1e-3] * 3
+
+
+# --- config --------------------------------------------------------------------------------------
+
+
+def _error(values: dict[str, Any]) -> str:
+    with pytest.raises(ConfigError) as info:
+        build_config(values)
+    message = str(info.value)
+    assert "\n" not in message and message.strip() == message
+    return message
+
+
+@pytest.mark.parametrize("value", [0, -3, math.nan, math.inf])
+def test_round_seconds_must_be_a_positive_number(value: float) -> None:
+    assert "round_seconds must be a number of seconds > 0" in _error({"round_seconds": value})
+
+
+def test_round_seconds_and_inner_steps_are_not_given_together() -> None:
+    message = _error({"round_seconds": 30, "inner_steps": 50})
+    assert "--round-seconds" in message and "--inner-steps" in message and "not both" in message
+
+
+def test_round_seconds_is_part_of_the_fingerprint() -> None:
+    plain, budget = build_config({}), build_config({"round_seconds": 30})
+    assert "round_seconds" not in plain.fingerprint_fields()
+    assert budget.fingerprint_fields()["round_seconds"] == 30.0
+    assert budget.fingerprint() != plain.fingerprint() != build_config({"round_seconds": 31}).fingerprint()
+
+
+def test_trainer_uses_the_budget_schedule_once_given_the_run_progress() -> None:
+    import torch
+
+    from diloco_node.train.inner import InnerTrainer
+
+    trainer = InnerTrainer(torch.nn.Linear(2, 2), InnerConfig(lr=1e-3, warmup_steps=10, total_steps=20))
+    trainer.step = 15
+    assert trainer.lr() == lr_at(15, trainer.cfg)  # H steps per round: indexed by steps, as always
+    trainer.progress = 0.5
+    assert trainer.lr() == budget_lr_at(15, 0.5, trainer.cfg) == pytest.approx(5.5e-4)
