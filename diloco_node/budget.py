@@ -23,10 +23,10 @@ MIN_SHARE = 0.25
 # costs a step, overshooting holds the whole group at the barrier.
 STEP_WINDOW = 4
 # Under --round-seconds the barrier waits for peers up to this share of T (at least BARRIER_FLOOR s,
-# at most --round-timeout): every node stops by the deadline, so a peer not ready well after it is
-# frozen or gone and must not hold the others (§13).
+# at most --round-timeout): every node stops by the deadline (announcing ready before its eval), so
+# a peer not ready a round after it is frozen or gone and must not hold the others (§13).
 BARRIER_SHARE = 1.0
-BARRIER_FLOOR = 5.0
+BARRIER_FLOOR = 2.0
 
 
 def deadline(now: float, seconds: float) -> float:

@@ -12,6 +12,8 @@ import os
 import signal
 import threading
 
+from diloco_node.procs import descendants
+
 PERIOD = 0.2  # seconds of one pause-and-run cycle: short against a round, long against a signal
 
 
@@ -54,3 +56,14 @@ class Throttle:
         except ProcessLookupError:
             return False
         return True
+
+
+def freeze(pid: int, signum: int = signal.SIGSTOP) -> None:
+    """Stop (or, with SIGCONT, resume) a node and every process under it: its hivemind helpers and
+    p2pd too, as a machine that is suspended or swapping hard. A stopped node process alone would
+    leave its averager answering matchmaking for it."""
+    for each in (pid, *descendants(pid)):
+        try:
+            os.kill(each, signum)
+        except ProcessLookupError:
+            pass

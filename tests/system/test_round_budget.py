@@ -1,0 +1,73 @@
+"""--round-seconds (docs/architecture.md §13) with two real nodes under blocking sync, one slowed to a
+third of its speed by the harness (harness/throttle.py pauses its process 2/3 of every 0.2 s), then
+frozen with all its processes (SIGSTOP) for longer than a round.
+
+What must hold: the fast node trains more inner steps per round than the slowed one, which either
+trains fewer or, when not one of its steps fits before the deadline, skips the round (one log line)
+and still takes the mean; both hold the same φ after every round; the frozen node, once resumed,
+averages with the other again in its next round on the same φ, and the run goes on to its end;
+rounds end on the shared deadlines, T apart once both run freely.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from harness.throttle import Throttle, freeze
+from tests.integration.conftest import NodeFactory
+
+pytestmark = pytest.mark.integration
+
+T = 3.0
+ROUNDS = 6
+FREEZE = 3.5 * T  # longer than a round, its barrier (T) and a lone matchmaking (at most --round-timeout)
+OPTIONS = ("--round-seconds", str(T), "--max-outer-steps", str(ROUNDS), "--min-peers", "2",
+           "--matchmaking-time", "1", "--round-timeout", "4")
+TOGETHER = (1, 2, 3)  # rounds before the freeze (the first: the nodes entered it at different times)
+
+
+def test_fast_and_slowed_nodes_share_rounds_of_t_seconds_and_a_frozen_node_rejoins(spawn: NodeFactory) -> None:
+    fast = spawn("fast", *OPTIONS, run_id="budget")
+    slow = spawn("slow", *OPTIONS, run_id="budget", peer=fast)
+    nodes = (fast, slow)
+    for node in nodes:
+        node.wait_joined()
+    assert slow.process is not None
+    throttle = Throttle(slow.process.pid, slowdown=3).start()
+    try:
+        fast.wait_for_round(TOGETHER[-1])
+        slow.wait_for_round(TOGETHER[-1])
+    finally:
+        throttle.stop()
+    freeze(slow.process.pid)
+    stopped = time.time()
+    time.sleep(FREEZE)
+    freeze(slow.process.pid, signal.SIGCONT)
+    resumed = time.time()
+    for node in nodes:
+        assert node.wait_exit(90) == 0, node.tail()
+    logs = "\n".join(f"--- {node.name}:\n{node.log_text()[-3000:]}" for node in nodes)
+    ran, slowed = fast.rounds, slow.rounds
+    assert sorted(ran) == list(range(1, ROUNDS + 1)), logs
+
+    assert set(TOGETHER) <= set(slowed), logs
+    for r in sorted(set(ran) & set(slowed)):  # the same φ after every round both logged
+        assert ran[r].digest == slowed[r].digest, logs
+        assert ran[r].last_round_tokens == ran[r].last_round_inner_steps * 8 * 64, logs  # batch 8 × seq 64 (FAST)
+    for r in TOGETHER[1:]:
+        # the slowed node trains fewer steps than the fast one, or skips the round and says so
+        assert not ran[r].skipped and ran[r].last_round_inner_steps > slowed[r].last_round_inner_steps, logs
+        if slowed[r].skipped:
+            assert slowed[r].loss is None and slowed[r].last_round_tokens == 0, logs
+            assert f"round={r - 1} skipped: one inner step" in slow.log_text(), logs
+    assert any(not slowed[r].skipped for r in TOGETHER), logs  # it did contribute
+    # resumed, the frozen node averages with the other in its first round on the same φ, to the end
+    late = sorted(r for r, rec in slowed.items() if rec.time > resumed)
+    assert late and all(slowed[r].group_size == 2 for r in late), logs
+    assert any(stopped < ran[r].time for r in ran), logs  # the run went on past the freeze
+    # rounds end on the shared grid: T apart once both run freely again
+    periods = [(ran[r].time - ran[r - 1].time) / T for r in late[1:]]
+    assert periods and all(abs(p - 1) < 0.3 for p in periods), (periods, logs)
