@@ -10,6 +10,7 @@ import pytest
 
 from diloco_node.budget import BARRIER_FLOOR, MIN_SHARE, StepClock, barrier_timeout, deadline
 from diloco_node.config import ConfigError, build_config
+from diloco_node.round import Outcome
 from diloco_node.train.inner import InnerConfig, budget_lr_at, lr_at
 
 # --- deadlines ---------------------------------------------------------------------------------
@@ -149,3 +150,40 @@ def test_trainer_uses_the_budget_schedule_once_given_the_run_progress() -> None:
     assert trainer.lr() == lr_at(15, trainer.cfg)  # H steps per round: indexed by steps, as always
     trainer.progress = 0.5
     assert trainer.lr() == budget_lr_at(15, 0.5, trainer.cfg) == pytest.approx(5.5e-4)
+
+
+# --- a skipped round -------------------------------------------------------------------------------
+
+
+def test_a_round_without_steps_offers_nothing_and_takes_the_others_mean() -> None:
+    """tokens 0 (node.py: no step fitted): no payload, so no peer counts a zero Δ, and the mean is the
+    others' alone, exactly as theirs (what keeps φ equal in a blocking group)."""
+    import torch
+
+    from diloco_node.codec import CodecConfig, make_codec
+    from diloco_node.outer.averaging import Averaging
+    from diloco_node.round import Gathered, Outcome
+
+    codec = make_codec(CodecConfig(name="none"))
+    averaging = Averaging(codec, 4, "skipper")
+    own = averaging.encode(3, torch.zeros(4), 0.0)
+    assert own.payload is None and own.decoded is None and own.tokens == 0.0
+    others = {"b": (codec.encode(torch.tensor([1.0, 2.0, 3.0, 4.0])), 512.0),
+              "c": (codec.encode(torch.tensor([4.0, 3.0, 2.0, 1.0])), 1536.0)}
+    result = averaging.mean(own, Gathered(Outcome.TOGETHER, 3, others))
+    assert result.group == ("b", "c")
+    # the token cap of a pair is the smaller declaration, so b and c (equal norms) weigh alike (docs §3)
+    assert torch.equal(result.mean, torch.tensor([2.5, 2.5, 2.5, 2.5]))
+
+
+def test_a_skipped_round_records_no_loss_no_steps_and_says_skipped() -> None:
+    from diloco_node.round import Own, RoundReport
+    from diloco_node.telemetry.rounds import RoundTiming, Traffic, round_record
+
+    report = RoundReport(Outcome.TOGETHER, Own(None, None, 0.0, 0.0), None)
+    before = {"parameters": 10, "bytes_sent": 0, "bytes_received": 0}
+    record = round_record(5, [], 3.2, report, RoundTiming(0.0, 2.5), Traffic(0, 0, {}), before, False, "d")
+    assert record.skipped and record.loss is None
+    assert (record.last_round_inner_steps, record.last_round_tokens, record.last_round_tokens_per_second) == (0, 0, 0)
+    assert record.log_line().endswith("inner_steps=0 tokens=0 skipped")
+    assert record.status({"compute_seconds": 0, "wait_seconds": 2.5, "utilization": 0.0})["last_round_skipped"]

@@ -136,6 +136,38 @@ const CHARTS = {
 
 let lastRounds = [];
 
+// Throughput per node over time: /api/peers gives each peer's last round only, so the page keeps
+// what it has seen (peer id → round → tokens / s) while it is open, at most THROUGHPUT_ROUNDS
+// rounds per peer. Under --round-seconds the nodes' speeds differ (docs/architecture.md §13).
+const THROUGHPUT_ROUNDS = 200;
+const PALETTE = [SENT, RECEIVED, THIRD, "#9333ea", "#dc2626", "#0891b2", "#ca8a04", "#4b5563"];
+const throughput = new Map();
+
+function noteThroughput(p) {
+  if (!finite(p.rounds) || !finite(p.last_round_tokens_per_second) || p.last_round_tokens_per_second <= 0) return;
+  const id = show(p.peer_id, "");
+  if (!throughput.has(id)) throughput.set(id, { label: show(p.label, shortId(id)), points: new Map() });
+  const seen = throughput.get(id);
+  seen.points.set(p.rounds, p.last_round_tokens_per_second);
+  if (seen.points.size > THROUGHPUT_ROUNDS) seen.points.delete(seen.points.keys().next().value);
+}
+
+function amount(v) {  // a count of tokens: 12.3 k, 4.1 M
+  if (!finite(v)) return "–";
+  return v >= 1e6 ? `${(v / 1e6).toFixed(1)} M` : v >= 1e3 ? `${(v / 1e3).toFixed(1)} k` : v.toFixed(0);
+}
+
+function renderThroughput() {
+  const canvas = document.querySelector('canvas[data-chart="throughput"]');
+  if (!canvas) return;
+  const nodes = [...throughput.entries()].sort(([a], [b]) => (a < b ? -1 : 1));
+  drawChart(canvas, {
+    kind: "line", xLabel: "round", yLabel: "tokens / s", format: amount, yMin: 0,
+    series: nodes.map(([, seen], i) => ({ label: seen.label, color: PALETTE[i % PALETTE.length],
+                                          points: [...seen.points.entries()].sort((a, b) => a[0] - b[0]) })),
+  });
+}
+
 function renderCharts(rounds) {
   lastRounds = rounds;
   for (const canvas of document.querySelectorAll("canvas[data-chart]")) {
@@ -182,12 +214,19 @@ function renderPeers(peers) {
     }
     cell(row, mbit(p.bandwidth_bps), { numeric: true, column: "bandwidth", value: p.bandwidth_bps });
     cell(row, percent(p.utilization), { numeric: true, column: "utilization", value: p.utilization });
+    cell(row, show(p.last_round_inner_steps), { numeric: true, column: "steps", value: p.last_round_inner_steps });
+    cell(row, amount(p.last_round_tokens),
+         { numeric: true, column: "tokens", value: p.last_round_tokens });
+    cell(row, amount(p.last_round_tokens_per_second),
+         { numeric: true, column: "tokens_per_second", value: p.last_round_tokens_per_second });
+    noteThroughput(p);
     const bounded = (p.clipped || 0) + (p.rejected || 0);
     cell(row, bounded ? `${show(p.clipped)} / ${show(p.rejected)}` : "–", {
       numeric: true, column: "bounded", value: bounded,
       title: "this node's contributions our aggregator clipped / rejected" });
     cell(row, ago(p.last_seen), { numeric: true, column: "last_seen", value: p.last_seen });
   }
+  renderThroughput();
   setText("swarm-count", ordered.length ? `(${ordered.length} nodes)` : "");
   document.getElementById("swarm-empty").hidden = ordered.length > 0;
 }
@@ -223,5 +262,5 @@ async function poll() {
   setTimeout(poll, POLL_MS);
 }
 
-window.addEventListener("resize", () => renderCharts(lastRounds));
+window.addEventListener("resize", () => { renderCharts(lastRounds); renderThroughput(); });
 poll();
