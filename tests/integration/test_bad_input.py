@@ -159,6 +159,16 @@ def test_bad_layout(nodes: Processes, args: list[str], words: list[str]) -> None
     assert_bad_input(join(nodes, *args), *words)
 
 
+@pytest.mark.parametrize(("args", "words"), [
+    (["--round-seconds", "0"], ["round_seconds must be a number of seconds > 0", "0.0"]),
+    (["--round-seconds", "30", "--inner-steps", "50"], ["--round-seconds", "--inner-steps", "not both"]),
+])
+def test_bad_round_length(nodes: Processes, args: list[str], words: list[str]) -> None:
+    """A round is H steps or T seconds (docs/architecture.md §13): a T ≤ 0, or both, is refused (the
+    other bad values of T: tests/unit/test_budget.py)."""
+    assert_bad_input(join(nodes, *args), *words)
+
+
 def test_more_local_ranks_than_cores(nodes: Processes) -> None:
     ranks = (os.cpu_count() or 1) + 1
     assert_bad_input(join(nodes, "--parallel", "fsdp", "--local-ranks", str(ranks), "--batch-size", str(4 * ranks)),
