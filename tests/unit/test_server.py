@@ -28,7 +28,7 @@ COUNTERS = ("diloco_bytes_sent", "diloco_bytes_received", "diloco_wire_bytes_sen
             "diloco_outer_steps", "diloco_inner_steps", "diloco_contributions_clipped",
             "diloco_contributions_rejected")
 GAUGES = ("diloco_loss", "diloco_eval_loss", "diloco_compute_utilization", "diloco_peers", "diloco_compression_ratio",
-          "diloco_isolated")
+          "diloco_isolated", "diloco_last_round_tokens_per_second")
 
 
 def round_stats(index: int, seconds: float = 12.0) -> dict[str, Any]:
