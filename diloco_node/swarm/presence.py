@@ -234,6 +234,12 @@ class Presence:
         record = self.compatible_peers().get(peer)
         return record is not None and record.may_still_fetch(round_)
 
+    def present(self) -> int:
+        """How many nodes --min-peers sees (ourselves included): see `wait_for_peers`."""
+        found = self.compatible_peers(refresh=True)
+        who = proofs.counted(self.proofs.proven(), self.anchors, found)
+        return len(found) if who is None else 1 + len(who.intersection(found) - {self.peer_id})
+
     def departed_after(self, round_: int) -> list[str]:
         """Compatible nodes that left (within RECORD_TTL) after exchanging `round_` (as of the last
         heartbeat): they took part in that round although they are gone now."""
@@ -241,10 +247,12 @@ class Presence:
                 if record.exchanged_round >= round_ and peer not in self._live]
 
     def wait_for_peers(self, count: int, stop: threading.Event) -> bool:
-        """Block until `count` compatible nodes (ourselves included) are in the run; False if stopped."""
+        """Block until `count` compatible nodes (ourselves included) are in the run; False if stopped.
+        Once any proof exists (ours, or a joiner's anchors', proofs.counted) only the counted peers
+        are counted: forged records cannot start us early; before, every record (§9, --min-peers)."""
         started = time.monotonic()
         pauses = polls()
-        while (present := len(self.compatible_peers(refresh=True))) < count:
+        while (present := self.present()) < count:
             if stop.wait(next(pauses)):
                 return False
             if time.monotonic() - started > WAITING_LOG_SECONDS:

@@ -161,3 +161,22 @@ def test_before_any_proof_a_drawn_group_counts_whole(monkeypatch) -> None:  # ty
     assert presence.round_state(ROUND, among=["b"]) == Outcome.WAITING
     assert presence.round_state(ROUND, among=["sybil0"]) == Outcome.BEHIND, "what records alone decide (§9)"
     assert presence.drawn_partners(ROUND, ["b", "sybil0"]) == ["b", "sybil0"]
+
+
+@pytest.mark.parametrize("sybils", [3, 10])
+def test_min_peers_counts_proven_peers_once_any_exist(monkeypatch, sybils: int) -> None:  # type: ignore[no-untyped-def]
+    presence = presence_seeing(monkeypatch, [honest("a", proven=("b",)), honest("b", proven=("a",)), *forged(sybils)])
+    assert presence.present() == 3 + sybils, "before any proof every record counts (§9)"
+    presence.anchors = frozenset({"a"})  # a joiner whose --peers names a node of the run
+    assert presence.present() == 3
+    assert not presence.wait_for_peers(4, stop=stopped())
+    assert presence.wait_for_peers(3, stop=stopped())
+    presence.anchors = frozenset()
+    presence.prove(ROUND, ["b"])
+    assert presence.present() == 2, "ourselves and b: a, endorsed by b, is no proof of ours"
+
+
+def stopped() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
