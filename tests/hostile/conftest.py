@@ -1,11 +1,12 @@
 """Hostile peers are stock hivemind peers in processes of their own; honest nodes come from `spawn`.
 
-Every test that spawns honest nodes reports, when it ends, what the attack cost them (#28, must-hold
-8): per node, the rounds it finished, the rounds lost (any outcome but averaging with a group:
-alone, held, behind, timed out, isolated), whether the honest nodes' φ agreed on their common rounds,
-and the node's peak memory. Run with `-s` to see the line; the README's trust table quotes it. φ's
-deviation from a clean twin run needs a second run of the same nodes, which only test_deviation.py
-and test_butterfly_owner.py pay for (they print it).
+Every test that spawns honest nodes reports, when it ends, what the attack cost them (#28,
+must-hold 8): per node, the rounds it finished, the rounds lost once every node is in (any outcome
+but averaging with a group: alone, held, behind, timed out, isolated), the longest barrier wait,
+whether the honest nodes' φ agreed on their common rounds, and the node's peak memory. Run with
+`-s` to see the line; the README's trust table quotes it. φ's deviation from a clean twin run needs
+a second run of the same nodes, which only test_deviation.py and test_butterfly_owner.py pay for
+(they print it).
 """
 
 from __future__ import annotations
@@ -24,18 +25,23 @@ AVERAGED = "together"  # round.Outcome.TOGETHER's word: the round took a group's
 
 
 def report(nodes: list[NodeProcess]) -> str:
-    """One line: what each node's rounds show of the attack."""
+    """One line: what each node's rounds show of the attack. Rounds lost and the longest barrier
+    wait are counted from the first round every node took part in (before it, the first node of a
+    run averages alone by itself, which is no cost of the attack)."""
+    common = set.intersection(*(set(n.rounds) for n in nodes)) if nodes else set()
+    since = min(common, default=None)
     parts = []
     for node in nodes:
         rounds = list(node.rounds.values())
         if not rounds:
             parts.append(f"{node.name}: no round")
             continue
-        lost = sum(r.outcome != AVERAGED for r in rounds)
         peak = max((max(r.peak_memory_bytes) for r in rounds if r.peak_memory_bytes), default=0)
-        wait = max(r.wait_seconds for r in rounds)
-        parts.append(f"{node.name}: {len(rounds)} rounds, {lost} lost, max wait {wait:.1f} s, peak {peak >> 20} MiB")
-    common = set.intersection(*(set(n.rounds) for n in nodes)) if nodes else set()
+        shared = [r for r in rounds if since is not None and r.round >= since]
+        lost = sum(r.outcome != AVERAGED for r in shared)
+        wait = max((r.wait_seconds for r in shared), default=0.0)
+        parts.append(f"{node.name}: {len(rounds)} rounds, {lost} of {len(shared)} lost since all were in, "
+                     f"max wait {wait:.1f} s, peak {peak >> 20} MiB")
     split = [r for r in sorted(common) if len({n.rounds[r].digest for n in nodes}) > 1]
     agreed = "no common round" if not common else \
         (f"φ equal in {len(common)} common rounds" if not split else f"φ differs in rounds {split}")
