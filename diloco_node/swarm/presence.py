@@ -310,11 +310,14 @@ class Presence:
     def drawn_partners(self, round_: int, among: Collection[str]) -> list[str]:
         """Those of NoLoCo's drawn partners `among` worth matchmaking with once the barrier is
         passed: the trusted ones (proofs.trusted; all before any proof), and the others that are
-        ready for `round_`. A forged record drawn with us is thus never matchmade for."""
+        ready for `round_`. A forged record drawn with us is thus never matchmade for. A partner
+        whose record already trains a later round is not either: it averaged `round_` without us
+        (NoLoCo marks no exchanged round), and matchmaking for it would only wait out its timeout,
+        twice (seen when two nodes' views of the records differed and so did their draws)."""
         found = self.compatible_peers()
         trusted = proofs.trusted(self.proofs.proven(), self.anchors, found)
-        return [p for p in among if trusted is None or p in trusted
-                or (p in found and found[p].ready_round >= round_)]
+        return [p for p in among if not (p in found and found[p].round > round_)
+                and (trusted is None or p in trusted or (p in found and found[p].ready_round >= round_))]
 
     def _waited_for(self, others: dict[str, NodeRecord], round_: int,
                     among: Collection[str] | None) -> tuple[set[str] | None, set[str], set[str]]:

@@ -180,3 +180,14 @@ def stopped() -> threading.Event:
     event = threading.Event()
     event.set()
     return event
+
+
+def test_a_drawn_partner_already_training_a_later_round_is_not_matchmade_for(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    ahead = dataclasses.replace(honest("b"), round=ROUND + 3, ready_round=ROUND + 2)
+    presence = presence_seeing(monkeypatch, [ahead, honest("c")])
+    presence.prove(ROUND - 1, ["b", "c"])
+    presence.compatible_peers(refresh=True)  # as the barrier just did
+    assert presence.drawn_partners(ROUND, ["b", "c"]) == ["c"], "b averaged this round without us"
+    presence_before_proofs = presence_seeing(monkeypatch, [ahead])
+    presence_before_proofs.compatible_peers(refresh=True)
+    assert presence_before_proofs.drawn_partners(ROUND, ["b"]) == []
