@@ -199,6 +199,11 @@ class Swarm:
         ends the wait."""
         outcome = self._presence.wait_for_round(round_, self.settings.barrier_timeout or self.settings.round_timeout,
                                                 stop, among=among)
+        if among is not None and outcome in (Outcome.TOGETHER, Outcome.TIMEOUT):
+            # NoLoCo: a drawn partner we have no proof for and that is not ready was not waited
+            # for, and is not matchmade for either (swarm/proofs.py)
+            among = self._presence.drawn_partners(round_, among)
+            outcome = outcome if among else Outcome.ALONE
         if outcome == Outcome.ALONE and held(1, self.min_group_size):
             self._mark_held_before(round_)
             return self._held(round_, 1)

@@ -46,6 +46,11 @@ MAX_POLL_SECONDS = 1.0
 # runs set a longer round timeout); a forged identity that downloaded our state and never becomes
 # ready lengthens one round by this much, once.
 NEWCOMER_GRACE = 0.5
+# How long a NoLoCo node waits for a drawn partner it has no proof for (neither counted nor endorsed
+# by a counted peer, nor a newcomer: swarm/proofs.py), as a share of the round timeout, once its
+# trusted partners are ready: a forged record drawn into our group costs this much, not the round
+# timeout; an honest partner we never met that is later than this misses the round with us.
+STRANGER_GRACE = 0.1
 # A request from a peer we do not know reads the records again at most this often: fresh peer ids
 # cannot make us read the DHT (under its lock) once per request (docs/architecture.md §9)
 UNKNOWN_PEER_READ_SECONDS = 2.0
@@ -229,6 +234,12 @@ class Presence:
         record = self.compatible_peers().get(peer)
         return record is not None and record.may_still_fetch(round_)
 
+    def present(self) -> int:
+        """How many nodes --min-peers sees (ourselves included): see `wait_for_peers`."""
+        found = self.compatible_peers(refresh=True)
+        who = proofs.counted(self.proofs.proven(), self.anchors, found)
+        return len(found) if who is None else 1 + len(who.intersection(found) - {self.peer_id})
+
     def departed_after(self, round_: int) -> list[str]:
         """Compatible nodes that left (within RECORD_TTL) after exchanging `round_` (as of the last
         heartbeat): they took part in that round although they are gone now."""
@@ -236,10 +247,12 @@ class Presence:
                 if record.exchanged_round >= round_ and peer not in self._live]
 
     def wait_for_peers(self, count: int, stop: threading.Event) -> bool:
-        """Block until `count` compatible nodes (ourselves included) are in the run; False if stopped."""
+        """Block until `count` compatible nodes (ourselves included) are in the run; False if stopped.
+        Once any proof exists (ours, or a joiner's anchors', proofs.counted) only the counted peers
+        are counted: forged records cannot start us early; before, every record (§9, --min-peers)."""
         started = time.monotonic()
         pauses = polls()
-        while (present := len(self.compatible_peers(refresh=True))) < count:
+        while (present := self.present()) < count:
             if stop.wait(next(pauses)):
                 return False
             if time.monotonic() - started > WAITING_LOG_SECONDS:
@@ -252,9 +265,10 @@ class Presence:
         """Wait until every live compatible peer (of `among`, when given) has finished its inner
         phase of `round_`.
 
-        Only proven peers are waited for up to `timeout`; a newcomer (proofs.py) for at most
-        NEWCOMER_GRACE of it once they are ready: anyone can take our state under a fresh
-        identity and never become ready.
+        Only proven peers are waited for up to `timeout` (of NoLoCo's drawn group: the trusted
+        ones, proofs.trusted); a newcomer (proofs.py) for at most NEWCOMER_GRACE of it once they
+        are ready, as anyone can take our state under a fresh identity and never become ready; any
+        other drawn partner for STRANGER_GRACE of it, as anyone can publish a record that is drawn.
 
         Returns TOGETHER (everyone is ready), TIMEOUT (go on with those that are), ALONE
         (nobody else is in the run), BEHIND (others already finished this round) or STOPPED
@@ -262,22 +276,26 @@ class Presence:
         """
         deadline = time.monotonic() + timeout
         pauses = polls()
-        counted_ready_at: float | None = None  # when every counted peer was ready, newcomers aside
+        counted_ready_at: float | None = None  # when every counted peer was ready, the others aside
         while True:
             others = self._others(among)
-            counted, newcomers = self._waited_for(others, round_, among)
-            state = round_state(others.values(), round_, counted, newcomers)
+            counted, newcomers, strangers = self._waited_for(others, round_, among)
+            # once the counted peers are ready, each of the others is waited for its grace only
+            late = 0.0 if counted_ready_at is None else time.monotonic() - counted_ready_at
+            pending = {*(newcomers if late <= NEWCOMER_GRACE * timeout else ()),
+                       *(strangers if late <= STRANGER_GRACE * timeout else ())}
+            state = round_state(others.values(), round_, counted, pending)
             if state != Outcome.WAITING:
+                for word, peers in (("newcomer", newcomers - pending), ("unproven partner", strangers - pending)):
+                    if unready := sorted(p for p in peers if others[p].ready_round < round_):
+                        logger.info("round=%d not waiting longer for %s %s", round_, word, ", ".join(unready))
                 return state
-            if newcomers and round_state(others.values(), round_, counted) == Outcome.TOGETHER:
-                counted_ready_at = counted_ready_at or time.monotonic()
-                if time.monotonic() - counted_ready_at > NEWCOMER_GRACE * timeout:
-                    late = sorted(p for p in newcomers if others[p].ready_round < round_)
-                    logger.info("round=%d not waiting longer for newcomer %s", round_, ", ".join(late))
-                    return Outcome.TOGETHER
+            if counted_ready_at is None and (newcomers or strangers) and \
+                    round_state(others.values(), round_, counted) == Outcome.TOGETHER:
+                counted_ready_at = time.monotonic()
             if time.monotonic() > deadline:
                 waiting = sorted(p for p, r in others.items() if r.ready_round < round_
-                                 and (counted is None or p in counted or p in newcomers))
+                                 and (counted is None or p in counted or p in pending))
                 logger.warning("round=%d barrier timed out; not waiting for %s", round_, ", ".join(waiting))
                 return Outcome.TIMEOUT
             if stop.wait(next(pauses)):
@@ -286,24 +304,40 @@ class Presence:
     def round_state(self, round_: int, among: Collection[str] | None = None) -> Outcome:
         """Where the others (of `among`, when given) stand on `round_` right now; see `round_state`."""
         others = self._others(among)
-        return round_state(others.values(), round_, *self._waited_for(others, round_, among))
+        counted, newcomers, strangers = self._waited_for(others, round_, among)
+        return round_state(others.values(), round_, counted, newcomers | strangers)
+
+    def drawn_partners(self, round_: int, among: Collection[str]) -> list[str]:
+        """Those of NoLoCo's drawn partners `among` worth matchmaking with once the barrier is
+        passed: the trusted ones (proofs.trusted; all before any proof), and the others that are
+        ready for `round_`. A forged record drawn with us is thus never matchmade for. A partner
+        whose record already trains a later round is not either: it averaged `round_` without us
+        (NoLoCo marks no exchanged round), and matchmaking for it would only wait out its timeout,
+        twice (seen when two nodes' views of the records differed and so did their draws)."""
+        found = self.compatible_peers()
+        trusted = proofs.trusted(self.proofs.proven(), self.anchors, found)
+        return [p for p in among if not (p in found and found[p].round > round_)
+                and (trusted is None or p in trusted or (p in found and found[p].ready_round >= round_))]
 
     def _waited_for(self, others: dict[str, NodeRecord], round_: int,
-                    among: Collection[str] | None) -> tuple[set[str] | None, set[str]]:
-        """Whose records decide (proofs.counted), and the newcomers the barrier waits for in
-        `round_`: unproven peers that took the state of a counted peer or ours (its record vouches
-        for them) and are at `round_`, each in one round only (proofs.Proofs.newcomers). NoLoCo's
-        drawn group (`among`) counts whole, as its draw counts every record (proofs.py)."""
-        if among is not None:
-            return set(among), set()
+                    among: Collection[str] | None) -> tuple[set[str] | None, set[str], set[str]]:
+        """Whose records decide and are waited for up to the timeout (proofs.counted; NoLoCo's drawn
+        group `among`: those of it proofs.trusted); the newcomers waited for in `round_` for
+        NEWCOMER_GRACE: unproven peers that took the state of a counted peer or ours (its record
+        vouches for them) and are at `round_`, each in one round only (proofs.Proofs.newcomers);
+        and the strangers, NoLoCo's other drawn partners, waited for STRANGER_GRACE."""
         found = self.compatible_peers()
-        counted = proofs.counted(self.proofs.proven(), self.anchors, found)
-        if counted is None:
-            return None, set()
-        vouched = proofs.vouched_by(found, counted | {self.peer_id})
+        vouchers = proofs.counted(self.proofs.proven(), self.anchors, found)
+        if vouchers is None:  # before any proof every record counts, a drawn group whole (proofs.py)
+            return (None if among is None else set(among)), set(), set()
+        counted = vouchers if among is None else \
+            set(among) & (vouchers | proofs.endorsed(vouchers, found))  # proofs.trusted
+        vouched = proofs.vouched_by(found, vouchers | {self.peer_id})
         candidates = [p for p in vouched if p in others and p not in counted
                       and (others[p].round == round_ or others[p].ready_round >= round_)]
-        return counted, self.proofs.newcomers(candidates, round_)
+        newcomers = self.proofs.newcomers(candidates, round_)
+        strangers = set() if among is None else {p for p in others if p not in counted and p not in newcomers}
+        return counted, newcomers, strangers
 
     def _others(self, among: Collection[str] | None) -> dict[str, NodeRecord]:
         return {p: r for p, r in self._fetch().items()

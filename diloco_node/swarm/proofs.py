@@ -19,10 +19,16 @@ state (that peer vouched for it in its record) and has not been proven yet. A jo
 take part in its first round, where its payload is checked; a record that never becomes ready
 holds nobody up.
 
-NoLoCo's draws still count every record (docs/architecture.md §9, known limits): in groups of two a
-node proves only its partners, so the proofs split the run into islands, which from one island
-look exactly like free identities proving each other; drawing among proven peers would freeze the
-first round's pairing.
+NoLoCo's draws (docs/architecture.md §9, "NoLoCo draws"): every node draws the same groups from
+every record, since a draw among each node's own proven peers splits the run into islands (in groups
+of two a node proves only its partners, and two nodes' draws then disagree). What the proofs decide
+is whom a node *waits for*: a drawn partner is waited for up to the round timeout only when it is
+`trusted` (counted, or endorsed: listed as proven in the record of a counted peer, whose checked
+work we used, so it saw this one's checked work); any other drawn partner for a short grace once we
+are ready, and it is dropped from the round if it is not ready by then (never matchmade for). A
+forged record drawn into our group thus costs the grace, not the round timeout, and cannot make us
+behind; two honest nodes that never met are endorsed to each other once the draws have mixed them
+with a common partner, and until then still meet within the grace and the matchmaking window.
 """
 
 from __future__ import annotations
@@ -52,6 +58,21 @@ def counted(proven: Collection[str], anchors: Collection[str], records: Mapping[
         if peer in records and records[peer].proven:
             endorsed.update({peer, *records[peer].proven})
     return endorsed or None
+
+
+def endorsed(who: Collection[str], records: Mapping[str, NodeRecord]) -> set[str]:
+    """The peers that those of `who` with a record list as proven (one hop: not the peers those list)."""
+    return {peer for voucher in who if voucher in records for peer in records[voucher].proven}
+
+
+def trusted(proven: Collection[str], anchors: Collection[str], records: Mapping[str, NodeRecord]) -> set[str] | None:
+    """The drawn partners a NoLoCo node waits for up to the round timeout (see the module's
+    docstring): the counted peers and those they endorse; None before any proof (every record
+    counts, as for every decision then). A peer they vouched for is a newcomer, waited for once."""
+    who = counted(proven, anchors, records)
+    if who is None:
+        return None
+    return who | endorsed(who, records)
 
 
 def deciding(records: Iterable[NodeRecord], who: Collection[str] | None) -> list[NodeRecord]:

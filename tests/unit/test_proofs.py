@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from diloco_node.round import Outcome
+from diloco_node.swarm import presence as presence_module
 from diloco_node.swarm import proofs, records
 from diloco_node.swarm.presence import round_state
 from diloco_node.swarm.proofs import PROOF_ROUNDS, Proofs, anchor_ids, counted
@@ -114,3 +115,79 @@ def test_a_newcomer_that_never_becomes_ready_holds_the_barrier_for_the_grace_onl
     presence.prove(ROUND - 1, ["b"])
     presence.vouch("taker")  # it downloaded our state under a fresh identity, and stays unready
     assert presence.wait_for_round(ROUND, timeout=1, stop=threading.Event()) == Outcome.TOGETHER
+
+
+def test_trusted_partners_are_the_counted_peers_and_those_they_endorse() -> None:
+    found = {r.peer_id: r for r in [honest("b", proven=("us", "c")), honest("c", proven=("b",)), *forged(3)]}
+    assert proofs.trusted(set(), set(), found) is None, "before any proof every record counts"
+    assert proofs.trusted({"b"}, set(), found) == {"b", "c", "us"}
+    # forged records endorse each other, but none of them is counted: their endorsements count for nothing
+    assert not proofs.trusted({"b"}, set(), found) & {"sybil0", "sybil1", "sybil2"}
+    assert proofs.trusted(set(), {"b"}, found) == {"b", "c", "us"}, "a joiner's anchor endorses too"
+
+
+@pytest.mark.parametrize("sybils", [3, 10])
+def test_a_forged_record_drawn_with_us_costs_the_stranger_grace_and_no_matchmaking(monkeypatch, sybils: int) -> None:  # type: ignore[no-untyped-def]
+    presence = presence_seeing(monkeypatch, [honest("b"), *forged(sybils)])
+    presence.prove(ROUND - 1, ["b"])
+    never = threading.Event()
+    # drawn with a forged record only: it claims the run went on (exchanged 10^6) and never gets
+    # ready; neither makes us behind nor holds us for the round timeout (here 60 s)
+    assert presence.round_state(ROUND, among=["sybil0"]) == Outcome.WAITING, "waited for a moment"
+    monkeypatch.setattr(presence_module, "STRANGER_GRACE", 0.2 / 60)
+    assert presence.wait_for_round(ROUND, timeout=60, stop=never, among=["sybil0"]) == Outcome.TOGETHER, \
+        "a timeout had we waited for it"
+    assert presence.drawn_partners(ROUND, ["sybil0"]) == [], "not matchmade for"
+    # drawn with the proven peer and a forged record: the proven one alone is kept
+    assert presence.wait_for_round(ROUND, timeout=60, stop=never, among=["b", "sybil1"]) == Outcome.TOGETHER
+    assert presence.drawn_partners(ROUND, ["b", "sybil1"]) == ["b"]
+
+
+def test_a_partner_a_proven_peer_endorses_is_waited_for_until_the_timeout(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    presence = presence_seeing(monkeypatch, [honest("b", proven=("c",)), honest("c", ready=False),
+                                             honest("d", ready=False), *forged(3)])
+    presence.prove(ROUND - 1, ["b"])
+    never = threading.Event()
+    monkeypatch.setattr(presence_module, "STRANGER_GRACE", 0.0)
+    assert presence.wait_for_round(ROUND, timeout=0.5, stop=never, among=["c"]) == Outcome.TIMEOUT
+    assert presence.drawn_partners(ROUND, ["c"]) == ["c"], "still matchmade for"
+    # d, an honest node nobody we proved has met, is a stranger: a late one misses the round with us
+    assert presence.wait_for_round(ROUND, timeout=0.5, stop=never, among=["d"]) == Outcome.TOGETHER
+    assert presence.drawn_partners(ROUND, ["d"]) == []
+
+
+def test_before_any_proof_a_drawn_group_counts_whole(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    presence = presence_seeing(monkeypatch, [honest("b", ready=False), *forged(3)])
+    assert presence.round_state(ROUND, among=["b"]) == Outcome.WAITING
+    assert presence.round_state(ROUND, among=["sybil0"]) == Outcome.BEHIND, "what records alone decide (§9)"
+    assert presence.drawn_partners(ROUND, ["b", "sybil0"]) == ["b", "sybil0"]
+
+
+@pytest.mark.parametrize("sybils", [3, 10])
+def test_min_peers_counts_proven_peers_once_any_exist(monkeypatch, sybils: int) -> None:  # type: ignore[no-untyped-def]
+    presence = presence_seeing(monkeypatch, [honest("a", proven=("b",)), honest("b", proven=("a",)), *forged(sybils)])
+    assert presence.present() == 3 + sybils, "before any proof every record counts (§9)"
+    presence.anchors = frozenset({"a"})  # a joiner whose --peers names a node of the run
+    assert presence.present() == 3
+    assert not presence.wait_for_peers(4, stop=stopped())
+    assert presence.wait_for_peers(3, stop=stopped())
+    presence.anchors = frozenset()
+    presence.prove(ROUND, ["b"])
+    assert presence.present() == 2, "ourselves and b: a, endorsed by b, is no proof of ours"
+
+
+def stopped() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
+
+
+def test_a_drawn_partner_already_training_a_later_round_is_not_matchmade_for(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    ahead = dataclasses.replace(honest("b"), round=ROUND + 3, ready_round=ROUND + 2)
+    presence = presence_seeing(monkeypatch, [ahead, honest("c")])
+    presence.prove(ROUND - 1, ["b", "c"])
+    presence.compatible_peers(refresh=True)  # as the barrier just did
+    assert presence.drawn_partners(ROUND, ["b", "c"]) == ["c"], "b averaged this round without us"
+    presence_before_proofs = presence_seeing(monkeypatch, [ahead])
+    presence_before_proofs.compatible_peers(refresh=True)
+    assert presence_before_proofs.drawn_partners(ROUND, ["b"]) == []
