@@ -90,7 +90,7 @@ def attach_swarm(parts: Parts, shared_state: Callable[[], tuple[dict[str, Any], 
         max_payload_bytes=(2 if gossip else 1) * max_payload_bytes(parts.state.numel),
         group_size=cfg.group_size if gossip else None, identity=cfg.identity_path, gate=parts.gate,
         butterfly_from=cfg.butterfly_from, butterfly_possible=cfg.butterfly_possible, reachability=cfg.reachability,
-        min_group_size=cfg.min_group_size)
+        min_group_size=cfg.min_group_size, upload_limit=cfg.upload_rate, download_limit=cfg.download_rate)
     swarm = parts.swarm = Swarm(settings, parts.state.numel, shared_state, MAX_SHARED_VECTORS)
     averaging = Averaging(parts.codec, parts.state.numel, swarm.peer_id, parts.phi_codec, cfg.aggregator,
                           cfg.max_tokens_per_round or None, cfg.part_align if cfg.butterfly_possible else None)

@@ -49,6 +49,8 @@ class SwarmSettings:
     butterfly_possible: bool = False  # whether the run can exchange by butterfly (a group with a client must)
     reachability: str = "auto"  # public, private or auto (reachability.py)
     min_group_size: int = 2  # smaller groups take no outer step (round.held); hivemind forms none below it
+    upload_limit: float = 0.0  # bytes/s every stream of ours sends at most together; 0: no cap (throttle.py)
+    download_limit: float = 0.0  # bytes/s they receive at most together; 0: no cap
 
 
 def start_dht(settings: SwarmSettings) -> tuple[DHT, RSASignatureValidator]:

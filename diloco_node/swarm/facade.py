@@ -34,6 +34,7 @@ from diloco_node.swarm.presence import Presence
 from diloco_node.swarm.reachability import DialBack
 from diloco_node.swarm.statesync import StateService, download_run_state
 from diloco_node.swarm.streams import Streams
+from diloco_node.swarm.throttle import Throttle
 from diloco_node.swarm.transfer import Transfer
 from diloco_node.swarm.watchdog import Watchdog
 
@@ -64,7 +65,7 @@ class Swarm:
                                   isolation, signed_by, self.gate, self.client,
                                   anchors=proofs.anchor_ids(settings.initial_peers))
         averager = start_averager(self._dht, namespace, settings, self.client)  # forks: before our threads
-        self._streams = Streams(self._dht)
+        self._streams = Streams(self._dht, Throttle(settings.upload_limit, settings.download_limit))
         self._exchange = PayloadExchange(self._streams, namespace, settings.max_payload_bytes,
                                          self._may_fetch_payload, self.gate.token)
         self._exchange.attach()
@@ -265,6 +266,12 @@ class Swarm:
             return {p: r for p, r in self._presence.deciding_peers(refresh=True).items() if not r.client}
 
         return download_run_state(self._state, self._streams.run, others, timeout, stop, check_digest, held)
+
+    def stream_totals(self) -> tuple[int, int]:
+        """(bytes sent, bytes received) through every stream of ours since start, paced or not
+        (the payloads', parts' and states' bytes with their framing and requests)."""
+        throttle = self._streams.throttle
+        return throttle.upload.total, throttle.download.total
 
     def traffic(self) -> tuple[int, int]:
         """(bytes sent, bytes received) of payloads and shared state since start."""

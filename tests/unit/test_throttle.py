@@ -1,0 +1,148 @@
+"""The node's caps (diloco_node/swarm/throttle.py) on a fake clock: no real time passes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+
+import pytest
+
+from diloco_node.swarm import throttle
+from diloco_node.swarm.throttle import BURST_SECONDS, STREAM_SHARE, PacedReader, PacedWriter, Throttle, TokenBucket
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """A clock that asyncio.sleep inside throttle.py advances instead of waiting."""
+    fake = FakeClock()
+    real_sleep = asyncio.sleep
+
+    async def sleep(seconds: float) -> None:
+        fake.now += seconds
+        await real_sleep(0)  # let the other streams run, as a real wait would
+
+    monkeypatch.setattr(throttle.asyncio, "sleep", sleep)
+    return fake
+
+
+class Sink:
+    """A stream's writing end that notes when each byte left (on the fake clock)."""
+
+    def __init__(self, clock: FakeClock, log: list[tuple[float, int]]):
+        self.clock, self.log, self.closed = clock, log, False
+
+    def write(self, data) -> None:
+        self.log.append((self.clock.now, len(data)))
+
+    async def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def windows(log: list[tuple[float, int]], start: float) -> dict[int, int]:
+    """Bytes per 1-second window from `start`."""
+    counts: dict[int, int] = defaultdict(int)
+    for at, size in log:
+        counts[int(at - start)] += size
+    return counts
+
+
+def test_an_uncapped_bucket_never_waits_and_counts():
+    bucket = TokenBucket(0)
+    assert [bucket.reserve(10 ** 9) for _ in range(3)] == [0, 0, 0]
+    assert bucket.total == 3 * 10 ** 9
+
+
+def test_a_bucket_lends_its_burst_then_waits_for_the_rate():
+    clock = FakeClock()
+    bucket = TokenBucket(1000, clock)
+    assert bucket.reserve(int(1000 * BURST_SECONDS)) == 0  # the saved burst
+    assert bucket.reserve(500) == pytest.approx(0.5)  # then the rate
+    assert bucket.reserve(500) == pytest.approx(1.0)  # first come, first served
+    clock.now += 10  # idle: refills up to the burst only
+    assert bucket.reserve(int(1000 * BURST_SECONDS)) == 0
+    assert bucket.reserve(1) > 0
+
+
+def test_writes_of_two_streams_together_keep_the_cap_in_every_second(clock):
+    """Two joiners served at once, each a 3 s state at the full cap: the sum of their bytes in any
+    1-second window stays within 1.1 x the cap, and both get their whole state."""
+    cap = 250_000  # 2 Mbit/s
+    paced = Throttle(upload=cap, clock=clock)
+    log: list[tuple[float, int]] = []
+    start = clock.now
+
+    async def serve() -> None:
+        writer = paced.writer(Sink(clock, log))  # type: ignore[arg-type]
+        writer.write(b"h" * 8)
+        for _ in range(12):
+            writer.write(bytes(cap // 4))
+            await writer.drain()
+
+    async def both() -> None:
+        await asyncio.gather(serve(), serve())
+
+    asyncio.run(both())
+    assert sum(size for _, size in log) == 2 * (8 + 12 * (cap // 4))
+    assert max(size for _, size in log) <= paced.upload.chunk
+    per_second = windows(log, start)
+    assert len(per_second) >= 5  # 6 MB... at the cap takes its time
+    assert max(per_second.values()) <= 1.1 * cap
+    assert max(per_second.values()) >= 0.9 * cap * STREAM_SHARE  # and the cap is used
+
+
+class Source:
+    """A stream's reading end holding `size` bytes; notes when each byte was read (fake clock)."""
+
+    def __init__(self, size: int, clock: FakeClock):
+        self.left, self.clock, self.log = size, clock, []
+
+    async def read(self, n: int) -> bytes:
+        taken = min(n, self.left)
+        self.left -= taken
+        self.log.append((self.clock.now, taken))
+        return bytes(taken)
+
+    async def readexactly(self, n: int) -> bytes:
+        if n > self.left:
+            raise asyncio.IncompleteReadError(bytes(self.left), n)
+        return await self.read(n)
+
+
+def test_reads_are_paced_like_writes(clock):
+    cap = 100_000
+    bucket = Throttle(download=cap, clock=clock).download
+    source = Source(450_000, clock)
+    reader = PacedReader(source, bucket)  # type: ignore[arg-type]
+    start = clock.now
+
+    async def read_all() -> int:
+        got = len(await reader.readexactly(200_000))
+        while chunk := await reader.read(1 << 20):
+            got += len(chunk)
+        return got
+
+    assert asyncio.run(read_all()) == 450_000
+    log = source.log
+    assert clock.now - start >= (450_000 - bucket.capacity) / bucket.rate - 1e-6
+    assert max(windows(log, start).values()) <= 1.1 * cap
+
+
+def test_a_writer_queues_until_drained_and_close_sends_the_rest(clock):
+    log: list[tuple[float, int]] = []
+    sink = Sink(clock, log)
+    writer = PacedWriter(sink, TokenBucket(10_000, clock))  # type: ignore[arg-type]
+    writer.write(b"abc")
+    assert log == []
+    writer.close()
+    assert log == [(clock.now, 3)] and sink.closed
