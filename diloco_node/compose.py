@@ -27,6 +27,7 @@ from diloco_node.outer.update import OuterUpdate, UpdateContext
 from diloco_node.swarm import Swarm, SwarmSettings
 from diloco_node.telemetry.events import Events
 from diloco_node.telemetry.meter import Telemetry
+from diloco_node.telemetry.planning import Planner
 from diloco_node.telemetry.rounds import RoundReporter
 from diloco_node.telemetry.server import StatusServer
 from diloco_node.telemetry.wire import WireMeter
@@ -73,9 +74,12 @@ def build(cfg: NodeConfig) -> Parts:
     wire = WireMeter(os.getpid(), on_sample=lambda sent, received: telemetry.update(
         wire_bytes_sent=sent, wire_bytes_received=received))
     telemetry.refresh_with(wire.refresh)
+    planner = Planner(cfg.upload_rate, cfg.download_rate, cfg.butterfly_from, cfg.round_timeout) \
+        if cfg.upload_rate or cfg.download_rate else None
     return Parts(cfg=cfg, state=state, codec=make_codec(codec_config_of(cfg)), phi_codec=phi_codec,
                  signals=StopSignals(), telemetry=telemetry, server=StatusServer(telemetry, *cfg.status_host_port),
-                 wire=wire, reporter=RoundReporter(telemetry, wire, cfg.label, gossip), events=Events(cfg.events),
+                 wire=wire, reporter=RoundReporter(telemetry, wire, cfg.label, gossip, planner),
+                 events=Events(cfg.events),
                  store=CheckpointStore(cfg.checkpoint_path) if cfg.checkpoint_path else None, gate=Gate(cfg.run_id))
 
 
