@@ -70,9 +70,15 @@ def build(cfg: NodeConfig) -> Parts:
     telemetry = Telemetry(run_id=cfg.run_id, model=cfg.model, parameters=state.numel, compression=cfg.compression,
                           algorithm=cfg.algorithm, label=cfg.label, parallel=cfg.parallel,
                           local_ranks=cfg.local_ranks, isolated=False, outer_step=0, inner_step=0, peers=1,
+                          upload_limit_bytes_per_second=cfg.upload_rate,
+                          download_limit_bytes_per_second=cfg.download_rate,
                           group_size=0)
-    wire = WireMeter(os.getpid(), on_sample=lambda sent, received: telemetry.update(
-        wire_bytes_sent=sent, wire_bytes_received=received))
+    def on_sample(sent: int, received: int) -> None:
+        egress, ingress = wire.rates() or (None, None)
+        telemetry.update(wire_bytes_sent=sent, wire_bytes_received=received,
+                         egress_bytes_per_second=egress, ingress_bytes_per_second=ingress)
+
+    wire = WireMeter(os.getpid(), on_sample=on_sample)
     telemetry.refresh_with(wire.refresh)
     planner = Planner(cfg.upload_rate, cfg.download_rate, cfg.butterfly_from, cfg.round_timeout) \
         if cfg.upload_rate or cfg.download_rate else None
