@@ -267,12 +267,6 @@ class Swarm:
 
         return download_run_state(self._state, self._streams.run, others, timeout, stop, check_digest, held)
 
-    def stream_totals(self) -> tuple[int, int]:
-        """(bytes sent, bytes received) through every stream of ours since start, paced or not
-        (the payloads', parts' and states' bytes with their framing and requests)."""
-        throttle = self._streams.throttle
-        return throttle.upload.total, throttle.download.total
-
     def traffic(self) -> tuple[int, int]:
         """(bytes sent, bytes received) of payloads and shared state since start."""
         return self._streams.bytes_sent, self._streams.bytes_received

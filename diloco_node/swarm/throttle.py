@@ -15,7 +15,7 @@ next is read, and the sender's TCP window then slows it (a download cap holds on
 first window can carry what the kernel and p2pd had buffered, a few hundred KB).
 
 Everything runs on the streams' event loop; the lock only makes `reserve` safe should a caller
-use the bucket from another thread (the counters are read by the status server's thread).
+use the bucket from another thread.
 """
 
 from __future__ import annotations
@@ -39,24 +39,22 @@ MIN_CHUNK = 512  # slow caps: no write smaller than this (a header and a little 
 
 
 class TokenBucket:
-    """`rate` bytes/s (0: no cap) with at most `BURST_SECONDS` of it saved; counts every byte."""
+    """`rate` bytes/s (0: no cap) with at most `BURST_SECONDS` of it saved."""
 
     def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic):
         self.rate = rate
         self.capacity = rate * BURST_SECONDS
         self.chunk = int(min(MAX_CHUNK, max(MIN_CHUNK, self.capacity))) if rate > 0 else MAX_CHUNK
         self._clock = clock
-        self._lock = threading.Lock()  # guards the tokens and the total
+        self._lock = threading.Lock()  # guards the tokens and when they were counted
         self._tokens = self.capacity
         self._at = clock()
-        self.total = 0  # bytes taken since start, capped or not
 
     def reserve(self, size: int) -> float:
         """Take `size` bytes now; the seconds to wait before they may move (0 when uncapped)."""
+        if self.rate <= 0:
+            return 0.0
         with self._lock:
-            self.total += size
-            if self.rate <= 0:
-                return 0.0
             now = self._clock()
             self._tokens = min(self.capacity, self._tokens + (now - self._at) * self.rate) - size
             self._at = now

@@ -57,10 +57,9 @@ def windows(log: list[tuple[float, int]], start: float) -> dict[int, int]:
     return counts
 
 
-def test_an_uncapped_bucket_never_waits_and_counts():
+def test_an_uncapped_bucket_never_waits():
     bucket = TokenBucket(0)
     assert [bucket.reserve(10 ** 9) for _ in range(3)] == [0, 0, 0]
-    assert bucket.total == 3 * 10 ** 9
 
 
 def test_a_bucket_lends_its_burst_then_waits_for_the_rate():
