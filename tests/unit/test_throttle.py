@@ -59,18 +59,49 @@ def windows(log: list[tuple[float, int]], start: float) -> dict[int, int]:
 
 def test_an_uncapped_bucket_never_waits():
     bucket = TokenBucket(0)
-    assert [bucket.reserve(10 ** 9) for _ in range(3)] == [0, 0, 0]
+    assert [bucket.wait(10 ** 9) for _ in range(3)] == [0, 0, 0]
 
 
 def test_a_bucket_lends_its_burst_then_waits_for_the_rate():
     clock = FakeClock()
     bucket = TokenBucket(1000, clock)
-    assert bucket.reserve(int(1000 * BURST_SECONDS)) == 0  # the saved burst
-    assert bucket.reserve(500) == pytest.approx(0.5)  # then the rate
-    assert bucket.reserve(500) == pytest.approx(1.0)  # first come, first served
+    burst = int(1000 * BURST_SECONDS)
+    assert bucket.wait(burst) == 0  # the saved burst, taken
+    assert bucket.wait(burst) == pytest.approx(BURST_SECONDS)  # nothing taken: wait for the rate
+    clock.now += BURST_SECONDS
+    assert bucket.wait(burst) == 0
     clock.now += 10  # idle: refills up to the burst only
-    assert bucket.reserve(int(1000 * BURST_SECONDS)) == 0
-    assert bucket.reserve(1) > 0
+    assert bucket.wait(burst) == 0
+    assert bucket.wait(1) > 0
+
+
+def test_a_chunk_larger_than_the_burst_goes_once_a_burst_is_saved_and_is_paid_back():
+    clock = FakeClock()
+    bucket = TokenBucket(1000, clock)  # a burst of 50 B
+    assert bucket.wait(500) == 0
+    assert bucket.wait(500) == pytest.approx((500 - 50 + 50) / 1000)  # the debt, then a burst
+    bucket.owe(1000)
+    assert bucket.wait(1) == pytest.approx(1.45 + 0.001)
+
+
+def test_streams_that_wake_late_do_not_catch_up():
+    """Three streams asking for chunks every 10 ms, and a second in which none of them runs (the
+    loop stalled behind a busy CPU): when they run again they find only a burst saved, so no
+    1-second window carries more than the cap, a burst and a chunk."""
+    clock = FakeClock()
+    cap = 100_000
+    bucket = TokenBucket(cap, clock)
+    start, log = clock.now, []
+    for tick in range(400):
+        clock.now = start + tick / 100
+        if 1.0 <= clock.now - start < 2.0:
+            continue  # the stall
+        for _ in range(3):
+            if bucket.wait(bucket.chunk) == 0:
+                log.append((clock.now, bucket.chunk))
+    per_window = [sum(size for at, size in log if t <= at < t + 1) for t in (start + k / 100 for k in range(300))]
+    assert max(per_window) <= cap + bucket.capacity + bucket.chunk
+    assert sum(size for at, size in log if at >= start + 3) >= 0.9 * cap  # and the cap is used
 
 
 def test_writes_of_two_streams_together_keep_the_cap_in_every_second(clock):
