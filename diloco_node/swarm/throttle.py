@@ -21,6 +21,7 @@ the bucket from another thread.
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -103,6 +104,20 @@ class Throttle:
         return PacedWriter(writer, self.upload)
 
 
+def _keep_little_below(writer: asyncio.StreamWriter, size: int) -> None:
+    """Let no more than about `size` bytes wait between our paced writes and p2pd: asyncio's buffer
+    and the socket's send buffer (~200 KB by default) otherwise fill while p2pd is starved of CPU,
+    and it then sends their backlog at once, over the cap in that second. Best effort: a transport
+    without these knobs keeps its buffers."""
+    try:
+        writer.transport.set_write_buffer_limits(high=size)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+    except (AttributeError, OSError, NotImplementedError):
+        pass
+
+
 class PacedReader:
     """A stream's reading end whose bytes come out of `bucket`; the two reads our protocols use."""
 
@@ -134,6 +149,8 @@ class PacedWriter:
     def __init__(self, writer: asyncio.StreamWriter, bucket: TokenBucket):
         self._writer, self._bucket = writer, bucket
         self._queued: list[bytes] = []
+        if bucket.rate > 0:
+            _keep_little_below(writer, bucket.chunk)
 
     def write(self, data: bytes) -> None:
         if data:
