@@ -97,7 +97,10 @@ class RoundReporter:
         self.rejected.update(record.rejected)
         self.telemetry.update(**record.status(self._since_start()))
         if self.planner is not None:
-            self.planner.check(record.payload_bytes, record.group_size, record.compute_seconds)
+            # the group the exchange was for: an exchange the cap made time out leaves a smaller one
+            # in the record, down to ourselves alone (NoLoCo's drawn groups are the record's)
+            expected = record.group_size if self.gossip else max(record.group_size, before.get("peers") or 0)
+            self.planner.check(record.payload_bytes, expected, record.compute_seconds)
         return record
 
     def peer_stats(self, record: RoundRecord) -> dict[str, Any]:

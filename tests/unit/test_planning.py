@@ -44,3 +44,24 @@ def test_a_round_without_a_group_is_not_judged():
     assert planner.check(10 ** 9, 1, round_seconds=1) is None
     assert planner.check(10 ** 9, 0, round_seconds=1) is None
     assert not planner.told
+
+
+def test_the_reporter_judges_the_group_the_exchange_was_for(caplog):
+    """An exchange the cap made time out leaves only ourselves in the round's record; the plan is
+    still made for the live nodes the exchange was for."""
+    import torch
+
+    from diloco_node.round import AverageResult, Outcome, Own, RoundReport
+    from diloco_node.telemetry.meter import Telemetry
+    from diloco_node.telemetry.rounds import RoundReporter, RoundTiming
+    from tests.unit.test_record import FakeWire
+
+    telemetry = Telemetry(run_id="r", parameters=1000, peers=3)
+    planner = Planner(upload=2 * MBIT, download=0, butterfly_from=None, round_timeout=60)
+    reporter = RoundReporter(telemetry, FakeWire(None), "", False, planner)  # type: ignore[arg-type]
+    own = Own(payload=b"x" * 10_000_000, decoded=None, tokens=1.0, codec_seconds=0.0)
+    alone = AverageResult(group=("me",), mean=torch.zeros(1), own_share=1.0, codec_seconds=0.0,
+                          transfer_seconds=0.0, received_bytes=0)
+    caplog.set_level(logging.WARNING)
+    reporter.finished(1, [1.0], 1.0, RoundReport(Outcome.TIMEOUT, own, alone), RoundTiming(20.0, 60.0), "d", (0, 0))
+    assert planner.told and "fan-out 2" in caplog.text and "takes 80s" in caplog.text
