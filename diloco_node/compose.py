@@ -28,6 +28,7 @@ from diloco_node.outer.update import OuterUpdate, UpdateContext
 from diloco_node.swarm import Swarm, SwarmSettings
 from diloco_node.telemetry.events import Events
 from diloco_node.telemetry.meter import Telemetry
+from diloco_node.telemetry.planning import Planner
 from diloco_node.telemetry.rounds import RoundReporter
 from diloco_node.telemetry.server import StatusServer
 from diloco_node.telemetry.wire import WireMeter
@@ -70,13 +71,22 @@ def build(cfg: NodeConfig) -> Parts:
     telemetry = Telemetry(run_id=cfg.run_id, model=cfg.model, parameters=state.numel, compression=cfg.compression,
                           algorithm=cfg.algorithm, label=cfg.label, parallel=cfg.parallel,
                           local_ranks=cfg.local_ranks, isolated=False, outer_step=0, inner_step=0, peers=1,
+                          upload_limit_bytes_per_second=cfg.upload_rate,
+                          download_limit_bytes_per_second=cfg.download_rate,
                           group_size=0)
-    wire = WireMeter(os.getpid(), on_sample=lambda sent, received: telemetry.update(
-        wire_bytes_sent=sent, wire_bytes_received=received))
+    def on_sample(sent: int, received: int) -> None:
+        egress, ingress = wire.rates() or (None, None)
+        telemetry.update(wire_bytes_sent=sent, wire_bytes_received=received,
+                         egress_bytes_per_second=egress, ingress_bytes_per_second=ingress)
+
+    wire = WireMeter(os.getpid(), on_sample=on_sample)
     telemetry.refresh_with(wire.refresh)
+    planner = Planner(cfg.upload_rate, cfg.download_rate, cfg.butterfly_from, cfg.round_timeout) \
+        if cfg.upload_rate or cfg.download_rate else None
     return Parts(cfg=cfg, state=state, codec=make_codec(codec_config_of(cfg)), phi_codec=phi_codec,
                  signals=StopSignals(), telemetry=telemetry, server=StatusServer(telemetry, *cfg.status_host_port),
-                 wire=wire, reporter=RoundReporter(telemetry, wire, cfg.label, gossip), events=Events(cfg.events),
+                 wire=wire, reporter=RoundReporter(telemetry, wire, cfg.label, gossip, planner),
+                 events=Events(cfg.events),
                  store=CheckpointStore(cfg.checkpoint_path) if cfg.checkpoint_path else None, gate=Gate(cfg.run_id))
 
 
@@ -91,7 +101,7 @@ def attach_swarm(parts: Parts, shared_state: Callable[[], tuple[dict[str, Any], 
         max_payload_bytes=(2 if gossip else 1) * max_payload_bytes(parts.state.numel),
         group_size=cfg.group_size if gossip else None, identity=cfg.identity_path, gate=parts.gate,
         butterfly_from=cfg.butterfly_from, butterfly_possible=cfg.butterfly_possible, reachability=cfg.reachability,
-        min_group_size=cfg.min_group_size,
+        min_group_size=cfg.min_group_size, upload_limit=cfg.upload_rate, download_limit=cfg.download_rate,
         barrier_timeout=barrier_timeout(cfg.round_seconds, cfg.round_timeout) if cfg.round_seconds else None)
     swarm = parts.swarm = Swarm(settings, parts.state.numel, shared_state, MAX_SHARED_VECTORS)
     averaging = Averaging(parts.codec, parts.state.numel, swarm.peer_id, parts.phi_codec, cfg.aggregator,

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from diloco_node.errors import NodeError
 from diloco_node.fingerprint import PROTOCOL, fingerprint_of
+from diloco_node.rates import parse_rate
 from diloco_node.registry import (
     CODEC_CHECK,
     CODEC_DEFAULTS,
@@ -84,6 +85,10 @@ class NodeConfig(BaseModel):
     min_peers: int = Field(1, ge=1, description="nodes (this one included) to wait for before the first round")
     round_timeout: float = Field(60.0, gt=0, description="seconds to wait for peers at the end of a round")
     matchmaking_time: float = Field(3.0, gt=0, description="seconds to gather a group before averaging")
+    upload_limit: str = Field("0", description="most this node sends for the run, e.g. 5mbit, 10Mbit/s, 2MB/s, "
+                              "500kB/s; 0 = no cap (docs/architecture.md §14)")
+    download_limit: str = Field("0", description="most this node receives for the run, as --upload-limit; "
+                                "0 = no cap")
 
     # --- the model and data ---
     model: str = Field("tiny", description="model: a Hugging Face model directory, its config.json, a hub id "
@@ -238,6 +243,23 @@ class NodeConfig(BaseModel):
         if isinstance(value, bool) or not (text.isdigit() and isinstance(value, int | str)):
             raise ValueError(f"'{value}' is neither a number of sequences (0 or more) nor auto")
         return int(text)
+
+    @field_validator("upload_limit", "download_limit", mode="before")
+    @classmethod
+    def _rate(cls, value: Any) -> str:
+        """A rate rates.parse_rate reads (ValueError in one line otherwise), kept as written."""
+        parse_rate(value)
+        return str(value).strip()
+
+    @property
+    def upload_rate(self) -> float:
+        """--upload-limit in bytes/s, 0 for no cap."""
+        return parse_rate(self.upload_limit)
+
+    @property
+    def download_rate(self) -> float:
+        """--download-limit in bytes/s, 0 for no cap."""
+        return parse_rate(self.download_limit)
 
     @field_validator("model")
     @classmethod

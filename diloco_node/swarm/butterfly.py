@@ -34,8 +34,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hivemind.p2p import PeerID
-
 from diloco_node.round import PartIn, PartSource, Reduced, part_bounds
 from diloco_node.swarm.messages import hash_list, parse_digests_request, parse_part_request, parse_push, parse_report
 from diloco_node.swarm.streams import HEADER_LEN, PEER_FAILURES, Streams, StreamService, receive, send
@@ -289,8 +287,7 @@ class Butterfly(StreamService):
                    deadline: float) -> tuple[bytes, dict[str, Any]]:
         """One request-answer on a stream we open: (the averaged part, empty when none; its report)."""
         timeout = max(deadline - self.loop.time(), 1.0)
-        _, reader, writer = await asyncio.wait_for(
-            self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler), timeout)
+        reader, writer = await self._open(peer, handler, timeout)
         try:
             await send(writer, request)
             await send(writer, payload)

@@ -52,6 +52,8 @@ class SwarmSettings:
     # how long the barrier waits for peers (None: round_timeout); shorter under --round-seconds, where a
     # peer not ready soon after the common deadline is frozen or gone (docs/architecture.md §13)
     barrier_timeout: float | None = None
+    upload_limit: float = 0.0  # bytes/s every stream of ours sends at most together; 0: no cap (throttle.py)
+    download_limit: float = 0.0  # bytes/s they receive at most together; 0: no cap
 
 
 def start_dht(settings: SwarmSettings) -> tuple[DHT, RSASignatureValidator]:

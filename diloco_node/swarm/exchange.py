@@ -23,7 +23,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from diloco_node.swarm.messages import MAX_DECLARED, parse_payload_request, peer_ids
@@ -205,8 +204,7 @@ class PayloadExchange(StreamService):
         logger.warning("round=%d could not fetch payload from peer=%s: %s", round_, peer, type(exc).__name__)
 
     async def _fetch_once(self, peer: str, round_: int, timeout: float) -> Fetched | None:
-        _, reader, writer = await asyncio.wait_for(
-            self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.name), timeout)
+        reader, writer = await self._open(peer, self.name, timeout)
         try:
             request = json.dumps({"round": round_, "admission": self._token}).encode()
             await send(writer, request)

@@ -35,6 +35,7 @@ from diloco_node.swarm.presence import Presence
 from diloco_node.swarm.reachability import DialBack
 from diloco_node.swarm.statesync import StateService, download_run_state
 from diloco_node.swarm.streams import Streams
+from diloco_node.swarm.throttle import Throttle
 from diloco_node.swarm.transfer import Transfer
 from diloco_node.swarm.watchdog import Watchdog
 
@@ -65,7 +66,7 @@ class Swarm:
                                   isolation, signed_by, self.gate, self.client,
                                   anchors=proofs.anchor_ids(settings.initial_peers))
         averager = start_averager(self._dht, namespace, settings, self.client)  # forks: before our threads
-        self._streams = Streams(self._dht)
+        self._streams = Streams(self._dht, Throttle(settings.upload_limit, settings.download_limit))
         self._exchange = PayloadExchange(self._streams, namespace, settings.max_payload_bytes,
                                          self._may_fetch_payload, self.gate.token)
         self._exchange.attach()

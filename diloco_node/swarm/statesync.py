@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from hivemind.p2p import PeerID
 
 from diloco_node.replica.layout import digest
 from diloco_node.swarm.records import NodeRecord, reference_state
@@ -37,6 +36,11 @@ MAX_META_BYTES = 1 << 16
 CHUNK_BYTES = 1 << 20
 READ_TIMEOUT = 10.0  # seconds without a byte before a download is given up
 LEAST_RATE = 256 * 1024  # bytes/s: a server slower than this (2 Mbit/s) is dropped for the next one
+# A server under an upload cap announces the rate it serves each transfer at (its cap shared by
+# MAX_SERVES), and a joiner under a download cap reads at its own: the least rate is then half the
+# lower of those (payloads share the caps), but no less than this, since a server's word is its own
+# and a slow drip must still be cut (docs/architecture.md §14).
+LEAST_CAPPED_RATE = 32 * 1024
 SHARE_WAIT_SECONDS = 6.0  # a request waits this long for us to share again (below the asker's READ_TIMEOUT)
 SHARE_POLL_SECONDS = 0.1
 NOT_SHARING = "it is not sharing its state now"  # a blocking node mid-exchange: asked again, not demoted
@@ -109,6 +113,26 @@ def parse_header(data: bytes, max_vectors: int) -> tuple[dict[str, Any], int]:
     if not isinstance(metadata, dict):
         raise StateRefused("malformed answer (no metadata)")
     return metadata, count
+
+
+def announced_rate(data: bytes) -> float | None:
+    """The rate (bytes/s) a server's answer header says it serves at; None when it names none
+    (uncapped) or the header is malformed (parse_header refuses that)."""
+    try:
+        header = parse_json(data, MAX_METADATA_DEPTH)
+    except ValueError:
+        return None
+    rate = header.get("rate") if isinstance(header, dict) else None
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 < rate < float("inf"):
+        return None
+    return float(rate)
+
+
+def least_rate(announced: float | None, own_cap: float) -> float:
+    """Bytes/s a download must keep, from the server's announced rate and our own download cap
+    (each 0 or None: none); LEAST_RATE when neither is capped."""
+    caps = [rate / 2 for rate in (announced, own_cap) if rate]
+    return min(LEAST_RATE, max(LEAST_CAPPED_RATE, min(caps))) if caps else LEAST_RATE
 
 
 def lower_median(rounds: Sequence[int]) -> int:
@@ -195,13 +219,19 @@ class StateService(StreamService):
             metadata, vectors = snapshot.shared
             if self._on_shared is not None:
                 await self.loop.run_in_executor(None, self._on_shared, peer, metadata)
-            await send(writer, json.dumps({"sharing": True, "metadata": metadata, "vectors": len(vectors)}).encode())
+            header: dict[str, Any] = {"sharing": True, "metadata": metadata, "vectors": len(vectors)}
+            upload = self.streams.throttle.upload
+            if upload.rate > 0:  # what each of our transfers gets at least, for the joiner's least rate
+                header["rate"] = round(upload.rate / MAX_SERVES)
+            await send(writer, json.dumps(header).encode())
             writer.write((len(vectors) * self._numel * 4).to_bytes(HEADER_LEN, "big"))
+            # under a cap each drain is at most a chunk of the bucket, well inside READ_TIMEOUT
+            step = CHUNK_BYTES if upload.rate <= 0 else upload.chunk
             for vector in vectors:
                 # the snapshot's own memory, a chunk at a time: no second copy of φ per request
                 data = memoryview(vector.detach().float().contiguous().numpy()).cast("B")  # type: ignore[arg-type]
-                for start in range(0, len(data), CHUNK_BYTES):
-                    writer.write(bytes(data[start:start + CHUNK_BYTES]))
+                for start in range(0, len(data), step):
+                    writer.write(bytes(data[start:start + step]))
                     await asyncio.wait_for(writer.drain(), READ_TIMEOUT)
             self._on_moved(len(vectors) * self._numel * 4, 0)
         finally:
@@ -238,19 +268,20 @@ class StateService(StreamService):
     async def _download(self, peer: str, deadline: float) -> SharedState:
         started = self.loop.time()
         try:
-            _, reader, writer = await asyncio.wait_for(
-                self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.name), READ_TIMEOUT)
+            reader, writer = await self._open(peer, self.name, READ_TIMEOUT)
         except Exception as exc:  # the peer is gone, unreachable or has no such handler
             raise StateRefused(f"cannot reach it ({type(exc).__name__})") from None
         try:
             await send(writer, json.dumps({"admission": self._token}).encode())
-            metadata, count = parse_header(await receive(reader, MAX_META_BYTES, READ_TIMEOUT), self._max_vectors)
+            answer = await receive(reader, MAX_META_BYTES, READ_TIMEOUT)
+            metadata, count = parse_header(answer, self._max_vectors)
+            least = least_rate(announced_rate(answer), self.streams.throttle.download_limit)
             data = bytearray()
             size = int.from_bytes(await asyncio.wait_for(reader.readexactly(HEADER_LEN), READ_TIMEOUT), "big")
             if size != count * self._numel * 4:
                 raise StateRefused(f"it announced {size} bytes for {count} vectors of the model's size")
             # a slow drip is cut at the least rate, whatever the pace of single reads
-            deadline = min(deadline, started + SETUP_SECONDS + size / LEAST_RATE)
+            deadline = min(deadline, started + SETUP_SECONDS + size / least)
             while len(data) < size:
                 if self.loop.time() > deadline:
                     raise StateRefused(f"too slow: {len(data)} of {size} bytes in time")

@@ -20,10 +20,12 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from hivemind import DHT
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
+
+from diloco_node.swarm.throttle import Throttle
 
 logger = logging.getLogger(__name__)
 
@@ -146,10 +148,12 @@ class StreamLimits:
 
 
 class Streams:
-    """The event loop (on its own thread) and the replica of the DHT's P2P our protocols share, and
-    the bytes of payloads and butterfly parts they moved (state transfers count their own)."""
+    """The event loop (on its own thread) and the replica of the DHT's P2P our protocols share, the
+    node's caps every stream is paced by (`throttle`, docs/architecture.md §14), and the bytes of
+    payloads and butterfly parts they moved (state transfers count their own)."""
 
-    def __init__(self, dht: DHT):
+    def __init__(self, dht: DHT, throttle: Throttle | None = None):
+        self.throttle = throttle or Throttle()
         self._counter_lock = threading.Lock()
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -218,8 +222,10 @@ class StreamService(ABC):
             await self.p2p.add_binary_stream_handler(name, self._limited(handler))
 
     def _limited(self, handler: Handler) -> Handler:
-        """`handler` behind our limits: a stream over them is closed before anything is read."""
+        """`handler` behind our limits: a stream over them is closed before anything is read; one
+        taken is read and written at the node's caps (throttle.py)."""
         async def limited(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            reader, writer = self._paced(reader, writer)
             peer = str(info.peer_id)
             why = self._limits.admit(peer)
             if why is not None:
@@ -232,6 +238,19 @@ class StreamService(ABC):
             finally:
                 self._limits.release(peer)
         return limited
+
+    async def _open(self, peer: str, handler: str, timeout: float) -> tuple[asyncio.StreamReader,
+                                                                            asyncio.StreamWriter]:
+        """A stream to `peer`'s `handler`, read and written at the node's caps (throttle.py)."""
+        _, reader, writer = await asyncio.wait_for(
+            self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler), timeout)
+        return self._paced(reader, writer)
+
+    def _paced(self, reader: asyncio.StreamReader,
+               writer: asyncio.StreamWriter) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        # the paced ends have the methods our protocols call (read, readexactly; write, drain, close)
+        throttle = self.streams.throttle
+        return cast(asyncio.StreamReader, throttle.reader(reader)), cast(asyncio.StreamWriter, throttle.writer(writer))
 
     def detach(self) -> None:
         """Stop serving; never raises (the handlers go with the daemon anyway)."""

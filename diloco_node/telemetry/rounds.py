@@ -15,6 +15,7 @@ from typing import Any
 
 from diloco_node.round import RoundReport
 from diloco_node.telemetry.meter import Telemetry
+from diloco_node.telemetry.planning import Planner
 from diloco_node.telemetry.record import RoundRecord, SettledRecord
 from diloco_node.telemetry.swarm_table import swarm_row
 from diloco_node.telemetry.wire import WireMeter
@@ -72,8 +73,11 @@ class RoundReporter:
     """Records each finished round: the status and its history, the stats for our presence record, the
     swarm table of every peer. Used by the round engine's thread only."""
 
-    def __init__(self, telemetry: Telemetry, wire: WireMeter, label: str, gossip: bool):
+    def __init__(self, telemetry: Telemetry, wire: WireMeter, label: str, gossip: bool,
+                 planner: Planner | None = None):
+        """`planner`: told of every round, says once when the exchange cannot keep up with the caps."""
         self.telemetry, self.wire, self.label, self.gossip = telemetry, wire, label, gossip
+        self.planner = planner
         self.compute_seconds = self.wait_seconds = 0.0  # since start, for utilization
         self.wire_at_last_round = (0, 0)
         self.clipped: Counter[str] = Counter()  # per peer: contributions our aggregator bounded
@@ -95,6 +99,11 @@ class RoundReporter:
         self.clipped.update(record.clipped)
         self.rejected.update(record.rejected)
         self.telemetry.update(**record.status(self._since_start()))
+        if self.planner is not None:
+            # the group the exchange was for: an exchange the cap made time out leaves a smaller one
+            # in the record, down to ourselves alone (NoLoCo's drawn groups are the record's)
+            expected = record.group_size if self.gossip else max(record.group_size, before.get("peers") or 0)
+            self.planner.check(record.payload_bytes, expected, record.compute_seconds)
         return record
 
     def peer_stats(self, record: RoundRecord) -> dict[str, Any]:

@@ -28,6 +28,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,9 @@ logger = logging.getLogger(__name__)
 DAEMON_NAME = "p2pd"
 SAMPLE_SECONDS = 1.0
 FRESH_SECONDS = 0.5  # `refresh` reuses a sample this young, so a flood of readers can't flood the kernel
+# The egress and ingress rates shown against the caps (docs/architecture.md §14) are measured over
+# the last samples spanning at least this long: one second would swing with each burst of a round.
+RATE_SECONDS = 3.0
 ETHERNET_HEADER = 14  # what Linux interface counters (and the veth ground truth) include per frame
 TCP_HEADER, TCP_TIMESTAMPS = 20, 12
 _INET_DIAG_INFO = 2  # the tcp_info extension of an inet_diag request
@@ -137,6 +141,7 @@ class WireMeter:
         self._sampled_at = -float("inf")  # time.monotonic() of the last sample
         self._finished = [0, 0]  # sent, received by connections that have closed
         self._open: dict[tuple[str, str, int], Connection] = {}
+        self._history: deque[tuple[float, int, int]] = deque(maxlen=64)  # (monotonic, sent, received)
         self._daemons: set[int] = set()  # pids of our p2pd(s), found once they exist
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="wire-meter", daemon=True)
@@ -158,9 +163,25 @@ class WireMeter:
         if not self.available:
             return None
         with self._lock:
-            sent = self._finished[0] + sum(c.sent for c in self._open.values())
-            received = self._finished[1] + sum(c.received for c in self._open.values())
+            return self._totals_locked()
+
+    def _totals_locked(self) -> tuple[int, int]:
+        sent = self._finished[0] + sum(c.sent for c in self._open.values())
+        received = self._finished[1] + sum(c.received for c in self._open.values())
         return sent, received
+
+    def rates(self, span: float = RATE_SECONDS) -> tuple[float, float] | None:
+        """(egress, ingress) link-layer bytes/s over the newest samples spanning at least `span`
+        seconds (all there are, early on); None until two samples exist."""
+        with self._lock:
+            if len(self._history) < 2:
+                return None
+            end = self._history[-1]
+            start = next((h for h in reversed(self._history) if end[0] - h[0] >= span), self._history[0])
+        seconds = end[0] - start[0]
+        if seconds <= 0:
+            return None
+        return (end[1] - start[1]) / seconds, (end[2] - start[2]) / seconds
 
     def refresh(self, max_age: float = FRESH_SECONDS) -> None:
         """Sample now unless the last sample is younger than `max_age` seconds."""
@@ -189,6 +210,7 @@ class WireMeter:
                     self._finished[0] += old.sent
                     self._finished[1] += old.received
             self._open = current
+            self._history.append((time.monotonic(), *self._totals_locked()))
         if self._on_sample:
             totals = self.totals()
             assert totals is not None

@@ -175,6 +175,15 @@ def test_more_local_ranks_than_cores(nodes: Processes) -> None:
                      f"{ranks} local ranks on the CPU need as many cores")
 
 
+@pytest.mark.parametrize("args,words", [
+    (["--upload-limit", "-1"], ["upload_limit", "'-1' is not a rate"]),
+    (["--upload-limit", "5 parsecs"], ["upload_limit", "'5 parsecs' is not a rate"]),
+])
+def test_bad_bandwidth_caps(nodes: Processes, args: list[str], words: list[str]) -> None:
+    """--upload-limit / --download-limit (docs/architecture.md §13) take a rate with its unit, or 0."""
+    assert_bad_input(join(nodes, *args), *words)
+
+
 def test_invalid_value_in_config_file(nodes: Processes, tmp_path: Path) -> None:
     path = tmp_path / "run.toml"
     path.write_text("inner_steps = 0\n")

@@ -63,3 +63,22 @@ def test_closed_connections_keep_their_counts() -> None:
     assert meter.totals() == (170, 90)
     meter.absorb({b: Connection(5, 5)})  # the same address pair, a new connection
     assert meter.totals() == (175, 95)
+
+
+def test_the_rate_is_taken_over_the_last_samples_spanning_the_window(monkeypatch) -> None:
+    """The egress / ingress shown against the caps (docs/architecture.md §13): bytes/s between the
+    newest sample and the newest one at least RATE_SECONDS older."""
+    from diloco_node.telemetry import wire
+
+    now = [100.0]
+    monkeypatch.setattr(wire.time, "monotonic", lambda: now[0])
+    meter = WireMeter(os.getpid())
+    a = ("x:1", "y:2", 1)
+    assert meter.rates() is None
+    for second in range(6):  # 1000 B/s out, then 5000 B/s out in the last two seconds; 200 B/s in
+        now[0] = 100.0 + second
+        sent = 1000 * min(second, 3) + 5000 * max(second - 3, 0)
+        meter.absorb({a: Connection(sent, 200 * second)})
+    egress, ingress = meter.rates(span=3.0) or (0.0, 0.0)
+    assert egress == (13000 - 2000) / 3 and ingress == 200
+    assert meter.rates(span=1.0) == (5000, 200)

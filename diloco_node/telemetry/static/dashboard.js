@@ -77,6 +77,47 @@ function renderStatus(s) {
       + "training is paused while the node retries its peers";
   }
   document.title = `diloco-node · ${show(s.run_id)} · round ${show(s.outer_step)}`;
+  renderLink(s);
+}
+
+// --- the link against the caps (live) ------------------------------------------------------------
+// The egress and ingress rates the node measures on its wire (the last 3 s, DHT and headers
+// included), against --upload-limit and --download-limit, one point per poll.
+
+const LINK_SAMPLES = 150;  // 5 minutes of polls
+const linkSamples = [];
+const started = Date.now();
+
+const bits = (bytesPerSecond) => (finite(bytesPerSecond) ? mbit(8 * bytesPerSecond) : "–");
+const capText = (cap, now) => {
+  if (!finite(cap) || cap <= 0) return "no cap";
+  return finite(now) ? `${percent(now / cap)} of the ${bits(cap)} cap` : `cap ${bits(cap)}`;
+};
+
+function renderLink(s) {
+  setText("egress", bits(s.egress_bytes_per_second));
+  setText("ingress", bits(s.ingress_bytes_per_second));
+  setText("egress-cap", capText(s.upload_limit_bytes_per_second, s.egress_bytes_per_second));
+  setText("ingress-cap", capText(s.download_limit_bytes_per_second, s.ingress_bytes_per_second));
+  linkSamples.push({ at: (Date.now() - started) / 1000, egress: s.egress_bytes_per_second,
+                     ingress: s.ingress_bytes_per_second, up: s.upload_limit_bytes_per_second,
+                     down: s.download_limit_bytes_per_second });
+  if (linkSamples.length > LINK_SAMPLES) linkSamples.shift();
+  drawLink();
+}
+
+function drawLink() {
+  const canvas = document.querySelector("canvas[data-live='link']");
+  if (!canvas) return;
+  const line = (label, color, value) => ({ label, color, points: linkSamples.map((x) => [x.at, value(x)]) });
+  const capped = (value) => (x) => (finite(value(x)) && value(x) > 0 ? 8 * value(x) : null);
+  drawChart(canvas, {
+    kind: "line", xLabel: "seconds", yLabel: "bit/s", format: (v) => mbit(v), yMin: 0,
+    series: [line("egress", SENT, (x) => (finite(x.egress) ? 8 * x.egress : null)),
+             line("ingress", RECEIVED, (x) => (finite(x.ingress) ? 8 * x.ingress : null)),
+             line("upload cap", WIRE_SENT, capped((x) => x.up)),
+             line("download cap", WIRE_RECEIVED, capped((x) => x.down))],
+  });
 }
 
 // --- charts -----------------------------------------------------------------------------------
@@ -262,5 +303,5 @@ async function poll() {
   setTimeout(poll, POLL_MS);
 }
 
-window.addEventListener("resize", () => { renderCharts(lastRounds); renderThroughput(); });
+window.addEventListener("resize", () => { renderCharts(lastRounds); renderThroughput(); drawLink(); });
 poll();
