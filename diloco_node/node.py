@@ -16,7 +16,7 @@ from dataclasses import asdict
 
 from diloco_node.compose import Parts
 from diloco_node.export import export_info
-from diloco_node.outer.diloco import pseudo_gradient
+from diloco_node.outer.fragments import Drift, codec_state, split
 from diloco_node.replica import Replica, ReplicaError
 from diloco_node.replica.layout import flatten
 from diloco_node.round import Outcome, RoundReport
@@ -47,6 +47,8 @@ class Node:
         self.replica: Replica | None = None
         # seconds the last inner phase waited for batches: this process's (local rank 0's) data meter
         self.data_wait = 0.0
+        # θ between rounds: reloaded from φ every round, or per fragment (docs/architecture.md §15)
+        self.drift = Drift(split([p.numel() for p in self.state.phi], self.cfg.fragments))
 
     @property
     def swarm(self) -> Swarm:
@@ -85,9 +87,11 @@ class Node:
             return  # a stop mid-round: the checkpoint keeps the round's start
         computed = time.monotonic()
         self.announce(ready=True)
-        delta = flatten(pseudo_gradient(self.state.phi, self.replica.theta() or []))
+        delta = flatten(self.drift.delta(self.state.phi, self.replica.theta() or []))
         tokens = float(len(losses) * self.cfg.batch_size * self.cfg.seq_len)
         report = self.parts.update.finish_round(self.state.round, delta, tokens)
+        if report.outcome not in (Outcome.BEHIND, Outcome.STOPPED):
+            self.drift.ended(self.state.round - 1 if report.stepped else self.state.round)
         if not report.stepped:
             if report.outcome == Outcome.ISOLATED:
                 logger.info("round=%d dropped after its exchange: cut off from every peer, no solo step",
@@ -116,10 +120,10 @@ class Node:
         """θ ← φ, then H inner steps; None when a stop came first."""
         assert self.replica is not None
         with self.state.lock:
-            self.replica.load(self.state.phi)
+            self.replica.load(self.drift.start(self.state.phi))
         losses = []
         waited = DATA_METER.waited()
-        for _ in range(self.cfg.inner_steps):
+        for _ in range(self.cfg.round_inner_steps(self.state.round)):
             if self.stop_requested.is_set():
                 return None
             losses.append(self.replica.train_step(self.stream_seed, self.data_position))
@@ -178,8 +182,9 @@ class Node:
         if self.parts.update is not None:
             self.parts.update.forget()
             self.parts.update.inherit(*installed)
+        self.drift.forget()
         # A joiner's learning-rate schedule follows the run's progress, not its own step count.
-        self.inner_step = max(self.inner_step, self.state.round * self.cfg.inner_steps)
+        self.inner_step = max(self.inner_step, self.cfg.inner_steps_before(self.state.round))
         self.replica.advance_schedule(self.inner_step)
         logger.info("synced state from peers round=%d digest=%s", self.state.round, self.state.digest())
         self.events.emit("synced", round=self.state.round, digest=self.state.digest())
@@ -226,7 +231,7 @@ class Node:
         assert self.parts.store is not None and self.replica is not None and self.parts.update is not None
         self.parts.store.save({
             "fingerprint": self.cfg.checkpoint_fingerprint(), **self.state.saved(),
-            "inner": self.replica.inner_state(), "codec": self.parts.codec.state_dict(),
+            "inner": self.replica.inner_state(), "codec": codec_state(self.parts.codecs),
             "data_position": self.data_position, "stream_seed": self.stream_seed,
             "outstanding": [asdict(a) for a in self.parts.update.outstanding()],
             "export": export_info(self.cfg)})  # what `diloco-node export` makes of φ

@@ -60,7 +60,7 @@ def settings_of(cfg: NodeConfig) -> ReplicaSettings:
         model=cfg.model, seed=cfg.seed, init=cfg.init, data=cfg.data, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
         eval_batches=cfg.eval_batches, inner_lr=cfg.inner_lr, warmup_steps=cfg.warmup_steps,
         weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-        total_steps=cfg.max_outer_steps * cfg.inner_steps, precision=resolve_precision(cfg.precision, devices),
+        total_steps=cfg.inner_steps_before(cfg.max_outer_steps), precision=resolve_precision(cfg.precision, devices),
         compile=cfg.compile == "on", parallel=cfg.parallel,
         micro_batch_size=cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else 0,
         micro_batch_auto=cfg.micro_batch_size == "auto",
