@@ -8,11 +8,14 @@ from __future__ import annotations
 import itertools
 import random
 import threading
+from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
 from pydantic import ValidationError
 
+from diloco_node.checkpoint import CheckpointStore
 from diloco_node.codec import CodecConfig, make_codec
 from diloco_node.config import NodeConfig
 from diloco_node.outer.blocking import BlockingUpdate
@@ -21,6 +24,7 @@ from diloco_node.outer.fragments import Drift, Fragments, codec_state, load_code
 from diloco_node.outer.noloco import NoLoCoOptimizer
 from diloco_node.outer.overlapped import OverlappedUpdate
 from diloco_node.outer.state import OuterState
+from diloco_node.outer.sync import Applied
 from diloco_node.outer.update import UpdateContext
 from diloco_node.replica.layout import flatten, unflatten
 from diloco_node.round import AverageResult, Gathered, Outcome, Own
@@ -322,3 +326,29 @@ def test_a_fragment_codec_state_travels_per_fragment() -> None:
     one = [make_codec(CodecConfig(name="topk"))]
     one[0].encode(torch.ones(64))
     assert codec_state(one).keys() == one[0].state_dict().keys()  # one fragment: the checkpoint as it was
+
+
+def test_a_checkpoint_keeps_each_fragments_state(tmp_path: Path) -> None:
+    """Through the real store: the momentum of a fragment stepped and of one not yet stepped, each
+    fragment's codec residual, and a Δ owed to a fragment (its own length) come back as saved."""
+    phi = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0, 5.0])]
+    state = OuterState(phi, OuterOptimizer(phi, 0.7, 0.9))
+    state.optimizer.step([torch.tensor([0.5, -0.5])], first=0)
+    codecs = [make_codec(CodecConfig(name="topk")) for _ in range(2)]
+    codecs[1].encode(torch.tensor([0.1, -0.2, 0.3]))
+    owed = Applied(3, torch.tensor([0.25, 0.5, 0.75]), 1.0, 2)
+    store = CheckpointStore(tmp_path)
+    store.save({**state.saved(), "codec": codec_state(codecs), "outstanding": [asdict(owed)]})
+    saved = store.load()
+    store.close()
+    assert saved is not None
+    twin = OuterState([torch.zeros(2), torch.zeros(3)], OuterOptimizer([torch.zeros(2), torch.zeros(3)], 0.7, 0.9))
+    twin.install(saved["round"], saved["outer_params"], saved["momentum"])
+    for mine, theirs in zip(state.optimizer.momentum_buffers(), twin.optimizer.momentum_buffers(), strict=True):
+        assert torch.equal(mine, theirs)
+    fresh = [make_codec(CodecConfig(name="topk")) for _ in range(2)]
+    load_codec_state(fresh, saved["codec"])
+    assert fresh[0].state_dict() == {} and torch.equal(fresh[1].state_dict()["residual"],
+                                                       codecs[1].state_dict()["residual"])
+    restored = Applied(**saved["outstanding"][0])
+    assert restored.round == 3 and torch.equal(restored.own, owed.own)
