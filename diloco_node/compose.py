@@ -17,11 +17,12 @@ from diloco_node.admission import Gate
 from diloco_node.budget import barrier_timeout
 from diloco_node.checkpoint import CheckpointStore
 from diloco_node.codec import Codec, CodecConfig, codec_config_of, make_codec, max_payload_bytes
-from diloco_node.config import NodeConfig
+from diloco_node.config import ConfigError, NodeConfig
 from diloco_node.lifecycle import StopSignals
 from diloco_node.outer.averaging import Averaging
 from diloco_node.outer.diloco import OuterOptimizer
 from diloco_node.outer.factory import make_update
+from diloco_node.outer.fragments import Fragments, split
 from diloco_node.outer.noloco import NoLoCoOptimizer
 from diloco_node.outer.state import MAX_SHARED_VECTORS, OuterState
 from diloco_node.outer.update import OuterUpdate, UpdateContext
@@ -42,7 +43,7 @@ class Parts:
 
     cfg: NodeConfig
     state: OuterState  # φ: the fp32 outer copy on the CPU in the canonical layout, the same start everywhere
-    codec: Codec
+    codecs: list[Codec]  # one per fragment (docs/architecture.md §15): an error-feedback residual is per fragment
     phi_codec: Codec | None  # NoLoCo: how φ travels beside Δ for its consensus term
     signals: StopSignals
     telemetry: Telemetry
@@ -65,6 +66,9 @@ def build(cfg: NodeConfig) -> Parts:
     optimizer = NoLoCoOptimizer(phi, cfg.noloco_alpha, cfg.noloco_beta, cfg.consensus_weight) if gossip \
         else OuterOptimizer(phi, cfg.outer_lr, cfg.outer_momentum)
     state = OuterState(phi, optimizer)
+    if cfg.fragments > len(phi):  # config cannot count tensors without building the model
+        raise ConfigError(f"fragments {cfg.fragments} is more than the model's {len(phi)} parameter tensors: "
+                          "a fragment holds whole tensors")
     # NoLoCo's consensus term needs the group's φ itself: it has no error feedback to hide
     # quantization, so it travels exactly (fp32) with codec none and as fp16 otherwise.
     phi_codec = make_codec(CodecConfig(name="none" if cfg.compression == "none" else "fp16")) if gossip else None
@@ -83,7 +87,8 @@ def build(cfg: NodeConfig) -> Parts:
     telemetry.refresh_with(wire.refresh)
     planner = Planner(cfg.upload_rate, cfg.download_rate, cfg.butterfly_from, cfg.round_timeout) \
         if cfg.upload_rate or cfg.download_rate else None
-    return Parts(cfg=cfg, state=state, codec=make_codec(codec_config_of(cfg)), phi_codec=phi_codec,
+    return Parts(cfg=cfg, state=state, codecs=[make_codec(codec_config_of(cfg)) for _ in range(cfg.fragments)],
+                 phi_codec=phi_codec,
                  signals=StopSignals(), telemetry=telemetry, server=StatusServer(telemetry, *cfg.status_host_port),
                  wire=wire, reporter=RoundReporter(telemetry, wire, cfg.label, gossip, planner),
                  events=Events(cfg.events),
@@ -104,8 +109,17 @@ def attach_swarm(parts: Parts, shared_state: Callable[[], tuple[dict[str, Any], 
         min_group_size=cfg.min_group_size, upload_limit=cfg.upload_rate, download_limit=cfg.download_rate,
         barrier_timeout=barrier_timeout(cfg.round_seconds, cfg.round_timeout) if cfg.round_seconds else None)
     swarm = parts.swarm = Swarm(settings, parts.state.numel, shared_state, MAX_SHARED_VECTORS)
-    averaging = Averaging(parts.codec, parts.state.numel, swarm.peer_id, parts.phi_codec, cfg.aggregator,
-                          cfg.max_tokens_per_round or None, cfg.part_align if cfg.butterfly_possible else None)
-    parts.update = make_update(cfg, UpdateContext(parts.state, averaging, swarm, parts.telemetry,
-                                                  parts.signals.requested, parts.abandon))
+    fragments = make_fragments(parts, swarm.peer_id)
+    parts.update = make_update(cfg, UpdateContext(parts.state, fragments.all[0].averaging, swarm, parts.telemetry,
+                                                  parts.signals.requested, parts.abandon, fragments))
     return swarm
+
+
+def make_fragments(parts: Parts, peer_id: str) -> Fragments:
+    """The run's fragments (docs/architecture.md §15), each averaged with its own codec."""
+    cfg, numels = parts.cfg, [p.numel() for p in parts.state.phi]
+    runs = split(numels, cfg.fragments)
+    averagings = [Averaging(codec, sum(numels[i] for i in run), peer_id, parts.phi_codec, cfg.aggregator,
+                            cfg.max_tokens_per_round or None, cfg.part_align if cfg.butterfly_possible else None)
+                  for codec, run in zip(parts.codecs, runs, strict=True)]
+    return Fragments(numels, averagings)

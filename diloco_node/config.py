@@ -167,6 +167,10 @@ class NodeConfig(BaseModel):
                           "see README, scale)")
     max_tokens_per_round: int = Field(0, ge=0, description="most tokens a peer's contribution to a round counts "
                                       "for (0: only the group's median declaration)")
+    fragments: int = Field(1, ge=1, description="P: φ is exchanged in P fragments of whole tensors, one per round "
+                           "in turn, each round running H/P inner steps, so a round sends about 1/P of the model "
+                           "(Streaming DiLoCo; docs/architecture.md §15); at most the model's parameter tensors "
+                           "and the inner steps")
     min_group_size: int = Field(2, ge=2, le=64, description="fewest nodes, this one included, whose mean φ steps "
                                 "on; a round with a smaller group takes no outer step (an open run should set 3: "
                                 "a pair cannot tell who lies, docs/architecture.md §9)")
@@ -328,6 +332,10 @@ class NodeConfig(BaseModel):
         if "inner_steps" in self.model_fields_set:
             raise ValueError("give --round-seconds (a round of T seconds) or --inner-steps (a round of H steps), "
                              "not both")
+        if self.fragments != 1:
+            # a fragment's round is a share of H steps (§15); its share of T is not built yet
+            raise ValueError("--round-seconds runs with one fragment only, not --fragments "
+                             f"{self.fragments}: give --inner-steps with --fragments")
         return self
 
     @model_validator(mode="after")
@@ -338,6 +346,13 @@ class NodeConfig(BaseModel):
         if self.algorithm == "noloco" and self.group_size < self.min_group_size:
             raise ValueError(f"group_size {self.group_size} is below min_group_size {self.min_group_size}: no "
                              "drawn group could ever average")
+        return self
+
+    @model_validator(mode="after")
+    def _fragments_have_steps(self) -> NodeConfig:
+        if self.fragments > self.inner_steps:
+            raise ValueError(f"fragments {self.fragments} is more than inner_steps {self.inner_steps}: each round "
+                             "runs H/P inner steps, so some rounds would train nothing")
         return self
 
     @model_validator(mode="after")
@@ -467,6 +482,18 @@ class NodeConfig(BaseModel):
             return self.threads
         return max(1, (os.cpu_count() or 1) // self.local_ranks)
 
+    def round_inner_steps(self, round_: int) -> int:
+        """Inner steps of round `round_`: H, or with P fragments H cut into P near-equal shares in a
+        cycle, so that any P consecutive rounds (one exchange of each fragment) run exactly H steps
+        (docs/architecture.md §15)."""
+        k = round_ % self.fragments
+        return self.inner_steps * (k + 1) // self.fragments - self.inner_steps * k // self.fragments
+
+    def inner_steps_before(self, round_: int) -> int:
+        """Inner steps the rounds before `round_` run together (the learning-rate schedule's position)."""
+        cycles, k = divmod(round_, self.fragments)
+        return cycles * self.inner_steps + self.inner_steps * k // self.fragments
+
     def fingerprint_fields(self) -> dict[str, Any]:
         """What peers must share to average together: the protocol, the model's shape and the outer
         algorithm."""
@@ -481,6 +508,8 @@ class NodeConfig(BaseModel):
             **({"min_group_size": self.min_group_size} if self.min_group_size != 2 else {}),
             # every member must end its rounds on the same deadlines (docs/architecture.md §13)
             **({"round_seconds": self.round_seconds} if self.round_seconds is not None else {}),
+            # which fragment a round exchanges, and how long its payload is (docs/architecture.md §15)
+            **({"fragments": self.fragments} if self.fragments != 1 else {}),
             **({"run_owner": self.run_owner} if self.run_owner else {}),
             # with run_owner, codec, algorithm and aggregator this fixes which groups use butterfly
             **({"exchange": self.exchange} if self.exchange != "auto" else {}),

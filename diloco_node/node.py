@@ -17,7 +17,7 @@ from dataclasses import asdict
 from diloco_node.budget import StepClock, deadline
 from diloco_node.compose import Parts
 from diloco_node.export import export_info
-from diloco_node.outer.diloco import pseudo_gradient
+from diloco_node.outer.fragments import Drift, codec_state, split
 from diloco_node.replica import Replica, ReplicaError
 from diloco_node.replica.layout import flatten
 from diloco_node.round import Outcome, RoundReport
@@ -49,6 +49,8 @@ class Node:
         # seconds the last inner phase waited for batches: this process's (local rank 0's) data meter
         self.data_wait = 0.0
         self.step_clock = StepClock()  # --round-seconds: our recent step times (budget.py)
+        # θ between rounds: reloaded from φ every round, or per fragment (docs/architecture.md §15)
+        self.drift = Drift(split([p.numel() for p in self.state.phi], self.cfg.fragments))
 
     @property
     def swarm(self) -> Swarm:
@@ -92,10 +94,12 @@ class Node:
                            "taking the others' mean, trying again next round", self.state.round, estimate)
             self.step_clock.forget()
         self.announce(ready=True)
-        delta = flatten(pseudo_gradient(self.state.phi, self.replica.theta() or []))
+        delta = flatten(self.drift.delta(self.state.phi, self.replica.theta() or []))
         # tokens 0: no payload, we still take the group's mean (outer/averaging.py)
         tokens = float(len(losses) * self.cfg.batch_size * self.cfg.seq_len)
         report = self.parts.update.finish_round(self.state.round, delta, tokens)
+        if report.outcome not in (Outcome.BEHIND, Outcome.STOPPED):
+            self.drift.ended(self.state.round - 1 if report.stepped else self.state.round)
         if not report.stepped:
             if report.outcome == Outcome.ISOLATED:
                 logger.info("round=%d dropped after its exchange: cut off from every peer, no solo step",
@@ -125,7 +129,7 @@ class Node:
         deadline on the swarm's clock (none: the round is skipped); None when a stop came first."""
         assert self.replica is not None
         with self.state.lock:
-            self.replica.load(self.state.phi)
+            self.replica.load(self.drift.start(self.state.phi))
         losses: list[float] = []
         waited = DATA_METER.waited()
         seconds = self.cfg.round_seconds
@@ -149,7 +153,7 @@ class Node:
     def _one_more(self, steps: int, end: float) -> bool:
         """Whether the inner phase takes another step: H of them, or while one fits before `end`."""
         if not self.cfg.round_seconds:
-            return steps < self.cfg.inner_steps
+            return steps < self.cfg.round_inner_steps(self.state.round)
         return self.step_clock.fits(self.swarm.clock(), end)
 
     def _finish_round(self, losses: list[float], report: RoundReport, timing: RoundTiming) -> None:
@@ -199,10 +203,11 @@ class Node:
         if self.parts.update is not None:
             self.parts.update.forget()
             self.parts.update.inherit(*installed)
+        self.drift.forget()
         # A joiner's learning-rate schedule follows the run's progress, not its own step count. Under
         # --round-seconds that progress is the round (set each inner phase): it skips the warmup only.
-        self.inner_step = max(self.inner_step, self.state.round * self.cfg.inner_steps if not self.cfg.round_seconds
-                              else self.cfg.warmup_steps if self.state.round else 0)
+        self.inner_step = max(self.inner_step, self.cfg.inner_steps_before(self.state.round)
+                              if not self.cfg.round_seconds else self.cfg.warmup_steps if self.state.round else 0)
         self.replica.advance_schedule(self.inner_step)
         logger.info("synced state from peers round=%d digest=%s", self.state.round, self.state.digest())
         self.events.emit("synced", round=self.state.round, digest=self.state.digest())
@@ -249,7 +254,7 @@ class Node:
         assert self.parts.store is not None and self.replica is not None and self.parts.update is not None
         self.parts.store.save({
             "fingerprint": self.cfg.checkpoint_fingerprint(), **self.state.saved(),
-            "inner": self.replica.inner_state(), "codec": self.parts.codec.state_dict(),
+            "inner": self.replica.inner_state(), "codec": codec_state(self.parts.codecs),
             "data_position": self.data_position, "stream_seed": self.stream_seed,
             "outstanding": [asdict(a) for a in self.parts.update.outstanding()],
             "export": export_info(self.cfg)})  # what `diloco-node export` makes of φ

@@ -100,6 +100,7 @@ class PartSource:
     align: int  # part boundaries fall on multiples of this (the codec's blocks)
     # the norm of each part of our decoded Δ, for the given bounds (empty: nothing to contribute)
     norms: Callable[[tuple[tuple[int, int], ...]], tuple[float, ...]] = lambda bounds: ()
+    numel: int = 0  # the length of the vector cut into parts: one fragment's (docs/architecture.md §15); 0: φ's
 
 
 def part_bounds(numel: int, parts: int, align: int) -> tuple[tuple[int, int], ...]:

@@ -64,7 +64,7 @@ class Averaging:
 
         def norms(bounds: tuple[tuple[int, int], ...]) -> tuple[float, ...]:
             return tuple(float(decoded[start:end].norm()) for start, end in bounds) if decoded is not None else ()
-        return PartSource(own.tokens, norm, encode, self.reduce_part, self.part_align, norms)
+        return PartSource(own.tokens, norm, encode, self.reduce_part, self.part_align, norms, self.numel)
 
     def reduce_part(self, round_: int, index: int, layout: tuple[tuple[int, int], ...],
                     parts: list[PartIn]) -> tuple[bytes, dict[str, Any]]:

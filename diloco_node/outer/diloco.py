@@ -29,8 +29,12 @@ class OuterOptimizer:
         self._sgd = torch.optim.SGD(self.params, lr=lr, momentum=momentum, nesterov=momentum > 0, foreach=foreach)
 
     @torch.no_grad()
-    def step(self, mean_pseudo_gradient: Sequence[torch.Tensor]) -> None:
-        for param, grad in zip(self.params, mean_pseudo_gradient, strict=True):
+    def step(self, mean_pseudo_gradient: Sequence[torch.Tensor], first: int = 0) -> None:
+        """Step the parameters `first` … `first + len(mean_pseudo_gradient) − 1` (one fragment,
+        docs/architecture.md §15; all of φ by default). SGD skips a parameter without a gradient, so
+        the others neither move nor touch their momentum: the momentum is per fragment."""
+        stepped = self.params[first:first + len(mean_pseudo_gradient)]
+        for param, grad in zip(stepped, mean_pseudo_gradient, strict=True):
             # a copy: torch's multi-tensor Nesterov adds the momentum into .grad in place, and the
             # caller's mean is still needed (eager's next proxy starts from it)
             param.grad = grad.to(param.dtype, copy=True)

@@ -24,36 +24,40 @@ class GossipUpdate(NoPending):
         # everyone else has left two rounds behind re-syncs instead.
         if ctx.swarm.all_past(round_ + 1):
             return RoundReport(Outcome.BEHIND, None, None)
-        own = ctx.averaging.encode(round_, pseudo_gradient, tokens, ctx.state.flat())
+        fragment = ctx.fragment_of(round_)  # docs/architecture.md §15: with fragments, Δ and φ of this one
+        averaging = fragment.averaging
+        own = averaging.encode(round_, fragment.cut(pseudo_gradient), tokens, fragment.cut(ctx.state.flat()))
         ctx.swarm.offer(round_, own.payload, tokens)
         others = [peer for peer in ctx.swarm.drawn_group(round_) if peer != ctx.swarm.peer_id]
         outcome = Outcome.ALONE
         if held(1 + len(others), ctx.swarm.min_group_size):  # drawn into too small a group (a run that small)
             logger.info("round=%d held: a drawn group of %d is below --min-group-size %d, so no outer step",
                         round_, 1 + len(others), ctx.swarm.min_group_size)
-            outcome, result = Outcome.HELD, ctx.averaging.nothing(own)
+            outcome, result = Outcome.HELD, averaging.nothing(own)
         elif not others:  # the odd one out this round: nobody to wait for
             logger.info("round=%d drawn to average alone", round_)
-            result = ctx.averaging.alone(own)
+            result = averaging.alone(own)
         else:
             with exchanging(ctx.telemetry, round_):
                 gathered = ctx.swarm.gather(round_, own.payload is not None, ctx.stop, among=others)
             if gathered.outcome == Outcome.STOPPED:
                 return RoundReport(Outcome.STOPPED, own, None)
             if gathered.outcome == Outcome.HELD:
-                outcome, result = Outcome.HELD, ctx.averaging.nothing(own)
+                outcome, result = Outcome.HELD, averaging.nothing(own)
             elif gathered.outcome in (Outcome.ALONE, Outcome.BEHIND):
                 logger.info("round=%d our group has left or moved on; averaging alone", round_)
-                result = ctx.averaging.alone(own)
+                result = averaging.alone(own)
             else:
-                result = ctx.averaging.mean(own, gathered)
+                result = averaging.mean(own, gathered)
                 outcome = Outcome.TOGETHER if len(result.group) > 1 else Outcome.ALONE
         if solo_while_isolated(ctx, result, round_):
             return RoundReport(Outcome.ISOLATED, own, result)
         distance = None  # none when this round took no step
         with ctx.state.lock:
             if result.group and result.mean_phi is not None:
-                distance = consensus_distance(torch.cat([p.reshape(-1) for p in ctx.state.phi]), result.mean_phi)
-                self.optimizer.step(ctx.state.shaped(result.mean), ctx.state.shaped(result.mean_phi))
+                distance = consensus_distance(fragment.cut(torch.cat([p.reshape(-1) for p in ctx.state.phi])),
+                                              result.mean_phi)
+                self.optimizer.step(fragment.shaped(result.mean, ctx.state.phi),
+                                    fragment.shaped(result.mean_phi, ctx.state.phi), fragment.first)
             ctx.state.round += 1
         return RoundReport(outcome, own, result, consensus_distance=distance)

@@ -24,10 +24,14 @@ class NoLoCoOptimizer:
         self._stepped = False
 
     @torch.no_grad()
-    def step(self, mean_pseudo_gradient: Sequence[torch.Tensor], mean_phi: Sequence[torch.Tensor]) -> None:
-        """One update from the group's mean Δ (= −ḡ) and mean φ; φ is updated in place."""
-        for phi, momentum, delta, phi_bar in zip(self.params, self._momentum, mean_pseudo_gradient, mean_phi,
-                                                 strict=True):
+    def step(self, mean_pseudo_gradient: Sequence[torch.Tensor], mean_phi: Sequence[torch.Tensor],
+             first: int = 0) -> None:
+        """One update from the group's mean Δ (= −ḡ) and mean φ; φ is updated in place. Only the
+        parameters from `first` on that the means cover move, and only their momentum (one fragment,
+        docs/architecture.md §15)."""
+        end = first + len(mean_pseudo_gradient)
+        for phi, momentum, delta, phi_bar in zip(self.params[first:end], self._momentum[first:end],
+                                                 mean_pseudo_gradient, mean_phi, strict=True):
             momentum.mul_(self.beta).add_(delta, alpha=-self.alpha).add_(phi_bar - phi, alpha=self.gamma)
             phi.add_(momentum)
         self._stepped = True

@@ -1,5 +1,10 @@
 """DiLoCo, delayed and eager: the exchange of Δ_t runs during the next inner phase (outer/sync.py
-has the rule each step follows and why every Δ is applied exactly once)."""
+has the rule each step follows and why every Δ is applied exactly once).
+
+With fragments (docs/architecture.md §15) the same ledger runs per fragment: round t steps only its
+fragment f, with the corrections of f's rounds that landed since f last stepped (`owed`) plus
+w_t·Δ_t of f; a mean that lands for another fragment waits in `owed` for that fragment's next round.
+So each fragment's momentum takes one step per P rounds, as each round's does with one fragment."""
 
 from __future__ import annotations
 
@@ -10,10 +15,11 @@ import torch
 
 from diloco_node.config import NodeConfig
 from diloco_node.outer.diloco import OuterOptimizer
+from diloco_node.outer.fragments import Fragment
 from diloco_node.outer.state import OuterState, Served
 from diloco_node.outer.sync import Applied, PendingExchanges, correction, fresh_weight
 from diloco_node.outer.update import UpdateContext, exchanging
-from diloco_node.replica.layout import flatten, unflatten
+from diloco_node.replica.layout import flatten
 from diloco_node.round import AverageResult, Outcome, Own, RoundReport
 
 logger = logging.getLogger(__name__)
@@ -29,8 +35,8 @@ class SettledCopy:
         self.phi = [p.clone() for p in state.phi]
         self.optimizer = optimizer.copy(self.phi)
 
-    def step(self, mean: torch.Tensor) -> None:
-        self.optimizer.step(unflatten(mean, self.phi))
+    def step(self, fragment: Fragment, mean: torch.Tensor) -> None:
+        self.optimizer.step(fragment.shaped(mean, self.phi), fragment.first)
 
 
 @dataclass(frozen=True)
@@ -47,16 +53,19 @@ class OverlappedUpdate:
         self.settle_timeout = max(cfg.sync_timeout, cfg.round_timeout)
         self.pending: PendingExchanges[Landed] = PendingExchanges()
         self.last_share: float | None = None
-        self.restored: list[Applied] = []  # from a checkpoint: applied at the next step, as averaged alone
+        self.restored: list[Applied] = []  # from a checkpoint: applied at their fragment's next step, as averaged alone
+        # landed (or failed) exchanges whose fragment has not stepped since, in round order (§15)
+        self.owed: list[tuple[Applied, Landed | None]] = []
         self.inherited: list[tuple[str, Applied]] = []  # from a state download: (server, its round in flight)
         self.settled: SettledCopy | None = None  # made from φ when nothing of ours is in it early
         self.last_group: tuple[str, ...] = ()  # of the last exchange of ours that landed
 
     def finish_round(self, round_: int, pseudo_gradient: torch.Tensor, tokens: float) -> RoundReport:
         ctx = self.ctx
-        own = ctx.averaging.encode(round_, pseudo_gradient, tokens)
-        ctx.swarm.offer(round_, own.payload, tokens, ctx.averaging.parts(round_, own))
-        fresh = own.decoded if own.decoded is not None else torch.zeros(ctx.state.numel)
+        fragment = ctx.fragment_of(round_)
+        own = fragment.averaging.encode(round_, fragment.cut(pseudo_gradient), tokens)
+        ctx.swarm.offer(round_, own.payload, tokens, fragment.averaging.parts(round_, own))
+        fresh = own.decoded if own.decoded is not None else torch.zeros(fragment.numel)
         self.pending.wait(round_ - 1, self.sync_timeout)
         self.pending.make_room(self.settle_timeout)
         inherited = self._resolve_inherited()
@@ -69,11 +78,12 @@ class OverlappedUpdate:
             last = finished[-1][1] if finished else None
             if any(outcome is not None and outcome.outcome == Outcome.BEHIND for _, outcome in finished):
                 return RoundReport(Outcome.BEHIND, own, None)  # the round engine re-syncs: nothing here applies
-            landed = bool(finished or self.restored)
-            step = self._corrections(finished)
+            self._land(finished)
+            owed = self._owed_by(fragment)
+            step = self._corrections(fragment, owed)
             weight = fresh_weight(self.mode, self.proxy, self.last_share, ctx.swarm.peer_count())
-            if landed or weight:  # delayed's first round has nothing to apply: no momentum-only step
-                self.optimizer.step(ctx.state.shaped(step + weight * fresh))
+            if owed or weight:  # delayed's first round has nothing to apply: no momentum-only step
+                self.optimizer.step(fragment.shaped(step + weight * fresh, ctx.state.phi), fragment.first)
                 ctx.state.steps += 1
             ctx.state.round += 1
             applied = Applied(round_, fresh, weight, ctx.state.steps)
@@ -94,57 +104,81 @@ class OverlappedUpdate:
         download, and after a resume (whose open rounds count as averaged alone, as in φ)."""
         if self.settled is None:
             self.settled = SettledCopy(self.ctx.state, self.optimizer)
-            if self.restored:
-                self.settled.step(torch.stack([correction(a, None) for a in self.restored]).sum(0))
+            for fragment in self._fragments():
+                if restored := [a for a in self.restored if self.ctx.fragment_of(a.round).index == fragment.index]:
+                    self.settled.step(fragment, torch.stack([correction(a, None) for a in restored]).sum(0))
         return self.settled
 
-    def _corrections(self, finished: list[tuple[Applied, Landed | None]]) -> torch.Tensor:
-        """Σ (Δ̄_r − w_r·Δ_r) over the exchanges that landed (and those a checkpoint left open);
-        each landed mean also steps the settled copy, in round order."""
+    def _fragments(self) -> list[Fragment]:
+        assert self.ctx.fragments is not None
+        return self.ctx.fragments.all
+
+    def _land(self, finished: list[tuple[Applied, Landed | None]]) -> None:
+        """Each landed mean steps the settled copy, in round order, and is owed to its fragment's
+        next step (at once with one fragment)."""
         settled = self._settled_copy()
-        total = torch.zeros(self.ctx.state.numel)
-        for applied in self.restored:
-            total += correction(applied, None)
-        self.restored = []
         for applied, outcome in finished:
+            self.owed.append((applied, outcome))
             if outcome is not None and outcome.outcome == Outcome.HELD:
-                # a held round steps nothing (round.held): take back what we applied of it early;
-                # a blocking node holds φ as it was, and so does the settled copy
-                total -= applied.weight * applied.own
-                continue
-            total += correction(applied, _mean(outcome))
+                continue  # a held round steps nothing: a blocking node holds φ as it was, and so does the copy
             mean = _mean(outcome)
-            settled.step(mean if mean is not None else applied.own)
+            settled.step(self.ctx.fragment_of(applied.round), mean if mean is not None else applied.own)
             if outcome is not None and outcome.result is not None and outcome.result.own_share > 0:
                 self.last_share = outcome.result.own_share  # ours, not an inherited round's
                 self.last_group = outcome.result.group
+
+    def _owed_by(self, fragment: Fragment) -> list[tuple[Applied, Landed | None]]:
+        """Taken: what `fragment`'s next step applies, those a checkpoint left open first (as averaged
+        alone), then the landed ones in round order."""
+        def of_it(applied: Applied) -> bool:
+            return self.ctx.fragment_of(applied.round).index == fragment.index
+        owed: list[tuple[Applied, Landed | None]] = [(a, None) for a in self.restored if of_it(a)]
+        owed += [(a, outcome) for a, outcome in self.owed if of_it(a)]
+        self.restored = [a for a in self.restored if not of_it(a)]
+        self.owed = [(a, outcome) for a, outcome in self.owed if not of_it(a)]
+        return owed
+
+    def _corrections(self, fragment: Fragment, owed: list[tuple[Applied, Landed | None]]) -> torch.Tensor:
+        """Σ (Δ̄_r − w_r·Δ_r) over `fragment`'s rounds owed."""
+        total = torch.zeros(fragment.numel)
+        for applied, outcome in owed:
+            if outcome is not None and outcome.outcome == Outcome.HELD:
+                # a held round steps nothing (round.held): take back what we applied of it early
+                total -= applied.weight * applied.own
+                continue
+            total += correction(applied, _mean(outcome))
         return total
 
     def _exchange(self, round_: int, own: Own) -> Landed:
         """On the exchange's own thread; gives up only at shutdown (a stop settles it instead)."""
         ctx = self.ctx
+        averaging = ctx.fragment_of(round_).averaging
         with exchanging(ctx.telemetry, round_):
             gathered = ctx.swarm.gather(round_, own.payload is not None, ctx.abandon)
         if gathered.outcome in (Outcome.STOPPED, Outcome.BEHIND):
             return Landed(gathered.outcome, None)
         ctx.swarm.mark_exchanged(round_)
         if gathered.outcome == Outcome.HELD:
-            return Landed(Outcome.HELD, ctx.averaging.nothing(own))
-        return Landed(gathered.outcome, ctx.averaging.mean(own, gathered))
+            return Landed(Outcome.HELD, averaging.nothing(own))
+        return Landed(gathered.outcome, averaging.mean(own, gathered))
 
     def settle(self) -> AverageResult | None:
-        """The step the next round would take with nothing new trained (no round advance)."""
+        """The step the next round would take with nothing new trained (no round advance); with
+        fragments, one for each fragment something is owed to."""
         self.pending.wait(None, self.settle_timeout)
         with self.ctx.state.lock:
             self._settled_copy()
             finished = self.pending.take_finished()
             if self.pending.outstanding():
                 logger.warning("round=%d the last exchange did not finish; ending without it", self.ctx.state.round)
-            if not finished and not self.restored:
+            if not finished and not self.restored and not self.owed:
                 return None
-            step = self._corrections(finished)
-            self.optimizer.step(self.ctx.state.shaped(step))
-            self.ctx.state.steps += 1
+            self._land(finished)
+            for fragment in self._fragments():
+                if owed := self._owed_by(fragment):
+                    step = self._corrections(fragment, owed)
+                    self.optimizer.step(fragment.shaped(step, self.ctx.state.phi), fragment.first)
+                    self.ctx.state.steps += 1
         last = finished[-1][1] if finished else None
         return last.result if last else None
 
@@ -158,8 +192,10 @@ class OverlappedUpdate:
                       settled.optimizer.has_momentum(), sorted(in_flight))
 
     def inherit(self, server: str, in_flight: list[Applied]) -> None:
-        """After a state download: the rounds `server` had in flight are ours to complete."""
-        self.inherited = [(server, applied) for applied in in_flight]
+        """After a state download: the rounds `server` had in flight are ours to complete (nothing of
+        ours in them: zeros the length of each round's fragment)."""
+        self.inherited = [(server, replace(applied, own=torch.zeros(self.ctx.fragment_of(applied.round).numel)))
+                          for applied in in_flight]
 
     def _resolve_inherited(self) -> list[tuple[Applied, Landed | None]]:
         """The means of the inherited rounds, fetched from their groups (a round that cannot be
@@ -167,7 +203,7 @@ class OverlappedUpdate:
         resolved: list[tuple[Applied, Landed | None]] = []
         for server, applied in self.inherited:
             gathered = self.ctx.swarm.gather_group_of(applied.round, server)
-            mean = self.ctx.averaging.mean_of(gathered, server)
+            mean = self.ctx.fragment_of(applied.round).averaging.mean_of(gathered, server)
             if mean is None:
                 logger.warning("round=%d could not fetch the mean our state's server had in flight; "
                                "that round is lost for us", applied.round)
@@ -181,7 +217,10 @@ class OverlappedUpdate:
     def outstanding(self) -> list[Applied]:
         """Counted back from the current step, as a checkpoint keeps them (install restarts the count)."""
         steps = self.ctx.state.steps
-        return [replace(a, at_step=a.at_step - steps) for a in self.restored + self.pending.outstanding()]
+        # owed: landed for a fragment that has not stepped since; a resume counts them as averaged alone
+        owed = [applied for applied, _ in self.owed]
+        return [replace(a, at_step=a.at_step - steps)
+                for a in sorted(self.restored + owed, key=lambda a: a.round) + self.pending.outstanding()]
 
     def restore(self, outstanding: list[Applied]) -> None:
         self.restored = list(outstanding)
@@ -189,7 +228,7 @@ class OverlappedUpdate:
 
     def forget(self) -> None:
         self.pending.drop()
-        self.restored, self.inherited = [], []
+        self.restored, self.inherited, self.owed = [], [], []
         self.last_share, self.last_group = None, ()
         self.settled = None  # φ was replaced: the next copy is made from it
 

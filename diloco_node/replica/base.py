@@ -61,7 +61,7 @@ def settings_of(cfg: NodeConfig) -> ReplicaSettings:
         eval_batches=cfg.eval_batches, inner_lr=cfg.inner_lr, warmup_steps=cfg.warmup_steps,
         weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
         # under --round-seconds a node's step count depends on its speed: the decay follows the rounds
-        total_steps=0 if cfg.round_seconds else cfg.max_outer_steps * cfg.inner_steps,
+        total_steps=0 if cfg.round_seconds else cfg.inner_steps_before(cfg.max_outer_steps),
         precision=resolve_precision(cfg.precision, devices),
         compile=cfg.compile == "on", parallel=cfg.parallel,
         micro_batch_size=cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else 0,

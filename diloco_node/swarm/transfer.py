@@ -78,7 +78,7 @@ class Transfer:
                 return Gathered(Outcome.ALONE, round_)
             try:
                 reduced = self._streams.run(self._butterfly.exchange(
-                    round_, group, self.peer_id, clients, self._numel, source,
+                    round_, group, self.peer_id, clients, source.numel or self._numel, source,
                     self.settings.round_timeout), timeout=self.settings.round_timeout + EXCHANGE_SLACK, stop=stop)
             except TimeoutError:
                 return Gathered(Outcome.STOPPED if stop.is_set() else outcome, round_)

@@ -169,6 +169,16 @@ def test_bad_round_length(nodes: Processes, args: list[str], words: list[str]) -
     assert_bad_input(join(nodes, *args), *words)
 
 
+@pytest.mark.parametrize("args,words", [
+    (["--fragments", "0"], ["fragments"]),
+    # the tiny preset has 28 parameter tensors; a fragment holds whole ones (docs/architecture.md §15)
+    (["--fragments", "29", "--inner-steps", "50"], ["fragments 29", "28 parameter tensors"]),
+])
+def test_bad_fragments(nodes: Processes, args: list[str], words: list[str]) -> None:
+    """A negative P and more fragments than inner steps: tests/unit/test_fragments.py (the same config path)."""
+    assert_bad_input(join(nodes, *args), *words)
+
+
 def test_more_local_ranks_than_cores(nodes: Processes) -> None:
     ranks = (os.cpu_count() or 1) + 1
     assert_bad_input(join(nodes, "--parallel", "fsdp", "--local-ranks", str(ranks), "--batch-size", str(4 * ranks)),

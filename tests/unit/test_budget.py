@@ -187,3 +187,9 @@ def test_a_skipped_round_records_no_loss_no_steps_and_says_skipped() -> None:
     assert (record.last_round_inner_steps, record.last_round_tokens, record.last_round_tokens_per_second) == (0, 0, 0)
     assert record.log_line().endswith("inner_steps=0 tokens=0 skipped")
     assert record.status({"compute_seconds": 0, "wait_seconds": 2.5, "utilization": 0.0})["last_round_skipped"]
+
+
+def test_round_seconds_takes_one_fragment_only() -> None:
+    """A fragment's round is its share of H steps (docs/architecture.md §15); of T it is not built."""
+    message = _error({"round_seconds": 30, "fragments": 2})
+    assert "--round-seconds" in message and "--fragments 2" in message
