@@ -65,6 +65,7 @@ class OverlappedUpdate:
         # (served) sees each exchange either pending or applied, never neither
         with ctx.state.lock:
             self._settled_copy()
+            self.inherited = []  # under the lock: served() lists them in flight until their means are in
             finished = inherited + self.pending.take_finished()
             last = finished[-1][1] if finished else None
             if any(outcome is not None and outcome.outcome == Outcome.BEHIND for _, outcome in finished):
@@ -133,11 +134,14 @@ class OverlappedUpdate:
         return Landed(gathered.outcome, ctx.averaging.mean(own, gathered))
 
     def settle(self) -> AverageResult | None:
-        """The step the next round would take with nothing new trained (no round advance)."""
+        """The step the next round would take with nothing new trained (no round advance): with
+        the rounds a state download handed us in flight, too (a re-sync in the run's last round)."""
         self.pending.wait(None, self.settle_timeout)
+        inherited = self._resolve_inherited()
         with self.ctx.state.lock:
             self._settled_copy()
-            finished = self.pending.take_finished()
+            self.inherited = []
+            finished = inherited + self.pending.take_finished()
             if self.pending.outstanding():
                 logger.warning("round=%d the last exchange did not finish; ending without it", self.ctx.state.round)
             if not finished and not self.restored:
@@ -163,7 +167,8 @@ class OverlappedUpdate:
 
     def _resolve_inherited(self) -> list[tuple[Applied, Landed | None]]:
         """The means of the inherited rounds, fetched from their groups (a round that cannot be
-        fetched counts as averaged alone, and says so)."""
+        fetched is lost for us, and says so). A round we averaged in ourselves (we re-synced while
+        its exchange ran) holds our payload too, which we fetch from our own offer."""
         resolved: list[tuple[Applied, Landed | None]] = []
         for server, applied in self.inherited:
             gathered = self.ctx.swarm.gather_group_of(applied.round, server)
@@ -175,8 +180,7 @@ class OverlappedUpdate:
                 continue
             resolved.append((applied, Landed(Outcome.TOGETHER, AverageResult(tuple(sorted(gathered.payloads)), mean,
                                                                          0.0, 0.0))))
-        self.inherited = []
-        return resolved
+        return resolved  # the caller clears `inherited` as it applies them, under φ's lock
 
     def outstanding(self) -> list[Applied]:
         """Counted back from the current step, as a checkpoint keeps them (install restarts the count)."""
