@@ -4,6 +4,7 @@ has the rule each step follows and why every Δ is applied exactly once)."""
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 import torch
@@ -49,6 +50,8 @@ class OverlappedUpdate:
         self.last_share: float | None = None
         self.restored: list[Applied] = []  # from a checkpoint: applied at the next step, as averaged alone
         self.inherited: list[tuple[str, Applied]] = []  # from a state download: (server, its round in flight)
+        # our exchanges a re-sync dropped, by round: one of a round we inherit gives its mean (inherit)
+        self.dropped: dict[int, Future[Landed]] = {}
         self.settled: SettledCopy | None = None  # made from φ when nothing of ours is in it early
         self.last_group: tuple[str, ...] = ()  # of the last exchange of ours that landed
 
@@ -171,6 +174,9 @@ class OverlappedUpdate:
         its exchange ran) holds our payload too, which we fetch from our own offer."""
         resolved: list[tuple[Applied, Landed | None]] = []
         for server, applied in self.inherited:
+            if (own := self._own_mean(applied.round, server)) is not None:
+                resolved.append((applied, own))
+                continue
             gathered = self.ctx.swarm.gather_group_of(applied.round, server)
             mean = self.ctx.averaging.mean_of(gathered, server)
             if mean is None:
@@ -182,6 +188,23 @@ class OverlappedUpdate:
                                                                          0.0, 0.0))))
         return resolved  # the caller clears `inherited` as it applies them, under φ's lock
 
+    def _own_mean(self, round_: int, server: str) -> Landed | None:
+        """The mean of a round we inherit from our own exchange of it, which a re-sync dropped while
+        it ran (an eager re-sync after `diverged`): when `server` was in our group, it is the mean
+        the server applies, and it needs no payload fetched again (at the run's end the server
+        may have left once we had fetched its payload)."""
+        future = self.dropped.pop(round_, None)
+        if future is None:
+            return None
+        try:
+            landed = future.result(timeout=self.settle_timeout)
+        except Exception:  # still running, or failed (the exchange logged it): the group is asked instead
+            return None
+        result = landed.result
+        if landed.outcome not in (Outcome.TOGETHER, Outcome.TIMEOUT) or result is None or server not in result.group:
+            return None
+        return Landed(Outcome.TOGETHER, AverageResult(result.group, result.mean, 0.0, 0.0))
+
     def outstanding(self) -> list[Applied]:
         """Counted back from the current step, as a checkpoint keeps them (install restarts the count)."""
         steps = self.ctx.state.steps
@@ -192,7 +215,7 @@ class OverlappedUpdate:
         self.settled = None
 
     def forget(self) -> None:
-        self.pending.drop()
+        self.dropped = self.pending.drop()
         self.restored, self.inherited = [], []
         self.last_share, self.last_group = None, ()
         self.settled = None  # φ was replaced: the next copy is made from it
