@@ -90,7 +90,8 @@ def setup_logging(level: str) -> None:
 
 
 def _not_a_cancelled_future(record: logging.LogRecord) -> bool:
-    cancelled = record.exc_info is not None and isinstance(record.exc_info[1], asyncio.CancelledError)
+    # uvloop's exception handler logs with exc_info=False when it has no exception: not a tuple
+    cancelled = isinstance(record.exc_info, tuple) and isinstance(record.exc_info[1], asyncio.CancelledError)
     return not (cancelled and record.getMessage().startswith("Future exception was never retrieved"))
 
 

@@ -115,7 +115,6 @@ class Node:
             self.swarm.prove(self.state.round, report.result.group)
         if report.diverged:  # our Δ was still a fine direction to contribute; our φ is what must be replaced
             logger.warning("round=%d our φ differs from the swarm's; re-syncing after this round", self.state.round)
-            self.swarm.stop_sharing()
             self.sync_from_peers()
         self._finish_round(losses, report, RoundTiming(computed - started, time.monotonic() - computed,
                                                        data_wait=self.data_wait))
@@ -189,6 +188,9 @@ class Node:
         """Download φ, outer momentum and the round from a peer; False when we are the first node,
         or (`fresh`: no checkpoint) the run's state is the one we built from the seed already."""
         assert self.replica is not None
+        # until the round loop shares again: between the install and `inherit` our state would be
+        # the new φ without the rounds in flight it lacks
+        self.swarm.stop_sharing()
         # DiLoCo nodes serve the same state (φ under blocking, the settled copy when overlapped),
         # so the one downloaded must be the one most nodes announce; NoLoCo's φ differs by design
         received = self.swarm.download_state(STATE_DOWNLOAD_TIMEOUT + self.cfg.round_timeout, self.stop_requested,

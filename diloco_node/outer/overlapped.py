@@ -9,6 +9,7 @@ So each fragment's momentum takes one step per P rounds, as each round's does wi
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 import torch
@@ -57,6 +58,8 @@ class OverlappedUpdate:
         # landed (or failed) exchanges whose fragment has not stepped since, in round order (§15)
         self.owed: list[tuple[Applied, Landed | None]] = []
         self.inherited: list[tuple[str, Applied]] = []  # from a state download: (server, its round in flight)
+        # our exchanges a re-sync dropped, by round: one of a round we inherit gives its mean (inherit)
+        self.dropped: dict[int, Future[Landed]] = {}
         self.settled: SettledCopy | None = None  # made from φ when nothing of ours is in it early
         self.last_group: tuple[str, ...] = ()  # of the last exchange of ours that landed
 
@@ -74,6 +77,7 @@ class OverlappedUpdate:
         # (served) sees each exchange either pending or applied, never neither
         with ctx.state.lock:
             self._settled_copy()
+            self.inherited = []  # under the lock: served() lists them in flight until their means are in
             finished = inherited + self.pending.take_finished()
             last = finished[-1][1] if finished else None
             if any(outcome is not None and outcome.outcome == Outcome.BEHIND for _, outcome in finished):
@@ -163,12 +167,15 @@ class OverlappedUpdate:
         return Landed(gathered.outcome, averaging.mean(own, gathered))
 
     def settle(self) -> AverageResult | None:
-        """The step the next round would take with nothing new trained (no round advance); with
-        fragments, one for each fragment something is owed to."""
+        """The step the next round would take with nothing new trained (no round advance): with
+        the rounds a state download handed us in flight, too (a re-sync in the run's last round);
+        with fragments, one for each fragment something is owed to."""
         self.pending.wait(None, self.settle_timeout)
+        inherited = self._resolve_inherited()
         with self.ctx.state.lock:
             self._settled_copy()
-            finished = self.pending.take_finished()
+            self.inherited = []
+            finished = inherited + self.pending.take_finished()
             if self.pending.outstanding():
                 logger.warning("round=%d the last exchange did not finish; ending without it", self.ctx.state.round)
             if not finished and not self.restored and not self.owed:
@@ -199,9 +206,13 @@ class OverlappedUpdate:
 
     def _resolve_inherited(self) -> list[tuple[Applied, Landed | None]]:
         """The means of the inherited rounds, fetched from their groups (a round that cannot be
-        fetched counts as averaged alone, and says so)."""
+        fetched is lost for us, and says so). A round we averaged in ourselves (we re-synced while
+        its exchange ran) holds our payload too, which we fetch from our own offer."""
         resolved: list[tuple[Applied, Landed | None]] = []
         for server, applied in self.inherited:
+            if (own := self._own_mean(applied.round, server)) is not None:
+                resolved.append((applied, own))
+                continue
             gathered = self.ctx.swarm.gather_group_of(applied.round, server)
             mean = self.ctx.fragment_of(applied.round).averaging.mean_of(gathered, server)
             if mean is None:
@@ -211,8 +222,24 @@ class OverlappedUpdate:
                 continue
             resolved.append((applied, Landed(Outcome.TOGETHER, AverageResult(tuple(sorted(gathered.payloads)), mean,
                                                                          0.0, 0.0))))
-        self.inherited = []
-        return resolved
+        return resolved  # the caller clears `inherited` as it applies them, under φ's lock
+
+    def _own_mean(self, round_: int, server: str) -> Landed | None:
+        """The mean of a round we inherit from our own exchange of it, which a re-sync dropped while
+        it ran (an eager re-sync after `diverged`): when `server` was in our group, it is the mean
+        the server applies, and it needs no payload fetched again (at the run's end the server
+        may have left once we had fetched its payload)."""
+        future = self.dropped.pop(round_, None)
+        if future is None:
+            return None
+        try:
+            landed = future.result(timeout=self.settle_timeout)
+        except Exception:  # still running, or failed (the exchange logged it): the group is asked instead
+            return None
+        result = landed.result
+        if landed.outcome not in (Outcome.TOGETHER, Outcome.TIMEOUT) or result is None or server not in result.group:
+            return None
+        return Landed(Outcome.TOGETHER, AverageResult(result.group, result.mean, 0.0, 0.0))
 
     def outstanding(self) -> list[Applied]:
         """Counted back from the current step, as a checkpoint keeps them (install restarts the count)."""
@@ -227,7 +254,7 @@ class OverlappedUpdate:
         self.settled = None
 
     def forget(self) -> None:
-        self.pending.drop()
+        self.dropped = self.pending.drop()
         self.restored, self.inherited, self.owed = [], [], []
         self.last_share, self.last_group = None, ()
         self.settled = None  # φ was replaced: the next copy is made from it

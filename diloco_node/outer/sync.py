@@ -141,10 +141,13 @@ class PendingExchanges(Generic[R]):
         with self._lock:
             return any(not future.done() for _, future in self._pending.values())
 
-    def drop(self) -> None:
-        """Forget everything pending (a re-sync replaced φ, or shutdown); threads end with the process."""
+    def drop(self) -> dict[int, Future[R]]:
+        """Forget everything pending (a re-sync replaced φ, or shutdown); threads end with the process.
+        Returns the dropped exchanges by round: one still running ends with its group's mean."""
         with self._lock:
+            dropped = {round_: future for round_, (_, future) in self._pending.items()}
             self._pending.clear()
+        return dropped
 
 
 def _result(round_: int, future: Future[R]) -> R | None:

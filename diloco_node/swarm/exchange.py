@@ -100,6 +100,12 @@ class PayloadExchange(StreamService):
                 offer.awaited = set(group) - offer.served - {ourselves} if fetched else set()
                 self._offers_changed.notify_all()
 
+    def own(self, round_: int) -> Fetched | None:
+        """What we offer for `round_`, as a peer fetching it would get it; None when we offer nothing."""
+        with self._offers_changed:
+            offer = self._offers.get(round_)
+            return Fetched(offer.payload, offer.tokens, offer.group) if offer else None
+
     def served(self, round_: int, timeout: float) -> set[str]:
         """The peers that fetched our payload for `round_`, waiting up to `timeout` s for the first."""
         deadline = time.monotonic() + timeout

@@ -111,6 +111,13 @@ class Transfer:
             return self._parts_held_by(member, round_, deadline)
         others = [peer for peer in first.group if peer not in (member, self.peer_id)]
         fetched = {member: first, **self._exchange.fetch_all(others, round_, self.settings.round_timeout)}
+        if self.peer_id in first.group:  # a re-sync mid-round: the round in flight is one we averaged in
+            fetched[self.peer_id] = self._exchange.own(round_)
+        missing = sorted(peer for peer in first.group if fetched.get(peer) is None)
+        if missing:  # a mean over fewer payloads is not the one `member` applied: lost, and said so
+            logger.warning("round=%d the payloads of %s in peer=%s's group are gone; its mean cannot be "
+                           "completed", round_, ", ".join(missing), member)
+            return Gathered(Outcome.ALONE, round_)
         payloads = {peer: (item.payload, item.tokens) for peer, item in fetched.items() if item is not None}
         return Gathered(Outcome.TOGETHER, round_, payloads)
 

@@ -35,9 +35,12 @@ def test_a_joiner_refuses_lying_state_metadata_in_one_line_each(spawn: NodeFacto
     a = spawn("a", *options, checkpoint=False)
     a.wait_for_round(1)
     with ExitStack() as stack:
+        # all three start at once: each copies a's state before it announces itself, and once one
+        # forged record (a copy of a's, ready round and all) is up, a blocking `a` waits ~40 s per
+        # round for the forgers' parts, so one started after another waited out such a round each
+        servers = {mode: stack.enter_context(forging_process(a.wait_for_address(), mode)) for mode in REFUSALS}
         forgers = {}
-        for mode in REFUSALS:
-            server = stack.enter_context(forging_process(a.wait_for_address(), mode))
+        for mode, server in servers.items():
             assert server.stdout is not None
             forgers[mode] = server.stdout.readline().split()[1]
         joiner = spawn("joiner", *options, "--min-peers", "2", peer=a, checkpoint=False)

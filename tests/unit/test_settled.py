@@ -4,6 +4,7 @@ The swarm and the averaging are stand-ins for their seams; the ledger and the op
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -40,6 +41,10 @@ class Averaging:
     def nothing(self, own: Own) -> AverageResult:
         return AverageResult((), torch.zeros(NUMEL), 0.0, 0.0)
 
+    def mean_of(self, gathered: Gathered, member: str) -> torch.Tensor | None:
+        """A round a state's server had in flight: the joiner computes the same mean."""
+        return self.means[gathered.round].clone() if gathered.outcome == Outcome.TOGETHER else None
+
 
 class Swarm:
     """The group of a round of `held` was smaller than --min-group-size (round.held)."""
@@ -55,6 +60,9 @@ class Swarm:
 
     def gather(self, round_: int, contributing: bool, stop: threading.Event) -> Gathered:
         return Gathered(Outcome.HELD if round_ in self.held else Outcome.TOGETHER, round_)
+
+    def gather_group_of(self, round_: int, member: str) -> Gathered:
+        return Gathered(Outcome.TOGETHER, round_, {member: (b"payload", 100.0)})
 
 
 class Telemetry:
@@ -156,3 +164,56 @@ def test_a_joiner_of_the_served_state_holds_every_mean_once() -> None:
     assert joiner.ctx.state.install_shared({**metadata, "in_flight": [2]}, vectors, "fp") is None
     assert joiner.ctx.state.install_shared({**metadata, "in_flight": list(range(9))}, vectors, "fp") is None
     assert joiner.ctx.state.install_shared(metadata, [*vectors, vectors[0]], "fp") is None
+
+
+def test_a_state_taken_in_the_last_round_settles_the_rounds_its_server_had_in_flight() -> None:
+    """A node that re-syncs in the run's last round (its φ differed) takes a state whose last round
+    is in flight, and settles at once: that round's mean is in its φ, as in its server's."""
+    generator = torch.Generator().manual_seed(7)
+    means = [torch.randn(NUMEL, generator=generator) for _ in range(3)]
+    server = node("eager", means)
+    for round_ in range(3):
+        server.finish_round(round_, torch.randn(NUMEL, generator=generator), 100.0)
+        server.pending.wait(round_, 5.0)
+    metadata, vectors = server.ctx.state.shared("fp", "server", server.served)
+    assert metadata["in_flight"] == [2]
+
+    joiner = node("eager", means)
+    installed = joiner.ctx.state.install_shared(metadata, vectors, "fp")
+    assert installed is not None
+    joiner.forget()
+    joiner.inherit(*installed)
+    assert joiner.ctx.state.served(joiner.served).in_flight == [2]  # until it is applied
+    assert joiner.settle() is not None
+    assert server.settle() is not None
+    assert torch.equal(joiner.ctx.state.flat(), server.ctx.state.served(server.served).phi)
+    assert joiner.ctx.state.served(joiner.served).in_flight == []
+
+
+class GoneServer(Swarm):
+    """The state's server has left (the run's end): its group's payloads can no longer be fetched."""
+
+    def gather_group_of(self, round_: int, member: str) -> Gathered:
+        return Gathered(Outcome.ALONE, round_)
+
+
+def test_a_re_sync_mid_exchange_completes_our_own_round_from_our_own_exchange() -> None:
+    """An eager node whose φ differed re-syncs while its own exchange of the round runs; the state
+    it takes has that round in flight. Its own exchange (with the server in its group) gives the
+    round's mean, also when the server has left and nothing can be fetched from it any more."""
+    generator = torch.Generator().manual_seed(8)
+    means = [torch.randn(NUMEL, generator=generator) for _ in range(4)]
+    server, resyncing = node("eager", means), node("eager", means)
+    for round_ in range(4):
+        for update in (server, resyncing):
+            update.finish_round(round_, torch.randn(NUMEL, generator=generator), 100.0)
+    metadata, vectors = server.ctx.state.shared("fp", "a", server.served)  # "a": in the stand-in's groups
+    assert 3 in metadata["in_flight"]
+    installed = resyncing.ctx.state.install_shared(metadata, vectors, "fp")
+    assert installed is not None
+    resyncing.forget()  # as sync_from_peers does: our exchange of round 3 is dropped, still running
+    resyncing.inherit(*installed)
+    resyncing.ctx = dataclasses.replace(resyncing.ctx, swarm=GoneServer())  # type: ignore[arg-type]
+    resyncing.settle()
+    server.settle()
+    assert torch.equal(resyncing.ctx.state.flat(), server.ctx.state.served(server.served).phi)

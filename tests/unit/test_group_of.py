@@ -1,0 +1,52 @@
+"""How a node completes a round its state's server had in flight (Transfer.group_of): from the
+payloads of the whole group the server names, ours included when we averaged in that round (an
+eager re-sync while our own exchange runs), and never from fewer. The exchange is a stand-in for
+its seam: the payloads each peer offers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diloco_node.round import Outcome
+from diloco_node.swarm.dht import SwarmSettings
+from diloco_node.swarm.exchange import Fetched
+from diloco_node.swarm.transfer import Transfer
+
+GROUP = ("a", "b", "me")
+
+
+class Exchange:
+    """Each peer's offer of round 7; `gone`: peers whose offer cannot be fetched."""
+
+    def __init__(self, gone: tuple[str, ...] = ()) -> None:
+        self.gone = gone
+
+    def offered(self, peer: str) -> Fetched:
+        return Fetched(peer.encode(), 10.0, GROUP)
+
+    def fetch_all(self, peers: list[str], round_: int, timeout: float) -> dict[str, Fetched | None]:
+        return {peer: None if peer in self.gone else self.offered(peer) for peer in peers}
+
+    def own(self, round_: int) -> Fetched | None:
+        return None if "me" in self.gone else self.offered("me")
+
+
+def transfer(exchange: Exchange) -> Transfer:
+    settings = SwarmSettings("run", "fp", {}, [], [], [], 1.0, 1.0, 1 << 20)
+    return Transfer(settings, "me", False, 4, None, None, exchange, None)  # type: ignore[arg-type]
+
+
+def payloads(gathered: Any) -> dict[str, bytes]:
+    return {peer: payload for peer, (payload, _) in gathered.payloads.items()}
+
+
+def test_a_round_we_averaged_in_is_completed_with_our_own_payload() -> None:
+    gathered = transfer(Exchange()).group_of(7, "a")
+    assert gathered.outcome == Outcome.TOGETHER
+    assert payloads(gathered) == {"a": b"a", "b": b"b", "me": b"me"}
+
+
+def test_a_group_missing_a_payload_is_not_completed_with_fewer() -> None:
+    for gone in (("b",), ("me",)):  # another member's offer is gone, or ours (a restarted process)
+        gathered = transfer(Exchange(gone)).group_of(7, "a")
+        assert gathered.outcome == Outcome.ALONE and not gathered.payloads
