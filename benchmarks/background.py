@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import time
 from pathlib import Path
 
 from diloco_node.launch import NodeProcess
-from harness.bench import RESULTS_DIR, machine_info, work_dir
+from harness.bench import RESULTS_DIR, machine_info, work_dir, write_results
 from harness.islands import Islands, require_netns
 from harness.nodes import WORLD, node_args, start_node, stop
 from harness.wire import wire_bytes
@@ -80,10 +79,7 @@ def main() -> None:
             f"Both islands' veth tx over {result['window_seconds']:.0f} s, {args.rate:g} Mbit/s links, eager int4, "
             "H long enough that no round ends in the window. Reproduce (root): "
             "`.venv/bin/python benchmarks/background.py`.\n")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{NAME}.json").write_text(json.dumps(payload, indent=1))
-    (args.out_dir / f"{NAME}.md").write_text(text)
-    print(text)
+    write_results(args.out_dir, NAME, payload, text)
 
 
 if __name__ == "__main__":

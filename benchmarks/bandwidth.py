@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import statistics
 import threading
 import time
@@ -28,24 +27,12 @@ from typing import Any
 
 from diloco_node.rates import format_rate, parse_rate
 from diloco_node.telemetry.wire import WireMeter
-from harness.bench import RESULTS_DIR, machine_info, work_dir
+from harness.bench import RESULTS_DIR, machine_info, work_dir, write_results
 from harness.nodes import final_eval_loss, parse_node_log, start_swarm, stop
+from harness.wire import windows
 
 NAME = "bandwidth"
 SAMPLE_SECONDS = 0.2
-
-
-def windows(samples: list[tuple[float, int]]) -> list[float]:
-    """Bytes/s of every window of (at least) 1 s between two samples."""
-    rates, j = [], 0
-    for i, (start, sent) in enumerate(samples):
-        j = max(j, i)
-        while j < len(samples) and samples[j][0] - start < 1.0:
-            j += 1
-        if j == len(samples):
-            break
-        rates.append((samples[j][1] - sent) / (samples[j][0] - start))
-    return rates
 
 
 def run(args: argparse.Namespace, sync: str, cap: str, work: Path) -> dict[str, Any]:
@@ -130,10 +117,7 @@ def main() -> None:
             f"{args.nodes} nodes on loopback, model {args.model}, {args.compression}, {args.rounds} rounds of "
             f"H = {args.inner_steps}; egress = each node's wire bytes (kernel TCP counters of its libp2p daemon, "
             "DHT and headers included) sampled every 0.2 s. Reproduce: `.venv/bin/python benchmarks/bandwidth.py`.\n")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{NAME}.json").write_text(json.dumps(payload, indent=1))
-    (args.out_dir / f"{NAME}.md").write_text(text)
-    print(text)
+    write_results(args.out_dir, NAME, payload, text)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco_node.launch import NodeProcess
-from harness.bench import RESULTS_DIR, machine_info, work_dir
+from harness.bench import RESULTS_DIR, machine_info, work_dir, write_results
 from harness.nodes import FAST, start_node, stop
 from harness.throttle import Throttle
 
@@ -125,10 +125,7 @@ def main() -> None:
                "args": {"seconds": args.seconds, "round_seconds": args.round_seconds, "h": args.h},
                "machine": machine_info(), "results": results}
     text = report(payload)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{NAME}.json").write_text(json.dumps(payload, indent=1))
-    (args.out_dir / f"{NAME}.md").write_text(text)
-    print(text)
+    write_results(args.out_dir, NAME, payload, text)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ and this package (installed with the project: `pip install -e '.[test,bench]'`).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
 import shutil
@@ -220,3 +221,12 @@ def pyplot() -> Any:
         print("matplotlib is missing (pip install -e '.[bench]'); skipping the plot", file=sys.stderr)
         return None
     return plt
+
+
+def write_results(out_dir: Path, name: str, payload: dict[str, Any], text: str) -> None:
+    """A benchmark's figures as `<name>.json` (every number) and `<name>.md` (the table README quotes),
+    and the table on stdout."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=1))
+    (out_dir / f"{name}.md").write_text(text)
+    print(text)

@@ -9,7 +9,7 @@ interface carried, IP/TCP headers, handshakes, ACKs and unrelated traffic includ
   veth); `counters(interface, namespace)`: one inside a network namespace (an island's eth0).
 - `loopback_bytes()`: what the machine sent over `lo` (None where unavailable), `per_node` halves it.
 - `wire_bytes(islands)`: what the islands put on their links, `WireSampler` samples any such figure
-  with its time on a thread.
+  with its time on a thread; `windows` turns (time, bytes) samples into the rates of 1-second windows.
 """
 
 from __future__ import annotations
@@ -101,3 +101,16 @@ class WireSampler:
         with self._lock:
             index = bisect.bisect_left(self.samples, (moment, -1))
             return self.samples[min(index, len(self.samples) - 1)][1]
+
+
+def windows(samples: list[tuple[float, int]]) -> list[float]:
+    """Bytes/s of every window of (at least) 1 s between two samples."""
+    rates, j = [], 0
+    for i, (start, sent) in enumerate(samples):
+        j = max(j, i)
+        while j < len(samples) and samples[j][0] - start < 1.0:
+            j += 1
+        if j == len(samples):
+            break
+        rates.append((samples[j][1] - sent) / (samples[j][0] - start))
+    return rates

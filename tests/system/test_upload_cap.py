@@ -16,6 +16,7 @@ import time
 import pytest
 
 from diloco_node.telemetry.wire import WireMeter
+from harness.wire import windows
 from tests.integration.conftest import NodeFactory
 
 pytestmark = pytest.mark.integration
@@ -33,19 +34,6 @@ def sample(meter: WireMeter, samples: list[tuple[float, int]], stop: threading.E
         if totals is not None:
             samples.append((time.monotonic(), totals[0]))
         stop.wait(SAMPLE_SECONDS)
-
-
-def windows(samples: list[tuple[float, int]]) -> list[float]:
-    """Bytes/s of every window of (at least) 1 s between two samples."""
-    rates, j = [], 0
-    for i, (start, sent) in enumerate(samples):
-        j = max(j, i)
-        while j < len(samples) and samples[j][0] - start < 1.0:
-            j += 1
-        if j == len(samples):
-            break
-        rates.append((samples[j][1] - sent) / (samples[j][0] - start))
-    return rates
 
 
 def test_serving_two_joiners_at_once_keeps_the_upload_cap(spawn: NodeFactory) -> None:

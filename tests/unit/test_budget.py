@@ -4,14 +4,14 @@ still fits, the barrier's wait, the learning-rate schedule when step counts diff
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pytest
 
 from diloco_node.budget import BARRIER_FLOOR, MIN_SHARE, StepClock, barrier_timeout, deadline
-from diloco_node.config import ConfigError, build_config
+from diloco_node.config import build_config
 from diloco_node.round import Outcome
 from diloco_node.train.inner import InnerConfig, budget_lr_at, lr_at
+from tests.unit.test_config import _error
 
 # --- deadlines ---------------------------------------------------------------------------------
 
@@ -114,13 +114,6 @@ def test_budget_lr_without_a_run_length_is_constant_after_warmup() -> None:
 
 # --- config --------------------------------------------------------------------------------------
 
-
-def _error(values: dict[str, Any]) -> str:
-    with pytest.raises(ConfigError) as info:
-        build_config(values)
-    message = str(info.value)
-    assert "\n" not in message and message.strip() == message
-    return message
 
 
 @pytest.mark.parametrize("value", [0, -3, math.nan, math.inf])
