@@ -107,7 +107,7 @@ def attach_swarm(parts: Parts, shared_state: Callable[[], tuple[dict[str, Any], 
         group_size=cfg.group_size if gossip else None, identity=cfg.identity_path, gate=parts.gate,
         butterfly_from=cfg.butterfly_from, butterfly_possible=cfg.butterfly_possible, reachability=cfg.reachability,
         min_group_size=cfg.min_group_size, upload_limit=cfg.upload_rate, download_limit=cfg.download_rate,
-        barrier_timeout=barrier_timeout(cfg.round_seconds, cfg.round_timeout) if cfg.round_seconds else None)
+        barrier_timeout=barrier_timeout(cfg.round_budget, cfg.round_timeout) if cfg.round_budget else None)
     swarm = parts.swarm = Swarm(settings, parts.state.numel, shared_state, MAX_SHARED_VECTORS)
     fragments = make_fragments(parts, swarm.peer_id)
     parts.update = make_update(cfg, UpdateContext(parts.state, fragments.all[0].averaging, swarm, parts.telemetry,

@@ -131,7 +131,7 @@ class Node:
             self.replica.load(self.drift.start(self.state.phi))
         losses: list[float] = []
         waited = DATA_METER.waited()
-        seconds = self.cfg.round_seconds
+        seconds = self.cfg.round_budget  # T, or T/P with fragments: one fragment's round (§15)
         end = deadline(self.swarm.clock(), seconds) if seconds else 0.0
         if seconds:  # the schedule decays with the run's rounds, not our steps (docs/architecture.md §13)
             self.replica.set_progress(self.state.round / self.cfg.max_outer_steps if self.cfg.max_outer_steps else 0.0)
