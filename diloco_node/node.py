@@ -17,7 +17,7 @@ from dataclasses import asdict
 from diloco_node.budget import StepClock, deadline
 from diloco_node.compose import Parts
 from diloco_node.export import export_info
-from diloco_node.outer.fragments import Drift, codec_state, split
+from diloco_node.outer.fragments import Drift, codec_state
 from diloco_node.replica import Replica, ReplicaError
 from diloco_node.replica.layout import flatten
 from diloco_node.round import Outcome, RoundReport
@@ -50,7 +50,7 @@ class Node:
         self.data_wait = 0.0
         self.step_clock = StepClock()  # --round-seconds: our recent step times (budget.py)
         # θ between rounds: reloaded from φ every round, or per fragment (docs/architecture.md §15)
-        self.drift = Drift(split([p.numel() for p in self.state.phi], self.cfg.fragments))
+        self.drift = Drift(parts.runs)
 
     @property
     def swarm(self) -> Swarm:
@@ -254,12 +254,14 @@ class Node:
 
     def save_checkpoint(self) -> None:
         assert self.parts.store is not None and self.replica is not None and self.parts.update is not None
+        drift = self.drift.saved()  # with fragments: θ runs ahead of φ between a fragment's exchanges (§15)
         self.parts.store.save({
             "fingerprint": self.cfg.checkpoint_fingerprint(), **self.state.saved(),
             "inner": self.replica.inner_state(), "codec": codec_state(self.parts.codecs),
             "data_position": self.data_position, "stream_seed": self.stream_seed,
             "outstanding": [asdict(a) for a in self.parts.update.outstanding()],
-            "export": export_info(self.cfg)})  # what `diloco-node export` makes of φ
+            "export": export_info(self.cfg),  # what `diloco-node export` makes of φ
+            **({"drift": drift} if drift is not None else {})})
 
     def abort(self) -> None:
         """Release what a failed start-up acquired, saving nothing."""
