@@ -79,7 +79,7 @@ def build(cfg: NodeConfig) -> Parts:
                           local_ranks=cfg.local_ranks, isolated=False, outer_step=0, inner_step=0, peers=1,
                           upload_limit_bytes_per_second=cfg.upload_rate,
                           download_limit_bytes_per_second=cfg.download_rate,
-                          group_size=0)
+                          group_size=0, fragments=cfg.fragments)
     def on_sample(sent: int, received: int) -> None:
         egress, ingress = wire.rates() or (None, None)
         telemetry.update(wire_bytes_sent=sent, wire_bytes_received=received,
@@ -92,7 +92,8 @@ def build(cfg: NodeConfig) -> Parts:
     return Parts(cfg=cfg, state=state, codecs=[make_codec(codec_config_of(cfg)) for _ in range(cfg.fragments)],
                  runs=runs, phi_codec=phi_codec,
                  signals=StopSignals(), telemetry=telemetry, server=StatusServer(telemetry, *cfg.status_host_port),
-                 wire=wire, reporter=RoundReporter(telemetry, wire, cfg.label, gossip, planner),
+                 wire=wire, reporter=RoundReporter(telemetry, wire, cfg.label, gossip, planner,
+                                                   caps=(float(cfg.upload_rate), float(cfg.download_rate))),
                  events=Events(cfg.events),
                  store=CheckpointStore(cfg.checkpoint_path) if cfg.checkpoint_path else None, gate=Gate(cfg.run_id))
 

@@ -97,7 +97,8 @@ class Node:
         delta = flatten(self.drift.delta(self.state.phi, self.replica.theta() or []))
         # tokens 0: no payload, we still take the group's mean (outer/averaging.py)
         tokens = float(len(losses) * self.cfg.batch_size * self.cfg.seq_len)
-        report = self.parts.update.finish_round(self.state.round, delta, tokens)
+        exchanged = self.state.round  # and its fragment (docs/architecture.md §15), for the round record
+        report = self.parts.update.finish_round(exchanged, delta, tokens)
         if report.outcome not in (Outcome.BEHIND, Outcome.STOPPED):
             self.drift.ended(self.state.round - 1 if report.stepped else self.state.round)
         if not report.stepped:
@@ -117,7 +118,8 @@ class Node:
             logger.warning("round=%d our φ differs from the swarm's; re-syncing after this round", self.state.round)
             self.sync_from_peers()
         self._finish_round(losses, report, RoundTiming(computed - started, time.monotonic() - computed,
-                                                       data_wait=self.data_wait))
+                                                       data_wait=self.data_wait, moved_at=time.time()),
+                           fragment=exchanged % self.cfg.fragments)
         self.announce(ready=False)
         # after announcing, so our own row carries this round's stats
         self.parts.reporter.swarm_table(self.swarm.peer_stats(), self.swarm.peer_id, self.replica.peak_memory())
@@ -155,14 +157,14 @@ class Node:
             return steps < self.cfg.round_inner_steps(self.state.round)
         return self.step_clock.fits(self.swarm.clock(), end)
 
-    def _finish_round(self, losses: list[float], report: RoundReport, timing: RoundTiming) -> None:
+    def _finish_round(self, losses: list[float], report: RoundReport, timing: RoundTiming, fragment: int) -> None:
         """Everything the round leaves behind: its record (status, history, events, log line, our
         row of the swarm table) and a checkpoint. `report.result` is the exchange this round's
         outer step used: this round's when blocking, an earlier round's when overlapped."""
         assert self.replica is not None
         record = self.parts.reporter.finished(self.state.round, losses, self.evaluate(), report, timing,
                                               self.state.digest(), traffic=self.swarm.traffic(),
-                                              peak_memory=self.replica.peak_memory())
+                                              peak_memory=self.replica.peak_memory(), fragment=fragment)
         self.swarm.publish_stats(self.parts.reporter.peer_stats(record))
         logger.info("%s", record.log_line())
         self.events.emit("round", **record.event())

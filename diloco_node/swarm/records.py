@@ -56,6 +56,7 @@ MAX_ROUND = 1 << 40  # no run gets near; a larger round is a lie that would over
 Token = pydantic.constr(strict=True, max_length=1024)
 NodeCount = pydantic.conint(strict=True, ge=0, le=1 << 62)
 Seconds = pydantic.confloat(strict=True, ge=0, le=1e12)
+ByteRate = pydantic.confloat(strict=True, ge=0, le=1e13)  # bytes/s: 80 Tbit/s is no link of today
 PeerIdText = pydantic.constr(strict=True, max_length=64)  # libp2p's base58 ids are 46 or 52 characters
 Hash = pydantic.constr(strict=True, max_length=64)  # our digests and fingerprints are 16 hex digits
 Round = pydantic.conint(strict=True, ge=-1, le=MAX_ROUND)
@@ -85,6 +86,11 @@ class NodeStats(pydantic.BaseModel):
     last_round_inner_steps: NodeCount = 0  # type: ignore[valid-type]
     last_round_tokens: pydantic.confloat(strict=True, ge=0, le=1e15) = 0.0  # type: ignore[valid-type]
     last_round_tokens_per_second: pydantic.confloat(strict=True, ge=0, le=1e15) = 0.0  # type: ignore[valid-type]
+    # its caps (0: none) and its link's mean rates over its last round (None: unmeasured), bytes/s
+    upload_limit_bytes_per_second: ByteRate = 0.0  # type: ignore[valid-type]
+    download_limit_bytes_per_second: ByteRate = 0.0  # type: ignore[valid-type]
+    egress_bytes_per_second: ByteRate | None = None  # type: ignore[valid-type]
+    ingress_bytes_per_second: ByteRate | None = None  # type: ignore[valid-type]
 
     class Config:
         extra = pydantic.Extra.forbid
