@@ -61,8 +61,9 @@ PeerIdText = pydantic.constr(strict=True, max_length=64)  # libp2p's base58 ids 
 Hash = pydantic.constr(strict=True, max_length=64)  # our digests and fingerprints are 16 hex digits
 Round = pydantic.conint(strict=True, ge=-1, le=MAX_ROUND)
 # The most bytes one record's value may take (after its signature is stripped): a node's record is
-# ~0.6 KB (~3 KB with an admission, 8 vouched and 16 proven peers), a config ~2 KB; a 3 MB digest
-# was stored before these bounds
+# ~0.6 KB (~3 KB with an admission, 8 vouched and 16 proven peers; the caps and link rates of the stats
+# add ~130 B, their largest stats are 555 B of msgpack), a config ~2 KB; a 3 MB digest was stored before
+# these bounds
 MAX_NODE_RECORD_BYTES = 4096
 MAX_CONFIG_BYTES = 32768
 MAX_REVOCATION_BYTES = 16
