@@ -44,6 +44,7 @@ class Parts:
     cfg: NodeConfig
     state: OuterState  # φ: the fp32 outer copy on the CPU in the canonical layout, the same start everywhere
     codecs: list[Codec]  # one per fragment (docs/architecture.md §15): an error-feedback residual is per fragment
+    runs: list[range]  # each fragment's tensor indices of φ: split() once, for the fragments and node.Drift
     phi_codec: Codec | None  # NoLoCo: how φ travels beside Δ for its consensus term
     signals: StopSignals
     telemetry: Telemetry
@@ -69,6 +70,7 @@ def build(cfg: NodeConfig) -> Parts:
     if cfg.fragments > len(phi):  # config cannot count tensors without building the model
         raise ConfigError(f"fragments {cfg.fragments} is more than the model's {len(phi)} parameter tensors: "
                           "a fragment holds whole tensors")
+    runs = split([p.numel() for p in phi], cfg.fragments)
     # NoLoCo's consensus term needs the group's φ itself: it has no error feedback to hide
     # quantization, so it travels exactly (fp32) with codec none and as fp16 otherwise.
     phi_codec = make_codec(CodecConfig(name="none" if cfg.compression == "none" else "fp16")) if gossip else None
@@ -77,7 +79,7 @@ def build(cfg: NodeConfig) -> Parts:
                           local_ranks=cfg.local_ranks, isolated=False, outer_step=0, inner_step=0, peers=1,
                           upload_limit_bytes_per_second=cfg.upload_rate,
                           download_limit_bytes_per_second=cfg.download_rate,
-                          group_size=0)
+                          group_size=0, fragments=cfg.fragments)
     def on_sample(sent: int, received: int) -> None:
         egress, ingress = wire.rates() or (None, None)
         telemetry.update(wire_bytes_sent=sent, wire_bytes_received=received,
@@ -88,9 +90,10 @@ def build(cfg: NodeConfig) -> Parts:
     planner = Planner(cfg.upload_rate, cfg.download_rate, cfg.butterfly_from, cfg.round_timeout) \
         if cfg.upload_rate or cfg.download_rate else None
     return Parts(cfg=cfg, state=state, codecs=[make_codec(codec_config_of(cfg)) for _ in range(cfg.fragments)],
-                 phi_codec=phi_codec,
+                 runs=runs, phi_codec=phi_codec,
                  signals=StopSignals(), telemetry=telemetry, server=StatusServer(telemetry, *cfg.status_host_port),
-                 wire=wire, reporter=RoundReporter(telemetry, wire, cfg.label, gossip, planner),
+                 wire=wire, reporter=RoundReporter(telemetry, wire, cfg.label, gossip, planner,
+                                                   caps=(float(cfg.upload_rate), float(cfg.download_rate))),
                  events=Events(cfg.events),
                  store=CheckpointStore(cfg.checkpoint_path) if cfg.checkpoint_path else None, gate=Gate(cfg.run_id))
 
@@ -107,19 +110,18 @@ def attach_swarm(parts: Parts, shared_state: Callable[[], tuple[dict[str, Any], 
         group_size=cfg.group_size if gossip else None, identity=cfg.identity_path, gate=parts.gate,
         butterfly_from=cfg.butterfly_from, butterfly_possible=cfg.butterfly_possible, reachability=cfg.reachability,
         min_group_size=cfg.min_group_size, upload_limit=cfg.upload_rate, download_limit=cfg.download_rate,
-        barrier_timeout=barrier_timeout(cfg.round_seconds, cfg.round_timeout) if cfg.round_seconds else None)
+        barrier_timeout=barrier_timeout(cfg.round_budget, cfg.round_timeout) if cfg.round_budget else None)
     swarm = parts.swarm = Swarm(settings, parts.state.numel, shared_state, MAX_SHARED_VECTORS)
     fragments = make_fragments(parts, swarm.peer_id)
-    parts.update = make_update(cfg, UpdateContext(parts.state, fragments.all[0].averaging, swarm, parts.telemetry,
-                                                  parts.signals.requested, parts.abandon, fragments))
+    parts.update = make_update(cfg, UpdateContext(parts.state, fragments, swarm, parts.telemetry,
+                                                  parts.signals.requested, parts.abandon))
     return swarm
 
 
 def make_fragments(parts: Parts, peer_id: str) -> Fragments:
     """The run's fragments (docs/architecture.md §15), each averaged with its own codec."""
     cfg, numels = parts.cfg, [p.numel() for p in parts.state.phi]
-    runs = split(numels, cfg.fragments)
     averagings = [Averaging(codec, sum(numels[i] for i in run), peer_id, parts.phi_codec, cfg.aggregator,
                             cfg.max_tokens_per_round or None, cfg.part_align if cfg.butterfly_possible else None)
-                  for codec, run in zip(parts.codecs, runs, strict=True)]
-    return Fragments(numels, averagings)
+                  for codec, run in zip(parts.codecs, parts.runs, strict=True)]
+    return Fragments(numels, parts.runs, averagings)

@@ -132,7 +132,8 @@ class NodeConfig(BaseModel):
     inner_steps: int = Field(50, gt=0, description="H: inner AdamW steps per outer round")
     round_seconds: float | None = Field(None, description="T: rounds by time budget instead of --inner-steps: a "
                                         "round ends on a deadline of the swarm's clock every T seconds and each "
-                                        "node trains as many inner steps as fit (docs/architecture.md §13)")
+                                        "node trains as many inner steps as fit; with --fragments P a round lasts T/P "
+                                        "(docs/architecture.md §13)")
     inner_lr: float = Field(4e-4, gt=0, description="peak inner learning rate")
     warmup_steps: int = Field(50, ge=0, description="inner linear warmup steps")
     weight_decay: float = Field(0.1, ge=0, description="inner AdamW weight decay")
@@ -168,7 +169,8 @@ class NodeConfig(BaseModel):
     max_tokens_per_round: int = Field(0, ge=0, description="most tokens a peer's contribution to a round counts "
                                       "for (0: only the group's median declaration)")
     fragments: int = Field(1, ge=1, description="P: φ is exchanged in P fragments of whole tensors, one per round "
-                           "in turn, each round running H/P inner steps, so a round sends about 1/P of the model "
+                           "in turn, each round running H/P inner steps (with --round-seconds T: lasting T/P "
+                           "seconds), so a round sends about 1/P of the model "
                            "(Streaming DiLoCo; docs/architecture.md §15); at most the model's parameter tensors "
                            "and the inner steps")
     min_group_size: int = Field(2, ge=2, le=64, description="fewest nodes, this one included, whose mean φ steps "
@@ -332,10 +334,6 @@ class NodeConfig(BaseModel):
         if "inner_steps" in self.model_fields_set:
             raise ValueError("give --round-seconds (a round of T seconds) or --inner-steps (a round of H steps), "
                              "not both")
-        if self.fragments != 1:
-            # a fragment's round is a share of H steps (§15); its share of T is not built yet
-            raise ValueError("--round-seconds runs with one fragment only, not --fragments "
-                             f"{self.fragments}: give --inner-steps with --fragments")
         return self
 
     @model_validator(mode="after")
@@ -350,7 +348,7 @@ class NodeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _fragments_have_steps(self) -> NodeConfig:
-        if self.fragments > self.inner_steps:
+        if self.round_seconds is None and self.fragments > self.inner_steps:  # by time: rounds of T/P seconds
             raise ValueError(f"fragments {self.fragments} is more than inner_steps {self.inner_steps}: each round "
                              "runs H/P inner steps, so some rounds would train nothing")
         return self
@@ -488,6 +486,13 @@ class NodeConfig(BaseModel):
         (docs/architecture.md §15)."""
         k = round_ % self.fragments
         return self.inner_steps * (k + 1) // self.fragments - self.inner_steps * k // self.fragments
+
+    @property
+    def round_budget(self) -> float | None:
+        """Seconds of one round under --round-seconds: T, or with P fragments T/P, so that P consecutive
+        rounds (one exchange of each fragment) last T, as P rounds run H steps (docs/architecture.md §13,
+        §15); None without a time budget."""
+        return None if self.round_seconds is None else self.round_seconds / self.fragments
 
     def inner_steps_before(self, round_: int) -> int:
         """Inner steps the rounds before `round_` run together (the learning-rate schedule's position)."""

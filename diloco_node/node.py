@@ -17,7 +17,7 @@ from dataclasses import asdict
 from diloco_node.budget import StepClock, deadline
 from diloco_node.compose import Parts
 from diloco_node.export import export_info
-from diloco_node.outer.fragments import Drift, codec_state, split
+from diloco_node.outer.fragments import Drift, codec_state
 from diloco_node.replica import Replica, ReplicaError
 from diloco_node.replica.layout import flatten
 from diloco_node.round import Outcome, RoundReport
@@ -50,7 +50,7 @@ class Node:
         self.data_wait = 0.0
         self.step_clock = StepClock()  # --round-seconds: our recent step times (budget.py)
         # θ between rounds: reloaded from φ every round, or per fragment (docs/architecture.md §15)
-        self.drift = Drift(split([p.numel() for p in self.state.phi], self.cfg.fragments))
+        self.drift = Drift(parts.runs)
 
     @property
     def swarm(self) -> Swarm:
@@ -97,7 +97,8 @@ class Node:
         delta = flatten(self.drift.delta(self.state.phi, self.replica.theta() or []))
         # tokens 0: no payload, we still take the group's mean (outer/averaging.py)
         tokens = float(len(losses) * self.cfg.batch_size * self.cfg.seq_len)
-        report = self.parts.update.finish_round(self.state.round, delta, tokens)
+        exchanged = self.state.round  # and its fragment (docs/architecture.md §15), for the round record
+        report = self.parts.update.finish_round(exchanged, delta, tokens)
         if report.outcome not in (Outcome.BEHIND, Outcome.STOPPED):
             self.drift.ended(self.state.round - 1 if report.stepped else self.state.round)
         if not report.stepped:
@@ -117,7 +118,8 @@ class Node:
             logger.warning("round=%d our φ differs from the swarm's; re-syncing after this round", self.state.round)
             self.sync_from_peers()
         self._finish_round(losses, report, RoundTiming(computed - started, time.monotonic() - computed,
-                                                       data_wait=self.data_wait))
+                                                       data_wait=self.data_wait, moved_at=time.time()),
+                           fragment=exchanged % self.cfg.fragments)
         self.announce(ready=False)
         # after announcing, so our own row carries this round's stats
         self.parts.reporter.swarm_table(self.swarm.peer_stats(), self.swarm.peer_id, self.replica.peak_memory())
@@ -131,7 +133,7 @@ class Node:
             self.replica.load(self.drift.start(self.state.phi))
         losses: list[float] = []
         waited = DATA_METER.waited()
-        seconds = self.cfg.round_seconds
+        seconds = self.cfg.round_budget  # T, or T/P with fragments: one fragment's round (§15)
         end = deadline(self.swarm.clock(), seconds) if seconds else 0.0
         if seconds:  # the schedule decays with the run's rounds, not our steps (docs/architecture.md §13)
             self.replica.set_progress(self.state.round / self.cfg.max_outer_steps if self.cfg.max_outer_steps else 0.0)
@@ -155,14 +157,14 @@ class Node:
             return steps < self.cfg.round_inner_steps(self.state.round)
         return self.step_clock.fits(self.swarm.clock(), end)
 
-    def _finish_round(self, losses: list[float], report: RoundReport, timing: RoundTiming) -> None:
+    def _finish_round(self, losses: list[float], report: RoundReport, timing: RoundTiming, fragment: int) -> None:
         """Everything the round leaves behind: its record (status, history, events, log line, our
         row of the swarm table) and a checkpoint. `report.result` is the exchange this round's
         outer step used: this round's when blocking, an earlier round's when overlapped."""
         assert self.replica is not None
         record = self.parts.reporter.finished(self.state.round, losses, self.evaluate(), report, timing,
                                               self.state.digest(), traffic=self.swarm.traffic(),
-                                              peak_memory=self.replica.peak_memory())
+                                              peak_memory=self.replica.peak_memory(), fragment=fragment)
         self.swarm.publish_stats(self.parts.reporter.peer_stats(record))
         logger.info("%s", record.log_line())
         self.events.emit("round", **record.event())
@@ -254,12 +256,14 @@ class Node:
 
     def save_checkpoint(self) -> None:
         assert self.parts.store is not None and self.replica is not None and self.parts.update is not None
+        drift = self.drift.saved()  # with fragments: θ runs ahead of φ between a fragment's exchanges (§15)
         self.parts.store.save({
             "fingerprint": self.cfg.checkpoint_fingerprint(), **self.state.saved(),
             "inner": self.replica.inner_state(), "codec": codec_state(self.parts.codecs),
             "data_position": self.data_position, "stream_seed": self.stream_seed,
             "outstanding": [asdict(a) for a in self.parts.update.outstanding()],
-            "export": export_info(self.cfg)})  # what `diloco-node export` makes of φ
+            "export": export_info(self.cfg),  # what `diloco-node export` makes of φ
+            **({"drift": drift} if drift is not None else {})})
 
     def abort(self) -> None:
         """Release what a failed start-up acquired, saving nothing."""

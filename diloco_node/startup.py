@@ -22,7 +22,7 @@ from diloco_node.codec import Codec
 from diloco_node.compose import attach_swarm
 from diloco_node.lifecycle import exit_later, isolate_forked_children
 from diloco_node.node import Node
-from diloco_node.outer.fragments import load_codec_state
+from diloco_node.outer.fragments import Drift, load_codec_state
 from diloco_node.outer.state import OuterState
 from diloco_node.outer.sync import Applied
 from diloco_node.replica import Replica, make_replica, settings_of
@@ -110,8 +110,8 @@ def _resume(node: Node) -> list[Applied] | None:
     """Load the checkpoint, if any; None when there was none."""
     assert node.replica is not None
     store = node.parts.store
-    resumed = resume(store, node.cfg.checkpoint_fingerprint(), node.state, node.replica, node.parts.codecs) \
-        if store else None
+    resumed = resume(store, node.cfg.checkpoint_fingerprint(), node.state, node.replica, node.parts.codecs,
+                     node.drift) if store else None
     if resumed is None:
         return None
     node.inner_step, node.data_position, node.stream_seed = \
@@ -121,8 +121,9 @@ def _resume(node: Node) -> list[Applied] | None:
 
 
 def resume(store: CheckpointStore, fingerprint: str, state: OuterState, replica: Replica,
-           codecs: list[Codec]) -> Resumed | None:
-    """Install the checkpoint into φ's state, the replica and the codecs (one per fragment); None when there is none."""
+           codecs: list[Codec], drift: Drift) -> Resumed | None:
+    """Install the checkpoint into φ's state, the replica, the codecs (one per fragment) and, with
+    fragments, θ between rounds (docs/architecture.md §15); None when there is none."""
     saved = store.load()
     if saved is None:
         return None
@@ -136,6 +137,8 @@ def resume(store: CheckpointStore, fingerprint: str, state: OuterState, replica:
     else:
         logger.warning("checkpoint from an older version: the inner optimizer starts afresh")
     load_codec_state(codecs, saved["codec"])
+    if "drift" in saved and not drift.restore(saved["drift"], state.phi):
+        logger.warning("checkpoint's θ of the fragments does not fit the model: θ restarts from φ")
     logger.info("resumed round=%d from %s", state.round, store.path)
     return Resumed(inner_step, saved["data_position"], saved["stream_seed"],
                    [Applied(**entry) for entry in saved.get("outstanding", [])])

@@ -91,8 +91,8 @@ class Fragment:
 class Fragments:
     """The run's P fragments; round r exchanges and steps fragment r mod P."""
 
-    def __init__(self, numels: Sequence[int], averagings: Sequence[Averaging]):
-        runs = split(numels, len(averagings))
+    def __init__(self, numels: Sequence[int], runs: Sequence[range], averagings: Sequence[Averaging]):
+        """`runs`: split(numels, P), cut once at start-up (compose.py) and shared with `Drift`."""
         bounds = [0]
         for numel in numels:
             bounds.append(bounds[-1] + numel)
@@ -102,7 +102,7 @@ class Fragments:
 
     @classmethod
     def whole(cls, numels: Sequence[int], averaging: Averaging) -> Fragments:
-        return cls(numels, [averaging])
+        return cls(numels, [range(len(numels))], [averaging])
 
     @property
     def count(self) -> int:
@@ -154,6 +154,35 @@ class Drift:
     def forget(self) -> None:
         """φ was replaced (a state download): all of θ restarts from it."""
         self.theta, self.origin, self.due = None, [], None
+
+    def saved(self) -> dict[str, Any] | None:
+        """θ and the origins for a checkpoint, so a resume keeps the other fragments' drift (§15); None
+        with one fragment (θ ← φ every round) or before the first inner phase. The tensors `due` to
+        be reloaded are left out: the resume reloads them from the checkpoint's φ, as the next start
+        would."""
+        if len(self.runs) == 1 or self.theta is None:
+            return None
+        due = set(self.due or ())
+        return {"theta": [None if i in due else t for i, t in enumerate(self.theta)],
+                "origin": [None if i in due else o for i, o in enumerate(self.origin)]}
+
+    def restore(self, saved: Any, phi: list[torch.Tensor]) -> bool:
+        """θ and the origins from `saved` (what `saved()` made, read back from a checkpoint) against the
+        checkpoint's φ; False, and θ restarts from φ, when it does not fit φ (not ours, damaged)."""
+        self.forget()
+        if len(self.runs) == 1 or not isinstance(saved, dict):
+            return False
+        theta, origin = saved.get("theta"), saved.get("origin")
+        if not (isinstance(theta, list) and isinstance(origin, list) and len(theta) == len(origin) == len(phi)):
+            return False
+        for kept in (theta, origin):
+            if not all(t is None or (isinstance(t, torch.Tensor) and t.dtype == torch.float32
+                                     and t.shape == p.shape and bool(torch.isfinite(t).all()))
+                       for t, p in zip(kept, phi, strict=True)):
+                return False
+        self.origin = [p.clone() if o is None else o for o, p in zip(origin, phi, strict=True)]
+        self.theta = [o if t is None else t for t, o in zip(theta, self.origin, strict=True)]
+        return True
 
 
 def codec_state(codecs: Sequence[Codec]) -> dict[str, Any]:

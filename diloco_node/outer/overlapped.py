@@ -114,7 +114,6 @@ class OverlappedUpdate:
         return self.settled
 
     def _fragments(self) -> list[Fragment]:
-        assert self.ctx.fragments is not None
         return self.ctx.fragments.all
 
     def _land(self, finished: list[tuple[Applied, Landed | None]]) -> None:

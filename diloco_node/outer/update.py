@@ -13,7 +13,6 @@ from typing import Protocol
 
 import torch
 
-from diloco_node.outer.averaging import Averaging
 from diloco_node.outer.fragments import Fragment, Fragments
 from diloco_node.outer.state import OuterState, Served
 from diloco_node.outer.sync import Applied
@@ -26,22 +25,16 @@ class UpdateContext:
     """What every outer update works with."""
 
     state: OuterState
-    averaging: Averaging
+    # the fragments rounds exchange in turn, each with its own averaging (docs/architecture.md §15);
+    # one, the whole model, without --fragments (Fragments.whole)
+    fragments: Fragments
     swarm: Transport
     telemetry: Telemetry
     stop: threading.Event  # a stop was asked for: a blocking exchange gives up waiting
     abandon: threading.Event  # shutdown: a background exchange gives up waiting
-    # the fragments rounds exchange in turn (docs/architecture.md §15); None: one, the whole model,
-    # averaged with `averaging`
-    fragments: Fragments | None = None
-
-    def __post_init__(self) -> None:
-        if self.fragments is None:
-            object.__setattr__(self, "fragments", Fragments.whole([p.numel() for p in self.state.phi], self.averaging))
 
     def fragment_of(self, round_: int) -> Fragment:
         """The fragment round `round_` exchanges and steps."""
-        assert self.fragments is not None
         return self.fragments.of_round(round_)
 
 

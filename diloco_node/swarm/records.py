@@ -56,12 +56,14 @@ MAX_ROUND = 1 << 40  # no run gets near; a larger round is a lie that would over
 Token = pydantic.constr(strict=True, max_length=1024)
 NodeCount = pydantic.conint(strict=True, ge=0, le=1 << 62)
 Seconds = pydantic.confloat(strict=True, ge=0, le=1e12)
+ByteRate = pydantic.confloat(strict=True, ge=0, le=1e13)  # bytes/s: 80 Tbit/s is no link of today
 PeerIdText = pydantic.constr(strict=True, max_length=64)  # libp2p's base58 ids are 46 or 52 characters
 Hash = pydantic.constr(strict=True, max_length=64)  # our digests and fingerprints are 16 hex digits
 Round = pydantic.conint(strict=True, ge=-1, le=MAX_ROUND)
 # The most bytes one record's value may take (after its signature is stripped): a node's record is
-# ~0.6 KB (~3 KB with an admission, 8 vouched and 16 proven peers), a config ~2 KB; a 3 MB digest
-# was stored before these bounds
+# ~0.6 KB (~3 KB with an admission, 8 vouched and 16 proven peers; the caps and link rates of the stats
+# add ~130 B, their largest stats are 555 B of msgpack), a config ~2 KB; a 3 MB digest was stored before
+# these bounds
 MAX_NODE_RECORD_BYTES = 4096
 MAX_CONFIG_BYTES = 32768
 MAX_REVOCATION_BYTES = 16
@@ -85,6 +87,11 @@ class NodeStats(pydantic.BaseModel):
     last_round_inner_steps: NodeCount = 0  # type: ignore[valid-type]
     last_round_tokens: pydantic.confloat(strict=True, ge=0, le=1e15) = 0.0  # type: ignore[valid-type]
     last_round_tokens_per_second: pydantic.confloat(strict=True, ge=0, le=1e15) = 0.0  # type: ignore[valid-type]
+    # its caps (0: none) and its link's mean rates over its last round (None: unmeasured), bytes/s
+    upload_limit_bytes_per_second: ByteRate = 0.0  # type: ignore[valid-type]
+    download_limit_bytes_per_second: ByteRate = 0.0  # type: ignore[valid-type]
+    egress_bytes_per_second: ByteRate | None = None  # type: ignore[valid-type]
+    ingress_bytes_per_second: ByteRate | None = None  # type: ignore[valid-type]
 
     class Config:
         extra = pydantic.Extra.forbid

@@ -119,6 +119,11 @@ class RoundRecord:
         "last_round_tokens_per_second", peer="last_round_tokens_per_second",
         metric=("gauge", "diloco_last_round_tokens_per_second", "tokens per compute second in the last round")))
     skipped: bool = field(default=False, metadata=_shows("last_round_skipped"))
+    # last (newer still): the fragment this round exchanged and stepped (docs/architecture.md §15; 0:
+    # the whole model) and the unix time its outer step was done (None in older events): the
+    # dashboard's timeline of when each fragment moved
+    fragment: int = 0
+    moved_at: float | None = None
     # NoLoCo (gossip) runs: the event carries `group` and `consensus_distance`, the log line ends with them
     gossip: bool = field(default=False, repr=False)
 
@@ -202,7 +207,12 @@ def round_fields() -> tuple[str, ...]:
 # Derived once from the record: /api/status keys the round sets, the presence stats it publishes,
 # and the Prometheus series read from those status keys: (status key, kind, name, help).
 ROUND_STATUS_FIELDS = tuple(status for _, status, _ in _shown(STATUS))
-PEER_STATS_FIELDS = ("label", *(peer for _, peer, _ in _shown(PEER)))
+# Besides the round's figures our presence stats carry our caps (0: none) and our link's mean rates over
+# the last round (None: unmeasured), so every node's swarm table shows each peer's egress and ingress
+# against its caps (docs/architecture.md §14)
+LINK_STATS = ("upload_limit_bytes_per_second", "download_limit_bytes_per_second", "egress_bytes_per_second",
+              "ingress_bytes_per_second")
+PEER_STATS_FIELDS = ("label", *(peer for _, peer, _ in _shown(PEER)), *LINK_STATS)
 ROUND_METRICS = tuple((meta[STATUS], *meta[METRIC]) for _, _, meta in _shown(METRIC))
 
 

@@ -26,6 +26,7 @@ class RoundTiming:
     compute: float  # seconds of inner steps
     wait: float  # seconds from the end of the inner phase until the outer step (barrier + exchange)
     data_wait: float = 0.0  # of `compute`: seconds the inner steps waited for their batches (train/data.py)
+    moved_at: float | None = None  # unix time the outer step was done (the dashboard's fragment timeline)
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,9 @@ class Traffic:
 
 def round_record(round_: int, losses: list[float], eval_loss: float, report: RoundReport, timing: RoundTiming,
                  traffic: Traffic, before: Mapping[str, Any], gossip: bool, digest: str,
-                 peak_memory: list[int] | None = None) -> RoundRecord:
-    """`before` is the status snapshot from before this round's totals were updated."""
+                 peak_memory: list[int] | None = None, fragment: int = 0) -> RoundRecord:
+    """`before` is the status snapshot from before this round's totals were updated; `fragment`: the
+    one this round exchanged and stepped (docs/architecture.md §15)."""
     result, own = report.result, report.own
     tokens = own.tokens if own else 0.0  # what we declared with our Δ (steps × batch × seq_len)
     numel = before["parameters"]
@@ -66,7 +68,7 @@ def round_record(round_: int, losses: list[float], eval_loss: float, report: Rou
         digest=digest, peak_memory_bytes=tuple(peak_memory) if peak_memory is not None else None,
         outcome=str(report.outcome), gossip=gossip, last_round_inner_steps=len(losses), last_round_tokens=tokens,
         last_round_tokens_per_second=round(tokens / timing.compute, 1) if timing.compute > 0 else 0.0,
-        skipped=not losses)
+        skipped=not losses, fragment=fragment, moved_at=timing.moved_at)
 
 
 class RoundReporter:
@@ -74,10 +76,11 @@ class RoundReporter:
     swarm table of every peer. Used by the round engine's thread only."""
 
     def __init__(self, telemetry: Telemetry, wire: WireMeter, label: str, gossip: bool,
-                 planner: Planner | None = None):
-        """`planner`: told of every round, says once when the exchange cannot keep up with the caps."""
+                 planner: Planner | None = None, caps: tuple[float, float] = (0.0, 0.0)):
+        """`planner`: told of every round, says once when the exchange cannot keep up with the caps;
+        `caps`: our upload and download limits in bytes/s (0: none), published with our stats."""
         self.telemetry, self.wire, self.label, self.gossip = telemetry, wire, label, gossip
-        self.planner = planner
+        self.planner, self.caps = planner, caps
         self.compute_seconds = self.wait_seconds = 0.0  # since start, for utilization
         self.wire_at_last_round = (0, 0)
         self.clipped: Counter[str] = Counter()  # per peer: contributions our aggregator bounded
@@ -85,7 +88,7 @@ class RoundReporter:
 
     def finished(self, round_: int, losses: list[float], eval_loss: float, report: RoundReport,
                  timing: RoundTiming, digest: str, traffic: tuple[int, int],
-                 peak_memory: list[int] | None = None) -> RoundRecord:
+                 peak_memory: list[int] | None = None, fragment: int = 0) -> RoundRecord:
         """Record the round in the status and its history; `traffic`: (sent, received) payload and
         state bytes since start. Returns the round's record (its event, log line and peer stats)."""
         before = self.telemetry.snapshot()
@@ -94,7 +97,7 @@ class RoundReporter:
         self.wait_seconds += timing.wait
         record = round_record(round_, losses, eval_loss, report, timing,
                               Traffic(sent, received, self._wire_this_round()), before, self.gossip, digest,
-                              peak_memory)
+                              peak_memory, fragment)
         self.telemetry.record_round(record.event())
         self.clipped.update(record.clipped)
         self.rejected.update(record.rejected)
@@ -108,7 +111,14 @@ class RoundReporter:
 
     def peer_stats(self, record: RoundRecord) -> dict[str, Any]:
         """What our presence record publishes after `record`'s round (records.NodeStats' fields)."""
-        return {"label": self.label, **record.peer_stats(self._since_start())}
+        seconds = record.round_seconds
+        def mean_rate(moved: int | None) -> float | None:  # the link's bytes/s over the round, all traffic
+            return round(moved / seconds, 1) if moved is not None and seconds > 0 else None
+
+        return {"label": self.label, **record.peer_stats(self._since_start()),
+                "upload_limit_bytes_per_second": self.caps[0], "download_limit_bytes_per_second": self.caps[1],
+                "egress_bytes_per_second": mean_rate(record.wire_sent),
+                "ingress_bytes_per_second": mean_rate(record.wire_received)}
 
     def settled(self, round_: int, eval_loss: float, digest: str, traffic: tuple[int, int]) -> SettledRecord:
         """An overlapped run's last exchange, applied on leaving: the status, and the settled event's

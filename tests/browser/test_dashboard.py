@@ -57,6 +57,7 @@ class Page(HTMLParser):
         self.rows: list[dict[str, str]] = []  # per row: its data-peer-id as "row", and each cell's data-value by column
         self._open: list[str | None] = []  # ids of the open elements, to collect text by id
         self._in_tbody = False
+        self._cell: str | None = None  # the data-col of the open table cell: its text goes in as "text:<col>"
         self.feed(html)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
@@ -65,29 +66,38 @@ class Page(HTMLParser):
             self.hidden.add(a["id"])
         if tag == "canvas" and "data-chart" in a:
             self.canvas_points[a["data-chart"]] = int(a.get("data-points") or 0)
+        elif tag == "canvas" and "data-timeline" in a:
+            self.canvas_points[f"timeline-{a['data-timeline']}"] = int(a.get("data-points") or 0)
         elif tag == "tbody":
             self._in_tbody = True
         elif tag == "tr" and self._in_tbody:
             self.rows.append({"row": a.get("data-peer-id", "")})
         elif tag == "td" and self._in_tbody and self.rows and "data-col" in a:
             self.rows[-1][a["data-col"]] = a.get("data-value", "")
+            self._cell = a["data-col"]
         if tag not in {"canvas", "meta", "link", "br", "img", "input"}:
             self._open.append(a.get("id"))
 
     def handle_endtag(self, tag: str) -> None:
         if tag == "tbody":
             self._in_tbody = False
+        if tag == "td":
+            self._cell = None
         if tag not in {"canvas", "meta", "link", "br", "img", "input"} and self._open:
             self._open.pop()
 
     def handle_data(self, data: str) -> None:
+        if self._cell and self.rows:
+            self.rows[-1][f"text:{self._cell}"] = self.rows[-1].get(f"text:{self._cell}", "") + data
         for element_id in filter(None, self._open):
             self.text_by_id[element_id] = self.text_by_id.get(element_id, "") + data
 
 
 @pytest.fixture
 def swarm(tmp_path: Path) -> Iterator[list[NodeProcess]]:
-    options = [*FAST, "--run-id", "browser-test", "--min-peers", "2", "--inner-steps", "5", "--checkpoint-dir", ""]
+    # two fragments and an upload cap: the fragment timeline and each peer's egress against its cap
+    options = [*FAST, "--run-id", "browser-test", "--min-peers", "2", "--inner-steps", "5", "--checkpoint-dir", "",
+               "--fragments", "2", "--upload-limit", "50mbit"]
     first = NodeProcess("a", options, tmp_path).start()
     nodes = [first]
     try:
@@ -131,6 +141,11 @@ def test_dashboard_shows_the_swarm(swarm: list[NodeProcess], tmp_path: Path) -> 
         assert float(row.get("bytes_received") or 0) > 0, row
         # what each node trained in its last round (docs/architecture.md §13)
         assert float(row.get("steps") or 0) >= 1 and float(row.get("tokens_per_second") or 0) > 0, row
+        # its link against its own caps, as it published them (docs/architecture.md §14)
+        assert row.get("text:egress", "").endswith(" / 50.00 Mbit/s"), row
+        assert row.get("text:ingress", "").endswith("no cap"), row
+    # the fragment timeline: a mark for each round the page's history holds, in both fragments' rows
+    assert page.canvas_points.get("timeline-fragments", 0) >= 2, page.canvas_points
     # throughput per node: the page collects a point per node and round while it is open
     assert page.canvas_points.get("throughput", 0) >= 1, page.canvas_points
     for chart in CHARTS:

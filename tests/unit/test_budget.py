@@ -182,7 +182,39 @@ def test_a_skipped_round_records_no_loss_no_steps_and_says_skipped() -> None:
     assert record.status({"compute_seconds": 0, "wait_seconds": 2.5, "utilization": 0.0})["last_round_skipped"]
 
 
-def test_round_seconds_takes_one_fragment_only() -> None:
-    """A fragment's round is its share of H steps (docs/architecture.md §15); of T it is not built."""
-    message = _error({"round_seconds": 30, "fragments": 2})
-    assert "--round-seconds" in message and "--fragments 2" in message
+# --- with fragments (docs/architecture.md §13, §15): a round moves one fragment and lasts T/P ----------
+
+
+def test_with_fragments_a_round_lasts_t_over_p_and_any_number_of_fragments_is_accepted() -> None:
+    cfg = build_config({"round_seconds": 30, "fragments": 3})
+    assert cfg.round_budget == 10.0 and cfg.fingerprint_fields()["round_seconds"] == 30.0
+    assert cfg.fingerprint_fields()["fragments"] == 3  # every member ends rounds on the same T/P grid
+    assert build_config({"round_seconds": 30}).round_budget == 30.0
+    assert build_config({"inner_steps": 4}).round_budget is None
+    # H is not used under a time budget: P is bounded by the model's tensors only (checked at start-up)
+    assert build_config({"round_seconds": 30, "fragments": 60}).round_budget == 0.5
+
+
+@pytest.mark.parametrize("exchange", [0.3, 1.8])  # within 3T/(4P), and longer (a round of 2T/P then)
+def test_fragments_move_one_at_a_time_each_every_t_on_the_grid(exchange: float) -> None:
+    """The inner phases of consecutive rounds end on the grid of T/P (node.py asks `deadline` with
+    `round_budget`), so P consecutive rounds, one exchange of each fragment, take T when the
+    exchange fits, and a fragment's exchanges are P rounds apart: one fragment moves at a time."""
+    cfg = build_config({"round_seconds": 6, "fragments": 3})
+    seconds = cfg.round_budget
+    assert seconds == 2.0
+    now, ends, moved = 1_795_000_000.3, [], []  # moved: (round, fragment) in the order they exchanged
+    for round_ in range(3 * cfg.fragments):
+        end = deadline(now, seconds)
+        ends.append(end)
+        moved.append((round_, round_ % cfg.fragments))  # Fragments.of_round (outer/fragments.py)
+        now = end + exchange  # the exchange of this round's fragment, then the next inner phase
+    gap = (1 if exchange <= (1 - MIN_SHARE) * seconds else 2) * seconds
+    assert {round(b - a, 6) for a, b in zip(ends, ends[1:], strict=False)} == {gap}
+    assert all(math.isclose(end / seconds, round(end / seconds), abs_tol=1e-9) for end in ends)  # on the grid
+    for fragment in range(cfg.fragments):  # each fragment moves every P rounds: every T when exchanges fit
+        own = [ends[r] for r, f in moved if f == fragment]
+        assert {round(b - a, 6) for a, b in zip(own, own[1:], strict=False)} == {cfg.fragments * gap}
+    # each window of P consecutive rounds exchanges every fragment once
+    assert all(sorted(f for _, f in moved[r:r + cfg.fragments]) == list(range(cfg.fragments))
+               for r in range(len(moved) - cfg.fragments + 1))

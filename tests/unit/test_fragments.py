@@ -147,9 +147,10 @@ class Telemetry:
 
 
 def _context(state: OuterState, averagings: list[Averaging]) -> UpdateContext:
-    fragments = Fragments([p.numel() for p in state.phi], averagings)  # type: ignore[arg-type]
-    return UpdateContext(state, averagings[0], Swarm(), Telemetry(),  # type: ignore[arg-type]
-                         threading.Event(), threading.Event(), fragments)
+    numels = [p.numel() for p in state.phi]
+    fragments = Fragments(numels, split(numels, len(averagings)), averagings)  # type: ignore[arg-type]
+    return UpdateContext(state, fragments, Swarm(), Telemetry(),  # type: ignore[arg-type]
+                         threading.Event(), threading.Event())
 
 
 # --- P = 1 is the round as it always was -------------------------------------------------------
@@ -285,6 +286,74 @@ def test_theta_of_the_other_fragments_keeps_training_and_delta_is_against_where_
     assert flatten(drift.delta(phi, theta)).tolist() == pytest.approx([0.0, 0.0, 0.5, 0.5])
     drift.forget()  # a state download: all of θ restarts from φ
     assert all(torch.equal(a, b) for a, b in zip(drift.start(phi), phi, strict=True))
+
+
+# --- θ in the checkpoint: a resume keeps the other fragments' drift ---------------------------------
+
+def _train(theta: list[torch.Tensor], round_: int) -> list[torch.Tensor]:
+    """A stand-in inner phase: every tensor of θ moves, by an amount of its own each round."""
+    generator = torch.Generator().manual_seed(100 + round_)
+    return [t - 0.01 * torch.randn(t.shape, generator=generator) for t in theta]
+
+
+def _round(drift: Drift, phi: list[torch.Tensor], round_: int, runs: list[range]) -> torch.Tensor:
+    """One round of node.py with P fragments: start, inner phase, Δ, the fragment's step on φ, ended."""
+    theta = _train([t.clone() for t in drift.start(phi)], round_)
+    delta = drift.delta(phi, theta)
+    for index in runs[round_ % len(runs)]:  # a stand-in outer step of the round's fragment only
+        phi[index] = phi[index] - 0.7 * delta[index]
+    drift.ended(round_)
+    return flatten(delta)
+
+
+@pytest.mark.parametrize("stopped_mid_round", [False, True], ids=["after-a-round", "mid-inner-phase"])
+def test_theta_resumes_bit_exactly_from_a_checkpoint(tmp_path: Path, stopped_mid_round: bool) -> None:
+    """A node that stops and resumes goes on with the same θ and origins (the fragments' local progress
+    since their last exchange), so every later round's Δ is bit for bit the one it would have sent
+    without the stop. Without them (θ from φ, as before) the Δs differ: the test can fail."""
+    phi = _phi()
+    runs = split([p.numel() for p in phi], 3)
+    running = Drift(runs)
+    for round_ in range(4):  # rounds 0–3: fragment 0 was exchanged twice, θ of 1 and 2 runs ahead
+        _round(running, phi, round_, runs)
+    if stopped_mid_round:  # a stop during round 4's inner phase: the round's start is what is saved
+        running.start(phi)
+    store = CheckpointStore(tmp_path)
+    store.save({"outer_params": phi, "drift": running.saved()})
+    loaded = store.load()
+    store.close()
+    assert loaded is not None
+    resumed, fresh = Drift(runs), Drift(runs)
+    assert resumed.restore(loaded["drift"], loaded["outer_params"])
+    phi_resumed = list(loaded["outer_params"])
+    phi_fresh = [p.clone() for p in phi_resumed]
+    assert all(torch.equal(a, b) for a, b in zip(phi_resumed, phi, strict=True))
+    for round_ in range(4, 9):
+        expected = _round(running, phi, round_, runs)
+        assert torch.equal(_round(resumed, phi_resumed, round_, runs), expected), round_
+        if round_ == 4:
+            assert not torch.equal(_round(fresh, phi_fresh, round_, runs), expected)  # what was lost before
+    assert all(torch.equal(a, b) for a, b in zip(phi_resumed, phi, strict=True))
+
+
+def test_theta_is_saved_only_with_fragments_and_refused_when_it_does_not_fit() -> None:
+    phi = _phi()
+    one = Drift(split([p.numel() for p in phi], 1))
+    one.start(phi)
+    assert one.saved() is None  # P = 1: θ ← φ every round, the checkpoint is as it was
+    runs = split([p.numel() for p in phi], 3)
+    drift = Drift(runs)
+    assert drift.saved() is None  # no inner phase yet: θ is φ
+    _round(drift, phi, 0, runs)
+    saved = drift.saved()
+    assert saved is not None and saved["theta"][0] is None and saved["origin"][0] is None  # due: reloaded from φ
+    for bad in (None, {"theta": saved["theta"][:2], "origin": saved["origin"][:2]},
+                {"theta": [None, torch.zeros(7), None], "origin": saved["origin"]},
+                {"theta": saved["theta"], "origin": [None, saved["origin"][1].double(), saved["origin"][2]]},
+                {"theta": [None, saved["theta"][1] * float("nan"), saved["theta"][2]], "origin": saved["origin"]}):
+        other = Drift(runs)
+        assert not other.restore(bad, phi) and other.theta is None  # θ then starts from φ
+        assert all(torch.equal(a, b) for a, b in zip(other.start(phi), phi, strict=True))
 
 
 # --- P = 2, eager: the ledger per fragment ------------------------------------------------------

@@ -61,7 +61,7 @@ def test_event_round_trips_through_json_and_from_event(record: RoundRecord) -> N
 
 def test_event_keeps_todays_keys_and_leaves_out_what_was_never_there() -> None:
     tail = ("digest", "peak_memory_bytes", "outcome", "data_wait_seconds", "last_round_inner_steps",
-            "last_round_tokens", "last_round_tokens_per_second", "skipped")
+            "last_round_tokens", "last_round_tokens_per_second", "skipped", "fragment", "moved_at")
     assert tuple(sample().event()) == EVENT_KEYS + tail
     measured = sample(wire_sent=10, wire_received=20, wire_sent_total=100, wire_received_total=200).event()
     assert tuple(measured) == EVENT_KEYS[:9] + WIRE_FIELDS + EVENT_KEYS[9:] + tail
@@ -127,9 +127,14 @@ def _report(gossip: bool) -> RoundReport:
 @pytest.mark.parametrize("gossip", [False, True], ids=["diloco", "noloco"])
 def test_reporter_feeds_status_history_peer_stats_and_swarm_table(gossip: bool) -> None:
     telemetry = Telemetry(run_id="r", parameters=1000)
-    reporter = RoundReporter(telemetry, FakeWire((1000, 2000)), "lbl", gossip)  # type: ignore[arg-type]
-    record = reporter.finished(3, [1.0, 2.0], 1.7, _report(gossip), RoundTiming(2.0, 0.5, data_wait=0.25), "dig",
-                               traffic=(5000, 7000), peak_memory=[123])
+    reporter = RoundReporter(telemetry, FakeWire((1000, 2000)), "lbl", gossip,  # type: ignore[arg-type]
+                             caps=(250_000.0, 0.0))
+    record = reporter.finished(3, [1.0, 2.0], 1.7, _report(gossip),
+                               RoundTiming(2.0, 0.5, data_wait=0.25, moved_at=1_795_000_000.5), "dig",
+                               traffic=(5000, 7000), peak_memory=[123], fragment=2)
+    assert (record.fragment, record.moved_at) == (2, 1_795_000_000.5)  # the dashboard's fragment timeline
+    first = reporter.peer_stats(record)  # the link's mean rates over the round: its wire bytes / 2.5 s
+    assert (first["egress_bytes_per_second"], first["ingress_bytes_per_second"]) == (400.0, 800.0)
     assert (record.round, record.loss, record.group_size, record.outcome) == (3, 1.5, 2, "together")
     assert (record.bytes_sent, record.bytes_sent_total, record.payload_bytes) == (5000, 5000, 500)
     assert (record.raw_bytes, record.compression_ratio) == (8000 if gossip else 4000, 16.0 if gossip else 8.0)
@@ -158,7 +163,10 @@ def test_reporter_feeds_status_history_peer_stats_and_swarm_table(gossip: bool) 
                      "last_round_bytes_sent": 1000, "last_round_bytes_received": 2000, "wire_bytes_sent": 1000,
                      "wire_bytes_received": 2000, "last_exchange_seconds": 1.5, "utilization": 0.6, "time": record.time,
                      # what the round trained: 1 step, the tokens we declared (1.0), over 1 s of compute
-                     "last_round_inner_steps": 1, "last_round_tokens": 1.0, "last_round_tokens_per_second": 1.0}
+                     "last_round_inner_steps": 1, "last_round_tokens": 1.0, "last_round_tokens_per_second": 1.0,
+                     # our caps, and the link's mean rates over the round (no wire bytes moved since round 3)
+                     "upload_limit_bytes_per_second": 250_000.0, "download_limit_bytes_per_second": 0.0,
+                     "egress_bytes_per_second": 0.0, "ingress_bytes_per_second": 0.0}
     reporter.swarm_table({"me": stats, "b": {"label": "other"}}, "me", [77])
     rows = {row["peer_id"]: row for row in telemetry.peers()}
     assert rows["me"]["is_self"] and rows["me"]["rounds"] == 4 and rows["me"]["bandwidth_bps"] == 8 * 3000 / 1.5
@@ -175,6 +183,7 @@ def test_unmeasured_wire_publishes_none_and_leaves_the_event_without_wire_keys()
     assert not set(WIRE_FIELDS) & set(record.event())
     stats = reporter.peer_stats(record)
     assert stats["wire_bytes_sent"] is None and stats["wire_bytes_received"] is None
+    assert stats["egress_bytes_per_second"] is None and stats["ingress_bytes_per_second"] is None
 
 
 def test_presence_stats_are_the_fields_the_swarm_validates() -> None:

@@ -46,6 +46,11 @@ def test_malformed_or_left_records_are_ignored() -> None:
     assert NodeRecord.from_wire({**good, "stats": {"label": "x" * 65}}) is None
     assert NodeRecord.from_wire({**good, "stats": {"bytes_sent": 1.5}}) is None
     assert NodeRecord.from_wire({**good, "stats": {"secret": "x"}}) is None
+    # a peer's caps and link rates (the swarm table's egress / cap): non-negative bytes/s, or unmeasured
+    linked = {"upload_limit_bytes_per_second": 250_000.0, "egress_bytes_per_second": None}
+    assert NodeRecord.from_wire({**good, "stats": linked}) is not None
+    assert NodeRecord.from_wire({**good, "stats": {"egress_bytes_per_second": -1.0}}) is None
+    assert NodeRecord.from_wire({**good, "stats": {"upload_limit_bytes_per_second": 1e300}}) is None
 
 
 def test_majority_digest_is_canonical() -> None:

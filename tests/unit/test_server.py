@@ -386,16 +386,21 @@ def test_swarm_rows_read_the_published_stats() -> None:
 
     stats = {"label": "n", "rounds": 4, "bytes_sent": 10, "bytes_received": 20, "last_round_bytes_sent": 3,
              "last_round_bytes_received": 5, "wire_bytes_sent": 11, "wire_bytes_received": None,
-             "last_exchange_seconds": 2.0, "utilization": 0.5, "time": 1_700_000_000.0}
+             "last_exchange_seconds": 2.0, "utilization": 0.5, "time": 1_700_000_000.0,
+             "upload_limit_bytes_per_second": 250_000.0, "egress_bytes_per_second": 1_000.5}
     assert swarm_row("me", stats, True) == {
         "peer_id": "me", "label": "n", "rounds": 4, "bytes_sent": 10, "bytes_received": 20,
         "last_round_bytes_sent": 3, "last_round_bytes_received": 5, "wire_bytes_sent": 11,
         "wire_bytes_received": None, "utilization": 0.5, "bandwidth_bps": 32.0, "last_seen": 1_700_000_000.0,
         "is_self": True, "clipped": 0, "rejected": 0, "last_round_inner_steps": None, "last_round_tokens": None,
-        "last_round_tokens_per_second": None}
+        "last_round_tokens_per_second": None,
+        # its own caps and link rates (docs/architecture.md §14); None where it did not publish them
+        "upload_limit_bytes_per_second": 250_000.0, "download_limit_bytes_per_second": None,
+        "egress_bytes_per_second": 1_000.5, "ingress_bytes_per_second": None}
     assert swarm_row("new", {}, False) == {
         "peer_id": "new", "label": "", "rounds": 0, "bytes_sent": 0, "bytes_received": 0,
         "last_round_bytes_sent": 0, "last_round_bytes_received": 0, "wire_bytes_sent": None,
         "wire_bytes_received": None, "utilization": None, "bandwidth_bps": None, "last_seen": None,
         "is_self": False, "clipped": 0, "rejected": 0, "last_round_inner_steps": None, "last_round_tokens": None,
-        "last_round_tokens_per_second": None}
+        "last_round_tokens_per_second": None, "upload_limit_bytes_per_second": None,
+        "download_limit_bytes_per_second": None, "egress_bytes_per_second": None, "ingress_bytes_per_second": None}

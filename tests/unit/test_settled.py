@@ -12,6 +12,7 @@ import torch
 
 from diloco_node.config import NodeConfig
 from diloco_node.outer.diloco import OuterOptimizer
+from diloco_node.outer.fragments import Fragments
 from diloco_node.outer.overlapped import OverlappedUpdate
 from diloco_node.outer.state import OuterState
 from diloco_node.outer.update import UpdateContext
@@ -77,7 +78,8 @@ def node(sync: str, means: list[torch.Tensor], alone: tuple[int, ...] = (),
          held: tuple[int, ...] = ()) -> OverlappedUpdate:
     phi = [torch.linspace(-1.0, 1.0, NUMEL).reshape(2, 3)]
     state = OuterState(phi, OuterOptimizer(phi, 0.7, 0.9))
-    ctx = UpdateContext(state, Averaging(means, alone), Swarm(held), Telemetry(),  # type: ignore[arg-type]
+    fragments = Fragments.whole([p.numel() for p in phi], Averaging(means, alone))  # type: ignore[arg-type]
+    ctx = UpdateContext(state, fragments, Swarm(held), Telemetry(),  # type: ignore[arg-type]
                         threading.Event(), threading.Event())
     return OverlappedUpdate(ctx, state.optimizer, NodeConfig(sync=sync))  # type: ignore[arg-type]
 

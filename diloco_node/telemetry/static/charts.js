@@ -50,6 +50,15 @@ function resize(canvas) {
   return { ctx, width, height };
 }
 
+// The plot's left edge: wide enough for the widest tick label ("2.00 Mbit/s") right of the rotated
+// axis title, which sits in the first TITLE_ROOM pixels.
+const TITLE_ROOM = 22;
+function leftEdge(ctx, y, spec) {
+  ctx.font = FONT;
+  const widest = Math.max(0, ...ticks(y.lo, y.hi, y.step).map((v) => ctx.measureText(spec.format(v)).width));
+  return Math.max(MARGIN.left, Math.ceil(TITLE_ROOM + widest + 8));
+}
+
 function drawAxes(ctx, box, x, y, spec) {
   ctx.font = FONT;
   ctx.lineWidth = 1;
@@ -138,11 +147,47 @@ export function drawChart(canvas, spec) {
   const x = xDomain(all.map((p) => p[0]), spec.kind);
   const y = yDomain(all.map((p) => p[1]), spec);
   const box = {
-    left: MARGIN.left, right: width - MARGIN.right, top: MARGIN.top, bottom: height - MARGIN.bottom, yLo: y.lo,
+    left: leftEdge(ctx, y, spec), right: width - MARGIN.right, top: MARGIN.top, bottom: height - MARGIN.bottom,
+    yLo: y.lo,
   };
   box.x = (v) => box.left + ((v - x.lo) / (x.hi - x.lo)) * (box.right - box.left);
   box.y = (v) => box.bottom - ((v - y.lo) / (y.hi - y.lo)) * (box.bottom - box.top);
   drawAxes(ctx, box, x, y, spec);
   if (spec.kind === "bar") drawBars(ctx, box, series, x);
   else drawLines(ctx, box, series);
+}
+
+// drawTimeline(canvas, {rows, marks: [{row, from, to, color}], xLabel, yLabel, rowLabel: (row) => string})
+// One row per fragment (row 0 on top) over time: each mark a bar from `from` to `to` (a round's
+// exchange) ending in a dot (its outer step). canvas.dataset.points holds the number of marks drawn.
+export function drawTimeline(canvas, spec) {
+  const { ctx, width, height } = resize(canvas);
+  const marks = spec.marks.filter((m) => [m.row, m.from, m.to].every(Number.isFinite));
+  canvas.dataset.points = String(marks.length);
+  ctx.clearRect(0, 0, width, height);
+  if (marks.length === 0) {
+    ctx.font = FONT;
+    ctx.fillStyle = MUTED;
+    ctx.textAlign = "center";
+    ctx.fillText("waiting for the first round…", width / 2, height / 2);
+    return;
+  }
+  const rows = Math.max(1, spec.rows || 0, ...marks.map((m) => m.row + 1));
+  const x = xDomain(marks.flatMap((m) => [m.from, m.to]), "line");
+  const y = { lo: -0.5, hi: rows - 0.5, step: 1 };
+  const axes = { format: spec.rowLabel, xLabel: spec.xLabel, yLabel: spec.yLabel };
+  const box = { left: leftEdge(ctx, y, axes), right: width - MARGIN.right, top: MARGIN.top,
+                bottom: height - MARGIN.bottom };
+  box.x = (v) => box.left + ((v - x.lo) / (x.hi - x.lo)) * (box.right - box.left);
+  box.y = (v) => box.top + ((v - y.lo) / (y.hi - y.lo)) * (box.bottom - box.top);
+  drawAxes(ctx, box, x, y, axes);
+  const thick = Math.max(3, Math.min(12, ((box.bottom - box.top) / rows) * 0.5));
+  for (const m of marks) {
+    const left = box.x(m.from), right = box.x(m.to), middle = box.y(m.row);
+    ctx.fillStyle = m.color;
+    ctx.globalAlpha = 0.45;
+    ctx.fillRect(left, middle - thick / 2, Math.max(2, right - left), thick);
+    ctx.globalAlpha = 1;
+    ctx.beginPath(); ctx.arc(right, middle, Math.max(3, thick / 2), 0, 2 * Math.PI); ctx.fill();
+  }
 }

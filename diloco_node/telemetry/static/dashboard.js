@@ -3,7 +3,7 @@
 // has no loss yet), and every string from the API is untrusted (a peer picks its own label), so
 // text only ever goes in through textContent / setAttribute, never innerHTML.
 
-import { drawChart } from "./charts.js";
+import { drawChart, drawTimeline } from "./charts.js";
 
 const POLL_MS = 2000;
 const SENT = "#2563eb", RECEIVED = "#e07b24", THIRD = "#2e9e5b";
@@ -77,6 +77,7 @@ function renderStatus(s) {
       + "training is paused while the node retries its peers";
   }
   document.title = `diloco-node · ${show(s.run_id)} · round ${show(s.outer_step)}`;
+  if (finite(s.fragments) && s.fragments >= 1) fragmentCount = s.fragments;
   renderLink(s);
 }
 
@@ -209,12 +210,34 @@ function renderThroughput() {
   });
 }
 
+// The fragment timeline (docs/architecture.md §15): one row per fragment, a mark for each round of the
+// last TIMELINE_CYCLES cycles from its exchange (the round's wait) to its fragment's outer step, in
+// seconds before the latest step. With P fragments they move one at a time, in turn.
+const TIMELINE_CYCLES = 4, TIMELINE_LEAST = 8;
+let fragmentCount = 1;  // P, from /api/status
+
+function renderTimeline(rounds) {
+  const canvas = document.querySelector("canvas[data-timeline='fragments']");
+  if (!canvas) return;
+  const moved = rounds.filter((r) => finite(r.moved_at) && finite(r.fragment))
+    .slice(-Math.max(TIMELINE_LEAST, TIMELINE_CYCLES * fragmentCount));
+  const latest = moved.length ? moved[moved.length - 1].moved_at : 0;
+  drawTimeline(canvas, {
+    rows: fragmentCount, xLabel: "seconds before the latest step", yLabel: "fragment",
+    rowLabel: (row) => String(row),
+    marks: moved.map((r) => ({ row: r.fragment, to: r.moved_at - latest,
+                               from: r.moved_at - latest - (finite(r.wait_seconds) ? r.wait_seconds : 0),
+                               color: PALETTE[r.fragment % PALETTE.length] })),
+  });
+}
+
 function renderCharts(rounds) {
   lastRounds = rounds;
   for (const canvas of document.querySelectorAll("canvas[data-chart]")) {
     const spec = CHARTS[canvas.dataset.chart];
     if (spec) drawChart(canvas, spec(rounds));
   }
+  renderTimeline(rounds);
 }
 
 // --- swarm table ------------------------------------------------------------------------------
@@ -227,6 +250,12 @@ function cell(row, text, { numeric = false, column, value, title } = {}) {
   if (finite(value)) td.dataset.value = String(value);
   if (title) td.title = title;
   return td;
+}
+
+const capOf = (cap) => (finite(cap) && cap > 0 ? bits(cap) : "none");
+function againstCap(rate, cap) {  // "1.20 / 2.00 Mbit/s", or "0.40 Mbit/s · no cap"
+  const mbits = (v) => (finite(v) ? (8 * v / 1e6).toFixed(2) : "–");
+  return finite(cap) && cap > 0 ? `${mbits(rate)} / ${mbits(cap)} Mbit/s` : `${bits(rate)} · no cap`;
 }
 
 function renderPeers(peers) {
@@ -254,6 +283,13 @@ function renderPeers(peers) {
         title: finite(wire) ? `on the wire; payload ${bytes(payload)}` : "payload (wire not measured)" });
     }
     cell(row, mbit(p.bandwidth_bps), { numeric: true, column: "bandwidth", value: p.bandwidth_bps });
+    // its link over its last round against its own caps (docs/architecture.md §14)
+    cell(row, againstCap(p.egress_bytes_per_second, p.upload_limit_bytes_per_second),
+         { numeric: true, column: "egress", value: p.egress_bytes_per_second,
+           title: `upload cap: ${capOf(p.upload_limit_bytes_per_second)}` });
+    cell(row, againstCap(p.ingress_bytes_per_second, p.download_limit_bytes_per_second),
+         { numeric: true, column: "ingress", value: p.ingress_bytes_per_second,
+           title: `download cap: ${capOf(p.download_limit_bytes_per_second)}` });
     cell(row, percent(p.utilization), { numeric: true, column: "utilization", value: p.utilization });
     cell(row, show(p.last_round_inner_steps), { numeric: true, column: "steps", value: p.last_round_inner_steps });
     cell(row, amount(p.last_round_tokens),
