@@ -120,6 +120,7 @@ def make_fragments(parts: Parts, peer_id: str) -> Fragments:
     cfg, numels = parts.cfg, [p.numel() for p in parts.state.phi]
     runs = split(numels, cfg.fragments)
     averagings = [Averaging(codec, sum(numels[i] for i in run), peer_id, parts.phi_codec, cfg.aggregator,
-                            cfg.max_tokens_per_round or None, cfg.part_align if cfg.butterfly_possible else None)
+                            cfg.max_tokens_per_round or None, cfg.part_align if cfg.butterfly_possible else None,
+                            cfg.weighting)
                   for codec, run in zip(parts.codecs, runs, strict=True)]
     return Fragments(numels, averagings)

@@ -85,6 +85,7 @@ class NodeStats(pydantic.BaseModel):
     last_round_inner_steps: NodeCount = 0  # type: ignore[valid-type]
     last_round_tokens: pydantic.confloat(strict=True, ge=0, le=1e15) = 0.0  # type: ignore[valid-type]
     last_round_tokens_per_second: pydantic.confloat(strict=True, ge=0, le=1e15) = 0.0  # type: ignore[valid-type]
+    last_round_weight: pydantic.confloat(strict=True, ge=0, le=1) = 0.0  # type: ignore[valid-type]  # its share of the mean
 
     class Config:
         extra = pydantic.Extra.forbid

@@ -119,6 +119,11 @@ class RoundRecord:
         "last_round_tokens_per_second", peer="last_round_tokens_per_second",
         metric=("gauge", "diloco_last_round_tokens_per_second", "tokens per compute second in the last round")))
     skipped: bool = field(default=False, metadata=_shows("last_round_skipped"))
+    # last (newest): our share of the mean this round's outer step applied (our counted tokens over the
+    # group's, after the caps: docs/architecture.md §13); 0 when nothing of ours went in
+    last_round_weight: float = field(default=0.0, metadata=_shows(
+        "last_round_weight", peer="last_round_weight",
+        metric=("gauge", "diloco_last_round_weight", "our share of the mean applied in the last round")))
     # NoLoCo (gossip) runs: the event carries `group` and `consensus_distance`, the log line ends with them
     gossip: bool = field(default=False, repr=False)
 

@@ -186,3 +186,57 @@ def test_round_seconds_takes_one_fragment_only() -> None:
     """A fragment's round is its share of H steps (docs/architecture.md §15); of T it is not built."""
     message = _error({"round_seconds": 30, "fragments": 2})
     assert "--round-seconds" in message and "--fragments 2" in message
+
+
+# --- weights in the mean -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("weighting", "expected"), [
+    # declared 4096, 2048, 1024: the cap (the median, 2048) counts them 2048, 2048, 1024
+    ("tokens", (0.4, 0.4, 0.2)),
+    ("sqrt-tokens", (math.sqrt(2) / (2 * math.sqrt(2) + 1),) * 2 + (1 / (2 * math.sqrt(2) + 1),)),
+    ("equal", (1 / 3, 1 / 3, 1 / 3)),
+])
+def test_weighting_turns_counted_tokens_into_shares(weighting: str, expected: tuple[float, ...]) -> None:
+    import torch
+
+    from diloco_node.outer.aggregate import Contribution, aggregate
+
+    vectors = [torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), torch.tensor([1.0, 1.0])]
+    contributions = [Contribution(peer, tokens, vector)
+                     for peer, tokens, vector in zip("abc", (4096.0, 2048.0, 1024.0), vectors, strict=True)]
+    result = aggregate(contributions, "mean", weighting=weighting)
+    assert result.tokens == (2048.0, 2048.0, 1024.0)  # the cap comes first, whatever the weighting
+    assert result.weights == pytest.approx(expected)
+    assert sum(result.weights) == pytest.approx(1.0)
+    assert torch.allclose(result.mean, sum(w * v for w, v in zip(expected, vectors, strict=True)))
+
+
+def test_weighting_is_checked_and_fingerprinted_and_each_node_records_its_weight() -> None:
+    import torch
+
+    from diloco_node.codec import CodecConfig, make_codec
+    from diloco_node.outer.aggregate import Contribution, aggregate
+    from diloco_node.outer.averaging import Averaging
+    from diloco_node.round import Gathered, RoundReport
+    from diloco_node.telemetry.rounds import RoundTiming, Traffic, round_record
+
+    with pytest.raises(ValueError, match="weighting"):
+        aggregate([Contribution("a", 1.0, torch.ones(2))], weighting="loudest")
+    assert "weighting" in _error({"weighting": "loudest"})
+    assert "weighting" not in build_config({}).fingerprint_fields()
+    assert build_config({"weighting": "equal"}).fingerprint() != build_config({}).fingerprint()
+
+    codec = make_codec(CodecConfig(name="none"))
+    averaging = Averaging(codec, 2, "a", weighting="equal")
+    own = averaging.encode(1, torch.tensor([3.0, 0.0]), 4096.0)
+    other = codec.encode(torch.tensor([0.0, 3.0]))
+    others = {"b": (other, 1024.0), "c": (other, 512.0)}
+    result = averaging.mean(own, Gathered(Outcome.TOGETHER, 1, others))
+    assert result.own_share == pytest.approx(1 / 3)  # 8× c's tokens, the same weight
+    before = {"parameters": 2, "bytes_sent": 0, "bytes_received": 0}
+    record = round_record(1, [2.0], 2.1, RoundReport(Outcome.TOGETHER, own, result), RoundTiming(1.0, 0.5),
+                          Traffic(0, 0, {}), before, False, "d")
+    assert record.last_round_weight == pytest.approx(0.3333)
+    assert record.status({"compute_seconds": 1.0, "wait_seconds": 0.5, "utilization": 2 / 3})[
+        "last_round_weight"] == pytest.approx(0.3333)

@@ -61,7 +61,7 @@ def test_event_round_trips_through_json_and_from_event(record: RoundRecord) -> N
 
 def test_event_keeps_todays_keys_and_leaves_out_what_was_never_there() -> None:
     tail = ("digest", "peak_memory_bytes", "outcome", "data_wait_seconds", "last_round_inner_steps",
-            "last_round_tokens", "last_round_tokens_per_second", "skipped")
+            "last_round_tokens", "last_round_tokens_per_second", "skipped", "last_round_weight")
     assert tuple(sample().event()) == EVENT_KEYS + tail
     measured = sample(wire_sent=10, wire_received=20, wire_sent_total=100, wire_received_total=200).event()
     assert tuple(measured) == EVENT_KEYS[:9] + WIRE_FIELDS + EVENT_KEYS[9:] + tail
@@ -158,7 +158,8 @@ def test_reporter_feeds_status_history_peer_stats_and_swarm_table(gossip: bool) 
                      "last_round_bytes_sent": 1000, "last_round_bytes_received": 2000, "wire_bytes_sent": 1000,
                      "wire_bytes_received": 2000, "last_exchange_seconds": 1.5, "utilization": 0.6, "time": record.time,
                      # what the round trained: 1 step, the tokens we declared (1.0), over 1 s of compute
-                     "last_round_inner_steps": 1, "last_round_tokens": 1.0, "last_round_tokens_per_second": 1.0}
+                     "last_round_inner_steps": 1, "last_round_tokens": 1.0, "last_round_tokens_per_second": 1.0,
+                     "last_round_weight": 0.5}  # our share of the mean we applied
     reporter.swarm_table({"me": stats, "b": {"label": "other"}}, "me", [77])
     rows = {row["peer_id"]: row for row in telemetry.peers()}
     assert rows["me"]["is_self"] and rows["me"]["rounds"] == 4 and rows["me"]["bandwidth_bps"] == 8 * 3000 / 1.5

@@ -392,10 +392,10 @@ def test_swarm_rows_read_the_published_stats() -> None:
         "last_round_bytes_sent": 3, "last_round_bytes_received": 5, "wire_bytes_sent": 11,
         "wire_bytes_received": None, "utilization": 0.5, "bandwidth_bps": 32.0, "last_seen": 1_700_000_000.0,
         "is_self": True, "clipped": 0, "rejected": 0, "last_round_inner_steps": None, "last_round_tokens": None,
-        "last_round_tokens_per_second": None}
+        "last_round_tokens_per_second": None, "last_round_weight": None}
     assert swarm_row("new", {}, False) == {
         "peer_id": "new", "label": "", "rounds": 0, "bytes_sent": 0, "bytes_received": 0,
         "last_round_bytes_sent": 0, "last_round_bytes_received": 0, "wire_bytes_sent": None,
         "wire_bytes_received": None, "utilization": None, "bandwidth_bps": None, "last_seen": None,
         "is_self": False, "clipped": 0, "rejected": 0, "last_round_inner_steps": None, "last_round_tokens": None,
-        "last_round_tokens_per_second": None}
+        "last_round_tokens_per_second": None, "last_round_weight": None}
