@@ -172,10 +172,12 @@ def weighting_report(payload: dict[str, Any]) -> str:
     if not payload.get("weighting"):
         return ""
     run = payload["args"]
+    when = f", {payload['weighting_date']}" if payload.get("weighting_date") else ""
+    note = f" ({payload['weighting_note']})" if payload.get("weighting_note") else ""
     return (f"\n## Weighting at equal wall-clock\n\n`--weighting-rounds {run['weighting_rounds']} --weighting-h "
-            f"{run['weighting_h']}`: blocking rounds of H = 4k, 2k, k steps (the steps a time budget gives nodes at "
-            f"4×, 2×, 1×), unthrottled, so the machine's load does not enter; eval loss of φ after the last round."
-            f"\n\n{weighting_table(payload['weighting'])}\n")
+            f"{run['weighting_h']}`{when}{note}: blocking rounds of H = 4k, 2k, k steps (the steps a time budget "
+            f"gives nodes at 4×, 2×, 1×), unthrottled, so the machine's load does not enter; eval loss of φ after "
+            f"the last round.\n\n{weighting_table(payload['weighting'])}\n")
 
 
 def main() -> None:

@@ -234,6 +234,13 @@ def test_weighting_is_checked_and_fingerprinted_and_each_node_records_its_weight
     others = {"b": (other, 1024.0), "c": (other, 512.0)}
     result = averaging.mean(own, Gathered(Outcome.TOGETHER, 1, others))
     assert result.own_share == pytest.approx(1 / 3)  # 8× c's tokens, the same weight
+    # a butterfly member takes its share from the owner's report of counted tokens, by the same weighting
+    from diloco_node.outer.averaging import _share
+    report = {"used": ["a", "b", "c"], "tokens": [2048.0, 2048.0, 1024.0]}
+    assert _share(report, "c", "tokens") == pytest.approx(0.2)
+    assert _share(report, "c", "sqrt-tokens") == pytest.approx(1 / (2 * math.sqrt(2) + 1))
+    assert _share(report, "c", "equal") == pytest.approx(1 / 3)
+    assert _share({"used": ["a"], "tokens": ["x"]}, "a") == _share(report, "z") == 0.0  # malformed, or not in it
     before = {"parameters": 2, "bytes_sent": 0, "bytes_received": 0}
     record = round_record(1, [2.0], 2.1, RoundReport(Outcome.TOGETHER, own, result), RoundTiming(1.0, 0.5),
                           Traffic(0, 0, {}), before, False, "d")
