@@ -131,6 +131,7 @@ def test_dashboard_shows_the_swarm(swarm: list[NodeProcess], tmp_path: Path) -> 
         assert float(row.get("bytes_received") or 0) > 0, row
         # what each node trained in its last round (docs/architecture.md §13)
         assert float(row.get("steps") or 0) >= 1 and float(row.get("tokens_per_second") or 0) > 0, row
+        assert 0 < float(row.get("weight") or 0) <= 1, row  # its share of the mean it applied
     # throughput per node: the page collects a point per node and round while it is open
     assert page.canvas_points.get("throughput", 0) >= 1, page.canvas_points
     for chart in CHARTS:
