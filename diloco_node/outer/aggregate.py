@@ -1,4 +1,5 @@
-"""The bounded, token-weighted mean of the group's pseudo-gradients (docs/architecture.md §3, 'Robust mean').
+"""The bounded, token-weighted mean of the group's pseudo-gradients (docs/architecture.md §3, 'Robust mean';
+`--weighting` may weight by √tokens or equally instead: §13, 'Weights').
 
 Every node computes it from the same contributions in the same (peer id) order with the same
 operations, so every node gets a bit-identical result and φ stays equal across the group.

@@ -1,5 +1,6 @@
 """Rounds by time budget (docs/architecture.md §13): the deadlines on the swarm's clock, when a step
-still fits, the barrier's wait, the learning-rate schedule when step counts differ, and the config."""
+still fits, the barrier's wait, the learning-rate schedule when step counts differ, the config, and
+each node's weight in the mean (`--weighting`)."""
 
 from __future__ import annotations
 
