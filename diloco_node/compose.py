@@ -122,6 +122,7 @@ def make_fragments(parts: Parts, peer_id: str) -> Fragments:
     """The run's fragments (docs/architecture.md §15), each averaged with its own codec."""
     cfg, numels = parts.cfg, [p.numel() for p in parts.state.phi]
     averagings = [Averaging(codec, sum(numels[i] for i in run), peer_id, parts.phi_codec, cfg.aggregator,
-                            cfg.max_tokens_per_round or None, cfg.part_align if cfg.butterfly_possible else None)
+                            cfg.max_tokens_per_round or None, cfg.part_align if cfg.butterfly_possible else None,
+                            cfg.weighting)
                   for codec, run in zip(parts.codecs, parts.runs, strict=True)]
     return Fragments(numels, parts.runs, averagings)

@@ -157,6 +157,9 @@ class NodeConfig(BaseModel):
     aggregator: str = Field("clip", pattern=r"^(mean|clip|trimmed|centered-clip)$",
                             description="how the group's pseudo-gradients are averaged: mean, clip (each to 1.25x "
                             "the median norm), trimmed or centered-clip (see README, trust)")
+    weighting: str = Field("tokens", pattern=r"^(tokens|sqrt-tokens|equal)$",
+                           description="each peer's weight in the mean, from its tokens after the cap: tokens, "
+                           "sqrt-tokens or equal (docs/architecture.md §13)")
     reachability: str = Field("auto", pattern=r"^(auto|public|private)$",
                               description="whether peers can connect to this node: public, private (behind a NAT: "
                               "it joins as a client that pushes its parts and owns none) or auto (asks a peer to "
@@ -509,6 +512,8 @@ class NodeConfig(BaseModel):
             **DATA_IDENTITY.get()(self),  # the tokenizer's and the eval split's digests, when given
             "algorithm": self.algorithm, "sync": self.sync, **self._outer_fingerprint(), **self.codec_fingerprint(),
             "aggregator": self.aggregator, "max_tokens_per_round": self.max_tokens_per_round,
+            # every member must weight alike, or φ splits (docs/architecture.md §13)
+            **({"weighting": self.weighting} if self.weighting != "tokens" else {}),
             # every member must hold rounds alike, or a pair would split φ (docs/architecture.md §9)
             **({"min_group_size": self.min_group_size} if self.min_group_size != 2 else {}),
             # every member must end its rounds on the same deadlines (docs/architecture.md §13)

@@ -1,4 +1,5 @@
-"""The bounded, token-weighted mean of the group's pseudo-gradients (docs/architecture.md §3, 'Robust mean').
+"""The bounded, token-weighted mean of the group's pseudo-gradients (docs/architecture.md §3, 'Robust mean';
+`--weighting` may weight by √tokens or equally instead: §13, 'Weights').
 
 Every node computes it from the same contributions in the same (peer id) order with the same
 operations, so every node gets a bit-identical result and φ stays equal across the group.
@@ -49,6 +50,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 AGGREGATORS = ("mean", "clip", "trimmed", "centered-clip")
+# How counted tokens (after the caps) become weights (docs/architecture.md §13, 'Weights'): w ∝ n,
+# w ∝ √n, or w = 1/M. The default is the one benchmarks/heterogeneous.py measured best.
+WEIGHTINGS = ("tokens", "sqrt-tokens", "equal")
 NORM_CLIP_MULTIPLE = 1.25  # a contribution longer than this many reference norms is scaled down
 # A pair cannot tell who lies: each Δ is clipped to the shorter norm, so the mean never points
 # against either member's own Δ (an attacker can cancel a step, never reverse it).
@@ -74,15 +78,20 @@ class Aggregate:
     mean: torch.Tensor
     used: tuple[str, ...]  # peers whose contributions are in the mean, in peer order
     tokens: tuple[float, ...]  # the tokens each of them counted for (after the caps)
+    weights: tuple[float, ...]  # each one's share of the mean (by the weighting; they sum to 1)
     clipped: tuple[str, ...]  # scaled down, or counted at the token cap
     rejected: tuple[str, ...]  # non-finite values or no tokens: left out
     reference_norm: float  # what clipping measured against (NoLoCo bounds φ's pull with it)
 
 
-def aggregate(contributions: list[Contribution], method: str = "clip", max_tokens: float | None = None) -> Aggregate:
-    """The group's mean by `method` (see the module's docstring); ValueError when none is usable."""
+def aggregate(contributions: list[Contribution], method: str = "clip", max_tokens: float | None = None,
+              weighting: str = "tokens") -> Aggregate:
+    """The group's mean by `method` (see the module's docstring), each contribution weighted by
+    `weighting` of its counted tokens; ValueError when none is usable."""
     if method not in AGGREGATORS:
         raise ValueError(f"unknown aggregator '{method}'")
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"unknown weighting '{weighting}'")
     ordered = sorted(contributions, key=lambda c: c.peer_id)
     finite = [c for c in ordered
               if torch.isfinite(c.pseudo_gradient).all() and math.isfinite(c.tokens) and c.tokens > 0]
@@ -94,8 +103,7 @@ def aggregate(contributions: list[Contribution], method: str = "clip", max_token
     finite, capped = _cap_tokens(finite, max_tokens)
     norms = torch.stack([c.pseudo_gradient.norm() if c.norm is None else torch.tensor(c.norm) for c in finite])
     reference = _reference_norm(norms)
-    total = sum(c.tokens for c in finite)
-    weights = [c.tokens / total for c in finite]
+    weights = weights_of([c.tokens for c in finite], weighting)
     scaled: list[str] = []
     if method == "mean":
         mean = _weighted([c.pseudo_gradient for c in finite], weights)
@@ -109,8 +117,17 @@ def aggregate(contributions: list[Contribution], method: str = "clip", max_token
         else:
             mean = _weighted(vectors, weights)
     clipped = tuple(sorted(set(capped) | set(scaled)))
-    return Aggregate(mean, tuple(c.peer_id for c in finite), tuple(c.tokens for c in finite), clipped, rejected,
-                     float(reference))
+    return Aggregate(mean, tuple(c.peer_id for c in finite), tuple(c.tokens for c in finite), tuple(weights),
+                     clipped, rejected, float(reference))
+
+
+def weights_of(counted: list[float], weighting: str = "tokens") -> list[float]:
+    """Each contribution's share of the mean from its counted tokens (all > 0), in the given order:
+    n_m / Σn, √n_m / Σ√n, or 1/M (docs/architecture.md §13)."""
+    values = (counted if weighting == "tokens" else [math.sqrt(n) for n in counted] if weighting == "sqrt-tokens"
+              else [1.0] * len(counted))
+    total = sum(values)
+    return [value / total for value in values]
 
 
 def _cap_tokens(finite: list[Contribution], max_tokens: float | None) -> tuple[list[Contribution], list[str]]:

@@ -6,13 +6,14 @@ averages through this one class.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
 import torch
 
 from diloco_node.codec import Codec, CodecError, split_first
-from diloco_node.outer.aggregate import PHI_RADIUS_MULTIPLE, Contribution, aggregate, bounded_phi_mean
+from diloco_node.outer.aggregate import PHI_RADIUS_MULTIPLE, Contribution, aggregate, bounded_phi_mean, weights_of
 from diloco_node.outer.verify import Declared, declaration_fault, verified_parts
 from diloco_node.round import AverageResult, Gathered, Outcome, Own, PartIn, PartSource, part_bounds
 
@@ -21,14 +22,16 @@ logger = logging.getLogger(__name__)
 
 class Averaging:
     def __init__(self, codec: Codec, numel: int, peer_id: str, phi_codec: Codec | None = None,
-                 aggregator: str = "clip", max_tokens: float | None = None, part_align: int | None = None):
+                 aggregator: str = "clip", max_tokens: float | None = None, part_align: int | None = None,
+                 weighting: str = "tokens"):
         """`phi_codec`, given for NoLoCo, encodes the φ that travels after each Δ (its consensus term);
         `aggregator` and `max_tokens` bound each peer's weight (outer/aggregate.py); `part_align`, when
-        the run may exchange by butterfly, is where parts may be cut (the codec's block size)."""
+        the run may exchange by butterfly, is where parts may be cut (the codec's block size);
+        `weighting`: how counted tokens become weights (outer/aggregate.py)."""
         self.codec, self.phi_codec = codec, phi_codec
         self.numel, self.peer_id = numel, peer_id
         self.aggregator, self.max_tokens = aggregator, max_tokens
-        self.part_align = part_align
+        self.part_align, self.weighting = part_align, weighting
 
     def encode(self, round_: int, pseudo_gradient: torch.Tensor, tokens: float,
                phi: torch.Tensor | None = None) -> Own:
@@ -99,7 +102,7 @@ class Averaging:
         if not contributions:
             return b"", report
         try:
-            result = aggregate(contributions, self.aggregator, max_tokens=self.max_tokens)
+            result = aggregate(contributions, self.aggregator, self.max_tokens, self.weighting)
         except ValueError:  # every part non-finite or tokenless (aggregate logged each): nothing to average
             report["rejected"] = sorted({p.peer for p in parts if p.payload})
             return b"", report
@@ -146,7 +149,7 @@ class Averaging:
                 logger.warning("round=%d dropped payload from peer=%s: %s", gathered.round, peer, exc)
         if member not in {c.peer_id for c in contributions}:
             return None
-        return aggregate(contributions, self.aggregator, max_tokens=self.max_tokens).mean
+        return aggregate(contributions, self.aggregator, self.max_tokens, self.weighting).mean
 
     def mean(self, own: Own, gathered: Gathered) -> AverageResult:
         """The bounded token-weighted mean over ours and the gathered payloads (NoLoCo: and mean φ)."""
@@ -169,9 +172,9 @@ class Averaging:
         codec_seconds = own.codec_seconds + time.perf_counter() - started
         if not contributions:
             return AverageResult((), torch.zeros(self.numel), 0.0, codec_seconds, rejected=tuple(undecodable))
-        result = aggregate(contributions, self.aggregator, max_tokens=self.max_tokens)
-        counted = dict(zip(result.used, result.tokens, strict=True))
-        share = counted.get(self.peer_id, 0.0) / sum(result.tokens)
+        result = aggregate(contributions, self.aggregator, self.max_tokens, self.weighting)
+        counted = dict(zip(result.used, result.weights, strict=True))
+        share = counted.get(self.peer_id, 0.0)
         clipped, mean_phi = set(result.clipped), None
         if own.phi is not None:
             used = [p for p in result.used if p in phis]
@@ -194,7 +197,7 @@ class Averaging:
         assert reduced is not None
         held = reports.get(reduced.own_index) if reduced.own_index is not None else None
         report = held if held is not None else next(iter(reports.values()), {})
-        share = _share(report, self.peer_id)
+        share = _share(report, self.peer_id, self.weighting)
         codec_seconds = own.codec_seconds + time.perf_counter() - started
         return AverageResult(tuple(used), mean, share, codec_seconds, gathered.transfer_seconds,
                              gathered.received_bytes, clipped=_names(report, "clipped") if held else (),
@@ -207,12 +210,13 @@ def _names(report: dict[str, Any], key: str) -> tuple[str, ...]:
     return tuple(names) if isinstance(names, list) and all(isinstance(p, str) for p in names) else ()
 
 
-def _share(report: dict[str, Any], peer: str) -> float:
-    """Our token weight in a part's mean, from its owner's report (0 when we are not in it)."""
+def _share(report: dict[str, Any], peer: str, weighting: str = "tokens") -> float:
+    """Our weight in a part's mean, from its owner's report of counted tokens (0 when we are not in it)."""
     used, tokens = report.get("used", []), report.get("tokens", [])
     try:
-        counted = dict(zip(used, (float(t) for t in tokens), strict=True))
-        total = sum(counted.values())
-        return min(1.0, max(0.0, counted.get(peer, 0.0) / total)) if total > 0 else 0.0
+        counted = [float(t) for t in tokens]
+        if len(counted) != len(used) or peer not in used or not all(math.isfinite(t) and t > 0 for t in counted):
+            return 0.0
+        return min(1.0, max(0.0, weights_of(counted, weighting)[used.index(peer)]))
     except (TypeError, ValueError):  # a malformed report from a peer: no share taken from it
         return 0.0

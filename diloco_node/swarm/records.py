@@ -92,6 +92,7 @@ class NodeStats(pydantic.BaseModel):
     download_limit_bytes_per_second: ByteRate = 0.0  # type: ignore[valid-type]
     egress_bytes_per_second: ByteRate | None = None  # type: ignore[valid-type]
     ingress_bytes_per_second: ByteRate | None = None  # type: ignore[valid-type]
+    last_round_weight: pydantic.confloat(strict=True, ge=0, le=1) = 0.0  # type: ignore[valid-type]  # its share of the mean
 
     class Config:
         extra = pydantic.Extra.forbid

@@ -124,6 +124,11 @@ class RoundRecord:
     # dashboard's timeline of when each fragment moved
     fragment: int = 0
     moved_at: float | None = None
+    # last (newest): our share of the mean this round's outer step applied (our counted tokens over the
+    # group's, after the caps: docs/architecture.md §13); 0 when nothing of ours went in
+    last_round_weight: float = field(default=0.0, metadata=_shows(
+        "last_round_weight", peer="last_round_weight",
+        metric=("gauge", "diloco_last_round_weight", "our share of the mean applied in the last round")))
     # NoLoCo (gossip) runs: the event carries `group` and `consensus_distance`, the log line ends with them
     gossip: bool = field(default=False, repr=False)
 

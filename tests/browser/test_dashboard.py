@@ -141,6 +141,7 @@ def test_dashboard_shows_the_swarm(swarm: list[NodeProcess], tmp_path: Path) -> 
         assert float(row.get("bytes_received") or 0) > 0, row
         # what each node trained in its last round (docs/architecture.md §13)
         assert float(row.get("steps") or 0) >= 1 and float(row.get("tokens_per_second") or 0) > 0, row
+        assert 0 < float(row.get("weight") or 0) <= 1, row  # its share of the mean it applied
         # its link against its own caps, as it published them (docs/architecture.md §14)
         assert row.get("text:egress", "").endswith(" / 50.00 Mbit/s"), row
         assert row.get("text:ingress", "").endswith("no cap"), row

@@ -1,5 +1,6 @@
 """Rounds by time budget (docs/architecture.md §13): the deadlines on the swarm's clock, when a step
-still fits, the barrier's wait, the learning-rate schedule when step counts differ, and the config."""
+still fits, the barrier's wait, the learning-rate schedule when step counts differ, the config, and
+each node's weight in the mean (`--weighting`)."""
 
 from __future__ import annotations
 
@@ -218,3 +219,64 @@ def test_fragments_move_one_at_a_time_each_every_t_on_the_grid(exchange: float) 
     # each window of P consecutive rounds exchanges every fragment once
     assert all(sorted(f for _, f in moved[r:r + cfg.fragments]) == list(range(cfg.fragments))
                for r in range(len(moved) - cfg.fragments + 1))
+
+
+# --- weights in the mean -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("weighting", "expected"), [
+    # declared 4096, 2048, 1024: the cap (the median, 2048) counts them 2048, 2048, 1024
+    ("tokens", (0.4, 0.4, 0.2)),
+    ("sqrt-tokens", (math.sqrt(2) / (2 * math.sqrt(2) + 1),) * 2 + (1 / (2 * math.sqrt(2) + 1),)),
+    ("equal", (1 / 3, 1 / 3, 1 / 3)),
+])
+def test_weighting_turns_counted_tokens_into_shares(weighting: str, expected: tuple[float, ...]) -> None:
+    import torch
+
+    from diloco_node.outer.aggregate import Contribution, aggregate
+
+    vectors = [torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), torch.tensor([1.0, 1.0])]
+    contributions = [Contribution(peer, tokens, vector)
+                     for peer, tokens, vector in zip("abc", (4096.0, 2048.0, 1024.0), vectors, strict=True)]
+    result = aggregate(contributions, "mean", weighting=weighting)
+    assert result.tokens == (2048.0, 2048.0, 1024.0)  # the cap comes first, whatever the weighting
+    assert result.weights == pytest.approx(expected)
+    assert sum(result.weights) == pytest.approx(1.0)
+    assert torch.allclose(result.mean, sum(w * v for w, v in zip(expected, vectors, strict=True)))
+
+
+def test_weighting_is_checked_and_fingerprinted_and_each_node_records_its_weight() -> None:
+    import torch
+
+    from diloco_node.codec import CodecConfig, make_codec
+    from diloco_node.outer.aggregate import Contribution, aggregate
+    from diloco_node.outer.averaging import Averaging
+    from diloco_node.round import Gathered, RoundReport
+    from diloco_node.telemetry.rounds import RoundTiming, Traffic, round_record
+
+    with pytest.raises(ValueError, match="weighting"):
+        aggregate([Contribution("a", 1.0, torch.ones(2))], weighting="loudest")
+    assert "weighting" in _error({"weighting": "loudest"})
+    assert "weighting" not in build_config({}).fingerprint_fields()
+    assert build_config({"weighting": "equal"}).fingerprint() != build_config({}).fingerprint()
+
+    codec = make_codec(CodecConfig(name="none"))
+    averaging = Averaging(codec, 2, "a", weighting="equal")
+    own = averaging.encode(1, torch.tensor([3.0, 0.0]), 4096.0)
+    other = codec.encode(torch.tensor([0.0, 3.0]))
+    others = {"b": (other, 1024.0), "c": (other, 512.0)}
+    result = averaging.mean(own, Gathered(Outcome.TOGETHER, 1, others))
+    assert result.own_share == pytest.approx(1 / 3)  # 8× c's tokens, the same weight
+    # a butterfly member takes its share from the owner's report of counted tokens, by the same weighting
+    from diloco_node.outer.averaging import _share
+    report = {"used": ["a", "b", "c"], "tokens": [2048.0, 2048.0, 1024.0]}
+    assert _share(report, "c", "tokens") == pytest.approx(0.2)
+    assert _share(report, "c", "sqrt-tokens") == pytest.approx(1 / (2 * math.sqrt(2) + 1))
+    assert _share(report, "c", "equal") == pytest.approx(1 / 3)
+    assert _share({"used": ["a"], "tokens": ["x"]}, "a") == _share(report, "z") == 0.0  # malformed, or not in it
+    before = {"parameters": 2, "bytes_sent": 0, "bytes_received": 0}
+    record = round_record(1, [2.0], 2.1, RoundReport(Outcome.TOGETHER, own, result), RoundTiming(1.0, 0.5),
+                          Traffic(0, 0, {}), before, False, "d")
+    assert record.last_round_weight == pytest.approx(0.3333)
+    assert record.status({"compute_seconds": 1.0, "wait_seconds": 0.5, "utilization": 2 / 3})[
+        "last_round_weight"] == pytest.approx(0.3333)

@@ -296,6 +296,8 @@ function renderPeers(peers) {
          { numeric: true, column: "tokens", value: p.last_round_tokens });
     cell(row, amount(p.last_round_tokens_per_second),
          { numeric: true, column: "tokens_per_second", value: p.last_round_tokens_per_second });
+    cell(row, percent(p.last_round_weight),
+         { numeric: true, column: "weight", value: p.last_round_weight });
     noteThroughput(p);
     const bounded = (p.clipped || 0) + (p.rejected || 0);
     cell(row, bounded ? `${show(p.clipped)} / ${show(p.rejected)}` : "–", {
