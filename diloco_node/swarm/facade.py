@@ -274,9 +274,10 @@ class Swarm:
 
         def others() -> dict[str, records.NodeRecord]:
             # a client cannot be dialled: it serves no state, and its announcements are not asked
-            # for; only the records that decide (swarm/proofs.py) choose the state and serve it:
-            # free identities announcing a state of their own cannot outvote proven peers
-            return {p: r for p, r in self._presence.deciding_peers(refresh=True).items() if not r.client}
+            # for; only the records that decide (swarm/proofs.py), in a fresh run our anchors,
+            # choose the state and serve it: free identities announcing a state of their own
+            # cannot outvote proven peers
+            return {p: r for p, r in self._presence.state_peers().items() if not r.client}
 
         return download_run_state(self._state, self._streams.run, others, timeout, stop, check_digest, held)
 

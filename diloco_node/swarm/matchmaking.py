@@ -70,6 +70,15 @@ def start_averager(dht: DHT, namespace: str, settings: SwarmSettings, client: bo
     return averager
 
 
+def formed_then_failed(exc: BaseException) -> bool:
+    """Whether a failed step had found a group (its all-reduce failed): then the group's leader may
+    still count us in, after its own wait for our part. hivemind raises the same AllreduceException
+    when matchmaking found nobody at all ("could not find a group"), which is no group: taking it
+    for one made a node alone with a record that never matchmakes (a forged copy of an honest
+    record) wait MISSED_ALLREDUCE_GRACE every round (docs/architecture.md §9)."""
+    return isinstance(exc, AllreduceException) and "could not find a group" not in str(exc)
+
+
 class Matchmaker:
     def __init__(self, averager: DecentralizedAverager, settings: SwarmSettings, peer_id: str, presence: Presence,
                  streams: Streams, exchange: PayloadExchange, butterfly: Butterfly, butterfly_for: ButterflyFor):
@@ -178,8 +187,10 @@ class Matchmaker:
         return bool(partners) and self.presence.round_state(round_, among=partners) == Outcome.TOGETHER
 
     def _anyone_may_still_fetch(self, round_: int) -> bool:
-        return any(self.presence.may_still_fetch(peer, round_) for peer in self.presence.compatible_peers()
-                   if peer != self.peer_id)
+        """Whether a peer whose record decides (proofs.counted: every record before any proof) may
+        still fetch our payload of `round_`: a forged record that copies an honest one never
+        marks the round exchanged, and would hold us for the whole grace every round."""
+        return any(record.may_still_fetch(round_) for record in self.presence.deciding_peers().values())
 
     def _form_group(self, round_: int) -> tuple[list[str], bool]:
         """Matchmake with the peers averaging `round_`: their peer ids, ourselves included, and
@@ -207,7 +218,7 @@ class Matchmaker:
             logger.warning("round=%d no group formed (%s)", round_, type(exc).__name__)
             # the group formed and its all-reduce failed on our side only: its leader may still
             # complete it with us counted in, after its own wait for our part (sender_timeout)
-            return [self.peer_id], isinstance(exc, AllreduceException)
+            return [self.peer_id], formed_then_failed(exc)
         group = [self.peer_id]
         for peer, info in (gathered or {}).items():
             if str(peer) == self.peer_id:

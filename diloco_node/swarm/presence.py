@@ -179,6 +179,13 @@ class Presence:
         who = proofs.counted(self.proofs.proven(), self.anchors, found)
         return {p: r for p, r in found.items() if p != self.peer_id and (who is None or p in who)}
 
+    def state_peers(self) -> dict[str, NodeRecord]:
+        """The live records that choose and serve the state we download (proofs.state_sources:
+        the deciding ones, or in a fresh run our anchors), read now, ourselves excluded."""
+        found = self.compatible_peers(refresh=True)
+        who = proofs.state_sources(self.proofs.proven(), self.anchors, found)
+        return {p: r for p, r in found.items() if p != self.peer_id and (who is None or p in who)}
+
     def known(self, peer: str, refresh: bool = False) -> NodeRecord | None:
         """`peer`'s record when it is a verified, admitted node of this run with our config (live,
         or left within RECORD_TTL)."""
