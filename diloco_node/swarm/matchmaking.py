@@ -24,7 +24,7 @@ from diloco_node.swarm import bounded
 from diloco_node.swarm.butterfly import Butterfly
 from diloco_node.swarm.dht import SwarmSettings
 from diloco_node.swarm.exchange import Fetched, PayloadExchange
-from diloco_node.swarm.groups import group_key, random_groups
+from diloco_node.swarm.groups import SPARE_KEY, group_key, random_groups
 from diloco_node.swarm.pacing import pace_leader_search
 from diloco_node.swarm.presence import Presence
 from diloco_node.swarm.streams import Streams
@@ -70,6 +70,16 @@ def start_averager(dht: DHT, namespace: str, settings: SwarmSettings, client: bo
     return averager
 
 
+def round_bits(round_: int, peer: str, groups: list[list[str]] | None, spare: bool = False) -> str:
+    """The matchmaking key bits of `round_`: its number, and under NoLoCo (`groups`: the round's
+    draw) our drawn group's index, so that only our drawn group shares the key (see groups.py), or
+    the round's spare key (`spare`: our drawn partners were all dropped)."""
+    bits = format(round_ % 2**ROUND_BITS, f"0{ROUND_BITS}b")
+    if groups is None:
+        return bits
+    return bits + (SPARE_KEY if spare else group_key(peer, groups))
+
+
 def formed_then_failed(exc: BaseException) -> bool:
     """Whether a failed step had found a group (its all-reduce failed): then the group's leader may
     still count us in, after its own wait for our part. hivemind raises the same AllreduceException
@@ -91,11 +101,13 @@ class Matchmaker:
         self._averager_lock = threading.Lock()
         self._draw: tuple[int, list[list[str]]] | None = None  # NoLoCo: the last round's groups
 
-    def group_for(self, round_: int, contributing: bool) -> tuple[list[str], dict[str, Fetched | None]]:
+    def group_for(self, round_: int, contributing: bool,
+                  spare: bool = False) -> tuple[list[str], dict[str, Fetched | None]]:
         """The other members of our group for `round_` (none: we average alone), and any payloads
-        already fetched from them; a NoLoCo pair that missed each other tries once more."""
-        others, fetched = self._find_group(round_, contributing)
-        if not others and contributing and self._drawn_group_failed_too(round_):
+        already fetched from them; a NoLoCo pair that missed each other tries once more. `spare`:
+        NoLoCo, under the round's spare key (groups.SPARE_KEY) rather than our drawn group's."""
+        others, fetched = self._find_group(round_, contributing, spare)
+        if not others and contributing and not spare and self._drawn_group_failed_too(round_):
             logger.info("round=%d matchmaking failed for our whole drawn group; trying once more", round_)
             others, fetched = self._find_group(round_, contributing)
         if not others:
@@ -119,9 +131,10 @@ class Matchmaker:
         """NoLoCo: who we are drawn to average with in `round_`, ourselves included."""
         return next((group for group in self.drawn_groups(round_) if self.peer_id in group), [self.peer_id])
 
-    def _find_group(self, round_: int, contributing: bool) -> tuple[list[str], dict[str, Fetched | None]]:
+    def _find_group(self, round_: int, contributing: bool,
+                    spare: bool = False) -> tuple[list[str], dict[str, Fetched | None]]:
         """The other members of our group for `round_`, and any payloads already fetched from them."""
-        group, formed = self._form_group(round_)
+        group, formed = self._form_group(round_, spare)
         others = [peer for peer in group if peer != self.peer_id]
         if others or not contributing:  # nobody fetches from a node that offered nothing
             return others, {}
@@ -192,12 +205,11 @@ class Matchmaker:
         marks the round exchanged, and would hold us for the whole grace every round."""
         return any(record.may_still_fetch(round_) for record in self.presence.deciding_peers().values())
 
-    def _form_group(self, round_: int) -> tuple[list[str], bool]:
+    def _form_group(self, round_: int, spare: bool = False) -> tuple[list[str], bool]:
         """Matchmake with the peers averaging `round_`: their peer ids, ourselves included, and
         whether a group had formed (False when matchmaking found none: then the list is just us)."""
-        bits = format(round_ % 2**ROUND_BITS, f"0{ROUND_BITS}b")
-        if self.settings.group_size:  # NoLoCo: only our drawn group shares the key (see groups.py)
-            bits += group_key(self.peer_id, self.drawn_groups(round_))
+        bits = round_bits(round_, self.peer_id, self.drawn_groups(round_) if self.settings.group_size else None,
+                          spare)
         # Matchmaking starts once the group's members are ready (DiLoCo's barrier over the run,
         # NoLoCo's over its drawn group), so it needs a few windows at most; a node that missed its
         # group fails fast instead of holding up the next round's barrier for the whole round timeout.

@@ -326,6 +326,36 @@ class Presence:
         return [p for p in among if not (p in found and found[p].round > round_)
                 and (trusted is None or p in trusted or (p in found and found[p].ready_round >= round_))]
 
+    def spare_partners(self, round_: int, groups: list[list[str]]) -> list[str]:
+        """NoLoCo: whom we matchmake with once more, under the round's spare key, when every drawn
+        partner of ours was dropped (`drawn_partners` kept none): the peers we trust
+        (proofs.trusted) that are at `round_` and, as we see the run, were drawn only with peers
+        that are neither trusted by us nor ready, so they will have dropped theirs too. Forged
+        records dilute the draws (an honest partner with probability (h − 1)/(h + k − 1)); here
+        the honest nodes they left partnerless find each other (docs/architecture.md §9). Empty
+        before any proof (a drawn group then counts whole, nobody is dropped) and when no such
+        peer exists: then nobody waits a matchmaking window in vain."""
+        found = self.compatible_peers()
+        trusted = proofs.trusted(self.proofs.proven(), self.anchors, found)
+        if trusted is None:
+            return []
+
+        def kept(peer: str) -> bool:  # what drawn_partners keeps, as far as we can see it
+            record = found.get(peer)
+            return record is not None and record.round <= round_ and \
+                (peer in trusted or record.ready_round >= round_)
+
+        spare = []
+        for group in groups:
+            if self.peer_id in group:
+                continue
+            for peer in group:
+                record = found.get(peer)
+                if peer in trusted and record is not None and record.round == round_ and \
+                        not any(kept(other) for other in group if other != peer):
+                    spare.append(peer)
+        return spare
+
     def _waited_for(self, others: dict[str, NodeRecord], round_: int,
                     among: Collection[str] | None) -> tuple[set[str] | None, set[str], set[str]]:
         """Whose records decide and are waited for up to the timeout (proofs.counted; NoLoCo's drawn

@@ -239,3 +239,33 @@ def test_after_a_failed_matchmaking_a_copied_record_does_not_hold_us(monkeypatch
     assert Matchmaker._anyone_may_still_fetch(seam, ROUND), "before any proof every record counts"  # type: ignore[arg-type]
     presence.prove(ROUND - 1, ["b"])
     assert not Matchmaker._anyone_may_still_fetch(seam, ROUND), "b, the one that decides, is done"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("sybils", [3, 10])
+def test_nodes_forged_records_left_partnerless_matchmake_again_under_a_spare_key(monkeypatch, sybils: int) -> None:  # type: ignore[no-untyped-def]
+    from diloco_node.swarm.groups import SPARE_KEY
+    from diloco_node.swarm.matchmaking import round_bits
+
+    presence = presence_seeing(monkeypatch, [honest("b"), honest("c", ready=False), *forged(sybils)])
+    presence.prove(ROUND - 1, ["b"])
+    presence.compatible_peers(refresh=True)
+    # we and b were each drawn with a forged record only: b will drop its partner as we drop ours
+    groups = [["us", "sybil0"], ["b", "sybil1"], *[[f"sybil{i}"] for i in range(2, sybils)]]
+    assert presence.drawn_partners(ROUND, ["sybil0"]) == []
+    assert presence.spare_partners(ROUND, groups) == ["b"]
+    # b drawn with an honest partner it keeps (ready, or trusted by us): b averages there, no spare
+    ready_stranger = [honest("b"), honest("d"), *forged(sybils)]
+    presence = presence_seeing(monkeypatch, ready_stranger)
+    presence.prove(ROUND - 1, ["b"])
+    presence.compatible_peers(refresh=True)
+    assert presence.spare_partners(ROUND, [["us", "sybil0"], ["b", "d"]]) == []
+    assert presence.spare_partners(ROUND, [["us", "sybil0"], ["b", "sybil1"]]) == ["b"]
+    # forged records are never spare partners, however they are drawn; before any proof, nobody is
+    assert presence.spare_partners(ROUND, [["us", "sybil0"], ["sybil1", "sybil2"]]) == []
+    unproven = presence_seeing(monkeypatch, [honest("b"), *forged(sybils)])
+    unproven.compatible_peers(refresh=True)
+    assert unproven.spare_partners(ROUND, groups) == []
+    # the spare key is one the draw never hands a group; without a draw (DiLoCo) the round alone
+    drawn = round_bits(ROUND, "us", groups)
+    assert round_bits(ROUND, "us", groups, spare=True) == drawn[:-8] + SPARE_KEY != round_bits(ROUND, "b", groups)
+    assert round_bits(ROUND, "us", None) == drawn[:-8]
