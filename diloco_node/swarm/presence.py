@@ -334,7 +334,10 @@ class Presence:
         records dilute the draws (an honest partner with probability (h − 1)/(h + k − 1)); here
         the honest nodes they left partnerless find each other (docs/architecture.md §9). Empty
         before any proof (a drawn group then counts whole, nobody is dropped) and when no such
-        peer exists: then nobody waits a matchmaking window in vain."""
+        peer exists. The odd one out of a draw (a group of one) goes on alone at once, so it is
+        no spare partner (and looks for none: whether a trusted peer's strangers will be ready in
+        its grace cannot be told the moment the odd one out is done; an honest run paid a
+        matchmaking window for that guess)."""
         found = self.compatible_peers()
         trusted = proofs.trusted(self.proofs.proven(), self.anchors, found)
         if trusted is None:
@@ -347,7 +350,8 @@ class Presence:
 
         spare = []
         for group in groups:
-            if self.peer_id in group:
+            # a node drawn alone (the odd one out) averages alone at once and never comes
+            if self.peer_id in group or len(group) < 2:
                 continue
             for peer in group:
                 record = found.get(peer)

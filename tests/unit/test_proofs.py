@@ -269,3 +269,5 @@ def test_nodes_forged_records_left_partnerless_matchmake_again_under_a_spare_key
     drawn = round_bits(ROUND, "us", groups)
     assert round_bits(ROUND, "us", groups, spare=True) == drawn[:-8] + SPARE_KEY != round_bits(ROUND, "b", groups)
     assert round_bits(ROUND, "us", None) == drawn[:-8]
+    # a peer drawn alone (the odd one out) averages alone at once: never waited for under the spare key
+    assert presence.spare_partners(ROUND, [["us", "sybil0"], ["b"], ["sybil1", "sybil2"]]) == []
