@@ -80,15 +80,6 @@ def round_bits(round_: int, peer: str, groups: list[list[str]] | None, spare: bo
     return bits + (SPARE_KEY if spare else group_key(peer, groups))
 
 
-def formed_then_failed(exc: BaseException) -> bool:
-    """Whether a failed step had found a group (its all-reduce failed): then the group's leader may
-    still count us in, after its own wait for our part. hivemind raises the same AllreduceException
-    when matchmaking found nobody at all ("could not find a group"), which is no group: taking it
-    for one made a node alone with a record that never matchmakes (a forged copy of an honest
-    record) wait MISSED_ALLREDUCE_GRACE every round (docs/architecture.md §9)."""
-    return isinstance(exc, AllreduceException) and "could not find a group" not in str(exc)
-
-
 class Matchmaker:
     def __init__(self, averager: DecentralizedAverager, settings: SwarmSettings, peer_id: str, presence: Presence,
                  streams: Streams, exchange: PayloadExchange, butterfly: Butterfly, butterfly_for: ButterflyFor):
@@ -230,7 +221,10 @@ class Matchmaker:
             logger.warning("round=%d no group formed (%s)", round_, type(exc).__name__)
             # the group formed and its all-reduce failed on our side only: its leader may still
             # complete it with us counted in, after its own wait for our part (sender_timeout)
-            return [self.peer_id], formed_then_failed(exc)
+            # (hivemind raises AllreduceException "could not find a group" too when our join request
+            # timed out while the leader assembled its group with us in it: one-sided, the leader's
+            # fetch of our payload comes as late, so it is waited for as long)
+            return [self.peer_id], isinstance(exc, AllreduceException)
         group = [self.peer_id]
         for peer, info in (gathered or {}).items():
             if str(peer) == self.peer_id:
