@@ -80,6 +80,20 @@ def round_bits(round_: int, peer: str, groups: list[list[str]] | None, spare: bo
     return bits + (SPARE_KEY if spare else group_key(peer, groups))
 
 
+def formed_then_failed(exc: BaseException) -> bool:
+    """Whether a failed step had found a group (its all-reduce failed): then the group's leader may
+    still count us in, after its own wait for our part. hivemind raises the same AllreduceException
+    when matchmaking found nobody at all ("could not find a group"), which is no group: taking it
+    for one made a node alone with a record that never matchmakes (a forged copy of an honest
+    record) wait MISSED_ALLREDUCE_GRACE every round, and two nodes that missed each other once
+    stay out of step, each matchmaking while the other waited (seen: eager rounds of 38 s).
+    The price: hivemind says the same when our join request timed out while a leader assembled
+    its group with us in it; that leader's fetch of our payload, if later than MISSED_GROUP_GRACE,
+    is missed, our φ and the group's split for the round and the next digest check re-syncs us
+    (a lost round, docs/architecture.md §9)."""
+    return isinstance(exc, AllreduceException) and "could not find a group" not in str(exc)
+
+
 class Matchmaker:
     def __init__(self, averager: DecentralizedAverager, settings: SwarmSettings, peer_id: str, presence: Presence,
                  streams: Streams, exchange: PayloadExchange, butterfly: Butterfly, butterfly_for: ButterflyFor):
@@ -221,10 +235,7 @@ class Matchmaker:
             logger.warning("round=%d no group formed (%s)", round_, type(exc).__name__)
             # the group formed and its all-reduce failed on our side only: its leader may still
             # complete it with us counted in, after its own wait for our part (sender_timeout)
-            # (hivemind raises AllreduceException "could not find a group" too when our join request
-            # timed out while the leader assembled its group with us in it: one-sided, the leader's
-            # fetch of our payload comes as late, so it is waited for as long)
-            return [self.peer_id], isinstance(exc, AllreduceException)
+            return [self.peer_id], formed_then_failed(exc)
         group = [self.peer_id]
         for peer, info in (gathered or {}).items():
             if str(peer) == self.peer_id:

@@ -215,6 +215,17 @@ def test_in_a_fresh_run_a_joiner_takes_the_state_of_its_anchor_only(monkeypatch,
     assert set(presence.state_peers()) == {"a"}
 
 
+def test_a_step_that_found_no_group_is_no_group_that_failed() -> None:
+    from hivemind.averaging.allreduce import AllreduceException
+
+    from diloco_node.swarm.matchmaking import formed_then_failed
+
+    # hivemind's words when matchmaking found nobody (averager.py): no leader counts us in
+    assert not formed_then_failed(AllreduceException("Averaging step failed: could not find a group"))
+    assert formed_then_failed(AllreduceException("peer X sent an invalid message"))
+    assert not formed_then_failed(TimeoutError())
+
+
 def test_after_a_failed_matchmaking_a_copied_record_does_not_hold_us(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from types import SimpleNamespace
 
