@@ -75,9 +75,10 @@ def test_a_joiner_takes_the_runs_state_past_a_hostile_state_server(spawn: NodeFa
     fresh (nobody proved anyone): a joiner whose --peer names `a` takes a's state only and never
     asks the forger (`anchored`, swarm/proofs.state_sources); one bootstrapped from a DHT peer that
     is no node of the run counts every record, asks the forger first and refuses its state. And
-    `a`'s rounds keep their length once it has a proof: a forged copy of its record costs ~41 s a
-    round before (the matchmaking window and the wait for a group that might have counted us in,
-    docs/architecture.md §9) and used to after too, as long as the copy said it might still fetch."""
+    `a`'s rounds keep their length once it has a proof: a forged copy of its record used to cost
+    ~41 s a round (a matchmaking that found nobody waited 25 s for a group that might have counted
+    us in, as long as the copy said it might still fetch); before any proof it still costs the
+    matchmaking window it is waited for in vain (docs/architecture.md §9)."""
     options = ("--inner-steps", "5", "--run-id", "hostile", "--sync", sync)
     a = spawn("a", *options, checkpoint=False)
     a.wait_for_round(1)
