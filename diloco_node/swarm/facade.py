@@ -200,10 +200,19 @@ class Swarm:
         ends the wait."""
         outcome = self._presence.wait_for_round(round_, self.settings.barrier_timeout or self.settings.round_timeout,
                                                 stop, among=among)
+        spare = False
         if among is not None and outcome in (Outcome.TOGETHER, Outcome.TIMEOUT):
             # NoLoCo: a drawn partner we have no proof for and that is not ready was not waited
-            # for, and is not matchmade for either (swarm/proofs.py)
-            among = self._presence.drawn_partners(round_, among)
+            # for, and is not matchmade for either (swarm/proofs.py); with none left, the trusted
+            # peers forged records left partnerless as well are met under the spare key
+            drawn = among
+            among = self._presence.drawn_partners(round_, drawn)
+            if drawn and not among:
+                among = self._presence.spare_partners(round_, self._matchmaker.drawn_groups(round_))
+                spare = bool(among)
+                if spare:
+                    logger.info("round=%d drawn partners all dropped; matchmaking once more with %s",
+                                round_, ", ".join(among))
             outcome = outcome if among else Outcome.ALONE
         if outcome == Outcome.ALONE and held(1, self.min_group_size):
             self._mark_held_before(round_)
@@ -219,7 +228,7 @@ class Swarm:
             return self._held(round_, candidates)
         if on_ready is not None:
             on_ready()
-        others, fetched = self._matchmaker.group_for(round_, contributing)
+        others, fetched = self._matchmaker.group_for(round_, contributing, spare)
         if held(1 + len(others), self.min_group_size):
             return self._held(round_, 1 + len(others))
         return self._transfer.move(round_, outcome, others, fetched, contributing, stop)
@@ -274,9 +283,10 @@ class Swarm:
 
         def others() -> dict[str, records.NodeRecord]:
             # a client cannot be dialled: it serves no state, and its announcements are not asked
-            # for; only the records that decide (swarm/proofs.py) choose the state and serve it:
-            # free identities announcing a state of their own cannot outvote proven peers
-            return {p: r for p, r in self._presence.deciding_peers(refresh=True).items() if not r.client}
+            # for; only the records that decide (swarm/proofs.py), in a fresh run our anchors,
+            # choose the state and serve it: free identities announcing a state of their own
+            # cannot outvote proven peers
+            return {p: r for p, r in self._presence.state_peers().items() if not r.client}
 
         return download_run_state(self._state, self._streams.run, others, timeout, stop, check_digest, held)
 

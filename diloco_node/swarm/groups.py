@@ -32,3 +32,8 @@ def group_key(peer: str, groups: list[list[str]]) -> str:
     """The group-index bits of the group holding `peer` (all ones when it is in none)."""
     index = next((i for i, group in enumerate(groups) if peer in group), 2**GROUP_BITS - 1)
     return format(index % 2**GROUP_BITS, f"0{GROUP_BITS}b")
+
+
+# NoLoCo's spare key of a round (one bit longer than any group's): nodes whose drawn partners were
+# all dropped matchmake under it once more (swarm/presence.Presence.spare_partners)
+SPARE_KEY = "1" * (GROUP_BITS + 1)

@@ -24,7 +24,7 @@ from diloco_node.swarm import bounded
 from diloco_node.swarm.butterfly import Butterfly
 from diloco_node.swarm.dht import SwarmSettings
 from diloco_node.swarm.exchange import Fetched, PayloadExchange
-from diloco_node.swarm.groups import group_key, random_groups
+from diloco_node.swarm.groups import SPARE_KEY, group_key, random_groups
 from diloco_node.swarm.pacing import pace_leader_search
 from diloco_node.swarm.presence import Presence
 from diloco_node.swarm.streams import Streams
@@ -70,6 +70,30 @@ def start_averager(dht: DHT, namespace: str, settings: SwarmSettings, client: bo
     return averager
 
 
+def round_bits(round_: int, peer: str, groups: list[list[str]] | None, spare: bool = False) -> str:
+    """The matchmaking key bits of `round_`: its number, and under NoLoCo (`groups`: the round's
+    draw) our drawn group's index, so that only our drawn group shares the key (see groups.py), or
+    the round's spare key (`spare`: our drawn partners were all dropped)."""
+    bits = format(round_ % 2**ROUND_BITS, f"0{ROUND_BITS}b")
+    if groups is None:
+        return bits
+    return bits + (SPARE_KEY if spare else group_key(peer, groups))
+
+
+def formed_then_failed(exc: BaseException) -> bool:
+    """Whether a failed step had found a group (its all-reduce failed): then the group's leader may
+    still count us in, after its own wait for our part. hivemind raises the same AllreduceException
+    when matchmaking found nobody at all ("could not find a group"), which is no group: taking it
+    for one made a node alone with a record that never matchmakes (a forged copy of an honest
+    record) wait MISSED_ALLREDUCE_GRACE every round, and two nodes that missed each other once
+    stay out of step, each matchmaking while the other waited (seen: eager rounds of 38 s).
+    The price: hivemind says the same when our join request timed out while a leader assembled
+    its group with us in it; that leader's fetch of our payload, if later than MISSED_GROUP_GRACE,
+    is missed, our φ and the group's split for the round and the next digest check re-syncs us
+    (a lost round, docs/architecture.md §9)."""
+    return isinstance(exc, AllreduceException) and "could not find a group" not in str(exc)
+
+
 class Matchmaker:
     def __init__(self, averager: DecentralizedAverager, settings: SwarmSettings, peer_id: str, presence: Presence,
                  streams: Streams, exchange: PayloadExchange, butterfly: Butterfly, butterfly_for: ButterflyFor):
@@ -82,11 +106,13 @@ class Matchmaker:
         self._averager_lock = threading.Lock()
         self._draw: tuple[int, list[list[str]]] | None = None  # NoLoCo: the last round's groups
 
-    def group_for(self, round_: int, contributing: bool) -> tuple[list[str], dict[str, Fetched | None]]:
+    def group_for(self, round_: int, contributing: bool,
+                  spare: bool = False) -> tuple[list[str], dict[str, Fetched | None]]:
         """The other members of our group for `round_` (none: we average alone), and any payloads
-        already fetched from them; a NoLoCo pair that missed each other tries once more."""
-        others, fetched = self._find_group(round_, contributing)
-        if not others and contributing and self._drawn_group_failed_too(round_):
+        already fetched from them; a NoLoCo pair that missed each other tries once more. `spare`:
+        NoLoCo, under the round's spare key (groups.SPARE_KEY) rather than our drawn group's."""
+        others, fetched = self._find_group(round_, contributing, spare)
+        if not others and contributing and not spare and self._drawn_group_failed_too(round_):
             logger.info("round=%d matchmaking failed for our whole drawn group; trying once more", round_)
             others, fetched = self._find_group(round_, contributing)
         if not others:
@@ -110,9 +136,10 @@ class Matchmaker:
         """NoLoCo: who we are drawn to average with in `round_`, ourselves included."""
         return next((group for group in self.drawn_groups(round_) if self.peer_id in group), [self.peer_id])
 
-    def _find_group(self, round_: int, contributing: bool) -> tuple[list[str], dict[str, Fetched | None]]:
+    def _find_group(self, round_: int, contributing: bool,
+                    spare: bool = False) -> tuple[list[str], dict[str, Fetched | None]]:
         """The other members of our group for `round_`, and any payloads already fetched from them."""
-        group, formed = self._form_group(round_)
+        group, formed = self._form_group(round_, spare)
         others = [peer for peer in group if peer != self.peer_id]
         if others or not contributing:  # nobody fetches from a node that offered nothing
             return others, {}
@@ -178,15 +205,16 @@ class Matchmaker:
         return bool(partners) and self.presence.round_state(round_, among=partners) == Outcome.TOGETHER
 
     def _anyone_may_still_fetch(self, round_: int) -> bool:
-        return any(self.presence.may_still_fetch(peer, round_) for peer in self.presence.compatible_peers()
-                   if peer != self.peer_id)
+        """Whether a peer whose record decides (proofs.counted: every record before any proof) may
+        still fetch our payload of `round_`: a forged record that copies an honest one never
+        marks the round exchanged, and would hold us for the whole grace every round."""
+        return any(record.may_still_fetch(round_) for record in self.presence.deciding_peers().values())
 
-    def _form_group(self, round_: int) -> tuple[list[str], bool]:
+    def _form_group(self, round_: int, spare: bool = False) -> tuple[list[str], bool]:
         """Matchmake with the peers averaging `round_`: their peer ids, ourselves included, and
         whether a group had formed (False when matchmaking found none: then the list is just us)."""
-        bits = format(round_ % 2**ROUND_BITS, f"0{ROUND_BITS}b")
-        if self.settings.group_size:  # NoLoCo: only our drawn group shares the key (see groups.py)
-            bits += group_key(self.peer_id, self.drawn_groups(round_))
+        bits = round_bits(round_, self.peer_id, self.drawn_groups(round_) if self.settings.group_size else None,
+                          spare)
         # Matchmaking starts once the group's members are ready (DiLoCo's barrier over the run,
         # NoLoCo's over its drawn group), so it needs a few windows at most; a node that missed its
         # group fails fast instead of holding up the next round's barrier for the whole round timeout.
@@ -207,7 +235,7 @@ class Matchmaker:
             logger.warning("round=%d no group formed (%s)", round_, type(exc).__name__)
             # the group formed and its all-reduce failed on our side only: its leader may still
             # complete it with us counted in, after its own wait for our part (sender_timeout)
-            return [self.peer_id], isinstance(exc, AllreduceException)
+            return [self.peer_id], formed_then_failed(exc)
         group = [self.peer_id]
         for peer, info in (gathered or {}).items():
             if str(peer) == self.peer_id:

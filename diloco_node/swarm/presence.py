@@ -179,6 +179,13 @@ class Presence:
         who = proofs.counted(self.proofs.proven(), self.anchors, found)
         return {p: r for p, r in found.items() if p != self.peer_id and (who is None or p in who)}
 
+    def state_peers(self) -> dict[str, NodeRecord]:
+        """The live records that choose and serve the state we download (proofs.state_sources:
+        the deciding ones, or in a fresh run our anchors), read now, ourselves excluded."""
+        found = self.compatible_peers(refresh=True)
+        who = proofs.state_sources(self.proofs.proven(), self.anchors, found)
+        return {p: r for p, r in found.items() if p != self.peer_id and (who is None or p in who)}
+
     def known(self, peer: str, refresh: bool = False) -> NodeRecord | None:
         """`peer`'s record when it is a verified, admitted node of this run with our config (live,
         or left within RECORD_TTL)."""
@@ -318,6 +325,40 @@ class Presence:
         trusted = proofs.trusted(self.proofs.proven(), self.anchors, found)
         return [p for p in among if not (p in found and found[p].round > round_)
                 and (trusted is None or p in trusted or (p in found and found[p].ready_round >= round_))]
+
+    def spare_partners(self, round_: int, groups: list[list[str]]) -> list[str]:
+        """NoLoCo: whom we matchmake with once more, under the round's spare key, when every drawn
+        partner of ours was dropped (`drawn_partners` kept none): the peers we trust
+        (proofs.trusted) that are at `round_` and, as we see the run, were drawn only with peers
+        that are neither trusted by us nor ready, so they will have dropped theirs too. Forged
+        records dilute the draws (an honest partner with probability (h − 1)/(h + k − 1)); here
+        the honest nodes they left partnerless find each other (docs/architecture.md §9). Empty
+        before any proof (a drawn group then counts whole, nobody is dropped) and when no such
+        peer exists. The odd one out of a draw (a group of one) goes on alone at once, so it is
+        no spare partner (and looks for none: whether a trusted peer's strangers will be ready in
+        its grace cannot be told the moment the odd one out is done; an honest run paid a
+        matchmaking window for that guess)."""
+        found = self.compatible_peers()
+        trusted = proofs.trusted(self.proofs.proven(), self.anchors, found)
+        if trusted is None:
+            return []
+
+        def kept(peer: str) -> bool:  # what drawn_partners keeps, as far as we can see it
+            record = found.get(peer)
+            return record is not None and record.round <= round_ and \
+                (peer in trusted or record.ready_round >= round_)
+
+        spare = []
+        for group in groups:
+            # a node drawn alone (the odd one out) averages alone at once and never comes
+            if self.peer_id in group or len(group) < 2:
+                continue
+            for peer in group:
+                record = found.get(peer)
+                if peer in trusted and record is not None and record.round == round_ and \
+                        not any(kept(other) for other in group if other != peer):
+                    spare.append(peer)
+        return spare
 
     def _waited_for(self, others: dict[str, NodeRecord], round_: int,
                     among: Collection[str] | None) -> tuple[set[str] | None, set[str], set[str]]:

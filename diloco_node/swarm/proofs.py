@@ -12,7 +12,10 @@ Who counts in a decision (`counted`):
   `--peers` whose records list peers they proved, and those peers. The operator chose the anchor;
   its list names only peers whose work it checked;
 - with neither (a fresh run before its first exchange, or anchors that are no nodes of the run):
-  every record, as before any proof exists (a known limit, §9).
+  every record, as before any proof exists (a known limit, §9), except for the state we download:
+  an anchor that is a node of the run but proved nobody yet is still the one source a joiner
+  takes a state from (`state_sources`), since two forged records announcing one state would
+  otherwise pass for two agreeing servers.
 
 The barrier also waits, for one round only, for a *newcomer*: a peer that took a counted peer's
 state (that peer vouched for it in its record) and has not been proven yet. A joiner can thus
@@ -58,6 +61,21 @@ def counted(proven: Collection[str], anchors: Collection[str], records: Mapping[
         if peer in records and records[peer].proven:
             endorsed.update({peer, *records[peer].proven})
     return endorsed or None
+
+
+def state_sources(proven: Collection[str], anchors: Collection[str],
+                  records: Mapping[str, NodeRecord]) -> set[str] | None:
+    """The peers whose records choose the state we download and who serve it: the counted ones;
+    with none (no proof of ours and anchors that proved nobody: a fresh run before its first
+    exchange), the anchors that are serving nodes of the run; None: every record (no anchor is
+    one). k forged identities announcing one state meet the "two agreeing servers" check of a
+    fresh run; they cannot make us take it where the operator named a node of the run with
+    `--peers` (docs/architecture.md §9)."""
+    who = counted(proven, anchors, records)
+    if who is not None:
+        return who
+    serving = {peer for peer in anchors if peer in records and not records[peer].client}
+    return serving or None
 
 
 def endorsed(who: Collection[str], records: Mapping[str, NodeRecord]) -> set[str]:

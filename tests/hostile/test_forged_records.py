@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hivemind import DHT
 
 from tests.integration.conftest import NodeFactory
 from tests.integration.test_swarm import assert_same_digests
@@ -68,3 +69,15 @@ def forging_process(peer: str, mode: str) -> Iterator[subprocess.Popen[str]]:
         started = time.monotonic()
         assert forger.wait(STOP_SECONDS) == 0
         assert time.monotonic() - started < STOP_SECONDS
+
+
+@contextlib.contextmanager
+def bootstrap_only(peer: str) -> Iterator[str]:
+    """A plain hivemind DHT peer joined to `peer`'s DHT, no node of the run; its multiaddr. A joiner
+    naming it with --peer has no anchor (swarm/proofs.py): every record counts for the state it
+    takes, as for a joiner bootstrapped from a public DHT peer (the known limit of §9)."""
+    dht = DHT(initial_peers=[peer], host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    try:
+        yield str(dht.get_visible_maddrs()[0])
+    finally:
+        dht.shutdown()

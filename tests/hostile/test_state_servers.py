@@ -20,7 +20,7 @@ from hivemind import DHT
 
 from diloco_node.swarm.statesync import NOT_SHARING, StateRefused, StateService
 from diloco_node.swarm.streams import Streams
-from tests.hostile.test_forged_records import forging_process
+from tests.hostile.test_forged_records import bootstrap_only, forging_process
 from tests.integration.conftest import NodeFactory
 from tests.integration.test_swarm import assert_same_digests
 
@@ -36,14 +36,19 @@ def test_a_joiner_refuses_lying_state_metadata_in_one_line_each(spawn: NodeFacto
     a.wait_for_round(1)
     with ExitStack() as stack:
         # all three start at once: each copies a's state before it announces itself, and once one
-        # forged record (a copy of a's, ready round and all) is up, a blocking `a` waits ~40 s per
-        # round for the forgers' parts, so one started after another waited out such a round each
+        # forged record (a copy of a's, ready round and all) is up, a blocking `a` in this fresh
+        # run (no proofs) matchmakes for it in vain each round, so one started after another
+        # would wait out such a round each
+        # bootstrapped from a DHT peer that is no node of the run: no anchor, so the joiner counts
+        # every record and asks the forgers (one whose --peer names `a` takes a's state only); it
+        # outlives the forgers (their DHT reads hitting a peer just gone would stop them late)
+        bootstrap = stack.enter_context(bootstrap_only(a.wait_for_address()))
         servers = {mode: stack.enter_context(forging_process(a.wait_for_address(), mode)) for mode in REFUSALS}
         forgers = {}
         for mode, server in servers.items():
             assert server.stdout is not None
             forgers[mode] = server.stdout.readline().split()[1]
-        joiner = spawn("joiner", *options, "--min-peers", "2", peer=a, checkpoint=False)
+        joiner = spawn("joiner", *options, "--min-peers", "2", "--peer", bootstrap, checkpoint=False)
         first = joiner.wait_joined(150) + 1
         log = joiner.log_text()
         assert joiner.events_of("synced"), log[-3000:]

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from diloco_node.swarm.presence import NEWCOMER_GRACE
 from tests.hostile.test_forged_records import FORGER, STOP_SECONDS
 from tests.integration.conftest import NodeFactory
 from tests.integration.test_swarm import assert_same_digests
@@ -22,6 +23,7 @@ from tests.integration.test_swarm import assert_same_digests
 pytestmark = pytest.mark.integration
 
 ROUND_TIMEOUT = "30"  # a record that held the barrier would make a round wait this long
+MATCHMAKING_SECONDS = 10.0  # a round's matchmaking and transfer on a loaded machine, beyond any wait
 
 
 @pytest.mark.parametrize("count", [3, 10])
@@ -34,10 +36,14 @@ def test_forged_identities_neither_resync_nor_stall_nor_poison_a_joiner(spawn: N
     with sybils(a.wait_for_address(), count):  # on return, every forged record is stored
         joiner = spawn("joiner", *options, peer=a, checkpoint=False)
         joiner.wait_joined()
-        # its first round may miss its group and re-sync (as without forged records): from the
-        # round after its first recorded one on, it averages with both honest nodes
-        joiner.wait_until(lambda: joiner.rounds, 90, "a first round")
-        first = min(joiner.rounds)
+        # its first round may miss its group and re-sync (as without forged records; on a loaded
+        # machine once more): from the second round after its last download on, it averages with both
+        def last_synced() -> int:
+            return max(event["round"] for event in joiner.events_of("synced"))
+
+        joiner.wait_until(lambda: len([r for r in joiner.rounds if r > last_synced()]) >= 3, 150,
+                          "three rounds after its last state download")
+        first = last_synced() + 1
         assert_same_digests([a, b, joiner], range(first + 1, first + 3))
         synced = joiner.events_of("synced")
         assert synced, "the joiner downloaded the run's state"
@@ -50,8 +56,12 @@ def test_forged_identities_neither_resync_nor_stall_nor_poison_a_joiner(spawn: N
             assert "re-sync" not in log and "barrier timed out" not in log, node.log_text()[-3000:]
             # a forged identity that took our state is waited for once, for the newcomer grace only
             assert log.count("not waiting longer for newcomer") <= 1, node.log_text()[-3000:]
+            # rounds keep their length: none is held for the round timeout (~35 s with matchmaking);
+            # the longest wait is the newcomer grace of the identity that took our state, once
             under_attack = [r for r in node.rounds.values() if r.round > since_round]
-            assert under_attack and all(r.wait_seconds < float(ROUND_TIMEOUT) for r in under_attack)
+            assert under_attack, node.log_text()[-3000:]
+            longest = max(r.wait_seconds for r in under_attack)
+            assert longest < NEWCOMER_GRACE * float(ROUND_TIMEOUT) + MATCHMAKING_SECONDS, longest
 
 
 @contextlib.contextmanager

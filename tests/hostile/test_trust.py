@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 
 from diloco_node.swarm.presence import HEARTBEAT_SECONDS
-from tests.hostile.test_forged_records import forging_process
+from tests.hostile.test_forged_records import bootstrap_only, forging_process
 from tests.integration.conftest import NodeFactory
 from tests.integration.test_swarm import assert_same_digests
 
 pytestmark = pytest.mark.integration
+
+ROUND_TIMEOUT = 60.0  # the nodes' default --round-timeout
 
 
 def cli(*args: str) -> str:
@@ -63,26 +65,45 @@ def test_an_intruder_is_neither_counted_nor_served_and_a_revoked_node_is_dropped
     a.wait_until(lambda: a.status()["peers"] == 1, 30, "a seeing itself alone")
 
 
-@pytest.mark.parametrize("mode,sync", [("poison", "blocking"), ("drip", "blocking"), ("poison", "eager")])
-def test_a_joiner_takes_the_runs_state_past_a_hostile_state_server(spawn: NodeFactory, mode: str, sync: str) -> None:
+@pytest.mark.parametrize("mode,sync,anchored", [("poison", "blocking", True), ("drip", "blocking", False),
+                                                ("poison", "eager", False)])
+def test_a_joiner_takes_the_runs_state_past_a_hostile_state_server(spawn: NodeFactory, mode: str, sync: str,
+                                                                   anchored: bool) -> None:
     """The forger copies the honest node's record (so both announce the same state) and serves
     that state + 1, or drips it; its peer id sorts first, so it is asked first. Under eager the
-    honest φ holds its own Δ early: what nodes serve and announce is the settled copy."""
+    honest φ holds its own Δ early: what nodes serve and announce is the settled copy. The run is
+    fresh (nobody proved anyone): a joiner whose --peer names `a` takes a's state only and never
+    asks the forger (`anchored`, swarm/proofs.state_sources); one bootstrapped from a DHT peer that
+    is no node of the run counts every record, asks the forger first and refuses its state. And
+    `a`'s rounds keep their length once it has a proof: a forged copy of its record used to cost
+    ~41 s a round (a matchmaking that found nobody waited 25 s for a group that might have counted
+    us in, as long as the copy said it might still fetch); before any proof it still costs the
+    matchmaking window it is waited for in vain (docs/architecture.md §9)."""
     options = ("--inner-steps", "5", "--run-id", "hostile", "--sync", sync)
     a = spawn("a", *options, checkpoint=False)
     a.wait_for_round(1)
-    with forging_process(a.wait_for_address(), mode) as server:
+    # the bootstrap peer outlives the forger: a forger whose DHT reads hit a peer just gone stops late
+    with bootstrap_only(a.wait_for_address()) as bootstrap, forging_process(a.wait_for_address(), mode) as server:
         assert server.stdout is not None
         me = server.stdout.readline().split()[1]
-        joiner = spawn("joiner", *options, "--min-peers", "2", peer=a, checkpoint=False)
+        joiner = spawn("joiner", *options, "--min-peers", "2", *(() if anchored else ("--peer", bootstrap)),
+                       peer=a if anchored else None, checkpoint=False)
         first = joiner.wait_joined(150) + 1
         assert joiner.events_of("synced"), joiner.log_text()[-3000:]
-        assert f"state from peer={me} not taken" in joiner.log_text(), joiner.log_text()[-3000:]
+        if anchored:
+            assert f"peer={me}" not in joiner.log_text(), joiner.log_text()[-3000:]
+        else:
+            assert f"state from peer={me} not taken" in joiner.log_text(), joiner.log_text()[-3000:]
         if sync == "blocking":
             assert_same_digests([a, joiner], range(first, first + 2))
         else:  # φ differs by our own Δs in flight; a poisoned one (+1 everywhere) would be far off
             synced = a.wait_for_round(first - 1).eval_loss
             assert joiner.joined_eval_loss == pytest.approx(synced, abs=0.25), (joiner.joined_eval_loss, synced)
+        # once the joiner's work is proven to a, the forged record holds nobody: a round is back to
+        # matchmaking and a transfer (a held barrier or a missed-all-reduce wait: 30 s and more)
+        a.wait_for_round(first + 2)
+        assert all(a.rounds[r].wait_seconds < ROUND_TIMEOUT / 4 for r in (first + 1, first + 2)), \
+            [a.rounds[r].wait_seconds for r in (first + 1, first + 2)]
 
 
 @pytest.mark.parametrize("mode", ["huge", "fuzz"])

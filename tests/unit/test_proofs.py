@@ -191,3 +191,83 @@ def test_a_drawn_partner_already_training_a_later_round_is_not_matchmade_for(mon
     presence_before_proofs = presence_seeing(monkeypatch, [ahead])
     presence_before_proofs.compatible_peers(refresh=True)
     assert presence_before_proofs.drawn_partners(ROUND, ["b"]) == []
+
+
+@pytest.mark.parametrize("sybils", [3, 10])
+def test_in_a_fresh_run_a_joiner_takes_the_state_of_its_anchor_only(monkeypatch, sybils: int) -> None:  # type: ignore[no-untyped-def]
+    # nobody proved anyone yet; k forged records announce one state of their own: two or more
+    # agreeing announcers, which is what a fresh run's records alone accept
+    records_ = {r.peer_id: r for r in [honest("a"), *forged(sybils)]}
+    assert reference_state(records_.values())[1] == "forged", "what records alone decided"  # type: ignore[index]
+    assert counted(set(), {"a"}, records_) is None, "the barrier and --min-peers still count every record"
+    assert proofs.state_sources(set(), {"a"}, records_) == {"a"}
+    assert reference_state(proofs.deciding(records_.values(), {"a"})) == HONEST_SERVED
+    # an anchor that proved peers: it and those peers, as for every decision
+    records_["a"] = honest("a", proven=("b",))
+    assert proofs.state_sources(set(), {"a"}, records_) == {"a", "b"}
+    # an anchor that is no node of the run (a DHT-only bootstrap peer), or a client that serves
+    # nothing: every record, the known limit of §9
+    assert proofs.state_sources(set(), {"bootstrap"}, records_) is None
+    records_["a"] = dataclasses.replace(honest("a"), client=True)
+    assert proofs.state_sources(set(), {"a"}, records_) is None
+    presence = presence_seeing(monkeypatch, [honest("a"), *forged(sybils)])
+    presence.anchors = frozenset({"a"})
+    assert set(presence.state_peers()) == {"a"}
+
+
+def test_a_step_that_found_no_group_is_no_group_that_failed() -> None:
+    from hivemind.averaging.allreduce import AllreduceException
+
+    from diloco_node.swarm.matchmaking import formed_then_failed
+
+    # hivemind's words when matchmaking found nobody (averager.py): no leader counts us in
+    assert not formed_then_failed(AllreduceException("Averaging step failed: could not find a group"))
+    assert formed_then_failed(AllreduceException("peer X sent an invalid message"))
+    assert not formed_then_failed(TimeoutError())
+
+
+def test_after_a_failed_matchmaking_a_copied_record_does_not_hold_us(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from diloco_node.swarm.matchmaking import Matchmaker
+
+    done = dataclasses.replace(honest("b"), exchanged_round=ROUND)
+    copy = dataclasses.replace(honest("b"), peer_id="copy")  # b's record as it was: may still fetch
+    presence = presence_seeing(monkeypatch, [done, copy])
+    presence.compatible_peers(refresh=True)
+    seam = SimpleNamespace(presence=presence, peer_id="us")
+    assert Matchmaker._anyone_may_still_fetch(seam, ROUND), "before any proof every record counts"  # type: ignore[arg-type]
+    presence.prove(ROUND - 1, ["b"])
+    assert not Matchmaker._anyone_may_still_fetch(seam, ROUND), "b, the one that decides, is done"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("sybils", [3, 10])
+def test_nodes_forged_records_left_partnerless_matchmake_again_under_a_spare_key(monkeypatch, sybils: int) -> None:  # type: ignore[no-untyped-def]
+    from diloco_node.swarm.groups import SPARE_KEY
+    from diloco_node.swarm.matchmaking import round_bits
+
+    presence = presence_seeing(monkeypatch, [honest("b"), honest("c", ready=False), *forged(sybils)])
+    presence.prove(ROUND - 1, ["b"])
+    presence.compatible_peers(refresh=True)
+    # we and b were each drawn with a forged record only: b will drop its partner as we drop ours
+    groups = [["us", "sybil0"], ["b", "sybil1"], *[[f"sybil{i}"] for i in range(2, sybils)]]
+    assert presence.drawn_partners(ROUND, ["sybil0"]) == []
+    assert presence.spare_partners(ROUND, groups) == ["b"]
+    # b drawn with an honest partner it keeps (ready, or trusted by us): b averages there, no spare
+    ready_stranger = [honest("b"), honest("d"), *forged(sybils)]
+    presence = presence_seeing(monkeypatch, ready_stranger)
+    presence.prove(ROUND - 1, ["b"])
+    presence.compatible_peers(refresh=True)
+    assert presence.spare_partners(ROUND, [["us", "sybil0"], ["b", "d"]]) == []
+    assert presence.spare_partners(ROUND, [["us", "sybil0"], ["b", "sybil1"]]) == ["b"]
+    # forged records are never spare partners, however they are drawn; before any proof, nobody is
+    assert presence.spare_partners(ROUND, [["us", "sybil0"], ["sybil1", "sybil2"]]) == []
+    unproven = presence_seeing(monkeypatch, [honest("b"), *forged(sybils)])
+    unproven.compatible_peers(refresh=True)
+    assert unproven.spare_partners(ROUND, groups) == []
+    # the spare key is one the draw never hands a group; without a draw (DiLoCo) the round alone
+    drawn = round_bits(ROUND, "us", groups)
+    assert round_bits(ROUND, "us", groups, spare=True) == drawn[:-8] + SPARE_KEY != round_bits(ROUND, "b", groups)
+    assert round_bits(ROUND, "us", None) == drawn[:-8]
+    # a peer drawn alone (the odd one out) averages alone at once: never waited for under the spare key
+    assert presence.spare_partners(ROUND, [["us", "sybil0"], ["b"], ["sybil1", "sybil2"]]) == []
