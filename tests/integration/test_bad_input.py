@@ -98,13 +98,15 @@ def in_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Callable[...,
     monkeypatch.setattr("diloco_node.runner.run_node", started)
     monkeypatch.chdir(tmp_path)  # relative defaults (checkpoints/<run_id>) land here, not in the repo
 
-    def run(*args: str) -> Result:
-        done = CliRunner().invoke(main, ["join", *LOCAL, *QUIET, *args])
-        crashed = "" if done.exception is None or isinstance(done.exception, SystemExit) else \
-            "Traceback " + repr(done.exception)  # an exception the CLI let escape: a traceback for a user
-        return Result(done.exit_code, done.stdout, done.stderr + crashed)
+    return lambda *args: main_in_process("join", *LOCAL, *QUIET, *args)
 
-    return run
+
+def main_in_process(*args: str) -> Result:
+    """`diloco-node ARGS` through the CLI's own `main` in this process (for `join`: the `in_process` fixture)."""
+    done = CliRunner().invoke(main, list(args))
+    crashed = "" if done.exception is None or isinstance(done.exception, SystemExit) else \
+        "Traceback " + repr(done.exception)  # an exception the CLI let escape: a traceback for a user
+    return Result(done.exit_code, done.stdout, done.stderr + crashed)
 
 
 def assert_bad_input(result: Result, *words: str) -> str:
