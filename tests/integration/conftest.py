@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -13,11 +13,8 @@ from harness.nodes import FAST
 NodeFactory = Callable[..., NodeProcess]
 
 
-@pytest.fixture
-def spawn(tmp_path: Path):
-    """Start nodes; whatever a test leaves running is killed afterwards."""
-    started: list[NodeProcess] = []
-
+def starter(tmp_path: Path, started: list[NodeProcess]) -> NodeFactory:
+    """Starts nodes with their logs and checkpoints under `tmp_path`, each added to `started`."""
     def start(name: str, *extra: str, run_id: str = "itest", peer: NodeProcess | None = None,
               checkpoint: bool = True, base: list[str] | None = None) -> NodeProcess:
         """`base`: the flags in place of FAST (harness.nodes.fast_on: FAST on given ports)."""
@@ -29,8 +26,23 @@ def spawn(tmp_path: Path):
         started.append(node)
         return node
 
-    yield start
+    return start
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[NodeFactory]:
+    """Start nodes; whatever a test leaves running is killed afterwards."""
+    started: list[NodeProcess] = []
+    yield starter(tmp_path, started)
     for node in started:
         node.kill()
 
 
+@pytest.fixture(scope="module")
+def spawn_shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeFactory]:
+    """`spawn` for nodes that several tests of a module read (a module-scoped fixture of its own):
+    killed after the module's last test."""
+    started: list[NodeProcess] = []
+    yield starter(tmp_path_factory.mktemp("shared"), started)
+    for node in started:
+        node.kill()

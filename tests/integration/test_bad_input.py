@@ -1,8 +1,13 @@
 """Bad input to the real `diloco-node join`: exit code 2, one `diloco-node: error:` line, no traceback.
 
-Every case runs the real CLI in a subprocess (diloco_node/launch.py, which also asks for the node's
-events on stdout). `--log-level ERROR` keeps INFO lines off stderr so that the error line is the only
-one there.
+The real CLI runs in a subprocess (diloco_node/launch.py, which also asks for the node's events on
+stdout). `--log-level ERROR` keeps INFO lines off stderr so that the error line is the only one there.
+
+A bad value of an option is refused while the flags become a NodeConfig, before anything is logged
+or imported beyond the config checks: the same path for every option. Two of those cases (a flag, a
+config file value) run in a subprocess and prove the path end to end; the other option cases call the
+same `main` in this process (`in_process`), since each subprocess costs a torch import (~3 s of CPU).
+Everything refused later (resources, layouts checked on the device, the model) runs in a subprocess.
 """
 
 from __future__ import annotations
@@ -14,13 +19,15 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+from diloco_node.cli import main
 from diloco_node.launch import NodeProcess
 
 pytestmark = pytest.mark.integration
@@ -79,6 +86,29 @@ def join(nodes: Processes, *args: str, local: bool = True) -> Result:
     return nodes.run(*(LOCAL if local else []), *QUIET, *args)
 
 
+@pytest.fixture
+def in_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Callable[..., Result]:
+    """`diloco-node join ARGS` through the CLI's own `main` in this process, for input refused while
+    the config is built. Should a bad value get past the checks, the node is not started here: the
+    case ends with exit 3, which assert_bad_input reports."""
+    def started(_cfg: object) -> int:
+        print("diloco-node: the bad input was accepted and a node would start", file=sys.stderr)
+        return 3
+
+    monkeypatch.setattr("diloco_node.runner.run_node", started)
+    monkeypatch.chdir(tmp_path)  # relative defaults (checkpoints/<run_id>) land here, not in the repo
+
+    return lambda *args: main_in_process("join", *LOCAL, *QUIET, *args)
+
+
+def main_in_process(*args: str) -> Result:
+    """`diloco-node ARGS` through the CLI's own `main` in this process (for `join`: the `in_process` fixture)."""
+    done = CliRunner().invoke(main, list(args))
+    crashed = "" if done.exception is None or isinstance(done.exception, SystemExit) else \
+        "Traceback " + repr(done.exception)  # an exception the CLI let escape: a traceback for a user
+    return Result(done.exit_code, done.stdout, done.stderr + crashed)
+
+
 def assert_bad_input(result: Result, *words: str) -> str:
     """Exit 2 and exactly one stderr line, `diloco-node: error: ...`, containing all `words`."""
     assert "Traceback" not in result.stdout + result.stderr, result.stderr
@@ -115,8 +145,8 @@ def test_malformed_multiaddr(nodes: Processes) -> None:
     assert_bad_input(join(nodes, "--peer", "garbage"), "peer", "malformed multiaddr", "garbage")
 
 
-def test_peer_without_peer_id(nodes: Processes) -> None:
-    assert_bad_input(join(nodes, "--peer", "/ip4/127.0.0.1/tcp/4001"), "peer", "/p2p/")
+def test_peer_without_peer_id(in_process: Callable[..., Result]) -> None:
+    assert_bad_input(in_process("--peer", "/ip4/127.0.0.1/tcp/4001"), "peer", "/p2p/")
 
 
 @pytest.mark.parametrize("problem", ["corrupt", "open permissions"])
@@ -150,33 +180,35 @@ def cli(*args: str) -> Result:
     (["--parallel", "mesh", "--local-ranks", "2"], ["parallel"]),
     (["--precision", "fp16"], ["precision"]),
     (["--micro-batch-size", "auto", "--parallel", "fsdp", "--local-ranks", "2"], ["micro_batch_size auto"]),
-    (["--parallel", "fsdp", "--devices", "cuda:0,cuda:1"], ["cuda:0,cuda:1"]),
 ])
-def test_bad_layout(nodes: Processes, args: list[str], words: list[str]) -> None:
+def test_bad_layout(in_process: Callable[..., Result], args: list[str], words: list[str]) -> None:
     """Layouts that cannot work are refused before any local rank starts."""
-    if "cuda:0,cuda:1" in args and torch.cuda.device_count() >= 2:
+    assert_bad_input(in_process(*args), *words)
+
+
+def test_devices_this_machine_lacks(nodes: Processes) -> None:
+    """Checked on the devices, once the config is built: a subprocess."""
+    if torch.cuda.device_count() >= 2:
         pytest.skip("this machine has the two GPUs asked for")  # never true in CI (CPU machines)
-    assert_bad_input(join(nodes, *args), *words)
+    assert_bad_input(join(nodes, "--parallel", "fsdp", "--devices", "cuda:0,cuda:1"), "cuda:0,cuda:1")
 
 
 @pytest.mark.parametrize(("args", "words"), [
     (["--round-seconds", "0"], ["round_seconds must be a number of seconds > 0", "0.0"]),
     (["--round-seconds", "30", "--inner-steps", "50"], ["--round-seconds", "--inner-steps", "not both"]),
 ])
-def test_bad_round_length(nodes: Processes, args: list[str], words: list[str]) -> None:
+def test_bad_round_length(in_process: Callable[..., Result], args: list[str], words: list[str]) -> None:
     """A round is H steps or T seconds (docs/architecture.md §13): a T ≤ 0, or both, is refused (the
     other bad values of T: tests/unit/test_budget.py)."""
-    assert_bad_input(join(nodes, *args), *words)
+    assert_bad_input(in_process(*args), *words)
 
 
-@pytest.mark.parametrize("args,words", [
-    (["--fragments", "0"], ["fragments"]),
-    # the tiny preset has 28 parameter tensors; a fragment holds whole ones (docs/architecture.md §15)
-    (["--fragments", "29", "--inner-steps", "50"], ["fragments 29", "28 parameter tensors"]),
-])
-def test_bad_fragments(nodes: Processes, args: list[str], words: list[str]) -> None:
+def test_bad_fragments(in_process: Callable[..., Result], nodes: Processes) -> None:
     """A negative P and more fragments than inner steps: tests/unit/test_fragments.py (the same config path)."""
-    assert_bad_input(join(nodes, *args), *words)
+    assert_bad_input(in_process("--fragments", "0"), "fragments")
+    # the tiny preset has 28 parameter tensors; a fragment holds whole ones (docs/architecture.md §15),
+    # which only the built model knows: a subprocess
+    assert_bad_input(join(nodes, "--fragments", "29", "--inner-steps", "50"), "fragments 29", "28 parameter tensors")
 
 
 def test_more_local_ranks_than_cores(nodes: Processes) -> None:
@@ -189,9 +221,9 @@ def test_more_local_ranks_than_cores(nodes: Processes) -> None:
     (["--upload-limit", "-1"], ["upload_limit", "'-1' is not a rate"]),
     (["--upload-limit", "5 parsecs"], ["upload_limit", "'5 parsecs' is not a rate"]),
 ])
-def test_bad_bandwidth_caps(nodes: Processes, args: list[str], words: list[str]) -> None:
+def test_bad_bandwidth_caps(in_process: Callable[..., Result], args: list[str], words: list[str]) -> None:
     """--upload-limit / --download-limit (docs/architecture.md §13) take a rate with its unit, or 0."""
-    assert_bad_input(join(nodes, *args), *words)
+    assert_bad_input(in_process(*args), *words)
 
 
 def test_invalid_value_in_config_file(nodes: Processes, tmp_path: Path) -> None:
@@ -200,16 +232,16 @@ def test_invalid_value_in_config_file(nodes: Processes, tmp_path: Path) -> None:
     assert_bad_input(join(nodes, "--config", str(path)), "inner_steps")
 
 
-def test_unknown_key_in_config_file(nodes: Processes, tmp_path: Path) -> None:
+def test_unknown_key_in_config_file(in_process: Callable[..., Result], tmp_path: Path) -> None:
     path = tmp_path / "run.toml"
     path.write_text("inner_steps = 5\nouter_learning_rate = 0.5\n")
-    result = join(nodes, "--config", str(path))
+    result = in_process("--config", str(path))
     assert_bad_input(result, "unknown config key", "outer_learning_rate", str(path))
 
 
-def test_missing_config_file(nodes: Processes, tmp_path: Path) -> None:
+def test_missing_config_file(in_process: Callable[..., Result], tmp_path: Path) -> None:
     path = tmp_path / "absent.toml"
-    assert_bad_input(join(nodes, "--config", str(path)), str(path), "does not exist")
+    assert_bad_input(in_process("--config", str(path)), str(path), "does not exist")
 
 
 # --- bad resources (rejected while starting) --------------------------------------------------

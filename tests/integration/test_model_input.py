@@ -10,6 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
+
+from diloco_node.cli import main
 
 pytestmark = pytest.mark.integration
 
@@ -24,11 +27,20 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     (None, "model directory 'model' has no config.json"),
     ({"model_type": "no-such-arch", "hidden_size": 8}, "has model_type 'no-such-arch', which transformers"),
 ])
-def test_join_refuses_a_model_it_cannot_build(tmp_path: Path, config: dict[str, object] | None, message: str) -> None:
+def test_join_refuses_a_model_it_cannot_build(tmp_path: Path, config: dict[str, object] | None, message: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """--model is checked while the config is built: through the CLI's own `main` in this process, as
+    tests/integration/test_bad_input.py's option cases (a subprocess would cost its torch import);
+    a model let through ends the case with exit 3 instead of starting a node."""
     (tmp_path / "model").mkdir()
     if config is not None:
         (tmp_path / "model" / "config.json").write_text(json.dumps(config))
-    result = cli("join", "--model", "model", "--checkpoint-dir", "ckpt", "--log-level", "ERROR", cwd=tmp_path)
+    monkeypatch.setattr("diloco_node.runner.run_node", lambda _cfg: 3)
+    monkeypatch.chdir(tmp_path)
+    done = CliRunner().invoke(main, ["join", "--model", "model", "--checkpoint-dir", "ckpt", "--log-level", "ERROR"],
+                              env={"HF_HUB_OFFLINE": "1"})
+    assert done.exception is None or isinstance(done.exception, SystemExit), repr(done.exception)
+    result = subprocess.CompletedProcess(["diloco-node", "join"], done.exit_code, done.stdout, done.stderr)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("diloco-node: error: invalid value for 'model': ")

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from diloco_node.checkpoint import read_checkpoint
 from diloco_node.launch import alive, descendants
 from tests.integration.conftest import NodeFactory
 
@@ -24,16 +25,23 @@ pytestmark = pytest.mark.integration
 STOP_BOUND = 30.0
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
-def test_a_stopped_node_saves_and_resumes_where_it_stopped(spawn: NodeFactory, tmp_path, how: str) -> None:  # type: ignore[no-untyped-def]
+def left_at(log: str, signal_name: str) -> int:
+    """The round a node says it left at after `signal_name`: the stop it logs last."""
+    stopped = log.rsplit(f"received {signal_name}; stopping", 1)
+    assert len(stopped) == 2, f"no {signal_name} stop in the log:\n{log[-3000:]}"
+    assert "left the swarm at round=" in stopped[1], log[-3000:]
+    return int(stopped[1].split("left the swarm at round=")[1].split()[0])
+
+
+def test_a_stopped_node_saves_and_resumes_where_it_stopped(spawn: NodeFactory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Ctrl-C, then a restart that resumes there, then SIGTERM: both stops save where they left
+    (one node's life; the restart after a SIGTERM reads the checkpoint as after a Ctrl-C)."""
     node = spawn("a", "--inner-steps", "5")
     node.wait_for_round(2)
-    node.stop(how, within=STOP_BOUND)
-    log = node.log_text()
-    assert f"received {'SIGINT' if how == 'ctrl-c' else 'SIGTERM'}; stopping" in log
-    assert "left the swarm at round=" in log
-    stopped_at = int(log.split("left the swarm at round=")[1].split()[0])
-    assert (tmp_path / "a" / "itest" / "node.json").exists()
+    node.stop("ctrl-c", within=STOP_BOUND)
+    stopped_at = left_at(node.log_text(), "SIGINT")
+    manifest = tmp_path / "a" / "itest" / "node.json"
+    assert read_checkpoint(manifest)["round"] == stopped_at
 
     again = spawn("a", "--inner-steps", "5")
     assert again.wait_joined() == stopped_at
@@ -41,7 +49,10 @@ def test_a_stopped_node_saves_and_resumes_where_it_stopped(spawn: NodeFactory, t
     assert again.wait_for_address().split("/p2p/")[1] == node.wait_for_address().split("/p2p/")[1]
     assert f"resumed round={stopped_at}" in again.log_text()
     again.wait_for_round(stopped_at + 1)
-    again.stop("sigterm" if how == "ctrl-c" else "ctrl-c", within=STOP_BOUND)
+    again.stop("sigterm", within=STOP_BOUND)
+    stopped_again_at = left_at(again.log_text(), "SIGTERM")
+    assert stopped_again_at >= stopped_at + 1
+    assert read_checkpoint(manifest)["round"] == stopped_again_at
 
 
 def test_a_second_ctrl_c_stops_at_once(spawn: NodeFactory) -> None:  # type: ignore[no-untyped-def]

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
+from diloco_node.cli import main
 from diloco_node.config import ConfigError, NodeConfig, build_config, load_config
 
 PEER_ID = "12D3KooWJZCFWqQH4SvZLraL276kcU6ZvaLyacnJUdUc1t4Cx8AZ"
@@ -188,9 +190,21 @@ def test_codec_parameters_out_of_range_are_one_clear_line() -> None:
 
 
 # --- precedence through the real CLI ----------------------------------------------------------
+# `diloco-node config` through the CLI's own `main` in this process: flags, env vars and the file meet
+# in click and resolve_config, the same in a subprocess, which would cost a torch import (~3 s of CPU)
+# per case. test_bad_env_value_is_one_line_exit_2 runs the real command in a subprocess, end to end.
 
 
 def _cli_config(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    unset: dict[str, str | None] = {k: None for k in os.environ if k.startswith("DILOCO_")}
+    done = CliRunner().invoke(main, ["config", *args], env={**unset, **(env or {})})
+    crashed = "" if done.exception is None or isinstance(done.exception, SystemExit) else \
+        "Traceback " + repr(done.exception)  # an exception the CLI let escape: a traceback for a user
+    return subprocess.CompletedProcess(["diloco-node", "config", *args], done.exit_code, done.stdout,
+                                       done.stderr + crashed)
+
+
+def _cli_config_process(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
     clean.update(env or {})
     return subprocess.run([sys.executable, "-m", "diloco_node", "config", *args], env=clean,
@@ -255,7 +269,7 @@ def test_defaults_printed_without_any_input() -> None:
 
 
 def test_bad_env_value_is_one_line_exit_2() -> None:
-    result = _cli_config(env={"DILOCO_OUTER_MOMENTUM": "1.5"})
+    result = _cli_config_process(env={"DILOCO_OUTER_MOMENTUM": "1.5"})
     assert result.returncode == 2
     assert result.stderr.splitlines() == [result.stderr.strip()]
     assert result.stderr.startswith("diloco-node: error:") and "outer_momentum" in result.stderr

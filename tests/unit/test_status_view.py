@@ -11,8 +11,10 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
+from click.testing import CliRunner
 
 from diloco_node import status_view
+from diloco_node.cli import main
 from diloco_node.telemetry.server import StatusServer
 from tests.unit.test_server import filled_telemetry, peer_row
 
@@ -20,8 +22,20 @@ NOW = 1_700_000_100.0
 
 
 def run_status(*args: str) -> subprocess.CompletedProcess[str]:
+    """The real command in a subprocess, end to end."""
     return subprocess.run([sys.executable, "-m", "diloco_node", "status", *args],
                           capture_output=True, text=True, timeout=60)
+
+
+def status_in_process(*args: str) -> subprocess.CompletedProcess[str]:
+    """`diloco-node status` through the CLI's own `main` in this process: the bad-URL cases, which
+    would each cost a subprocess its torch import (the CLI's option defaults read the codecs'); the
+    real command runs in test_status_against_a_real_status_server."""
+    done = CliRunner().invoke(main, ["status", *args])
+    crashed = "" if done.exception is None or isinstance(done.exception, SystemExit) else \
+        "Traceback " + repr(done.exception)  # an exception the CLI let escape: a traceback for a user
+    return subprocess.CompletedProcess(["diloco-node", "status", *args], done.exit_code, done.stdout,
+                                       done.stderr + crashed)
 
 
 def test_human_units() -> None:
@@ -133,7 +147,7 @@ def _assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments:
 @pytest.mark.parametrize("url", ["not-a-url", "ftp://127.0.0.1/", "http://[::1", "http://127.0.0.1:abc",
                                  "http://127.0.0.1:99999", "http://"])
 def test_malformed_url_is_one_line_exit_2(url: str) -> None:
-    _assert_one_line_error(run_status(url), "not an http(s) URL")
+    _assert_one_line_error(status_in_process(url), "not an http(s) URL")
 
 
 def _free_port() -> int:
@@ -143,7 +157,7 @@ def _free_port() -> int:
 
 
 def test_unreachable_url_is_one_line_exit_2() -> None:
-    _assert_one_line_error(run_status(f"http://127.0.0.1:{_free_port()}"), "cannot reach")
+    _assert_one_line_error(status_in_process(f"http://127.0.0.1:{_free_port()}"), "cannot reach")
 
 
 @pytest.fixture()
@@ -170,8 +184,8 @@ def not_a_node() -> Iterator[str]:
 
 
 def test_non_json_answer_is_one_line_exit_2(not_a_node: str) -> None:
-    _assert_one_line_error(run_status(not_a_node), "did not answer JSON")
-    _assert_one_line_error(run_status(not_a_node + "/missing"), "HTTP 404")
+    _assert_one_line_error(status_in_process(not_a_node), "did not answer JSON")
+    _assert_one_line_error(status_in_process(not_a_node + "/missing"), "HTTP 404")
 
 
 def test_status_against_a_real_status_server() -> None:

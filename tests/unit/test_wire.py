@@ -1,7 +1,7 @@
 """Wire bytes: tcp_info as link-layer bytes, the kernel's counters of real sockets, and keeping the
 counts of closed connections.
 
-Real daemons are measured in tests/integration/test_swarm.py and against veth counters in
+Real daemons are measured in tests/integration/test_pair.py and against veth counters in
 tests/network/test_dashboard_bytes.py."""
 
 from __future__ import annotations
