@@ -352,14 +352,19 @@ def agreement(shared: SharedState, peers: Callable[[], dict[str, NodeRecord]], s
     got = settled_state(shared)
     if got is None:
         return "malformed rounds"
-    reference = None
+    reference, served = None, [got[0]]
     for _ in range(AGREEMENT_POLLS):
-        reference = reference_state(peers().values())
+        others = peers()
+        reference = reference_state(others.values())
+        served = [r.served_round for r in others.values() if r.served_digest] or served
         if got == reference:
             return None
+        if reference is not None and reference[0] > got[0]:
+            break  # superseded: records do not go back (the wait is for records that lag the server)
         if stop.wait(AGREEMENT_POLL_SECONDS):
             break
-    if reference is None and time.monotonic() - started > AGREEMENT_WAIT_SECONDS:
+    # unchecked, but not a state every server has moved past (it arrived late: caught_up's to catch up)
+    if reference is None and time.monotonic() - started > AGREEMENT_WAIT_SECONDS and got[0] >= min(served):
         logger.warning("no two peers announce the same state; taking one unchecked")
         return None
     wanted = "no state two nodes agree on" if reference is None else \
@@ -378,8 +383,19 @@ def catch_up_target(got: tuple[int, str], reference: tuple[int, str] | None, ser
     return reference[0] if 0 < reference[0] - got[0] <= CATCH_UP_ROUNDS else None
 
 
+def agreed_records(peers: Callable[[], dict[str, NodeRecord]],
+                   stop: threading.Event) -> tuple[dict[str, NodeRecord], tuple[int, str] | None]:
+    """The run's records and the state they agree on, read again for a few seconds while they agree
+    on none (overlapped nodes one round apart announce different states until both have stepped)."""
+    for _ in range(AGREEMENT_POLLS):
+        others = peers()
+        if (reference := reference_state(others.values())) is not None or stop.wait(AGREEMENT_POLL_SECONDS):
+            return others, reference
+    return others, None
+
+
 def caught_up(server: str, shared: SharedState, peers: Callable[[], dict[str, NodeRecord]], catch_up: CatchUp,
-              refused: str) -> SharedState | str:
+              refused: str, stop: threading.Event) -> SharedState | str:
     """`shared`, a state from `server` that the run moved past while it downloaded, caught up on the
     means of the rounds since (`catch_up`) and taken only when it then is the state the run's
     records agree on, bit for bit: a round's mean that cannot be had, or a digest that differs,
@@ -391,8 +407,7 @@ def caught_up(server: str, shared: SharedState, peers: Callable[[], dict[str, No
         return refused
     started = got[0]
     for passes in range(CATCH_UP_PASSES + 1):
-        others = peers()
-        reference = reference_state(others.values())
+        others, reference = agreed_records(peers, stop)
         if passes and got == reference:
             logger.info("state from peer=%s was %d rounds behind the run's (settled round %d of %d) when it "
                         "arrived: caught up on the means of those rounds", server, got[0] - started, started, got[0])
@@ -472,7 +487,7 @@ def download_run_state(service: StateService, run: Callable[[Any, float, threadi
         if why is None and check_digest:
             why = agreement(shared, peers, started, stop)
             if why is not None and catch_up is not None:
-                return caught_up(peer, shared, peers, catch_up, why)
+                return caught_up(peer, shared, peers, catch_up, why, stop)
         return shared if why is None else why
 
     while True:

@@ -284,6 +284,9 @@ def test_a_joiner_takes_the_state_most_records_announce(monkeypatch) -> None:  #
     assert agreement(({"round": 7}, [phi, momentum]), lambda: split,
                      now - statesync.AGREEMENT_WAIT_SECONDS - 1, never) is None
     assert reference_state(split.values()) is None
+    # but never one every server has moved past: a state that arrived late is caught up on, or refused
+    assert "no state two nodes agree on" in str(agreement(({"round": 5}, [phi, momentum]), lambda: split,
+                                                          now - statesync.AGREEMENT_WAIT_SECONDS - 1, never))
     assert reference_state([others["a"]]) == (7, honest)  # one node alone serves the run's state
     two_liars = [*others.values(), serving("liar2", 10**6, "fake")]
     assert reference_state(two_liars) is None  # a tie never goes to the later round
@@ -297,6 +300,8 @@ def test_a_joiner_takes_the_state_most_records_announce(monkeypatch) -> None:  #
 def test_a_state_the_run_moved_past_while_it_downloaded_is_caught_up_to_the_runs() -> None:
     """Rounds shorter than the download (docs/architecture.md §14): a state 1 … CATCH_UP_ROUNDS
     rounds old is caught up on the means since and taken only if it then is the run's, bit for bit."""
+    import threading
+
     import torch
 
     from diloco_node.replica.layout import digest
@@ -332,6 +337,7 @@ def test_a_state_the_run_moved_past_while_it_downloaded_is_caught_up_to_the_runs
     assert catch_up_target((7, "x"), reference, dataclasses.replace(run["a"], served_round=11)) is None
 
     fetched: list[int] = []
+    never = threading.Event()
 
     def catch_up(server: str, shared: tuple, settled: int, round_: int) -> tuple | None:
         metadata, (phi, mom) = shared
@@ -339,28 +345,28 @@ def test_a_state_the_run_moved_past_while_it_downloaded_is_caught_up_to_the_runs
         fetched.extend(rounds)
         return {**metadata, "round": round_, "in_flight": list(range(settled, round_))}, [stepped(phi, rounds), mom]
 
-    taken = caught_up("a", old, lambda: run, catch_up, "superseded")
+    taken = caught_up("a", old, lambda: run, catch_up, "superseded", never)
     assert not isinstance(taken, str), taken
     assert taken[0]["round"] == 13 and taken[0]["in_flight"] == [12]  # the rest in flight, inherited as always
     assert torch.equal(taken[1][0], stepped(phi0, range(7, 12))) and fetched == [7, 8, 9, 10, 11]
     # the run moves on while the means are fetched: another pass fetches the rounds since
     moving = iter([run_at(10, 11), run_at(12, 13), run_at(12, 13)])
     fetched.clear()
-    taken = caught_up("a", old, lambda: next(moving), catch_up, "superseded")
+    taken = caught_up("a", old, lambda: next(moving), catch_up, "superseded", never)
     assert not isinstance(taken, str) and fetched == [7, 8, 9, 10, 11], taken
     # a round whose mean cannot be had, a wrong mean, a state too old: refused, with the reason
-    assert "cannot be had" in str(caught_up("a", old, lambda: run, lambda *_: None, "superseded"))
+    assert "cannot be had" in str(caught_up("a", old, lambda: run, lambda *_: None, "superseded", never))
 
     def wrong(server: str, shared: tuple, settled: int, round_: int) -> tuple | None:
         caught = catch_up(server, shared, settled, round_)
         return None if caught is None else (caught[0], [caught[1][0] + 1, caught[1][1]])
 
-    assert "is not the run's" in str(caught_up("a", old, lambda: run, wrong, "superseded"))
+    assert "is not the run's" in str(caught_up("a", old, lambda: run, wrong, "superseded", never))
     far = run_at(8 + CATCH_UP_ROUNDS, 9 + CATCH_UP_ROUNDS)
-    assert caught_up("a", old, lambda: far, catch_up, "superseded") == "superseded"
+    assert caught_up("a", old, lambda: far, catch_up, "superseded", never) == "superseded"
     # a run that never stops moving: bounded passes
     endless = iter([run_at(8 + i, 9 + i) for i in range(10)])
-    assert "passes" in str(caught_up("a", old, lambda: next(endless), catch_up, "superseded"))
+    assert "passes" in str(caught_up("a", old, lambda: next(endless), catch_up, "superseded", never))
 
 
 def test_a_fresh_node_skips_downloading_the_state_it_built_itself() -> None:
