@@ -409,8 +409,10 @@ def caught_up(server: str, shared: SharedState, peers: Callable[[], dict[str, No
     for passes in range(CATCH_UP_PASSES + 1):
         others, reference = agreed_records(peers, stop)
         if passes and got == reference:
+            # the planning line of a state download outlasting rounds: what it cost, and what avoids it
             logger.info("state from peer=%s was %d rounds behind the run's (settled round %d of %d) when it "
-                        "arrived: caught up on the means of those rounds", server, got[0] - started, started, got[0])
+                        "arrived: caught up on the means of those rounds (the download outlasts the run's "
+                        "rounds; a faster link or longer rounds avoid this)", server, got[0] - started, started, got[0])
             return shared
         target = catch_up_target(got, reference, others.get(server))
         if target is None or passes == CATCH_UP_PASSES:
