@@ -29,7 +29,7 @@ from diloco_node.outer.noloco import NoLoCoOptimizer
 from diloco_node.outer.state import MAX_SHARED_VECTORS, OuterState
 from diloco_node.outer.update import OuterUpdate, UpdateContext
 from diloco_node.swarm import Swarm, SwarmSettings
-from diloco_node.swarm.statesync import CatchUp
+from diloco_node.swarm.statesync import CATCH_UP_ROUNDS, MAX_SERVES, CatchUp
 from diloco_node.telemetry.events import Events
 from diloco_node.telemetry.meter import Telemetry
 from diloco_node.telemetry.planning import Planner
@@ -90,7 +90,9 @@ def build(cfg: NodeConfig) -> Parts:
 
     wire = WireMeter(os.getpid(), on_sample=on_sample)
     telemetry.refresh_with(wire.refresh)
-    planner = Planner(cfg.upload_rate, cfg.download_rate, cfg.butterfly_from, cfg.round_timeout) \
+    # a joiner downloads φ and the momentum, fp32, at our upload cap shared by the transfers served at once
+    planner = Planner(cfg.upload_rate, cfg.download_rate, cfg.butterfly_from, cfg.round_timeout,
+                      MAX_SHARED_VECTORS * 4 * state.numel, cfg.upload_rate / MAX_SERVES, CATCH_UP_ROUNDS) \
         if cfg.upload_rate or cfg.download_rate else None
     return Parts(cfg=cfg, state=state, codecs=[make_codec(codec_config_of(cfg)) for _ in range(cfg.fragments)],
                  phi_codec=phi_codec,
