@@ -75,8 +75,9 @@ class Planner:
         then = (f"a joiner catches up on those rounds' means (up to {self.catch_up_rounds})"
                 if rounds <= self.catch_up_rounds else
                 f"more than the {self.catch_up_rounds} a joiner catches up on: joiners cannot take our state")
-        line = (f"serving our state to a joiner takes {seconds:.0f}s at the cap ({self.state_bytes / 1e6:.1f} MB at "
-                f"{format_rate(self.state_rate)} a transfer), {rounds:.1f} rounds of {round_seconds:.0f}s: {then}. "
+        line = (f"serving our state to a joiner takes up to {seconds:.0f}s at the cap ({self.state_bytes / 1e6:.1f} MB "
+                f"at {format_rate(self.state_rate)}, our share of it for each of the transfers served at once), "
+                f"{rounds:.1f} rounds of {round_seconds:.0f}s: {then}. "
                 f"A higher --upload-limit or longer rounds avoid it")
         logger.warning(line)
         return line
