@@ -405,9 +405,13 @@ def caught_up(server: str, shared: SharedState, peers: Callable[[], dict[str, No
     got = settled_state(shared)
     if got is None:
         return refused
-    started = got[0]
+    started, gap = got[0], 0
     for passes in range(CATCH_UP_PASSES + 1):
         others, reference = agreed_records(peers, stop)
+        if passes and reference is not None and reference[0] - got[0] >= gap:
+            # a round's payloads take longer to fetch here than the round: no pass gets closer
+            return (f"catching up is slower than the run: it moved {reference[0] - got[0]} rounds on while we "
+                    f"caught up on {gap} (a round's payloads take longer than a round to arrive here)")
         if passes and got == reference:
             # the planning line of a state download outlasting rounds: what it cost, and what avoids it
             logger.info("state from peer=%s was %d rounds behind the run's (settled round %d of %d) when it "
@@ -419,6 +423,7 @@ def caught_up(server: str, shared: SharedState, peers: Callable[[], dict[str, No
             if passes:
                 return f"caught up to settled round {got[0]}, but the run is at {reference} after {passes} passes"
             return refused
+        gap = target - got[0]
         caught = catch_up(server, shared, target, others[server].round)
         if caught is None:
             return f"its state (settled round {got[0]}) lags the run's ({target}); a mean between cannot be had"

@@ -364,9 +364,12 @@ def test_a_state_the_run_moved_past_while_it_downloaded_is_caught_up_to_the_runs
     assert "is not the run's" in str(caught_up("a", old, lambda: run, wrong, "superseded", never))
     far = run_at(8 + CATCH_UP_ROUNDS, 9 + CATCH_UP_ROUNDS)
     assert caught_up("a", old, lambda: far, catch_up, "superseded", never) == "superseded"
-    # a run that never stops moving: bounded passes
+    # a run that moves on as fast as we catch up (a round's payloads slower than a round): refused at once
     endless = iter([run_at(8 + i, 9 + i) for i in range(10)])
-    assert "passes" in str(caught_up("a", old, lambda: next(endless), catch_up, "superseded", never))
+    assert "slower than the run" in str(caught_up("a", old, lambda: next(endless), catch_up, "superseded", never))
+    # one that we gain on but never reach: bounded passes
+    gaining = iter([run_at(11, 12), run_at(14, 15), run_at(16, 17), run_at(17, 18)])
+    assert "passes" in str(caught_up("a", old, lambda: next(gaining), catch_up, "superseded", never))
 
 
 def test_a_fresh_node_skips_downloading_the_state_it_built_itself() -> None:
