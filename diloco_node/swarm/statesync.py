@@ -56,11 +56,7 @@ AGREEMENT_POLLS, AGREEMENT_POLL_SECONDS = 10, 0.5  # reading the records again a
 # rounds behind (payload servers keep their offers about that long, swarm/exchange.py), in at most
 # this many passes (the run goes on while the means are fetched; each pass fetches fewer rounds)
 CATCH_UP_ROUNDS = 10
-CATCH_UP_PASSES = 3
-# A state caught up to the run's that the run has since moved on from by at most this many rounds
-# is taken with those rounds in flight, where its server serves rounds in flight (overlapped): a
-# pass that takes about a round would otherwise chase the run's last round to no end
-LATE_ROUNDS_IN_FLIGHT = 2
+CATCH_UP_PASSES = 4
 
 SharedState = tuple[dict[str, Any], list[torch.Tensor]]  # metadata, flat fp32 vectors (φ first)
 # Our state for the peer that asks (its id); None while we do not share.
@@ -387,22 +383,6 @@ def catch_up_target(got: tuple[int, str], reference: tuple[int, str] | None, ser
     return reference[0] if 0 < reference[0] - got[0] <= CATCH_UP_ROUNDS else None
 
 
-def in_flight_since(got: tuple[int, str], reference: tuple[int, str] | None,
-                    server: NodeRecord | None) -> dict[str, Any] | None:
-    """The round and rounds in flight that hand on a state settled at `got[0]` (checked against the
-    run's earlier) with every round since in flight, up to its server's round, when the run's state
-    (`reference`) is at most LATE_ROUNDS_IN_FLIGHT rounds further, announced by the server
-    (`server`, its record), and that server serves rounds in flight (its round past its settled
-    one: overlapped; a blocking node completes no rounds in flight). None otherwise."""
-    if reference is None or server is None or (server.served_round, server.served_digest) != reference:
-        return None
-    if not 0 < reference[0] - got[0] <= LATE_ROUNDS_IN_FLIGHT or server.round <= server.served_round:
-        return None
-    if server.round - got[0] > MAX_ROUNDS_IN_FLIGHT // 2:
-        return None
-    return {"round": server.round, "in_flight": list(range(got[0], server.round))}
-
-
 def agreed_records(peers: Callable[[], dict[str, NodeRecord]],
                    stop: threading.Event) -> tuple[dict[str, NodeRecord], tuple[int, str] | None]:
     """The run's records and the state they agree on, read again for a few seconds while they agree
@@ -428,11 +408,6 @@ def caught_up(server: str, shared: SharedState, peers: Callable[[], dict[str, No
     started, gap = got[0], 0
     for passes in range(CATCH_UP_PASSES + 1):
         others, reference = agreed_records(peers, stop)
-        if passes and got != reference and (late := in_flight_since(got, reference, others.get(server))):
-            logger.info("state from peer=%s was %d rounds behind the run's when it arrived, caught up to settled "
-                        "round %d; the run's %d rounds since are completed in flight", server, got[0] - started,
-                        got[0], late["round"] - got[0])
-            return {**shared[0], **late}, shared[1]
         if passes and reference is not None and reference[0] - got[0] > gap:
             # a round's payloads take longer to fetch here than the round: each pass ends further behind
             return (f"catching up is slower than the run: it moved {reference[0] - got[0]} rounds on while we "
