@@ -5,6 +5,7 @@ telemetry; node.py only runs rounds with what is built here.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from diloco_node.codec import Codec, CodecConfig, codec_config_of, make_codec, m
 from diloco_node.config import ConfigError, NodeConfig
 from diloco_node.lifecycle import StopSignals
 from diloco_node.outer.averaging import Averaging
+from diloco_node.outer.catchup import catch_up
 from diloco_node.outer.diloco import OuterOptimizer
 from diloco_node.outer.factory import make_update
 from diloco_node.outer.fragments import Fragments, split
@@ -27,6 +29,7 @@ from diloco_node.outer.noloco import NoLoCoOptimizer
 from diloco_node.outer.state import MAX_SHARED_VECTORS, OuterState
 from diloco_node.outer.update import OuterUpdate, UpdateContext
 from diloco_node.swarm import Swarm, SwarmSettings
+from diloco_node.swarm.statesync import CATCH_UP_ROUNDS, MAX_SERVES, CatchUp
 from diloco_node.telemetry.events import Events
 from diloco_node.telemetry.meter import Telemetry
 from diloco_node.telemetry.planning import Planner
@@ -56,6 +59,8 @@ class Parts:
     gate: Gate
     swarm: Swarm | None = None
     update: OuterUpdate | None = None
+    # how a downloaded state the run moved past is caught up to the run's (outer/catchup.py); DiLoCo only
+    catch_up: CatchUp | None = None
     # set at shutdown only: a background exchange gives up (a stop request settles it instead)
     abandon: threading.Event = field(default_factory=threading.Event)
 
@@ -87,7 +92,9 @@ def build(cfg: NodeConfig) -> Parts:
 
     wire = WireMeter(os.getpid(), on_sample=on_sample)
     telemetry.refresh_with(wire.refresh)
-    planner = Planner(cfg.upload_rate, cfg.download_rate, cfg.butterfly_from, cfg.round_timeout) \
+    # a joiner downloads φ and the momentum, fp32, at our upload cap shared by the transfers served at once
+    planner = Planner(cfg.upload_rate, cfg.download_rate, cfg.butterfly_from, cfg.round_timeout,
+                      MAX_SHARED_VECTORS * 4 * state.numel, cfg.upload_rate / MAX_SERVES, CATCH_UP_ROUNDS) \
         if cfg.upload_rate or cfg.download_rate else None
     return Parts(cfg=cfg, state=state, codecs=[make_codec(codec_config_of(cfg)) for _ in range(cfg.fragments)],
                  runs=runs, phi_codec=phi_codec,
@@ -113,8 +120,10 @@ def attach_swarm(parts: Parts, shared_state: Callable[[], tuple[dict[str, Any], 
         barrier_timeout=barrier_timeout(cfg.round_budget, cfg.round_timeout) if cfg.round_budget else None)
     swarm = parts.swarm = Swarm(settings, parts.state.numel, shared_state, MAX_SHARED_VECTORS)
     fragments = make_fragments(parts, swarm.peer_id)
-    parts.update = make_update(cfg, UpdateContext(parts.state, fragments, swarm, parts.telemetry,
-                                                  parts.signals.requested, parts.abandon))
+    ctx = UpdateContext(parts.state, fragments, swarm, parts.telemetry, parts.signals.requested, parts.abandon)
+    parts.update = make_update(cfg, ctx)
+    if not gossip:  # NoLoCo's states differ by design: nothing to catch up to (docs/architecture.md §14)
+        parts.catch_up = functools.partial(catch_up, ctx)
     return swarm
 
 

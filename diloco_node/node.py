@@ -197,7 +197,7 @@ class Node:
         # so the one downloaded must be the one most nodes announce; NoLoCo's φ differs by design
         received = self.swarm.download_state(STATE_DOWNLOAD_TIMEOUT + self.cfg.round_timeout, self.stop_requested,
                                              check_digest=self.cfg.algorithm != "noloco",
-                                             held=self.served() if fresh else None)
+                                             held=self.served() if fresh else None, catch_up=self.parts.catch_up)
         if received is None:
             return False
         installed = self.state.install_shared(*received, self.cfg.fingerprint())

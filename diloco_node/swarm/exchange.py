@@ -26,6 +26,7 @@ from typing import Any
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from diloco_node.swarm.messages import MAX_DECLARED, parse_payload_request, peer_ids
+from diloco_node.swarm.statesync import CATCH_UP_ROUNDS
 from diloco_node.swarm.streams import HEADER_LEN, PEER_FAILURES, Streams, StreamService, parse_json, receive, send
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,11 @@ KEPT_ROUNDS = 3
 # matchmaking failed after ours counted it in, recovering the group once its timeout ends
 # (matchmaking.Matchmaker._missed_group) while NoLoCo's other nodes have already moved a round or two on.
 AWAITED_KEPT_ROUNDS = 5
+# Where rounds are shorter than a state download, a joiner catches its state up on the rounds since
+# from their groups' payloads (docs/architecture.md §14): an offer stays this long after it is made,
+# but never beyond the most rounds a joiner catches up on (with KEPT_ROUNDS for the rounds in flight
+# then). So memory holds at most about what the link moves in these seconds, or the KEPT_ROUNDS.
+CATCH_UP_KEPT_SECONDS = 60.0
 RECEIVED = b"\x01"  # a fetcher's acknowledgement: it read our whole payload
 
 
@@ -49,6 +55,7 @@ class _Offer:
 
     payload: bytes
     tokens: float
+    made: float = field(default_factory=time.monotonic)
     group: tuple[str, ...] | None = None  # the round's group, ourselves included, once matchmaking told us
     awaited: set[str] = field(default_factory=set)  # members that have not fetched yet (see drain)
     served: set[str] = field(default_factory=set)  # peers that fetched it (before or after we knew the group)
@@ -87,8 +94,10 @@ class PayloadExchange(StreamService):
     def offer(self, round_: int, payload: bytes, tokens: float) -> None:
         with self._offers_changed:
             self._offers[round_] = _Offer(payload, tokens)
+            now = time.monotonic()
             for old, kept in list(self._offers.items()):
-                if old <= round_ - (AWAITED_KEPT_ROUNDS if kept.awaited else KEPT_ROUNDS):
+                if old <= round_ - (AWAITED_KEPT_ROUNDS if kept.awaited else KEPT_ROUNDS) and \
+                        (now - kept.made > CATCH_UP_KEPT_SECONDS or old <= round_ - CATCH_UP_ROUNDS - KEPT_ROUNDS):
                     del self._offers[old]
 
     def expect(self, round_: int, group: Sequence[str], ourselves: str, fetched: bool = True) -> None:

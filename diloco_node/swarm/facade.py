@@ -33,7 +33,7 @@ from diloco_node.swarm.isolation import Isolation
 from diloco_node.swarm.matchmaking import Matchmaker, start_averager
 from diloco_node.swarm.presence import Presence
 from diloco_node.swarm.reachability import DialBack
-from diloco_node.swarm.statesync import StateService, download_run_state
+from diloco_node.swarm.statesync import CatchUp, StateService, download_run_state
 from diloco_node.swarm.streams import Streams
 from diloco_node.swarm.throttle import Throttle
 from diloco_node.swarm.transfer import Transfer
@@ -275,8 +275,10 @@ class Swarm:
         self._presence.vouch(peer)
 
     def download_state(self, timeout: float, stop: threading.Event, check_digest: bool,
-                       held: tuple[int, str] | None = None) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        """φ and the outer state from a peer (statesync.download_run_state); None when nobody else
+                       held: tuple[int, str] | None = None, catch_up: CatchUp | None = None,
+                       ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        """φ and the outer state from a peer (statesync.download_run_state; `catch_up`: how a state
+        the run moved past while it downloaded is brought up to the run's); None when nobody else
         is in the run (we start it), the run's state is `held` already, nobody shared it in time,
         or `stop` was set."""
         self._presence.read_revocations()  # a revoked server is not asked, even before our first heartbeat
@@ -288,7 +290,7 @@ class Swarm:
             # cannot outvote proven peers
             return {p: r for p, r in self._presence.state_peers().items() if not r.client}
 
-        return download_run_state(self._state, self._streams.run, others, timeout, stop, check_digest, held)
+        return download_run_state(self._state, self._streams.run, others, timeout, stop, check_digest, held, catch_up)
 
     def traffic(self) -> tuple[int, int]:
         """(bytes sent, bytes received) of payloads and shared state since start."""

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from diloco_node.rates import format_rate
 from diloco_node.replica.layout import digest
 from diloco_node.swarm.records import NodeRecord, reference_state
 from diloco_node.swarm.streams import HEADER_LEN, Limits, Streams, StreamService, parse_json, receive, send
@@ -50,14 +51,24 @@ STATE_RETRY_SECONDS = 1.0  # between state downloads that found no peer sharing
 # a few rounds, for nodes one round apart to meet
 AGREEMENT_WAIT_SECONDS = 30.0
 AGREEMENT_POLLS, AGREEMENT_POLL_SECONDS = 10, 0.5  # reading the records again after a download
+# A state the run has moved past while it downloaded (rounds shorter than the download) is caught up
+# on from the means of the rounds since (docs/architecture.md §14) when it is at most this many
+# rounds behind (payload servers keep their offers about that long, swarm/exchange.py), in at most
+# this many passes (the run goes on while the means are fetched; each pass fetches fewer rounds)
+CATCH_UP_ROUNDS = 10
+CATCH_UP_PASSES = 4
 
 SharedState = tuple[dict[str, Any], list[torch.Tensor]]  # metadata, flat fp32 vectors (φ first)
 # Our state for the peer that asks (its id); None while we do not share.
 StateProvider = Callable[[str], "SharedState | None"]
 # Why a peer showing admission token may not download our state; None when it may.
 AccessPolicy = Callable[[str, str], "str | None"]
-# Why a downloaded state from a peer is refused (e.g. φ's digest); None to accept it.
-Acceptance = Callable[[str, SharedState], "str | None"]
+# The state to take from a peer (the one downloaded, or it caught up), or why it is refused (e.g. φ's digest).
+Acceptance = Callable[[str, SharedState], "SharedState | str"]
+# (server, its state, the settled round to reach, the server's round) → the state with the means of
+# the rounds it lacks before that settled round applied, at the server's round with the rounds from
+# the settled one on in flight; None when a mean cannot be had (outer/catchup.py)
+CatchUp = Callable[[str, SharedState, int, int], "SharedState | None"]
 
 
 MAX_SERVES = 2  # state transfers served at once, each holding at most one snapshot of φ and the momentum
@@ -297,6 +308,11 @@ class StateService(StreamService):
         finally:
             writer.close()
         self._on_moved(0, len(data))
+        seconds = max(self.loop.time() - started, 1e-3)
+        # against the run's round length (the records' rounds moving on), what says why a state
+        # arrives superseded and is caught up on (docs/architecture.md §14)
+        logger.info("state from peer=%s arrived: %.1f MB in %.1fs (%s)", peer, len(data) / 1e6, seconds,
+                    format_rate(len(data) / seconds))
         flat = torch.frombuffer(data, dtype=torch.float32)
         return metadata, list(flat.split(self._numel))
 
@@ -336,14 +352,19 @@ def agreement(shared: SharedState, peers: Callable[[], dict[str, NodeRecord]], s
     got = settled_state(shared)
     if got is None:
         return "malformed rounds"
-    reference = None
+    reference, served = None, [got[0]]
     for _ in range(AGREEMENT_POLLS):
-        reference = reference_state(peers().values())
+        others = peers()
+        reference = reference_state(others.values())
+        served = [r.served_round for r in others.values() if r.served_digest] or served
         if got == reference:
             return None
+        if reference is not None and reference[0] > got[0]:
+            break  # superseded: records do not go back (the wait is for records that lag the server)
         if stop.wait(AGREEMENT_POLL_SECONDS):
             break
-    if reference is None and time.monotonic() - started > AGREEMENT_WAIT_SECONDS:
+    # unchecked, but not a state every server has moved past (it arrived late: caught_up's to catch up)
+    if reference is None and time.monotonic() - started > AGREEMENT_WAIT_SECONDS and got[0] >= min(served):
         logger.warning("no two peers announce the same state; taking one unchecked")
         return None
     wanted = "no state two nodes agree on" if reference is None else \
@@ -351,10 +372,73 @@ def agreement(shared: SharedState, peers: Callable[[], dict[str, NodeRecord]], s
     return f"its state (settled round {got[0]}, digest {got[1]}) is not the run's ({wanted})"
 
 
+def catch_up_target(got: tuple[int, str], reference: tuple[int, str] | None, server: NodeRecord | None) -> int | None:
+    """The settled round to catch a downloaded state up to, from `got` (its settled round and
+    digest): the run's (`reference`, what the records agree on) when the state is 1 …
+    CATCH_UP_ROUNDS rounds older and its server (`server`, its record) announces the run's state
+    itself, so that the rounds between are ones it averaged and their groups are its to name. None
+    when it is not to be caught up: current, newer, too far behind, or the run agrees on nothing."""
+    if reference is None or server is None or (server.served_round, server.served_digest) != reference:
+        return None
+    return reference[0] if 0 < reference[0] - got[0] <= CATCH_UP_ROUNDS else None
+
+
+def agreed_records(peers: Callable[[], dict[str, NodeRecord]],
+                   stop: threading.Event) -> tuple[dict[str, NodeRecord], tuple[int, str] | None]:
+    """The run's records and the state they agree on, read again for a few seconds while they agree
+    on none (overlapped nodes one round apart announce different states until both have stepped)."""
+    for _ in range(AGREEMENT_POLLS):
+        others = peers()
+        if (reference := reference_state(others.values())) is not None or stop.wait(AGREEMENT_POLL_SECONDS):
+            return others, reference
+    return others, None
+
+
+def caught_up(server: str, shared: SharedState, peers: Callable[[], dict[str, NodeRecord]], catch_up: CatchUp,
+              refused: str, stop: threading.Event) -> SharedState | str:
+    """`shared`, a state from `server` that the run moved past while it downloaded, caught up on the
+    means of the rounds since (`catch_up`) and taken only when it then is the state the run's
+    records agree on, bit for bit: a round's mean that cannot be had, or a digest that differs,
+    refuses it. The run goes on while the means are fetched: up to CATCH_UP_PASSES passes, each
+    fetching the rounds the previous one took. `refused`: the reason when it is not to be caught up
+    at all (catch_up_target)."""
+    got = settled_state(shared)
+    if got is None:
+        return refused
+    started, gap = got[0], 0
+    for passes in range(CATCH_UP_PASSES + 1):
+        others, reference = agreed_records(peers, stop)
+        if passes and reference is not None and reference[0] - got[0] > gap:
+            # a round's payloads take longer to fetch here than the round: each pass ends further behind
+            return (f"catching up is slower than the run: it moved {reference[0] - got[0]} rounds on while we "
+                    f"caught up on {gap} (a round's payloads take longer than a round to arrive here)")
+        if passes and got == reference:
+            # the planning line of a state download outlasting rounds: what it cost, and what avoids it
+            logger.info("state from peer=%s was %d rounds behind the run's (settled round %d of %d) when it "
+                        "arrived: caught up on the means of those rounds (the download outlasts the run's "
+                        "rounds; a faster link or longer rounds avoid this)", server, got[0] - started, started, got[0])
+            return shared
+        target = catch_up_target(got, reference, others.get(server))
+        if target is None or passes == CATCH_UP_PASSES:
+            if passes:
+                return f"caught up to settled round {got[0]}, but the run is at {reference} after {passes} passes"
+            return refused
+        gap = target - got[0]
+        caught = catch_up(server, shared, target, others[server].round)
+        if caught is None:
+            return f"its state (settled round {got[0]}) lags the run's ({target}); a mean between cannot be had"
+        now = settled_state(caught)
+        if now is None or now != reference:
+            return f"caught up to settled round {target}, its state {now} is not the run's {reference}"
+        shared, got = caught, now
+    return refused  # not reached: the last pass returns
+
+
 def download_from(service: StateService, run: Callable[[Any, float, threading.Event], Any],
                   candidates: Sequence[str], accept: Acceptance, deadline: float, logged: set[tuple[str, str]],
                   stop: threading.Event) -> SharedState | None:
-    """The first state among `candidates` (in order) that arrives whole and that `accept` takes;
+    """The first state among `candidates` (in order) that arrives whole and that `accept` takes (as
+    it hands it back: caught up, perhaps);
     each failure is logged with the peer and the reason, once per pair in `logged` (the caller
     retries, asking the peers that failed last). None when every one failed or `stop` was set."""
     failed = {peer for peer, why in logged if why != NOT_SHARING}
@@ -363,16 +447,16 @@ def download_from(service: StateService, run: Callable[[Any, float, threading.Ev
         if left <= 0 or stop.is_set():
             return None
         try:
-            shared = run(service.download(peer, left), left + READ_TIMEOUT, stop)
-            why = accept(peer, shared)
+            taken = accept(peer, run(service.download(peer, left), left + READ_TIMEOUT, stop))
         except StateRefused as exc:
-            why = str(exc)
+            taken = str(exc)
         except TimeoutError:
             if stop.is_set():
                 return None
-            why = "timed out"
-        if why is None:
-            return shared
+            taken = "timed out"
+        if not isinstance(taken, str):
+            return taken
+        why = taken
         if (peer, why) not in logged:
             logged.add((peer, why))
             logger.warning("state from peer=%s not taken: %s; trying another peer", peer, why)
@@ -392,10 +476,12 @@ def holds_run_state(others: dict[str, NodeRecord], held: tuple[int, str]) -> boo
 
 def download_run_state(service: StateService, run: Callable[[Any, float, threading.Event], Any],
                        peers: Callable[[], dict[str, NodeRecord]], timeout: float, stop: threading.Event,
-                       check_digest: bool, held: tuple[int, str] | None = None) -> SharedState | None:
+                       check_digest: bool, held: tuple[int, str] | None = None,
+                       catch_up: CatchUp | None = None) -> SharedState | None:
     """The run's state, retried over the verified nodes `peers` gives (fresh records each time)
     within `timeout`. `check_digest` (runs whose nodes serve the same state): the state must be
-    the one the records agree on (`agreement`). None when nobody else is in the run, the run's
+    the one the records agree on (`agreement`), or, given `catch_up`, one a few rounds older that
+    catches up to it (`caught_up`: rounds shorter than the download). None when nobody else is in the run, the run's
     state is the one we hold (`held`, see holds_run_state), nobody shared it in time, or `stop`
     was set."""
     started = time.monotonic()
@@ -403,11 +489,13 @@ def download_run_state(service: StateService, run: Callable[[Any, float, threadi
     logger.info("downloading state from peers")
     logged: set[tuple[str, str]] = set()
 
-    def accept(peer: str, shared: SharedState) -> str | None:
+    def accept(peer: str, shared: SharedState) -> SharedState | str:
         why = metadata_refusal(shared[0], peer, peers())
         if why is None and check_digest:
             why = agreement(shared, peers, started, stop)
-        return why
+            if why is not None and catch_up is not None:
+                return caught_up(peer, shared, peers, catch_up, why, stop)
+        return shared if why is None else why
 
     while True:
         others = peers()

@@ -52,10 +52,35 @@ def plan(payload: int, group_size: int, butterfly_from: int | None, upload: floa
 class Planner:
     """Checks each finished round against the caps and says once when the exchange cannot keep up."""
 
-    def __init__(self, upload: float, download: float, butterfly_from: int | None, round_timeout: float):
+    def __init__(self, upload: float, download: float, butterfly_from: int | None, round_timeout: float,
+                 state_bytes: int = 0, state_rate: float = 0.0, catch_up_rounds: int = 0):
+        """`state_bytes` served to a joiner at `state_rate` (bytes/s a transfer gets at our upload cap;
+        0: none), which a joiner catches up on when it is at most `catch_up_rounds` rounds late."""
         self.upload, self.download = upload, download
         self.butterfly_from, self.round_timeout = butterfly_from, round_timeout
-        self.told = False
+        self.state_bytes, self.state_rate, self.catch_up_rounds = state_bytes, state_rate, catch_up_rounds
+        self.told = self.state_told = False
+
+    def check_state(self, round_seconds: float) -> str | None:
+        """The serving side's line, once: a joiner's download of our state at our cap outlasts a round
+        (docs/architecture.md §14), so it arrives superseded and the joiner catches it up on the means
+        since, or, beyond `catch_up_rounds`, cannot join from us. None when it fits or nothing is capped."""
+        if self.state_told or self.state_rate <= 0 or round_seconds <= 0:
+            return None
+        seconds = self.state_bytes / self.state_rate
+        if seconds <= round_seconds:
+            return None
+        self.state_told = True
+        rounds = seconds / round_seconds
+        then = (f"a joiner catches up on those rounds' means (up to {self.catch_up_rounds})"
+                if rounds <= self.catch_up_rounds else
+                f"more than the {self.catch_up_rounds} a joiner catches up on: joiners cannot take our state")
+        line = (f"serving our state to a joiner takes up to {seconds:.0f}s at the cap ({self.state_bytes / 1e6:.1f} MB "
+                f"at {format_rate(self.state_rate)}, our share of it for each of the transfers served at once), "
+                f"{rounds:.1f} rounds of {round_seconds:.0f}s: {then}. "
+                f"A higher --upload-limit or longer rounds avoid it")
+        logger.warning(line)
+        return line
 
     def check(self, payload: int, group_size: int, round_seconds: float) -> str | None:
         """The line logged when this round's exchange at the caps takes longer than `round_seconds`

@@ -108,6 +108,7 @@ class RoundReporter:
             # in the record, down to ourselves alone (NoLoCo's drawn groups are the record's)
             expected = record.group_size if self.gossip else max(record.group_size, before.get("peers") or 0)
             self.planner.check(record.payload_bytes, expected, record.compute_seconds)
+            self.planner.check_state(record.round_seconds)
         return record
 
     def peer_stats(self, record: RoundRecord) -> dict[str, Any]:

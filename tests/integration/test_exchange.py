@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 from hivemind import DHT
 
+from diloco_node.swarm import exchange as exchange_module
 from diloco_node.swarm.exchange import AWAITED_KEPT_ROUNDS, KEPT_ROUNDS, Fetched, PayloadExchange, _parse_meta
 from diloco_node.swarm.matchmaking import MISSED_ALLREDUCE_GRACE, MISSED_GROUP_GRACE, Matchmaker
 from diloco_node.swarm.streams import Streams
@@ -73,10 +74,22 @@ def test_a_fetch_before_we_knew_the_group_counts(pair: tuple[PayloadExchange, Pa
     assert offering.drain(0.5, may_still_fetch=lambda _peer, _round: True)
 
 
-def test_an_offer_a_member_still_awaits_outlives_the_usual_rounds(
+def test_a_recent_offer_outlives_the_usual_rounds_for_a_joiner_catching_up(
         pair: tuple[PayloadExchange, PayloadExchange, str, str]) -> None:
+    # Rounds shorter than a state download: the joiner fetches the rounds since its state (§14).
+    offering, fetching, offering_id, _ = pair
+    last = 1 + exchange_module.CATCH_UP_ROUNDS + KEPT_ROUNDS
+    for round_ in range(1, last + 1):
+        offering.offer(round_, f"round {round_}".encode(), 320.0)
+    assert fetching.fetch_all([offering_id], 1, timeout=10)[offering_id] is None, "never beyond the rounds caught up"
+    assert fetching.fetch_all([offering_id], 2, timeout=10)[offering_id] == Fetched(b"round 2", 320.0, None)
+
+
+def test_an_offer_a_member_still_awaits_outlives_the_usual_rounds(
+        pair: tuple[PayloadExchange, PayloadExchange, str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     # The member may be recovering a one-sided matchmaking while we have moved rounds on.
     assert KEPT_ROUNDS == 3 and AWAITED_KEPT_ROUNDS == 5
+    monkeypatch.setattr(exchange_module, "CATCH_UP_KEPT_SECONDS", 0.0)  # rounds older than any joiner's state
     offering, fetching, offering_id, fetching_id = pair
     offering.offer(1, b"awaited", 320.0)
     offering.expect(1, [offering_id, fetching_id], offering_id)
@@ -93,7 +106,9 @@ def test_an_offer_a_member_still_awaits_outlives_the_usual_rounds(
     assert fetching.fetch_all([offering_id], 5, timeout=10)[offering_id] is not None
 
 
-def test_an_awaited_offer_is_dropped_in_the_end(pair: tuple[PayloadExchange, PayloadExchange, str, str]) -> None:
+def test_an_awaited_offer_is_dropped_in_the_end(pair: tuple[PayloadExchange, PayloadExchange, str, str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(exchange_module, "CATCH_UP_KEPT_SECONDS", 0.0)
     offering, fetching, offering_id, fetching_id = pair
     offering.offer(1, b"awaited by a peer that never comes", 320.0)
     offering.expect(1, [offering_id, fetching_id], offering_id)

@@ -39,6 +39,21 @@ def test_says_it_once_with_the_numbers_and_what_to_change(caplog):
     assert [r.getMessage() for r in caplog.records] == [line]
 
 
+def test_the_serving_side_says_once_when_a_joiners_state_download_outlasts_a_round(caplog):
+    # docs/architecture.md §14: 3.7 MB of state at 2 Mbit/s shared by 2 transfers takes ~30 s
+    planner = Planner(upload=2 * MBIT, download=0, butterfly_from=None, round_timeout=60,
+                      state_bytes=3_700_000, state_rate=MBIT, catch_up_rounds=10)
+    assert planner.check_state(round_seconds=60) is None  # fits a round
+    with caplog.at_level(logging.WARNING, logger="diloco_node.telemetry.planning"):
+        line = planner.check_state(round_seconds=4)
+        assert planner.check_state(round_seconds=4) is None  # once
+    assert line is not None and "30s" in line and "7.4 rounds of 4s" in line and "catches up" in line
+    assert caplog.text.count("serving our state") == 1
+    too_long = Planner(2 * MBIT, 0, None, 60, 3_700_000, MBIT, catch_up_rounds=10).check_state(round_seconds=2)
+    assert too_long is not None and "cannot take our state" in too_long
+    assert Planner(0, 2 * MBIT, None, 60, 3_700_000, 0.0, 10).check_state(round_seconds=1) is None  # not serving capped
+
+
 def test_a_round_without_a_group_is_not_judged():
     planner = Planner(upload=MBIT, download=MBIT, butterfly_from=None, round_timeout=60)
     assert planner.check(10 ** 9, 1, round_seconds=1) is None

@@ -289,6 +289,9 @@ def test_a_joiner_takes_the_state_most_records_announce(monkeypatch) -> None:  #
     assert agreement(({"round": 7}, [phi, momentum]), lambda: split,
                      now - statesync.AGREEMENT_WAIT_SECONDS - 1, never) is None
     assert reference_state(split.values()) is None
+    # but never one every server has moved past: a state that arrived late is caught up on, or refused
+    assert "no state two nodes agree on" in str(agreement(({"round": 5}, [phi, momentum]), lambda: split,
+                                                          now - statesync.AGREEMENT_WAIT_SECONDS - 1, never))
     assert reference_state([others["a"]]) == (7, honest)  # one node alone serves the run's state
     two_liars = [*others.values(), serving("liar2", 10**6, "fake")]
     assert reference_state(two_liars) is None  # a tie never goes to the later round
@@ -297,6 +300,83 @@ def test_a_joiner_takes_the_state_most_records_announce(monkeypatch) -> None:  #
     assert canonical_digest(group, 7, served=True) == honest
     assert canonical_digest([others["b"], serving("c", 7, "split")], 7, served=True) == honest
     assert canonical_digest(group, 8, served=True) is None
+
+
+def test_a_state_the_run_moved_past_while_it_downloaded_is_caught_up_to_the_runs() -> None:
+    """Rounds shorter than the download (docs/architecture.md §14): a state 1 … CATCH_UP_ROUNDS
+    rounds old is caught up on the means since and taken only if it then is the run's, bit for bit."""
+    import threading
+
+    import torch
+
+    from diloco_node.replica.layout import digest
+    from diloco_node.swarm.statesync import CATCH_UP_ROUNDS, catch_up_target, caught_up
+
+    def mean(r: int) -> torch.Tensor:
+        return torch.full((4,), float(r))
+
+    def stepped(phi: torch.Tensor, rounds: range) -> torch.Tensor:  # the run's outer step, here φ − mean
+        for r in rounds:
+            phi = phi - mean(r)
+        return phi
+
+    phi0, momentum = torch.arange(4, dtype=torch.float32), torch.ones(4)
+    # served at round 8 with round 7 in flight: settled round 7
+    old = ({"round": 8, "in_flight": [7], "server": "a"}, [phi0, momentum])
+
+    def run_at(settled: int, round_: int) -> dict[str, NodeRecord]:
+        served = digest([stepped(phi0, range(7, settled)), momentum])
+        return {p: dataclasses.replace(record(p, round_, "d"), served_round=settled, served_digest=served)
+                for p in ("a", "b")}
+
+    # the rule: the run's settled round, when the state is 1 … CATCH_UP_ROUNDS behind and its server serves it
+    run = run_at(12, 13)
+    reference = reference_state(run.values())
+    assert reference is not None and catch_up_target((7, "x"), reference, run["a"]) == 12
+    assert catch_up_target((12, "x"), reference, run["a"]) is None  # current: agreement takes it
+    assert catch_up_target((13, "x"), reference, run["a"]) is None  # ahead of the run
+    assert catch_up_target((12 - CATCH_UP_ROUNDS - 1, "x"), reference, run["a"]) is None  # too far behind
+    assert catch_up_target((12 - CATCH_UP_ROUNDS, "x"), reference, run["a"]) == 12
+    assert catch_up_target((7, "x"), None, run["a"]) is None  # the run agrees on no state
+    assert catch_up_target((7, "x"), reference, None) is None  # a server without a record
+    assert catch_up_target((7, "x"), reference, dataclasses.replace(run["a"], served_round=11)) is None
+
+    fetched: list[int] = []
+    never = threading.Event()
+
+    def catch_up(server: str, shared: tuple, settled: int, round_: int) -> tuple | None:
+        metadata, (phi, mom) = shared
+        rounds = range(min([metadata["round"], *metadata["in_flight"]]), settled)
+        fetched.extend(rounds)
+        return {**metadata, "round": round_, "in_flight": list(range(settled, round_))}, [stepped(phi, rounds), mom]
+
+    taken = caught_up("a", old, lambda: run, catch_up, "superseded", never)
+    assert not isinstance(taken, str), taken
+    assert taken[0]["round"] == 13 and taken[0]["in_flight"] == [12]  # the rest in flight, inherited as always
+    assert torch.equal(taken[1][0], stepped(phi0, range(7, 12))) and fetched == [7, 8, 9, 10, 11]
+    # the run moves on while the means are fetched: another pass fetches the rounds since
+    moving = iter([run_at(10, 11), run_at(12, 13), run_at(12, 13)])
+    fetched.clear()
+    taken = caught_up("a", old, lambda: next(moving), catch_up, "superseded", never)
+    assert not isinstance(taken, str) and fetched == [7, 8, 9, 10, 11], taken
+    # a round whose mean cannot be had, a wrong mean, a state too old: refused, with the reason
+    assert "cannot be had" in str(caught_up("a", old, lambda: run, lambda *_: None, "superseded", never))
+
+    def wrong(server: str, shared: tuple, settled: int, round_: int) -> tuple | None:
+        caught = catch_up(server, shared, settled, round_)
+        return None if caught is None else (caught[0], [caught[1][0] + 1, caught[1][1]])
+
+    assert "is not the run's" in str(caught_up("a", old, lambda: run, wrong, "superseded", never))
+    far = run_at(8 + CATCH_UP_ROUNDS, 9 + CATCH_UP_ROUNDS)
+    assert caught_up("a", old, lambda: far, catch_up, "superseded", never) == "superseded"
+    # a run that moves on as fast as we catch up (a round's payloads slower than a round): refused at once
+    endless = iter([run_at(8 + 2 * i, 9 + 2 * i) for i in range(10)])
+    assert "slower than the run" in str(caught_up("a", old, lambda: next(endless), catch_up, "superseded", never))
+    # one that moves on a round each pass, or that we gain on but never reach: bounded passes
+    steady = iter([run_at(8 + i, 9 + i) for i in range(10)])
+    assert "passes" in str(caught_up("a", old, lambda: next(steady), catch_up, "superseded", never))
+    gaining = iter([run_at(12, 13), run_at(16, 17), run_at(19, 20), run_at(21, 22), run_at(22, 23)])
+    assert "passes" in str(caught_up("a", old, lambda: next(gaining), catch_up, "superseded", never))
 
 
 def test_a_fresh_node_skips_downloading_the_state_it_built_itself() -> None:

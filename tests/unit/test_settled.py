@@ -192,6 +192,37 @@ def test_a_state_taken_in_the_last_round_settles_the_rounds_its_server_had_in_fl
     assert joiner.ctx.state.served(joiner.served).in_flight == []
 
 
+def test_a_state_the_run_moved_past_caught_up_on_the_means_since_is_the_servers_current_one() -> None:
+    """docs/architecture.md §14: a joiner whose download outlasted rounds applies the means of the
+    rounds its state lacks (its own in flight, and those since) and holds, bit for bit, what the
+    server serves now, with the server's rounds in flight still to inherit."""
+    from diloco_node.outer.catchup import catch_up
+
+    generator = torch.Generator().manual_seed(8)
+    means = [torch.randn(NUMEL, generator=generator) for _ in range(7)]
+    server = node("eager", means)
+    old = None
+    for round_ in range(6):
+        server.finish_round(round_, torch.randn(NUMEL, generator=generator), 100.0)
+        server.pending.wait(round_, 5.0)
+        if round_ == 1:  # the joiner's download begins: the state served after round 1
+            old = server.ctx.state.shared("fp", "server", server.served)
+    assert old is not None and old[0]["round"] == 2 and old[0]["in_flight"] == [1]
+    metadata, vectors = server.ctx.state.shared("fp", "server", server.served)
+    assert metadata["round"] == 6 and metadata["in_flight"] == [5]
+
+    joiner = node("eager", means)
+    caught = catch_up(joiner.ctx, "server", old, 5, 6)
+    assert caught is not None
+    assert caught[0]["round"] == 6 and caught[0]["in_flight"] == [5] and caught[0]["has_momentum"]
+    assert torch.equal(caught[1][0], vectors[0]) and torch.equal(caught[1][1], vectors[1])
+    # a round whose group's payloads are gone: not caught up (the joiner refuses the state)
+    gone = node("eager", means)
+    gone_ctx = dataclasses.replace(gone.ctx, swarm=GoneServer())
+    assert catch_up(gone_ctx, "server", old, 5, 6) is None
+    assert catch_up(joiner.ctx, "server", (old[0], [old[1][0]]), 5, 6) is None  # not of the model's size
+
+
 class GoneServer(Swarm):
     """The state's server has left (the run's end): its group's payloads can no longer be fetched."""
 
