@@ -46,19 +46,20 @@ def measure(sybils: int, rounds: int, work: Path) -> dict[str, Any]:
             node.wait_for_round(start + rounds, timeout=600)
         result: dict[str, Any] = {"sybils": sybils, "rounds": rounds, "seconds": time.monotonic() - started}
         for node in (a, b):
-            counted = [node.rounds[r] for r in range(start, start + rounds)]
+            # a round the node skipped (a re-sync past it) averaged with nobody
+            counted = [node.rounds[r] for r in range(start, start + rounds) if r in node.rounds]
             result[node.name] = {"together": sum(r.group_size >= 2 for r in counted),
-                                 "max_wait": max(r.wait_seconds for r in counted)}
+                                 "max_wait": max((r.wait_seconds for r in counted), default=None)}
         log = a.log_text() + b.log_text()
         result.update(spare=log.count("matchmaking once more with"), resyncs=log.count("re-sync"),
                       timeouts=log.count("barrier timed out"))
         return result
     finally:
+        a.kill()
+        b.kill()
         if forger is not None:
             forger.terminate()
             forger.wait(20)
-        a.kill()
-        b.kill()
 
 
 def main() -> None:

@@ -92,9 +92,11 @@ def build(cfg: NodeConfig) -> Parts:
 
     wire = WireMeter(os.getpid(), on_sample=on_sample)
     telemetry.refresh_with(wire.refresh)
-    # a joiner downloads φ and the momentum, fp32, at our upload cap shared by the transfers served at once
+    # a joiner downloads φ and the momentum, fp32, at our upload cap shared by the transfers served at once;
+    # NoLoCo's joiners take any state as it comes (nothing to catch up to): no line about serving it
     planner = Planner(cfg.upload_rate, cfg.download_rate, cfg.butterfly_from, cfg.round_timeout,
-                      MAX_SHARED_VECTORS * 4 * state.numel, cfg.upload_rate / MAX_SERVES, CATCH_UP_ROUNDS) \
+                      MAX_SHARED_VECTORS * 4 * state.numel, 0 if gossip else cfg.upload_rate / MAX_SERVES,
+                      CATCH_UP_ROUNDS) \
         if cfg.upload_rate or cfg.download_rate else None
     return Parts(cfg=cfg, state=state, codecs=[make_codec(codec_config_of(cfg)) for _ in range(cfg.fragments)],
                  runs=runs, phi_codec=phi_codec,

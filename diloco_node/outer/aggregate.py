@@ -114,6 +114,8 @@ def aggregate(contributions: list[Contribution], method: str = "clip", max_token
             mean = _centered_clip(vectors, weights, _weighted(vectors, weights), reference)
         elif trim:
             mean = _trimmed(vectors, trim)
+            # a coordinate-wise trimmed mean weighs every kept value alike: that is each one's share
+            weights = [1.0 / len(vectors)] * len(vectors)
         else:
             mean = _weighted(vectors, weights)
     clipped = tuple(sorted(set(capped) | set(scaled)))

@@ -40,6 +40,8 @@ def catch_up(ctx: UpdateContext, server: str, shared: SharedState, settled: int,
     twin = optimizer.copy(phi)
     twin.load_momentum(ctx.state.shaped(vectors[1]) if metadata.get("has_momentum") else None)
     for r in sorted(r for r in lacking if r < settled):
+        if ctx.stop.is_set() or ctx.abandon.is_set():  # a stop asked for: no more fetching
+            return None
         fragment = ctx.fragment_of(r)
         mean = fragment.averaging.mean_of(ctx.swarm.gather_group_of(r, server), server)
         if mean is None:

@@ -412,7 +412,10 @@ def caught_up(server: str, shared: SharedState, peers: Callable[[], dict[str, No
             # a round's payloads take longer to fetch here than the round: each pass ends further behind
             return (f"catching up is slower than the run: it moved {reference[0] - got[0]} rounds on while we "
                     f"caught up on {gap} (a round's payloads take longer than a round to arrive here)")
-        if passes and got == reference:
+        if got == reference or (passes and reference is None):
+            # the run's state (a pass ago, when the records agree on none now: rounds since are in flight)
+            if not passes:
+                return shared
             # the planning line of a state download outlasting rounds: what it cost, and what avoids it
             logger.info("state from peer=%s was %d rounds behind the run's (settled round %d of %d) when it "
                         "arrived: caught up on the means of those rounds (the download outlasts the run's "
