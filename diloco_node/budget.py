@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping
 
 # An inner phase that would start with less than this share of T left runs to the grid point after:
 # a blocking exchange ending just before a grid point would otherwise leave a round of a few steps
@@ -27,6 +28,10 @@ STEP_WINDOW = 4
 # a peer not ready a round after it is frozen or gone and must not hold the others (§13).
 BARRIER_SHARE = 1.0
 BARRIER_FLOOR = 2.0
+# A payload may declare up to this many times the tokens its sender's own records say it trains in a
+# round before we doubt it: an owner who stops using their machine makes it honestly faster from one
+# round to the next, by as much as the 4× between a busy and an idle consumer GPU (§13, "Declared tokens").
+CLAIM_SLACK = 4.0
 
 
 def deadline(now: float, seconds: float) -> float:
@@ -65,3 +70,44 @@ class StepClock:
         tried: a node's first step measures its speed."""
         estimate = self.estimate()
         return now < end if estimate is None else now + estimate <= end
+
+
+
+
+class Claims:
+    """Declared tokens judged against what each peer's own published records say a round of it
+    trains (§13, "Declared tokens"): the most they have shown us, since a node its owner stops using
+    speeds up honestly (a slowed or frozen round's record shows little). Bounded: at most MAX_PEERS
+    peers remembered."""
+
+    MAX_PEERS = 1024
+
+    def __init__(self) -> None:
+        self.most: dict[str, float] = {}  # peer → the most tokens a round of it trains, by its records
+        self.said: set[str] = set()  # peers whose claims we doubted in the log already
+
+    def saw(self, allowances: Mapping[str, object]) -> None:
+        """Take in what each peer's latest record says a round of it trains (tokens; None: unknown)."""
+        for peer, tokens in allowances.items():
+            if isinstance(tokens, (int, float)) and math.isfinite(tokens) and tokens > self.most.get(peer, 0.0):
+                if peer not in self.most and len(self.most) >= self.MAX_PEERS:
+                    self.most.clear()
+                self.most[peer] = float(tokens)
+
+    def doubted(self, declared: Mapping[str, float]) -> dict[str, float]:
+        """Those of `declared` (peer → the tokens its payload declared) beyond CLAIM_SLACK × the most
+        its records have shown, each with that bound. A peer whose records show nothing yet (its
+        first round) is not judged. The mean is not changed by this (members read records at
+        different moments, so a bound from them would split φ; the token cap at the group's median
+        bounds the mean): the round loop leaves a doubted peer unproven and says so once."""
+        return {peer: CLAIM_SLACK * self.most[peer] for peer, tokens in declared.items()
+                if self.most.get(peer, 0.0) > 0 and tokens > CLAIM_SLACK * self.most[peer]}
+
+    def first_doubt(self, peer: str) -> bool:
+        """Whether `peer`'s claims are doubted for the first time (a liar repeats itself every round)."""
+        if peer in self.said:
+            return False
+        if len(self.said) >= self.MAX_PEERS:
+            self.said.clear()
+        self.said.add(peer)
+        return True

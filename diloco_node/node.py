@@ -14,13 +14,13 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 
-from diloco_node.budget import StepClock, deadline
+from diloco_node.budget import Claims, StepClock, deadline
 from diloco_node.compose import Parts
 from diloco_node.export import export_info
 from diloco_node.outer.fragments import Drift, codec_state
 from diloco_node.replica import Replica, ReplicaError
 from diloco_node.replica.layout import flatten
-from diloco_node.round import Outcome, RoundReport
+from diloco_node.round import AverageResult, Outcome, RoundReport
 from diloco_node.swarm import HelperTimeout, Swarm
 from diloco_node.telemetry.rounds import RoundTiming
 from diloco_node.train.data import METER as DATA_METER
@@ -51,6 +51,7 @@ class Node:
         self.step_clock = StepClock()  # --round-seconds: our recent step times (budget.py)
         # θ between rounds: reloaded from φ every round, or per fragment (docs/architecture.md §15)
         self.drift = Drift(parts.runs)
+        self.claims = Claims()  # peers' declared tokens against their own published throughput (budget.py)
 
     @property
     def swarm(self) -> Swarm:
@@ -113,7 +114,7 @@ class Node:
             self.swarm.share_state()
             return
         if report.result is not None:  # whose checked work went into the mean we applied (swarm/proofs.py)
-            self.swarm.prove(self.state.round, report.result.group)
+            self.swarm.prove(self.state.round, self._credible(report.result))
         if report.diverged:  # our Δ was still a fine direction to contribute; our φ is what must be replaced
             logger.warning("round=%d our φ differs from the swarm's; re-syncing after this round", self.state.round)
             self.sync_from_peers()
@@ -124,6 +125,28 @@ class Node:
         # after announcing, so our own row carries this round's stats
         self.parts.reporter.swarm_table(self.swarm.peer_stats(), self.swarm.peer_id, self.replica.peak_memory())
         self.swarm.share_state()
+
+    def _credible(self, result: AverageResult) -> list[str]:
+        """The round's group less the peers whose payloads declared more tokens than their own records
+        say a round of them trains (budget.Claims): under --round-seconds their tokens per compute
+        second times T, under a fixed H their last round's tokens (H, batch and sequence length are
+        each node's own). A doubted peer's work still made the mean, as on every member, but does not
+        prove it (swarm/proofs.py; docs/architecture.md §13, "Declared tokens")."""
+        if not result.declared:  # alone, held, or a butterfly member (its part's owner capped the tokens)
+            return list(result.group)
+        seconds = self.cfg.round_budget
+        allowances = {}
+        for peer, stats in self.swarm.peer_stats().items():
+            rate, tokens = stats.get("last_round_tokens_per_second"), stats.get("last_round_tokens")
+            allowances[peer] = (rate * seconds if isinstance(rate, (int, float)) else None) if seconds else tokens
+        self.claims.saw(allowances)
+        declared = dict(result.declared)
+        doubted = self.claims.doubted(declared)
+        for peer, bound in doubted.items():
+            if self.claims.first_doubt(peer):
+                logger.warning("round=%d peer=%s declared %.0f tokens, more than its own records allow a round "
+                               "(%.0f): not counted as proven", self.state.round, peer, declared[peer], bound)
+        return [peer for peer in result.group if peer not in doubted]
 
     def _inner_phase(self) -> list[float] | None:
         """θ ← φ, then H inner steps, or under --round-seconds as many as fit before the round's

@@ -146,6 +146,10 @@ class AverageResult:
     mean_phi: torch.Tensor | None = None  # NoLoCo: the group's mean φ
     clipped: tuple[str, ...] = ()  # peers whose Δ (or φ, or declared tokens) the aggregator bounded
     rejected: tuple[str, ...] = ()  # peers whose payload was undecodable, non-finite or tokenless
+    # the tokens each other member's payload declared, as it declared them (all-gather; a butterfly
+    # member sees its part's owner's report only): the round loop checks them against the
+    # throughput each one's record shows (budget.overclaimed)
+    declared: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -186,7 +186,8 @@ class Averaging:
             clipped |= {used[index] for index in far}
         return AverageResult(result.used, result.mean, share, codec_seconds, gathered.transfer_seconds,
                              gathered.received_bytes, mean_phi, tuple(sorted(clipped)),
-                             tuple(sorted(set(result.rejected) | set(undecodable))))
+                             tuple(sorted(set(result.rejected) | set(undecodable))),
+                             tuple((peer, tokens) for peer, (_, tokens) in sorted(gathered.payloads.items())))
 
     def _butterfly_mean(self, own: Own, gathered: Gathered) -> AverageResult:
         """The mean from the averaged parts; clipped and rejected peers are those of the part we

@@ -134,3 +134,7 @@ def test_a_hostile_contributor_is_clipped_or_rejected_and_the_run_goes_on(spawn:
                                                for p in n.get("/api/peers")["peers"]), 30, f"its row's {column}")
             losses = [log.eval_loss for r, log in node.rounds.items() if r >= averaged[0]]
             assert all(loss < node.joined_eval_loss for loss in losses), (losses, node.joined_eval_loss)
+            if mode == "huge":  # 1e15 tokens against the 10,240 its records show a round trains: said once
+                doubts = [line for line in node.log_text().splitlines()
+                          if f"peer={me} declared" in line and "more than its own records allow" in line]
+                assert len(doubts) == 1, doubts

@@ -280,3 +280,40 @@ def test_weighting_is_checked_and_fingerprinted_and_each_node_records_its_weight
     assert record.last_round_weight == pytest.approx(0.3333)
     assert record.status({"compute_seconds": 1.0, "wait_seconds": 0.5, "utilization": 2 / 3})[
         "last_round_weight"] == pytest.approx(0.3333)
+
+
+# --- declared tokens against a node's own throughput (docs/architecture.md §13) -------------------
+
+
+def test_each_member_sees_the_tokens_each_payload_declared() -> None:
+    import torch
+
+    from diloco_node.codec import CodecConfig, make_codec
+    from diloco_node.outer.averaging import Averaging
+    from diloco_node.round import Gathered
+
+    codec = make_codec(CodecConfig(name="none"))
+    averaging = Averaging(codec, 2, "a")
+    own = averaging.encode(1, torch.tensor([1.0, 0.0]), 100.0)
+    others = {"c": (codec.encode(torch.tensor([0.0, 1.0])), 1e30), "b": (codec.encode(torch.ones(2)), 50.0)}
+    result = averaging.mean(own, Gathered(Outcome.TOGETHER, 1, others))
+    assert result.declared == (("b", 50.0), ("c", 1e30))  # as declared, before the cap; ours is not judged
+
+
+def test_claims_are_judged_by_the_most_a_peers_records_showed_and_said_once() -> None:
+    from diloco_node.budget import CLAIM_SLACK, Claims
+
+    claims = Claims()
+    # what each record says a round trains: rate × T under --round-seconds, its last round's tokens under H
+    claims.saw({"woken": 6_000.0, "liar": 300.0, "odd": float("nan"), "none": None, "new": 0.0})
+    claims.saw({"woken": 30.0, "liar": 300.0})  # a frozen round's record: the most seen stays
+    declared = {"woken": 20_000.0, "liar": 20_000.0, "honest": 300.0, "odd": 1e9, "none": 1e9, "new": 1e9,
+                "unknown": 1e9}
+    # woken: 3.3× its most, an owner who stopped using the machine; liar: 67×; no record yet: not judged
+    assert claims.doubted(declared) == {"liar": CLAIM_SLACK * 300}
+    assert claims.doubted({"liar": CLAIM_SLACK * 300}) == {}  # at the bound is honest
+    assert claims.first_doubt("liar") and not claims.first_doubt("liar")
+    for n in range(Claims.MAX_PEERS + 5):  # bounded memory whatever the number of peer ids
+        claims.saw({f"p{n}": 1.0})
+        claims.first_doubt(f"p{n}")
+    assert len(claims.most) <= Claims.MAX_PEERS and len(claims.said) <= Claims.MAX_PEERS
