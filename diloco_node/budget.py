@@ -72,8 +72,6 @@ class StepClock:
         return now < end if estimate is None else now + estimate <= end
 
 
-
-
 class Claims:
     """Declared tokens judged against what each peer's own published records say a round of it
     trains (§13, "Declared tokens"): the most they have shown us, since a node its owner stops using
