@@ -37,12 +37,15 @@ def test_forged_identities_neither_resync_nor_stall_nor_poison_a_joiner(spawn: N
         joiner = spawn("joiner", *options, peer=a, checkpoint=False)
         joiner.wait_joined()
         # its first round may miss its group and re-sync (as without forged records; on a loaded
-        # machine once more): from the second round after its last download on, it averages with both
+        # machine once more), and so may a or b when the joiner's arrival splits that round's group
+        # (hivemind's matchmaking, with or without forged records): from the second round after the
+        # last download of any of them on, all three average together
         def last_synced() -> int:
-            return max(event["round"] for event in joiner.events_of("synced"))
+            return max(event["round"] for node in (a, b, joiner) for event in node.events_of("synced"))
 
         joiner.wait_until(lambda: len([r for r in joiner.rounds if r > last_synced()]) >= 3, 150,
-                          "three rounds after its last state download")
+                          "three rounds after the last state download")
+        joined = min(event["round"] for event in joiner.events_of("synced"))
         first = last_synced() + 1
         assert_same_digests([a, b, joiner], range(first + 1, first + 3))
         synced = joiner.events_of("synced")
@@ -53,7 +56,11 @@ def test_forged_identities_neither_resync_nor_stall_nor_poison_a_joiner(spawn: N
         assert a.status().get("peers") == 3 + count, "the forged records should still be there"
         for node, start in zip((a, b), since, strict=True):
             log = "".join(node.stderr_lines[start:])
-            assert "re-sync" not in log and "barrier timed out" not in log, node.log_text()[-3000:]
+            # no re-sync but one where the joiner's first round split the group (above)
+            resyncs = [int(line.split("round=")[1].split()[0]) for line in log.splitlines()
+                       if "re-sync" in line and "round=" in line]
+            assert len(resyncs) <= 1 and all(r <= joined + 2 for r in resyncs), node.log_text()[-3000:]
+            assert "barrier timed out" not in log, node.log_text()[-3000:]
             # a forged identity that took our state is waited for once, for the newcomer grace only
             assert log.count("not waiting longer for newcomer") <= 1, node.log_text()[-3000:]
             # rounds keep their length: none is held for the round timeout (~35 s with matchmaking);

@@ -133,7 +133,10 @@ def test_a_hostile_contributor_is_clipped_or_rejected_and_the_run_goes_on(spawn:
             node.wait_until(lambda n=node: any(p["peer_id"] == me and p[column] >= 3
                                                for p in n.get("/api/peers")["peers"]), 30, f"its row's {column}")
             losses = [log.eval_loss for r, log in node.rounds.items() if r >= averaged[0]]
-            assert all(loss < node.joined_eval_loss for loss in losses), (losses, node.joined_eval_loss)
+            # it learns: the tiny model's eval may spike for one round of the honest pair's own mean
+            # (a CI run saw 3.65 → 6.29 → 3.55 in a round whose damaged payload was dropped)
+            assert losses[-1] < node.joined_eval_loss, (losses, node.joined_eval_loss)
+            assert sum(loss >= node.joined_eval_loss for loss in losses) <= 1, (losses, node.joined_eval_loss)
             if mode == "huge":  # 1e15 tokens against the 10,240 its records show a round trains: said once
                 doubts = [line for line in node.log_text().splitlines()
                           if f"peer={me} declared" in line and "more than its own records allow" in line]
