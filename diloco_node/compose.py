@@ -121,6 +121,8 @@ def attach_swarm(parts: Parts, shared_state: Callable[[], tuple[dict[str, Any], 
         min_group_size=cfg.min_group_size, upload_limit=cfg.upload_rate, download_limit=cfg.download_rate,
         barrier_timeout=barrier_timeout(cfg.round_budget, cfg.round_timeout) if cfg.round_budget else None)
     swarm = parts.swarm = Swarm(settings, parts.state.numel, shared_state, MAX_SHARED_VECTORS)
+    # our streams' rates per peer, live in /api/status and /metrics (docs/architecture.md §14, "Shown")
+    parts.telemetry.refresh_with(lambda: parts.telemetry.update(**swarm.peer_rates()))
     fragments = make_fragments(parts, swarm.peer_id)
     ctx = UpdateContext(parts.state, fragments, swarm, parts.telemetry, parts.signals.requested, parts.abandon)
     parts.update = make_update(cfg, ctx)

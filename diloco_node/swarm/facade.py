@@ -296,6 +296,10 @@ class Swarm:
         """(bytes sent, bytes received) of payloads and shared state since start."""
         return self._streams.bytes_sent, self._streams.bytes_received
 
+    def peer_rates(self) -> dict[str, Any]:
+        """Our streams' egress and ingress now, in total and for the busiest peers (peer_traffic.py)."""
+        return self._streams.traffic.rates()
+
     # --- leaving ------------------------------------------------------------------------------
 
     def leave(self) -> None:

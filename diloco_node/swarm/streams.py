@@ -25,6 +25,7 @@ from typing import Any, cast
 from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
 
+from diloco_node.swarm.peer_traffic import CountedReader, CountedWriter, PeerTraffic
 from diloco_node.swarm.throttle import Throttle
 
 logger = logging.getLogger(__name__)
@@ -149,11 +150,13 @@ class StreamLimits:
 
 class Streams:
     """The event loop (on its own thread) and the replica of the DHT's P2P our protocols share, the
-    node's caps every stream is paced by (`throttle`, docs/architecture.md §14), and the bytes of
-    payloads and butterfly parts they moved (state transfers count their own)."""
+    node's caps every stream is paced by (`throttle`, docs/architecture.md §14), the bytes of
+    payloads and butterfly parts they moved (state transfers count their own), and every byte of
+    every stream by remote peer (`traffic`: the live per-peer rates)."""
 
     def __init__(self, dht: DHT, throttle: Throttle | None = None):
         self.throttle = throttle or Throttle()
+        self.traffic = PeerTraffic()
         self._counter_lock = threading.Lock()
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -225,8 +228,8 @@ class StreamService(ABC):
         """`handler` behind our limits: a stream over them is closed before anything is read; one
         taken is read and written at the node's caps (throttle.py)."""
         async def limited(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            reader, writer = self._paced(reader, writer)
             peer = str(info.peer_id)
+            reader, writer = self._paced(reader, writer, peer)
             why = self._limits.admit(peer)
             if why is not None:
                 self._refuse_once(peer, why, "%s refused a stream from peer=%s: %s", self.name, peer, why,
@@ -244,13 +247,18 @@ class StreamService(ABC):
         """A stream to `peer`'s `handler`, read and written at the node's caps (throttle.py)."""
         _, reader, writer = await asyncio.wait_for(
             self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler), timeout)
-        return self._paced(reader, writer)
+        return self._paced(reader, writer, peer)
 
-    def _paced(self, reader: asyncio.StreamReader,
-               writer: asyncio.StreamWriter) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        # the paced ends have the methods our protocols call (read, readexactly; write, drain, close)
-        throttle = self.streams.throttle
-        return cast(asyncio.StreamReader, throttle.reader(reader)), cast(asyncio.StreamWriter, throttle.writer(writer))
+    def _paced(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+               peer: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """The stream's ends paced at the node's caps, its bytes counted for `peer` beneath the pacing
+        (peer_traffic.py: a byte counts when it moves, not when a protocol queues it)."""
+        # the wrapped ends have the methods our protocols call (read, readexactly; write, drain, close)
+        throttle, traffic = self.streams.throttle, self.streams.traffic
+        counted_reader = cast(asyncio.StreamReader, CountedReader(reader, traffic, peer))
+        counted_writer = cast(asyncio.StreamWriter, CountedWriter(writer, traffic, peer))
+        return (cast(asyncio.StreamReader, throttle.reader(counted_reader)),
+                cast(asyncio.StreamWriter, throttle.writer(counted_writer)))
 
     def detach(self) -> None:
         """Stop serving; never raises (the handlers go with the daemon anyway)."""

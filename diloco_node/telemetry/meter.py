@@ -23,7 +23,8 @@ NODE_STATUS_FIELDS = (
     "wire_bytes_sent", "wire_bytes_received", "compression", "exchanging_round", "algorithm", "label",
     "uptime_seconds", "isolated", "isolated_since", "parallel", "local_ranks", "reachability",
     "micro_batch_size", "upload_limit_bytes_per_second", "download_limit_bytes_per_second",
-    "egress_bytes_per_second", "ingress_bytes_per_second", "fragments")
+    "egress_bytes_per_second", "ingress_bytes_per_second", "fragments", "stream_egress_bytes_per_second",
+    "stream_ingress_bytes_per_second", "peer_streams")
 STATUS_FIELDS = NODE_STATUS_FIELDS + ROUND_STATUS_FIELDS
 HISTORY_LIMIT = 2000  # rounds kept for the charts; older ones drop off the front
 # Round-time histogram bounds (seconds). Counted over every round since start, not just the kept
@@ -41,12 +42,13 @@ class Telemetry:
         self._peers: list[dict[str, Any]] = []
         self._round_buckets = [0] * len(ROUND_SECONDS_BUCKETS)
         self._round_count, self._round_sum = 0, 0.0
-        self._refresh: Callable[[], None] | None = None
+        self._refresh: list[Callable[[], None]] = []
         self._unhealthy: str | None = None  # why /healthz fails (a helper process died), None while healthy
 
     def refresh_with(self, refresh: Callable[[], None]) -> None:
-        """`refresh` brings live figures (wire bytes) up to date before a reader's fresh snapshot."""
-        self._refresh = refresh
+        """`refresh` (one more of them) brings live figures (wire bytes, per-peer stream rates) up to
+        date before a reader's fresh snapshot."""
+        self._refresh.append(refresh)
 
     def update(self, **values: Any) -> None:
         with self._lock:
@@ -67,8 +69,9 @@ class Telemetry:
             return self._unhealthy
 
     def snapshot(self, fresh: bool = False) -> dict[str, Any]:
-        if fresh and self._refresh:
-            self._refresh()
+        if fresh:
+            for refresh in self._refresh:
+                refresh()
         with self._lock:
             return dict(self._values)
 

@@ -35,6 +35,10 @@ NODE_METRICS = (
      "link-layer bytes/s sent over the last seconds (headers and DHT traffic included)"),
     ("ingress_bytes_per_second", "gauge_if_known", "diloco_ingress_bytes_per_second",
      "link-layer bytes/s received over the last seconds"),
+    ("stream_egress_bytes_per_second", "gauge_if_known", "diloco_stream_egress_bytes_per_second",
+     "bytes/s our run's streams sent over the last 5 s (what --upload-limit paces)"),
+    ("stream_ingress_bytes_per_second", "gauge_if_known", "diloco_stream_ingress_bytes_per_second",
+     "bytes/s our run's streams received over the last 5 s (what --download-limit paces)"),
     ("peers", "gauge", "diloco_peers", "live nodes of this run with our config"),
     ("isolated", "flag", "diloco_isolated", "1 while every peer has vanished and training is paused, else 0"),
     ("isolated_since", "gauge_if_known", "diloco_isolated_since_seconds",
@@ -60,7 +64,28 @@ class TelemetryCollector:
             metric = family(name, doc, labels=["run"])
             metric.add_metric([run], math.nan if value is None else float(value))
             yield metric
+        yield from _peer_streams(run, state.get("peer_streams") or [])
         yield _round_seconds(run, self._telemetry)
+
+
+# (row key, name, help) of the per-peer series: a label `peer` per row of `peer_streams`, which names
+# at most the 16 busiest peers and "other" (swarm/peer_traffic.py), so the label set stays bounded
+PEER_METRICS = (
+    ("stream_egress_bytes_per_second", "diloco_peer_stream_egress_bytes_per_second",
+     "bytes/s our run's streams sent to the peer over the last 5 s (\"other\": the peers not named)"),
+    ("stream_ingress_bytes_per_second", "diloco_peer_stream_ingress_bytes_per_second",
+     "bytes/s our run's streams received from the peer over the last 5 s (\"other\": the peers not named)"),
+)
+
+
+def _peer_streams(run: str, rows: list[dict[str, object]]) -> Iterator[Metric]:
+    for key, name, doc in PEER_METRICS:
+        family = GaugeMetricFamily(name, doc, labels=["run", "peer"])
+        for row in rows:
+            value = row.get(key)
+            if isinstance(value, int | float):
+                family.add_metric([run, str(row.get("peer_id"))], float(value))
+        yield family
 
 
 def _round_seconds(run: str, telemetry: Telemetry) -> HistogramMetricFamily:

@@ -12,6 +12,7 @@ import re
 import shutil
 import signal
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
@@ -121,13 +122,19 @@ def peer_id(node: NodeProcess) -> str:
     return match[1]
 
 
+def live_rates(page: Page) -> dict[tuple[str, str], float]:
+    """The swarm table's live rates as the page shows them: (peer id, column) → bytes/s."""
+    return {(row["row"], column): float(row[column]) for row in page.rows for column in ("live_egress", "live_ingress")
+            if row.get(column)}
+
+
 def test_dashboard_shows_the_swarm(swarm: list[NodeProcess], tmp_path: Path) -> None:
     binary = find_chromium()
     url = swarm[0].status_url
     assert url, "the first node printed no status URL"
     ARTIFACTS.mkdir(exist_ok=True)
     screenshot = ARTIFACTS / "dashboard.png"
-    run_chromium(binary, tmp_path / "profile-shot", f"--screenshot={screenshot}", "--window-size=1400,1000", f"{url}/")
+    run_chromium(binary, tmp_path / "profile-shot", f"--screenshot={screenshot}", "--window-size=1400,1700", f"{url}/")
     assert screenshot.stat().st_size > 0
     page = Page(run_chromium(binary, tmp_path / "profile-dom", "--dump-dom", f"{url}/"))
 
@@ -145,6 +152,26 @@ def test_dashboard_shows_the_swarm(swarm: list[NodeProcess], tmp_path: Path) -> 
         # its link against its own caps, as it published them (docs/architecture.md §14)
         assert row.get("text:egress", "").endswith(" / 50.00 Mbit/s"), row
         assert row.get("text:ingress", "").endswith("no cap"), row
+    # live, per peer: our streams' rates to and from it against our caps, its caps below (and on our
+    # own row, the total of our streams); they appear, and a later page shows them changed
+    first_live = live_rates(page)
+    for row in page.rows:
+        assert " / 50.00 Mbit/s" in row.get("text:live_egress", ""), row  # against our upload cap
+        assert "no cap" in row.get("text:live_ingress", ""), row
+        if row["row"] != peer_id(swarm[0]):
+            assert row.get("text:live_egress", "").endswith("its ↓ cap none"), row  # its download cap
+            assert row.get("text:live_ingress", "").endswith("its ↑ cap 50.00 Mbit/s"), row
+    changed = first_live
+    for attempt in range(3):  # a later page: the 5-s window has moved on with the rounds
+        changed = live_rates(Page(run_chromium(binary, tmp_path / f"profile-live-{attempt}", "--dump-dom", f"{url}/")))
+        if changed != first_live:
+            break
+    assert changed != first_live, (first_live, changed)
+    assert any(value > 0 for value in [*first_live.values(), *changed.values()]), (first_live, changed)
+    # the same rates in /metrics, one series per peer (the other node's id) beside the total
+    metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    assert f'diloco_peer_stream_egress_bytes_per_second{{peer="{peer_id(swarm[1])}",run="browser-test"}}' in metrics
+    assert 'diloco_stream_ingress_bytes_per_second{run="browser-test"}' in metrics
     # the fragment timeline: a mark for each round the page's history holds, in both fragments' rows
     assert page.canvas_points.get("timeline-fragments", 0) >= 2, page.canvas_points
     # throughput per node: the page collects a point per node and round while it is open

@@ -79,6 +79,7 @@ function renderStatus(s) {
   document.title = `diloco-node · ${show(s.run_id)} · round ${show(s.outer_step)}`;
   if (finite(s.fragments) && s.fragments >= 1) fragmentCount = s.fragments;
   renderLink(s);
+  noteStreams(s);
 }
 
 // --- the link against the caps (live) ------------------------------------------------------------
@@ -119,6 +120,24 @@ function drawLink() {
              line("upload cap", WIRE_SENT, capped((x) => x.up)),
              line("download cap", WIRE_RECEIVED, capped((x) => x.down))],
   });
+}
+
+// --- our streams per peer (live) -------------------------------------------------------------------
+// What our run's streams (payloads, butterfly parts, state) sent to and received from each peer over
+// the last 5 s (/api/status `peer_streams`: the busiest peers, the rest as "other"), and their total:
+// the swarm table shows them beside our caps and each peer's own (docs/architecture.md §14).
+
+const OTHER = "other";  // the peers beyond the busiest, summed (swarm/peer_traffic.py)
+let streams = { known: false, rows: new Map(), egress: null, ingress: null, up: null, down: null };
+
+function noteStreams(s) {
+  const rows = new Map();
+  for (const row of Array.isArray(s.peer_streams) ? s.peer_streams : []) {
+    if (row && typeof row.peer_id === "string") rows.set(row.peer_id, row);
+  }
+  streams = { known: Array.isArray(s.peer_streams), rows, egress: s.stream_egress_bytes_per_second,
+              ingress: s.stream_ingress_bytes_per_second, up: s.upload_limit_bytes_per_second,
+              down: s.download_limit_bytes_per_second };
 }
 
 // --- charts -----------------------------------------------------------------------------------
@@ -258,6 +277,35 @@ function againstCap(rate, cap) {  // "1.20 / 2.00 Mbit/s", or "0.40 Mbit/s · no
   return finite(cap) && cap > 0 ? `${mbits(rate)} / ${mbits(cap)} Mbit/s` : `${bits(rate)} · no cap`;
 }
 
+// A live cell: our streams' rate to (or from) the peer against our cap, and the peer's cap on the
+// other end below it; on our own row, the total of our streams against our cap.
+function liveCell(row, column, rate, ours, theirs, title) {
+  const td = cell(row, againstCap(rate, ours), { numeric: true, column, value: rate, title });
+  const sub = document.createElement("span");
+  sub.className = "sub";
+  sub.textContent = theirs;
+  td.append(sub);
+}
+
+function streamCells(row, p) {
+  if (p.is_self) {
+    liveCell(row, "live_egress", streams.egress, streams.up, "all peers",
+             "our streams' egress over the last 5 s / our upload cap");
+    liveCell(row, "live_ingress", streams.ingress, streams.down, "all peers",
+             "our streams' ingress over the last 5 s / our download cap");
+    return;
+  }
+  // a peer not listed moved nothing in the window, unless the list names only the busiest ("other")
+  const live = streams.rows.get(show(p.peer_id, ""));
+  const none = streams.known && !streams.rows.has(OTHER) ? 0 : null;
+  liveCell(row, "live_egress", live ? live.stream_egress_bytes_per_second : none, streams.up,
+           `its ↓ cap ${capOf(p.download_limit_bytes_per_second)}`,
+           "our streams to it over the last 5 s / our upload cap; below, its download cap");
+  liveCell(row, "live_ingress", live ? live.stream_ingress_bytes_per_second : none, streams.down,
+           `its ↑ cap ${capOf(p.upload_limit_bytes_per_second)}`,
+           "our streams from it over the last 5 s / our download cap; below, its upload cap");
+}
+
 function renderPeers(peers) {
   const body = document.querySelector("#swarm-table tbody");
   const ordered = [...peers].sort((a, b) => Number(Boolean(b.is_self)) - Number(Boolean(a.is_self)));
@@ -283,6 +331,7 @@ function renderPeers(peers) {
         title: finite(wire) ? `on the wire; payload ${bytes(payload)}` : "payload (wire not measured)" });
     }
     cell(row, mbit(p.bandwidth_bps), { numeric: true, column: "bandwidth", value: p.bandwidth_bps });
+    streamCells(row, p);
     // its link over its last round against its own caps (docs/architecture.md §14)
     cell(row, againstCap(p.egress_bytes_per_second, p.upload_limit_bytes_per_second),
          { numeric: true, column: "egress", value: p.egress_bytes_per_second,
