@@ -28,7 +28,8 @@ COUNTERS = ("diloco_bytes_sent", "diloco_bytes_received", "diloco_wire_bytes_sen
             "diloco_outer_steps", "diloco_inner_steps", "diloco_contributions_clipped",
             "diloco_contributions_rejected")
 GAUGES = ("diloco_loss", "diloco_eval_loss", "diloco_compute_utilization", "diloco_peers", "diloco_compression_ratio",
-          "diloco_isolated", "diloco_last_round_tokens_per_second")
+          "diloco_isolated", "diloco_last_round_tokens_per_second", "diloco_upload_limit_bytes_per_second",
+          "diloco_peer_stream_egress_bytes_per_second", "diloco_peer_stream_ingress_bytes_per_second")
 
 
 def round_stats(index: int, seconds: float = 12.0) -> dict[str, Any]:
@@ -54,7 +55,9 @@ def filled_telemetry() -> Telemetry:
                      outer_step=2, inner_step=80, loss=3.9, eval_loss=4.1, peers=2, group_size=2,
                      bytes_sent=2_000_000, bytes_received=4_000_000, wire_bytes_sent=2_150_000,
                      wire_bytes_received=4_300_000, compression="int8", bytes_per_param=1.03,
-                     compression_ratio=16.0, utilization=0.9, round_seconds=12.0)
+                     compression_ratio=16.0, utilization=0.9, round_seconds=12.0,
+                     peer_streams=[{"peer_id": peer_row(1)["peer_id"], "stream_egress_bytes_per_second": 1000.0,
+                                    "stream_ingress_bytes_per_second": 2000.0}])
     telemetry.record_round(round_stats(0, seconds=8.0))
     telemetry.record_round(round_stats(1, seconds=40.0))
     telemetry.set_peers([peer_row(0, is_self=True), peer_row(1)])
