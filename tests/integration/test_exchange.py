@@ -51,6 +51,15 @@ def test_drain_waits_until_the_group_has_fetched(pair: tuple[PayloadExchange, Pa
     assert fetched == Fetched(b"payload", 320.0, tuple(sorted([offering_id, fetching_id])))
     waiter.join(timeout=10)
     assert drained == [True]
+    # each side counted the stream's bytes for the other's peer id, both ways (request and answer):
+    # the live per-peer rates (swarm/peer_traffic.py)
+    served = {row["peer_id"]: row for row in offering.streams.traffic.rates()["peer_streams"]}
+    taken = {row["peer_id"]: row for row in fetching.streams.traffic.rates()["peer_streams"]}
+    assert set(served) == {fetching_id} and set(taken) == {offering_id}, (served, taken)
+    assert served[fetching_id]["stream_egress_bytes_per_second"] > len(b"payload") / 5
+    assert served[fetching_id]["stream_ingress_bytes_per_second"] > 0  # its request
+    assert taken[offering_id]["stream_ingress_bytes_per_second"] > len(b"payload") / 5
+    assert taken[offering_id]["stream_egress_bytes_per_second"] > 0
 
 
 def test_drain_does_not_wait_for_peers_that_left(pair: tuple[PayloadExchange, PayloadExchange, str, str]) -> None:
