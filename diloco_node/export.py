@@ -87,7 +87,8 @@ def _model_with(info: dict[str, Any], phi: list[torch.Tensor]) -> Any:
     from transformers import AutoModelForCausalLM
 
     from diloco_node.train.hf import HFSpec, build_hf
-    from diloco_node.train.model import GPT, PRESETS
+    from diloco_node.train.model import GPT
+    from diloco_node.train.presets import PRESETS
 
     if info["config"]:
         spec = HFSpec(name=info["model"], config_json=info["config"], directory=None, hub=False,

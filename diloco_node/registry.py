@@ -7,7 +7,7 @@ contents when it is imported, and the first use of a slot imports its owner. Val
 works whatever was imported first, and config.py never imports torch, hivemind or cryptography at
 import time.
 
-    MODEL_PRESETS.declare(PRESETS)              # in train/model.py
+    MODEL_PRESETS.declare(PRESETS)              # in train/presets.py
     MODEL_PRESETS.check("tiny")                 # in config.py: ValueError naming the known presets
     MODEL_PRESETS["tiny"].max_seq_len
 
@@ -60,7 +60,7 @@ class Registry(Declared[Mapping[str, T]]):
 
 
 class ModelShape(Protocol):
-    """What the config reads of a model (train/model.py's GPTSpec, train/hf.py's HFSpec)."""
+    """What the config reads of a model (train/presets.py's GPTSpec, train/hf.py's HFSpec)."""
 
     @property
     def n_layer(self) -> int: ...
@@ -85,9 +85,9 @@ class CodecTraits:
     blocks: str | None = None  # the config key of the block size a butterfly part is cut on
 
 
-MODEL_PRESETS: Registry[ModelShape] = Registry("model preset", "diloco_node.train.model")
+MODEL_PRESETS: Registry[ModelShape] = Registry("model preset", "diloco_node.train.presets")
 # what --model names (a preset, a Hugging Face directory, config.json or hub id): ValueError, one line, if nothing
-MODELS: Declared[Callable[[str], ModelShape]] = Declared("model resolver", "diloco_node.train.model")
+MODELS: Declared[Callable[[str], ModelShape]] = Declared("model resolver", "diloco_node.train.presets")
 CODECS: Registry[CodecTraits] = Registry("codec", "diloco_node.codec")
 # the codec parameters' defaults (CodecConfig's), keyed by config key
 CODEC_DEFAULTS: Declared[Mapping[str, Any]] = Declared("codec defaults", "diloco_node.codec")

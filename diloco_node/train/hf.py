@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from diloco_node.errors import NodeError
+from diloco_node.train.presets import HF_PRESETS
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -37,7 +38,6 @@ WEIGHTS_FILE = "model.safetensors"
 # Where the Llama-shaped presets live: configs/<name>.json of the repository (an editable install),
 # else where an installed wheel puts them (pyproject.toml's data-files: <prefix>/share/diloco-node/configs)
 PRESET_DIRS = (Path(__file__).resolve().parents[2] / "configs", Path(sys.prefix) / "share" / "diloco-node" / "configs")
-HF_PRESETS = ("llama-2m", "llama-20m", "llama-150m", "llama-1b")
 # Keys of a config.json that change nothing the run computes: where it came from, how it is stored
 # or served, generation defaults. Left out of the fingerprint so two copies of one model match.
 NOT_ARCHITECTURE = frozenset({

@@ -6,7 +6,8 @@ stdout). `--log-level ERROR` keeps INFO lines off stderr so that the error line 
 A bad value of an option is refused while the flags become a NodeConfig, before anything is logged
 or imported beyond the config checks: the same path for every option. Two of those cases (a flag, a
 config file value) run in a subprocess and prove the path end to end; the other option cases call the
-same `main` in this process (`in_process`), since each subprocess costs a torch import (~3 s of CPU).
+same `main` in this process (`in_process`), cheaper still (a subprocess refused while parsing
+costs an interpreter start, ~0.2 s: the CLI parses without torch, tests/unit/test_cli_imports.py).
 Everything refused later (resources, layouts checked on the device, the model) runs in a subprocess.
 """
 

@@ -11,6 +11,7 @@ rule that passes here passes because the code keeps it, not because the checker 
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -120,7 +121,15 @@ def all_imports(root: Path, package: str = PACKAGE) -> list[Import]:
 
 
 def violations(root: Path, checked: Rule) -> list[Import]:
-    return [edge for edge in all_imports(root) if checked.breaks(edge)]
+    edges = package_imports() if root == ROOT else all_imports(root)
+    return [edge for edge in edges if checked.breaks(edge)]
+
+
+@functools.cache
+def package_imports() -> list[Import]:
+    """The package's own imports, parsed once for all the rules: a parse of every file took ~0.6 s
+    on a quiet machine and ~5 s on a loaded CI one, once per rule."""
+    return all_imports(ROOT)
 
 
 # --- the rules, on the package ----------------------------------------------------------------
@@ -134,7 +143,7 @@ def test_import_rule(checked: Rule) -> None:
 
 def test_the_checker_sees_the_package() -> None:
     """A checker that parsed nothing would pass every rule: the package's known edges are seen."""
-    edges = all_imports(ROOT)
+    edges = package_imports()
     assert len({edge.file for edge in edges}) > 40
     assert any(area(e.source) not in ("outer", None) and area(e.target) == "outer" for e in edges)
     assert any(area(e.source) == "swarm" and e.target.split(".")[0] == "hivemind" for e in edges)

@@ -422,7 +422,7 @@ def test_the_codecs_defaults_are_the_configs() -> None:
 
 def test_unknown_presets_and_codecs_are_named_with_the_known_ones() -> None:
     from diloco_node.codec import CODECS
-    from diloco_node.train.model import preset_names
+    from diloco_node.train.presets import preset_names
 
     assert _error({"model": "gpt-9000"}) == \
         f"invalid value for 'model': unknown model preset 'gpt-9000' (known: {', '.join(preset_names())}; or a " \

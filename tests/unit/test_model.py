@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from diloco_node.train.model import GPT, PRESETS, build_model, count_parameters
+from diloco_node.train.model import GPT, build_model, count_parameters
+from diloco_node.train.presets import PRESETS
 
 
 def test_same_seed_gives_bit_identical_parameters() -> None:
