@@ -214,6 +214,15 @@ class Swarm:
                     logger.info("round=%d drawn partners all dropped; matchmaking once more with %s",
                                 round_, ", ".join(among))
             outcome = outcome if among else Outcome.ALONE
+        # no counted peer about (before any proof: no anchor), nor (strangers) a newcomer
+        unproven = among is None and outcome in (Outcome.TOGETHER, Outcome.TIMEOUT) and \
+            self._presence.strangers_only(round_, newcomers=False)
+        strangers = unproven and self._presence.strangers_only(round_)
+        if strangers and not self._presence.proofs.may_matchmake_strangers(round_):
+            # the last matchmakings with only unproven peers about found nobody (swarm/proofs.py)
+            logger.info("round=%d not matchmaking: no peer about is proven or new, and the last "
+                        "matchmaking with them found nobody", round_)
+            outcome = Outcome.ALONE
         if outcome == Outcome.ALONE and held(1, self.min_group_size):
             self._mark_held_before(round_)
             return self._held(round_, 1)
@@ -228,7 +237,11 @@ class Swarm:
             return self._held(round_, candidates)
         if on_ready is not None:
             on_ready()
-        others, fetched = self._matchmaker.group_for(round_, contributing, spare)
+        others, fetched = self._matchmaker.group_for(round_, contributing, spare, strangers)
+        if unproven and not others:
+            skip = self._presence.proofs.strangers_missed(round_)
+            logger.info("round=%d matchmaking with unproven peers only found nobody; the next %d such "
+                        "rounds go alone", round_, skip)
         if held(1 + len(others), self.min_group_size):
             return self._held(round_, 1 + len(others))
         return self._transfer.move(round_, outcome, others, fetched, contributing, stop)
