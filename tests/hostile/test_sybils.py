@@ -3,10 +3,7 @@ mode `sybils`) publishes 3 or 10 validly signed records beside two honest nodes.
 honest round but never becomes ready (it used to hold every barrier for the round timeout),
 claims a far-ahead exchanged round (it used to make honest nodes re-sync every round), and
 announces a state shifted by 1 that one of them serves (a joiner used to download it: most
-records announced it). Three of the identities take a's state, a few seconds apart: each is a
-newcomer that never gets ready (each used to hold a and b for the newcomer grace, once per
-identity; now the first one withholds the grace from the others, swarm/proofs.py). Only proven
-peers decide (swarm/proofs.py)."""
+records announced it). Only proven peers decide (swarm/proofs.py)."""
 
 from __future__ import annotations
 
@@ -64,8 +61,7 @@ def test_forged_identities_neither_resync_nor_stall_nor_poison_a_joiner(spawn: N
                        if "re-sync" in line and "round=" in line]
             assert len(resyncs) <= 1 and all(r <= joined + 2 for r in resyncs), node.log_text()[-3000:]
             assert "barrier timed out" not in log, node.log_text()[-3000:]
-            # three forged identities took a's state, rounds apart: the first is waited for once, for
-            # the newcomer grace only, and withholds it from the others (a grace each, before)
+            # a forged identity that took our state is waited for once, for the newcomer grace only
             assert log.count("not waiting longer for newcomer") <= 1, node.log_text()[-3000:]
             # rounds keep their length: none is held for the round timeout (~35 s with matchmaking);
             # the longest wait is the newcomer grace of the identity that took our state, once
