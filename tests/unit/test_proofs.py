@@ -330,3 +330,17 @@ def test_a_late_newcomer_leaves_the_next_ones_unwaited(monkeypatch) -> None:  # 
         *(dataclasses.replace(honest(p, ready=False), round=nxt, ready_round=ROUND) for p in ("taker", "taker2"))]},
         {}))
     assert presence.round_state(nxt) == Outcome.TOGETHER
+
+
+def test_with_only_strangers_about_a_matchmaking_that_found_nobody_looks_for_no_group() -> None:
+    from types import SimpleNamespace
+
+    from diloco_node.swarm.matchmaking import MISSED_GROUP_GRACE, Matchmaker
+
+    looked: list[float] = []
+    seam = SimpleNamespace(peer_id="us", _form_group=lambda _round, _spare: (["us"], False),
+                           _missed_group=lambda _round, grace: looked.append(grace) or ([], {}))
+    assert Matchmaker._find_group(seam, ROUND, True, False, True) == ([], {})  # type: ignore[arg-type]
+    assert looked == [], "a copy claiming it may still fetch holds us no grace"
+    Matchmaker._find_group(seam, ROUND, True, False, False)  # type: ignore[arg-type]
+    assert looked == [MISSED_GROUP_GRACE], "a counted peer or a newcomer about: it may have counted us in"
