@@ -44,7 +44,8 @@ MAX_POLL_SECONDS = 1.0
 # once the proven peers are ready, as a share of the round timeout: a joiner starts its first round
 # a state download later than they did (seconds for a small model, more for a large one, whose
 # runs set a longer round timeout); a forged identity that downloaded our state and never becomes
-# ready lengthens one round by this much, once.
+# ready lengthens one round by this much, once, and no other newcomer is waited for during the
+# next PROOF_ROUNDS rounds unless it is proven (proofs.Proofs.newcomers: one grace for all fresh identities).
 NEWCOMER_GRACE = 0.5
 # How long a NoLoCo node waits for a drawn partner it has no proof for (neither counted nor endorsed
 # by a counted peer, nor a newcomer: swarm/proofs.py), as a share of the round timeout, once its
@@ -185,6 +186,13 @@ class Presence:
         found = self.compatible_peers(refresh=True)
         who = proofs.state_sources(self.proofs.proven(), self.anchors, found)
         return {p: r for p, r in found.items() if p != self.peer_id and (who is None or p in who)}
+
+    def unanchored(self) -> bool:
+        """Whether the records choosing our state are every record (proofs.state_sources: no proof
+        of ours, no `--peers` naming a node of the run) while other nodes are about."""
+        found = self.compatible_peers(refresh=True)
+        return any(p != self.peer_id for p in found) and \
+            proofs.state_sources(self.proofs.proven(), self.anchors, found) is None
 
     def known(self, peer: str, refresh: bool = False) -> NodeRecord | None:
         """`peer`'s record when it is a verified, admitted node of this run with our config (live,

@@ -344,3 +344,37 @@ def test_with_only_strangers_about_a_matchmaking_that_found_nobody_looks_for_no_
     assert looked == [], "a copy claiming it may still fetch holds us no grace"
     Matchmaker._find_group(seam, ROUND, True, False, False)  # type: ignore[arg-type]
     assert looked == [MISSED_GROUP_GRACE], "a counted peer or a newcomer about: it may have counted us in"
+
+
+@pytest.mark.parametrize("sybils", [3, 10])
+def test_a_joiner_with_no_anchor_refuses_a_state_the_records_dispute(monkeypatch, sybils: int) -> None:  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from diloco_node.swarm import facade
+    from diloco_node.swarm.facade import Swarm
+    from diloco_node.swarm.statesync import DisputedState, await_one_state
+
+    monkeypatch.setattr(facade, "AGREEMENT_WAIT_SECONDS", 0.0)
+    monkeypatch.setattr(facade, "download_run_state", lambda *_args: "downloaded")
+    never = threading.Event()
+    # bootstrapped from a DHT-only peer: no anchor, no proof; the forged records announce their own state
+    presence = presence_seeing(monkeypatch, [honest("a"), *forged(sybils)])
+    seam = SimpleNamespace(_presence=presence, settings=SimpleNamespace(run_id="run"), _state=None,
+                           _streams=SimpleNamespace(run=None))
+    assert presence.unanchored()
+    with pytest.raises(DisputedState, match="name one of its nodes with --peers"):
+        Swarm.download_state(seam, 1, never, check_digest=True, held=(0, "seed"))  # type: ignore[arg-type]
+    assert Swarm.download_state(seam, 1, never, check_digest=True) is None, "a re-sync keeps its φ"
+    assert Swarm.download_state(seam, 1, never, check_digest=False) == "downloaded", "NoLoCo: φ differs by design"
+    # records that all name one state (a copy of an honest record) leave the digest check to decide
+    copies = presence_seeing(monkeypatch, [honest("a"), dataclasses.replace(honest("a"), peer_id="copy")])
+    seam._presence = copies
+    assert Swarm.download_state(seam, 1, never, check_digest=True, held=(0, "seed")) == "downloaded"
+    # a node of the run named with --peers: its state is the one taken (state_sources), no dispute
+    presence.anchors = frozenset({"a"})
+    seam._presence = presence
+    assert not presence.unanchored()
+    assert Swarm.download_state(seam, 1, never, check_digest=True, held=(0, "seed")) == "downloaded"
+    # honest nodes a step apart agree again within the wait
+    views = iter([[honest("a"), dataclasses.replace(honest("b"), served_round=ROUND + 1, served_digest="next")]])
+    assert await_one_state(lambda: {r.peer_id: r for r in next(views, [honest("a"), honest("b")])}, 5, never) == 1
