@@ -33,7 +33,14 @@ from diloco_node.swarm.isolation import Isolation
 from diloco_node.swarm.matchmaking import Matchmaker, start_averager
 from diloco_node.swarm.presence import Presence
 from diloco_node.swarm.reachability import DialBack
-from diloco_node.swarm.statesync import CatchUp, StateService, download_run_state
+from diloco_node.swarm.statesync import (
+    AGREEMENT_WAIT_SECONDS,
+    CatchUp,
+    DisputedState,
+    StateService,
+    await_one_state,
+    download_run_state,
+)
 from diloco_node.swarm.streams import Streams
 from diloco_node.swarm.throttle import Throttle
 from diloco_node.swarm.transfer import Transfer
@@ -214,6 +221,15 @@ class Swarm:
                     logger.info("round=%d drawn partners all dropped; matchmaking once more with %s",
                                 round_, ", ".join(among))
             outcome = outcome if among else Outcome.ALONE
+        # no counted peer about (before any proof: no anchor), nor (strangers) a newcomer
+        unproven = among is None and outcome in (Outcome.TOGETHER, Outcome.TIMEOUT) and \
+            self._presence.strangers_only(round_, newcomers=False)
+        strangers = unproven and self._presence.strangers_only(round_)
+        if strangers and not self._presence.proofs.may_matchmake_strangers(round_):
+            # the last matchmakings with only unproven peers about found nobody (swarm/proofs.py)
+            logger.info("round=%d not matchmaking: no peer about is proven or new, and the last "
+                        "matchmaking with them found nobody", round_)
+            outcome = Outcome.ALONE
         if outcome == Outcome.ALONE and held(1, self.min_group_size):
             self._mark_held_before(round_)
             return self._held(round_, 1)
@@ -228,7 +244,11 @@ class Swarm:
             return self._held(round_, candidates)
         if on_ready is not None:
             on_ready()
-        others, fetched = self._matchmaker.group_for(round_, contributing, spare)
+        others, fetched = self._matchmaker.group_for(round_, contributing, spare, strangers)
+        if unproven and not others:
+            skip = self._presence.proofs.strangers_missed(round_)
+            logger.info("round=%d matchmaking with unproven peers only found nobody; the next %d such "
+                        "rounds go alone", round_, skip)
         if held(1 + len(others), self.min_group_size):
             return self._held(round_, 1 + len(others))
         return self._transfer.move(round_, outcome, others, fetched, contributing, stop)
@@ -290,6 +310,17 @@ class Swarm:
             # cannot outvote proven peers
             return {p: r for p, r in self._presence.state_peers().items() if not r.client}
 
+        if check_digest and self._presence.unanchored():
+            # no root of trust: k ≥ 2 forged identities announcing one state would pass the "two
+            # agreeing servers" check, so the records must all name one state (docs/architecture.md §9)
+            states = await_one_state(others, AGREEMENT_WAIT_SECONDS if held is not None else 0.0, stop)
+            if states > 1 and not stop.is_set():
+                why = (f"the run's records announce {states} different states and no --peers names a node "
+                       f"of run {self.settings.run_id} to tell its own from forged ones")
+                if held is not None:  # a fresh joiner: it would start a run of its own
+                    raise DisputedState(f"refused to take the run's state: {why}; name one of its nodes with --peers")
+                logger.warning("state download refused: %s; keeping our φ", why)
+                return None
         return download_run_state(self._state, self._streams.run, others, timeout, stop, check_digest, held, catch_up)
 
     def traffic(self) -> tuple[int, int]:

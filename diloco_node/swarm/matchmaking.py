@@ -106,12 +106,13 @@ class Matchmaker:
         self._averager_lock = threading.Lock()
         self._draw: tuple[int, list[list[str]]] | None = None  # NoLoCo: the last round's groups
 
-    def group_for(self, round_: int, contributing: bool,
-                  spare: bool = False) -> tuple[list[str], dict[str, Fetched | None]]:
+    def group_for(self, round_: int, contributing: bool, spare: bool = False,
+                  strangers: bool = False) -> tuple[list[str], dict[str, Fetched | None]]:
         """The other members of our group for `round_` (none: we average alone), and any payloads
         already fetched from them; a NoLoCo pair that missed each other tries once more. `spare`:
-        NoLoCo, under the round's spare key (groups.SPARE_KEY) rather than our drawn group's."""
-        others, fetched = self._find_group(round_, contributing, spare)
+        NoLoCo, under the round's spare key (groups.SPARE_KEY) rather than our drawn group's.
+        `strangers`: no peer about is proven or new (presence.strangers_only)."""
+        others, fetched = self._find_group(round_, contributing, spare, strangers)
         if not others and contributing and not spare and self._drawn_group_failed_too(round_):
             logger.info("round=%d matchmaking failed for our whole drawn group; trying once more", round_)
             others, fetched = self._find_group(round_, contributing)
@@ -136,12 +137,15 @@ class Matchmaker:
         """NoLoCo: who we are drawn to average with in `round_`, ourselves included."""
         return next((group for group in self.drawn_groups(round_) if self.peer_id in group), [self.peer_id])
 
-    def _find_group(self, round_: int, contributing: bool,
-                    spare: bool = False) -> tuple[list[str], dict[str, Fetched | None]]:
-        """The other members of our group for `round_`, and any payloads already fetched from them."""
+    def _find_group(self, round_: int, contributing: bool, spare: bool = False,
+                    strangers: bool = False) -> tuple[list[str], dict[str, Fetched | None]]:
+        """The other members of our group for `round_`, and any payloads already fetched from them.
+        With only `strangers` about, a matchmaking that found nobody looks for no group that
+        counted us in: a peer that could have is one whose record also claims it may still fetch
+        (a copy of an honest record does), and unproven peers decide nothing (swarm/proofs.py)."""
         group, formed = self._form_group(round_, spare)
         others = [peer for peer in group if peer != self.peer_id]
-        if others or not contributing:  # nobody fetches from a node that offered nothing
+        if others or not contributing or (strangers and not formed):  # nobody fetches from a node that offered nothing
             return others, {}
         return self._missed_group(round_, MISSED_ALLREDUCE_GRACE if formed else MISSED_GROUP_GRACE)
 

@@ -44,7 +44,8 @@ MAX_POLL_SECONDS = 1.0
 # once the proven peers are ready, as a share of the round timeout: a joiner starts its first round
 # a state download later than they did (seconds for a small model, more for a large one, whose
 # runs set a longer round timeout); a forged identity that downloaded our state and never becomes
-# ready lengthens one round by this much, once.
+# ready lengthens one round by this much, once, and no other newcomer is waited for during the
+# next PROOF_ROUNDS rounds unless it is proven (proofs.Proofs.newcomers: one grace for all fresh identities).
 NEWCOMER_GRACE = 0.5
 # How long a NoLoCo node waits for a drawn partner it has no proof for (neither counted nor endorsed
 # by a counted peer, nor a newcomer: swarm/proofs.py), as a share of the round timeout, once its
@@ -186,6 +187,13 @@ class Presence:
         who = proofs.state_sources(self.proofs.proven(), self.anchors, found)
         return {p: r for p, r in found.items() if p != self.peer_id and (who is None or p in who)}
 
+    def unanchored(self) -> bool:
+        """Whether the records choosing our state are every record (proofs.state_sources: no proof
+        of ours, no `--peers` naming a node of the run) while other nodes are about."""
+        found = self.compatible_peers(refresh=True)
+        return any(p != self.peer_id for p in found) and \
+            proofs.state_sources(self.proofs.proven(), self.anchors, found) is None
+
     def known(self, peer: str, refresh: bool = False) -> NodeRecord | None:
         """`peer`'s record when it is a verified, admitted node of this run with our config (live,
         or left within RECORD_TTL)."""
@@ -296,6 +304,8 @@ class Presence:
                 for word, peers in (("newcomer", newcomers - pending), ("unproven partner", strangers - pending)):
                     if unready := sorted(p for p in peers if others[p].ready_round < round_):
                         logger.info("round=%d not waiting longer for %s %s", round_, word, ", ".join(unready))
+                        if word == "newcomer":  # no other newcomer is waited for a while (proofs.py)
+                            self.proofs.late_newcomers(round_, unready)
                 return state
             if counted_ready_at is None and (newcomers or strangers) and \
                     round_state(others.values(), round_, counted) == Outcome.TOGETHER:
@@ -313,6 +323,17 @@ class Presence:
         others = self._others(among)
         counted, newcomers, strangers = self._waited_for(others, round_, among)
         return round_state(others.values(), round_, counted, newcomers | strangers)
+
+    def strangers_only(self, round_: int, newcomers: bool = True) -> bool:
+        """Whether none of the other live records is of a peer worth a matchmaking window in
+        `round_`: counted (before any proof: an anchor that is a node of the run, proofs.known) or,
+        with `newcomers`, a newcomer in its first round. A record that copies an honest one is
+        ready whenever it is and never matchmakes: with only such records about, matchmakings are
+        spaced out (proofs.Proofs.may_matchmake_strangers)."""
+        found = self.compatible_peers()
+        expected = proofs.known(self.proofs.proven(), self.anchors, found) | \
+            (self.proofs.granted(round_) if newcomers else set())
+        return not any(p in expected for p in found if p != self.peer_id)
 
     def drawn_partners(self, round_: int, among: Collection[str]) -> list[str]:
         """Those of NoLoCo's drawn partners `among` worth matchmaking with once the barrier is
@@ -369,14 +390,17 @@ class Presence:
         and the strangers, NoLoCo's other drawn partners, waited for STRANGER_GRACE."""
         found = self.compatible_peers()
         vouchers = proofs.counted(self.proofs.proven(), self.anchors, found)
+        # before any proof, those our anchors or we served: every record is waited for then, but a
+        # newcomer's first round is still one worth matchmaking for (strangers_only)
+        vouched = proofs.vouched_by(found, (vouchers or proofs.known((), self.anchors, found)) | {self.peer_id})
+        candidates = [p for p in vouched if p in others and (vouchers is None or p not in vouchers)
+                      and (others[p].round == round_ or others[p].ready_round >= round_)]
+        newcomers = self.proofs.newcomers(candidates, round_)
         if vouchers is None:  # before any proof every record counts, a drawn group whole (proofs.py)
             return (None if among is None else set(among)), set(), set()
         counted = vouchers if among is None else \
             set(among) & (vouchers | proofs.endorsed(vouchers, found))  # proofs.trusted
-        vouched = proofs.vouched_by(found, vouchers | {self.peer_id})
-        candidates = [p for p in vouched if p in others and p not in counted
-                      and (others[p].round == round_ or others[p].ready_round >= round_)]
-        newcomers = self.proofs.newcomers(candidates, round_)
+        newcomers -= counted
         strangers = set() if among is None else {p for p in others if p not in counted and p not in newcomers}
         return counted, newcomers, strangers
 

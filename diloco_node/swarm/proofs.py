@@ -20,7 +20,17 @@ Who counts in a decision (`counted`):
 The barrier also waits, for one round only, for a *newcomer*: a peer that took a counted peer's
 state (that peer vouched for it in its record) and has not been proven yet. A joiner can thus
 take part in its first round, where its payload is checked; a record that never becomes ready
-holds nobody up.
+holds nobody up. Anyone can take our state under a fresh identity, so that wait is a budget shared
+by all newcomers, not one per identity: once a newcomer was waited for and was not ready in its
+grace, no other newcomer is waited for until it is proven or PROOF_ROUNDS rounds have passed
+(`Proofs.newcomers`). A genuine joiner in that window takes part in the rounds it is ready for.
+
+Matchmaking for unproven peers (`Proofs.may_matchmake_strangers`): a record that is ready whenever
+an honest one is (a copy) but never matchmakes would make a node whose ready peers are all
+unproven (the run's first node before its first exchange, or one whose proven peers left) wait a
+matchmaking window in vain every round. After such a matchmaking found nobody, the next ones with
+only unproven peers ready are skipped (the round goes alone at once) for 3, then 7 rounds; a
+newcomer's first round and any proof end the skipping.
 
 NoLoCo's draws (docs/architecture.md §9, "NoLoCo draws"): every node draws the same groups from
 every record, since a draw among each node's own proven peers splits the run into islands (in groups
@@ -43,6 +53,17 @@ from diloco_node.swarm.records import MAX_PROVEN, NodeRecord
 
 PROOF_ROUNDS = 8  # a peer stays proven this many of our rounds after its last checked contribution
 MAX_NEWCOMERS = 256  # newcomers remembered as already waited for (oldest forgotten first)
+# Rounds skipped after the n-th matchmaking in a row with only unproven peers ready found nobody:
+# 3, then 7 (PROOF_ROUNDS − 1); a genuine node we missed meets us in the next try, or sooner as a
+# newcomer after it re-synced from us (docs/architecture.md §9)
+STRANGER_SKIPS = (3, PROOF_ROUNDS - 1)
+
+
+def known(proven: Collection[str], anchors: Collection[str], records: Mapping[str, NodeRecord]) -> set[str]:
+    """The peers worth a matchmaking window when ready: the counted ones; before any proof, the
+    anchors that are nodes of the run (the operator chose them; a record is not)."""
+    who = counted(proven, anchors, records)
+    return who if who is not None else {peer for peer in anchors if peer in records}
 
 
 def anchor_ids(initial_peers: Iterable[str]) -> frozenset[str]:
@@ -112,18 +133,24 @@ class Proofs:
         self._last: dict[str, int] = {}  # peer → our round whose mean last used its contribution
         self._round = -1  # the latest round we proved anyone in
         self._waited: dict[str, int] = {}  # newcomer → the round the barrier waited for it
+        # the last round a newcomer was not ready in its grace, and those newcomers (see newcomers)
+        self._late: tuple[int, frozenset[str]] | None = None
+        self._missed = 0  # matchmakings in a row with only unproven peers ready that found nobody
+        self._next_try = -1  # the first round such a matchmaking is tried again
 
     def prove(self, round_: int, peers: Iterable[str]) -> bool:
         """`peers`' contributions went into the mean we applied in `round_`; whether the set changed."""
+        others = [peer for peer in peers if peer != self.peer_id]
         with self._lock:
             before = self._current()
             self._round = max(self._round, round_)
-            for peer in peers:
-                if peer != self.peer_id:
-                    self._last[peer] = max(round_, self._last.get(peer, round_))
+            for peer in others:
+                self._last[peer] = max(round_, self._last.get(peer, round_))
             # bounded: the most recently proven first (the record lists MAX_PROVEN of them)
             recent = sorted(self._last.items(), key=lambda item: -item[1])[:MAX_PROVEN]
             self._last = dict(recent)
+            if others:
+                self._missed, self._next_try = 0, -1  # someone showed up: unproven peers are worth a try again
             return self._current() != before
 
     def proven(self) -> frozenset[str]:
@@ -136,13 +163,44 @@ class Proofs:
 
     def newcomers(self, candidates: Iterable[str], round_: int) -> set[str]:
         """Those of `candidates` (unproven, vouched for) the barrier may wait for in `round_`: each
-        once only, in the first round it was waited for."""
+        once only, in the first round it was waited for, and none while a newcomer that was late
+        within the last PROOF_ROUNDS rounds is still unproven (fresh identities that take our
+        state and never get ready would otherwise buy one grace each)."""
         with self._lock:
+            late = self._late
+            blocked = late is not None and round_ - late[0] < PROOF_ROUNDS and not late[1] & self._current()
             waited = set()
             for peer in candidates:
-                first = self._waited.setdefault(peer, round_)
+                first = self._waited.get(peer)
+                if first is None and not blocked:  # withheld: it may still be waited for once unblocked
+                    first = self._waited[peer] = round_
                 if first == round_:
                     waited.add(peer)
             while len(self._waited) > MAX_NEWCOMERS:
                 del self._waited[next(iter(self._waited))]
             return waited
+
+    def granted(self, round_: int) -> set[str]:
+        """The newcomers the barrier waits for in `round_` (see newcomers)."""
+        with self._lock:
+            return {peer for peer, first in self._waited.items() if first == round_}
+
+    def late_newcomers(self, round_: int, peers: Collection[str]) -> None:
+        """The barrier of `round_` gave up on the newcomers `peers` (not ready in their grace)."""
+        if peers:
+            with self._lock:
+                self._late = (round_, frozenset(peers))
+
+    def may_matchmake_strangers(self, round_: int) -> bool:
+        """Whether to matchmake in `round_` when every peer ready for it is unproven (see the
+        module's docstring)."""
+        with self._lock:
+            return round_ >= self._next_try
+
+    def strangers_missed(self, round_: int) -> int:
+        """A matchmaking of `round_` with no counted peer expected found nobody: the rounds skipped next."""
+        with self._lock:
+            self._missed += 1
+            skip = STRANGER_SKIPS[min(self._missed, len(STRANGER_SKIPS)) - 1]
+            self._next_try = round_ + 1 + skip
+            return skip

@@ -19,12 +19,13 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from diloco_node.errors import NodeError
 from diloco_node.rates import format_rate
 from diloco_node.replica.layout import digest
 from diloco_node.swarm.records import NodeRecord, reference_state
@@ -175,6 +176,28 @@ def metadata_refusal(metadata: Any, server: str, others: dict[str, NodeRecord]) 
     if round_ > shown + MAX_ROUNDS_AHEAD:
         return f"its round {round_} is far ahead of the run's records (round {shown})"
     return None
+
+
+class DisputedState(NodeError, RuntimeError):
+    """A joiner with no root of trust (no proof, no `--peers` naming a node of the run) found the
+    run's records announcing different states: nothing tells the run's from a forged one."""
+
+
+def announced_states(others: Iterable[NodeRecord]) -> set[tuple[int, str]]:
+    """The distinct (settled round, digest) states `others` announce serving."""
+    return {(r.served_round, r.served_digest) for r in others if r.served_digest}
+
+
+def await_one_state(peers: Callable[[], dict[str, NodeRecord]], wait: float, stop: threading.Event) -> int:
+    """How many distinct states the records `peers` gives announce, read again until they name at
+    most one or `wait` seconds have passed (honest nodes a step apart agree again within a round;
+    forged records announcing a state of their own never do). docs/architecture.md §9: a joiner
+    with no anchor takes a state only from records that all name it."""
+    deadline = time.monotonic() + wait
+    while len(states := announced_states(peers().values())) > 1 and time.monotonic() < deadline:
+        if stop.wait(AGREEMENT_POLL_SECONDS):
+            break
+    return len(states)
 
 
 class StateRefused(Exception):

@@ -26,7 +26,10 @@ Usage: forger.py PEER_MULTIADDR RUN_ID MODE
 - sybils N (N ≥ 2): N identities from one process, one record each, all following the honest
   round but never ready, all claiming a far-ahead exchanged round, listing each other as proven
   and vouched for, and announcing one served state: an honest node's, shifted by 1, which the
-  first identity (the DHT's own) serves.
+  first identity (the DHT's own) serves, after taking the bootstrap node's state. `sybils N T S`:
+  T − 1 more identities (each from a libp2p daemon of its own) take that state too, one every S
+  seconds once the records are out: each is then a newcomer that never gets ready
+  (benchmarks/newcomer_sybils.py).
 
 It prints `forging PEER_ID` once its record is stored, then refreshes it until SIGTERM, on which
 it shuts its DHT down and exits 0.
@@ -100,10 +103,26 @@ class ManyKeys(RSASignatureValidator):
         return record.value
 
 
+def take_state(run, bootstrap: str, namespace: str, keys: list[Path], spacing: float, stop: threading.Event) -> None:
+    """The bootstrap node's state, taken by each identity of `keys` from a libp2p daemon of its own,
+    `spacing` seconds apart (the node then vouches for each in its record)."""
+    from hivemind.p2p import P2P
+
+    for path in keys:
+        if stop.wait(spacing):
+            return
+        p2p = run(P2P.create(initial_peers=[bootstrap], identity_path=str(path)))
+        try:
+            fetch_state(p2p, run, bootstrap.rpartition("/p2p/")[2], namespace)
+        finally:
+            run(p2p.shutdown())
+
+
 def sybils(dht: DHT, p2p, run, namespace: str, key: str, identities: list[tuple[RSASignatureValidator, str]],
-           honest: list[dict]) -> None:
-    """Mode `sybils`: serve a poisoned state from the first identity, publish every identity's record."""
-    header, vectors = fetch_state(p2p, run, honest[0]["peer_id"], namespace)
+           honest: list[dict], bootstrap: str, keys: list[Path], spacing: float) -> None:
+    """Mode `sybils`: serve a poisoned state from the first identity, publish every identity's
+    record; identities of `keys` take the `bootstrap` node's state once those are out."""
+    header, vectors = fetch_state(p2p, run, bootstrap.rpartition("/p2p/")[2], namespace)
     poisoned = (np.frombuffer(vectors, dtype=np.float32) + 1).astype(np.float32).tobytes()
     # the settled round and digest of the state it serves, as an honest record announces them
     served = (json.loads(header)["metadata"]["round"], hashlib.sha256(poisoned).hexdigest()[:16])
@@ -137,6 +156,8 @@ def sybils(dht: DHT, p2p, run, namespace: str, key: str, identities: list[tuple[
         if stored == len(identities) and not announced:
             print(f"forging {' '.join(ids)}", flush=True)
             announced = True
+            threading.Thread(target=take_state, args=(run, bootstrap, namespace, keys, spacing, stop),
+                             daemon=True).start()
         stop.wait(REFRESH_SECONDS)
 
 
@@ -348,13 +369,15 @@ def lying_header(header: bytes, mode: str, me: str) -> bytes:
 def main() -> None:
     peer, run_id, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     count = int(sys.argv[4]) if mode == "sybils" else 1
+    takers, spacing = (int(sys.argv[5]), float(sys.argv[6])) if mode == "sybils" and len(sys.argv) > 6 else (1, 0.0)
     key = f"{run_id}_nodes"
     scout = DHT(initial_peers=[peer], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True,
                 record_validators=[RSASignatureValidator()])  # strips the signatures off what it reads
     honest = honest_records(scout, key)
     scout.shutdown()
     path, signer, me = make_identity([r["peer_id"] for r in honest] if mode in STATE_MODES else None)
-    identities = [(signer, me)] + [make_identity()[1:] for _ in range(count - 1)]
+    more = [make_identity() for _ in range(count - 1)]
+    identities = [(signer, me)] + [(other_signer, other_id) for _, other_signer, other_id in more]
     dht = DHT(initial_peers=[peer], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=str(path),
               record_validators=[ManyKeys([s for s, _ in identities]) if count > 1 else signer])
     assert str(dht.peer_id) == me
@@ -367,7 +390,8 @@ def main() -> None:
     address, _, bootstrap_id = peer.rpartition("/p2p/")
     run(p2p._client.connect(PeerID.from_base58(bootstrap_id), [Multiaddr(address)]))  # so that its daemon routes it
     if mode == "sybils":
-        sybils(dht, p2p, run, namespace, key, identities, honest)
+        sybils(dht, p2p, run, namespace, key, identities, honest, peer,
+               [path for path, _, _ in more[:takers - 1]], spacing)
         dht.shutdown()
         return
     if mode in ("huge", "fuzz", "owner"):

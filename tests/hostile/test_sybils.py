@@ -68,6 +68,9 @@ def test_forged_identities_neither_resync_nor_stall_nor_poison_a_joiner(spawn: N
             under_attack = [r for r in node.rounds.values() if r.round > since_round]
             assert under_attack, node.log_text()[-3000:]
             longest = max(r.wait_seconds for r in under_attack)
+            print(f"\nHOSTILE REPORT {node.name} under attack: {len(under_attack)} rounds, max wait {longest:.1f} s, "
+                  f"{log.count('not waiting longer for newcomer')} newcomer graces waited out, "
+                  f"{len(resyncs)} re-syncs")
             assert longest < NEWCOMER_GRACE * float(ROUND_TIMEOUT) + MATCHMAKING_SECONDS, longest
 
 

@@ -19,6 +19,7 @@ from tests.integration.test_swarm import assert_same_digests
 pytestmark = pytest.mark.integration
 
 ROUND_TIMEOUT = 60.0  # the nodes' default --round-timeout
+MATCHMAKING_WINDOW = 3.0 * 4  # the nodes' default --matchmaking-time, 4 windows: a matchmaking in vain
 
 
 def cli(*args: str) -> str:
@@ -77,8 +78,10 @@ def test_a_joiner_takes_the_runs_state_past_a_hostile_state_server(spawn: NodeFa
     is no node of the run counts every record, asks the forger first and refuses its state. And
     `a`'s rounds keep their length once it has a proof: a forged copy of its record used to cost
     ~41 s a round (a matchmaking that found nobody waited 25 s for a group that might have counted
-    us in, as long as the copy said it might still fetch); before any proof it still costs the
-    matchmaking window it is waited for in vain (docs/architecture.md §9)."""
+    us in, as long as the copy said it might still fetch). Before any proof (anchored: a runs
+    beside the copy until it skips a matchmaking) the copy costs one matchmaking window in vain,
+    and after it only one round in 4, then in 8, matchmakes with unproven peers only (every round
+    did, ~18-20 s each; swarm/proofs.py, docs/architecture.md §9)."""
     options = ("--inner-steps", "5", "--run-id", "hostile", "--sync", sync)
     a = spawn("a", *options, checkpoint=False)
     a.wait_for_round(1)
@@ -86,6 +89,13 @@ def test_a_joiner_takes_the_runs_state_past_a_hostile_state_server(spawn: NodeFa
     with bootstrap_only(a.wait_for_address()) as bootstrap, forging_process(a.wait_for_address(), mode) as server:
         assert server.stdout is not None
         me = server.stdout.readline().split()[1]
+        if anchored:  # a alone beside the copy, before any proof: rounds alone, not matchmaking in vain
+            copied = max(a.rounds)
+            a.wait_until(lambda: "not matchmaking" in a.log_text(), 120, "a skipping a matchmaking with the copy only")
+            before_proof = [a.rounds[r].wait_seconds for r in sorted(a.rounds) if r > copied]
+            print(f"\nHOSTILE REPORT a beside the copy before any proof: {len(before_proof)} rounds, "
+                  f"max wait {max(before_proof, default=0.0):.1f} s, "
+                  f"{sum(w > MATCHMAKING_WINDOW for w in before_proof)} waited a matchmaking window")
         joiner = spawn("joiner", *options, "--min-peers", "2", *(() if anchored else ("--peer", bootstrap)),
                        peer=a if anchored else None, checkpoint=False)
         first = joiner.wait_joined(150) + 1

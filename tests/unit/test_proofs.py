@@ -271,3 +271,110 @@ def test_nodes_forged_records_left_partnerless_matchmake_again_under_a_spare_key
     assert round_bits(ROUND, "us", None) == drawn[:-8]
     # a peer drawn alone (the odd one out) averages alone at once: never waited for under the spare key
     assert presence.spare_partners(ROUND, [["us", "sybil0"], ["b"], ["sybil1", "sybil2"]]) == []
+
+
+def test_newcomers_share_one_grace_while_a_late_one_is_unproven() -> None:
+    memory = Proofs("us")
+    assert memory.newcomers(["taker"], 5) == {"taker"}
+    memory.late_newcomers(5, ["taker"])  # it took our state and never got ready
+    # fresh identities taking our state after it buy no grace each (#28 (b)) ...
+    assert memory.newcomers(["taker2"], 6) == set()
+    assert memory.newcomers(["taker2"], 5 + PROOF_ROUNDS - 1) == set()
+    # ... until PROOF_ROUNDS rounds have passed; a withheld one was never waited for, so it may be then
+    assert memory.newcomers(["taker2"], 5 + PROOF_ROUNDS) == {"taker2"}
+    memory.late_newcomers(20, ["taker3"])
+    memory.prove(21, ["taker3"])  # a slow genuine joiner, proven since: the next one is waited for
+    assert memory.newcomers(["joiner"], 22) == {"joiner"}
+    assert memory.granted(22) == {"joiner"}
+
+
+def test_matchmakings_with_only_unproven_peers_about_are_spaced_out_until_someone_shows_up() -> None:
+    memory = Proofs("us")
+    assert memory.may_matchmake_strangers(3)
+    assert memory.strangers_missed(3) == proofs.STRANGER_SKIPS[0]
+    assert [memory.may_matchmake_strangers(r) for r in range(4, 8)] == [False, False, False, True]
+    assert memory.strangers_missed(7) == PROOF_ROUNDS - 1
+    assert not memory.may_matchmake_strangers(14) and memory.may_matchmake_strangers(15)
+    assert memory.strangers_missed(15) == PROOF_ROUNDS - 1, "at most one try in PROOF_ROUNDS rounds"
+    memory.prove(16, ["joiner"])
+    assert memory.may_matchmake_strangers(17)
+    assert memory.strangers_missed(17) == proofs.STRANGER_SKIPS[0], "counted afresh"
+
+
+def test_before_any_proof_only_anchors_and_newcomers_are_worth_a_matchmaking(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    copy = honest("copy")  # a record copying ours: ready whenever we are, never matchmaking
+    presence = presence_seeing(monkeypatch, [copy])
+    presence.compatible_peers(refresh=True)
+    assert presence.strangers_only(ROUND), "the run's first node: nobody about is proven or new"
+    anchored = presence_seeing(monkeypatch, [copy, honest("a")])
+    anchored.anchors = frozenset({"a"})
+    anchored.compatible_peers(refresh=True)
+    assert not anchored.strangers_only(ROUND), "the node our --peers names"
+    # a joiner that took our state is worth one in its first round (the barrier granted it)
+    joining = presence_seeing(monkeypatch, [copy, honest("joiner", ready=False)])
+    joining.vouch("joiner")
+    assert joining.round_state(ROUND) == Outcome.WAITING, "every record is waited for before any proof"
+    assert not joining.strangers_only(ROUND)
+    assert joining.strangers_only(ROUND + 1), "once only"
+
+
+def test_a_late_newcomer_leaves_the_next_ones_unwaited(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    presence = presence_seeing(monkeypatch, [honest("b"), honest("taker", ready=False), honest("taker2", ready=False)])
+    presence.prove(ROUND - 1, ["b"])
+    presence.vouch("taker")
+    assert presence.wait_for_round(ROUND, timeout=1, stop=threading.Event()) == Outcome.TOGETHER
+    presence.vouch("taker2")  # a fresh identity takes our state too: no grace of its own
+    nxt = ROUND + 1
+    monkeypatch.setattr(records, "fetch", lambda _dht, _run: ({r.peer_id: r for r in [
+        dataclasses.replace(honest("b"), round=nxt, ready_round=nxt),
+        *(dataclasses.replace(honest(p, ready=False), round=nxt, ready_round=ROUND) for p in ("taker", "taker2"))]},
+        {}))
+    assert presence.round_state(nxt) == Outcome.TOGETHER
+
+
+def test_with_only_strangers_about_a_matchmaking_that_found_nobody_looks_for_no_group() -> None:
+    from types import SimpleNamespace
+
+    from diloco_node.swarm.matchmaking import MISSED_GROUP_GRACE, Matchmaker
+
+    looked: list[float] = []
+    seam = SimpleNamespace(peer_id="us", _form_group=lambda _round, _spare: (["us"], False),
+                           _missed_group=lambda _round, grace: looked.append(grace) or ([], {}))
+    assert Matchmaker._find_group(seam, ROUND, True, False, True) == ([], {})  # type: ignore[arg-type]
+    assert looked == [], "a copy claiming it may still fetch holds us no grace"
+    Matchmaker._find_group(seam, ROUND, True, False, False)  # type: ignore[arg-type]
+    assert looked == [MISSED_GROUP_GRACE], "a counted peer or a newcomer about: it may have counted us in"
+
+
+@pytest.mark.parametrize("sybils", [3, 10])
+def test_a_joiner_with_no_anchor_refuses_a_state_the_records_dispute(monkeypatch, sybils: int) -> None:  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from diloco_node.swarm import facade
+    from diloco_node.swarm.facade import Swarm
+    from diloco_node.swarm.statesync import DisputedState, await_one_state
+
+    monkeypatch.setattr(facade, "AGREEMENT_WAIT_SECONDS", 0.0)
+    monkeypatch.setattr(facade, "download_run_state", lambda *_args: "downloaded")
+    never = threading.Event()
+    # bootstrapped from a DHT-only peer: no anchor, no proof; the forged records announce their own state
+    presence = presence_seeing(monkeypatch, [honest("a"), *forged(sybils)])
+    seam = SimpleNamespace(_presence=presence, settings=SimpleNamespace(run_id="run"), _state=None,
+                           _streams=SimpleNamespace(run=None))
+    assert presence.unanchored()
+    with pytest.raises(DisputedState, match="name one of its nodes with --peers"):
+        Swarm.download_state(seam, 1, never, check_digest=True, held=(0, "seed"))  # type: ignore[arg-type]
+    assert Swarm.download_state(seam, 1, never, check_digest=True) is None, "a re-sync keeps its φ"
+    assert Swarm.download_state(seam, 1, never, check_digest=False) == "downloaded", "NoLoCo: φ differs by design"
+    # records that all name one state (a copy of an honest record) leave the digest check to decide
+    copies = presence_seeing(monkeypatch, [honest("a"), dataclasses.replace(honest("a"), peer_id="copy")])
+    seam._presence = copies
+    assert Swarm.download_state(seam, 1, never, check_digest=True, held=(0, "seed")) == "downloaded"
+    # a node of the run named with --peers: its state is the one taken (state_sources), no dispute
+    presence.anchors = frozenset({"a"})
+    seam._presence = presence
+    assert not presence.unanchored()
+    assert Swarm.download_state(seam, 1, never, check_digest=True, held=(0, "seed")) == "downloaded"
+    # honest nodes a step apart agree again within the wait
+    views = iter([[honest("a"), dataclasses.replace(honest("b"), served_round=ROUND + 1, served_digest="next")]])
+    assert await_one_state(lambda: {r.peer_id: r for r in next(views, [honest("a"), honest("b")])}, 5, never) == 1
