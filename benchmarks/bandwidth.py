@@ -23,7 +23,7 @@ R = 2 rounds of H = 16. Needs root (network namespaces):
 Results: benchmarks/results/bandwidth.{json,md}. `--rows sync:cap:P,...` runs only those rows (e.g.
 `--rows eager:0:1,eager:0:4`) and `--name` writes them to a file of their own.
 
-Background: the median 1-second window of egress between the first join and the last round's end
+Median 1-s egress: the median 1-second window of egress between the first join and the last round's end
 (DHT, records and matchmaking: what a node sends while no payload moves), per row.
 """
 
@@ -97,12 +97,31 @@ def run(args: argparse.Namespace, islands: Islands, sync: str, cap: str, p: int,
             "eval_loss_per_node": [final_eval_loss(log) for log in logs],
             "peak_payload_bytes": max(r["payload"] for r in rounds_logged),
             "group_sizes": sorted({r["group_size"] for r in rounds_logged}),
-            "planning_warning": warned, "spread_lines": spread, "wall_seconds": end - start}
+            "planning_warning": warned, "spread_lines": spread,
+            # where each node's busiest seconds fell, against its rounds: what the peak was
+            "busiest": [timed_windows(s.samples, start)[:5] for s in samplers],
+            "node_rounds": [[(round(r["time"] - start, 1), r["group_size"], r["seconds"]) for r in log["rounds"]]
+                            for log in logs],
+            "node_warnings": [[line[:240] for line in log["warnings"][:20]] for log in logs],
+            "wall_seconds": end - start}
+
+
+def timed_windows(samples: list[tuple[float, int]], start: float) -> list[tuple[float, float]]:
+    """(seconds since `start`, bytes/s) of every 1-second window, the busiest first."""
+    out, j = [], 0
+    for i, (at, sent) in enumerate(samples):
+        j = max(j, i)
+        while j < len(samples) and samples[j][0] - at < 1.0:
+            j += 1
+        if j == len(samples):
+            break
+        out.append((round(at - start, 2), (samples[j][1] - sent) / (samples[j][0] - at)))
+    return sorted(out, key=lambda window: -window[1])
 
 
 def table(results: list[dict[str, Any]]) -> str:
     rows = ["| sync | cap | P | peak egress (1-s window) | peak / cap | peak / ref | mean egress per node | "
-            "mean / ref | background | utilization | s per round | s per H steps | / ref | eval loss | / ref | "
+            "mean / ref | median 1-s egress | utilization | s per round | s per H steps | / ref | eval loss | / ref | "
             "planning line |", "|---" * 16 + "|"]
     for r in results:
         ref = next((b for b in results if b["sync"] == r["sync"] and not b["cap_bytes_per_second"]
@@ -168,7 +187,7 @@ def main() -> None:
             f"{args.batch_size}, {args.rounds}·P rounds of H = {args.inner_steps} (H/P steps each: equal tokens); "
             "egress = each island's eth0 tx bytes (DHT, records and headers included) sampled every "
             f"{SAMPLE_SECONDS} s; `/ ref` = ratio to the uncapped P = 1 row of the same sync. "
-            f"background = median 1-s window of egress during the run. "
+            f"median 1-s egress: the median 1-second window during the run (P = 1: the background, DHT and records). "
             f"Reproduce: `sudo .venv/bin/python benchmarks/bandwidth.py {' '.join(sys.argv[1:])}`.\n")
     write_results(args.out_dir, args.name, payload, text)
 

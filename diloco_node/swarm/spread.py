@@ -8,8 +8,10 @@ phase at no cost in compute. Served at the link's rate, each fragment still burs
     pace = payload bytes × receivers / window,   window = SPREAD_SHARE × the expected round
 
 the round's egress is about payload × receivers / window, 1/P of what P = 1 needs over the same
-training. The pace is one token bucket per round's offer, shared by every peer fetching it, and it
-sits on top of the node's upload bucket (throttle.py): never faster than `--upload-limit`.
+training. The pace is one token bucket of the node's payload serving, its rate set by each round's
+offer and shared by every peer fetching the last two rounds (a slow fetch of the previous round
+shares it with the new one: two paces at once would double the peak), and it sits on top of the
+node's upload bucket (throttle.py): never faster than `--upload-limit`.
 
 The expected round: T/P under `--round-seconds` (the round's budget), else the mean of our last
 `RECENT_ROUNDS` inner phases (the time the next round's exchange has beside it). The window is kept
@@ -73,13 +75,13 @@ class RoundClock:
         return Spread(window[0], receivers, window[1]) if window else None
 
 
-def pace_for(spread: Spread | None, payload_bytes: int, upload_rate: float) -> TokenBucket | None:
-    """The bucket a round's offer is served through; None where the node's upload bucket alone
-    (`upload_rate` bytes/s, 0: none) is already as slow: no spread asked, or a cap below the pace."""
+def pace_for(spread: Spread | None, payload_bytes: int, upload_rate: float) -> float:
+    """The pace (bytes/s) a round's offer is served at; 0 (none) where the node's upload bucket
+    alone (`upload_rate` bytes/s, 0: none) is already as slow: no spread asked, or a cap below it."""
     if spread is None or payload_bytes <= 0:
-        return None
+        return 0.0
     rate = spread.rate(payload_bytes)
-    return TokenBucket(rate) if not upload_rate or rate < upload_rate else None
+    return rate if not upload_rate or rate < upload_rate else 0.0
 
 
 async def send_paced(writer: asyncio.StreamWriter, data: bytes, pace: TokenBucket | None) -> None:

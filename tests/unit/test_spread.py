@@ -62,16 +62,15 @@ def test_the_round_clock_spreads_over_its_recent_rounds() -> None:
 def test_the_pace_serves_every_receiver_within_the_window() -> None:
     spread = Spread(window=10.0, receivers=2, expected=13.3)
     assert spread.rate(MB) == pytest.approx(2 * MB / 10.0)
-    bucket = pace_for(spread, MB, upload_rate=0.0)
-    assert bucket is not None and bucket.rate == pytest.approx(2 * MB / 10.0)
-    assert pace_for(spread, MB, upload_rate=10 * MB) is not None  # a cap above the pace: the pace binds
+    assert pace_for(spread, MB, upload_rate=0.0) == pytest.approx(2 * MB / 10.0)
+    assert pace_for(spread, MB, upload_rate=10 * MB) == pytest.approx(2 * MB / 10.0)  # a cap above: the pace binds
 
 
 def test_no_pace_without_a_spread_or_under_a_slower_cap() -> None:
     spread = Spread(window=10.0, receivers=2, expected=13.3)
-    assert pace_for(None, MB, upload_rate=0.0) is None
-    assert pace_for(spread, MB, upload_rate=100_000.0) is None  # the node's upload bucket is slower already
-    assert pace_for(spread, 0, upload_rate=0.0) is None
+    assert pace_for(None, MB, upload_rate=0.0) == 0.0
+    assert pace_for(spread, MB, upload_rate=100_000.0) == 0.0  # the node's upload bucket is slower already
+    assert pace_for(spread, 0, upload_rate=0.0) == 0.0
 
 
 class VirtualTime:
@@ -149,23 +148,24 @@ def exchange(upload: float = 0.0) -> PayloadExchange:
 SPREAD = Spread(window=10.0, receivers=2, expected=13.3)
 
 
-def test_the_latest_offer_is_paced_and_an_older_one_no_longer() -> None:
+def test_the_last_two_offers_share_one_pace_and_older_ones_go_at_the_cap() -> None:
     payloads = exchange()
-    payloads.offer(1, b"p" * MB, 10.0, SPREAD)
-    first = payloads._offers[1].pace
-    assert first is not None and first.rate == pytest.approx(SPREAD.rate(MB))
-    payloads.offer(2, b"q" * MB, 10.0, SPREAD)
-    assert payloads._offers[1].pace is None  # a late fetch of round 1 goes at the cap
-    assert payloads._offers[2].pace is not None and payloads._offers[2].pace is not first
+    for round_ in (1, 2, 3):
+        payloads.offer(round_, b"p" * MB, 10.0, SPREAD)
+    assert payloads._pace.rate == pytest.approx(SPREAD.rate(MB))
+    assert [payloads._offers[r].paced for r in (1, 2, 3)] == [False, True, True]
+    payloads.offer(4, b"p" * (MB // 2), 10.0, SPREAD)  # the next round's pace is the one bucket's
+    assert payloads._pace.rate == pytest.approx(SPREAD.rate(MB // 2))
 
 
 def test_offers_without_a_spread_or_under_a_slower_cap_are_not_paced() -> None:
     plain = exchange()
-    plain.offer(1, b"p" * MB, 10.0)
-    assert plain._offers[1].pace is None
+    plain.offer(1, b"p" * MB, 10.0, SPREAD)
+    plain.offer(2, b"p" * MB, 10.0)  # no spread (blocking, P = 1): round 1's late fetch is not paced either
+    assert plain._pace.rate == 0.0
     capped = exchange(upload=50_000.0)  # 0.4 Mbit/s: slower than 2 MB over 10 s
     capped.offer(1, b"p" * MB, 10.0, SPREAD)
-    assert capped._offers[1].pace is None
+    assert capped._pace.rate == 0.0
 
 
 def test_the_planning_line_says_the_pace_once(caplog: pytest.LogCaptureFixture) -> None:
@@ -200,12 +200,11 @@ def serve(payloads: PayloadExchange, round_: int, monkeypatch: pytest.MonkeyPatc
     return asyncio.run(one()), used[0]
 
 
-def test_a_fetch_is_served_through_its_rounds_pace(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_fetch_is_served_through_the_pace_unless_its_round_is_older(monkeypatch: pytest.MonkeyPatch) -> None:
     payloads = exchange()
-    payloads.offer(1, b"old", 10.0, SPREAD)
-    payloads.offer(2, b"new", 10.0, SPREAD)
-    sent, pace = serve(payloads, 2, monkeypatch)
-    assert sent.endswith(b"new") and pace is payloads._offers[2].pace and pace is not None
-    sent, pace = serve(payloads, 1, monkeypatch)
-    assert sent.endswith(b"old") and pace is None
-    assert payloads._offers[1].served == payloads._offers[2].served == {"peer-b"}
+    for round_, payload in ((1, b"oldest"), (2, b"previous"), (3, b"latest")):
+        payloads.offer(round_, payload, 10.0, SPREAD)
+    for round_, payload, paced in ((3, b"latest", True), (2, b"previous", True), (1, b"oldest", False)):
+        sent, pace = serve(payloads, round_, monkeypatch)
+        assert sent.endswith(payload) and (pace is payloads._pace if paced else pace is None)
+        assert payloads._offers[round_].served == {"peer-b"}
