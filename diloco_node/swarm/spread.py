@@ -92,8 +92,9 @@ async def send_paced(writer: asyncio.StreamWriter, data: bytes, pace: TokenBucke
         await writer.drain()
         return
     view = memoryview(data)
-    for start in range(0, len(view), pace.chunk):
-        chunk = view[start:start + pace.chunk]
+    step = pace.chunk  # once: the next round's offer may change the bucket's chunk while this one is sent
+    for start in range(0, len(view), step):
+        chunk = view[start:start + step]
         await pace.take(len(chunk))
         writer.write(bytes(chunk))
         await writer.drain()

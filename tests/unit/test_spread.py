@@ -124,6 +124,24 @@ def test_a_paced_send_never_runs_ahead_of_its_pace(virtual: VirtualTime) -> None
     assert virtual.now >= (size - bucket.capacity) / rate - 1e-6  # the whole took about size / rate
 
 
+def test_a_new_pace_during_a_send_leaves_its_bytes_whole(virtual: VirtualTime) -> None:
+    """The next round's offer sets the shared bucket's rate (and so its chunk) while this round's
+    payload is still going out: each byte still goes once, in order (a chunk read anew per slice
+    sent overlapping slices: 'payload checksum mismatch' at the fetchers)."""
+    bucket = TokenBucket(20_000.0, clock=virtual)
+    data = bytes(range(256)) * 400
+    writer = Writer(virtual)
+
+    async def both() -> None:
+        sending = asyncio.ensure_future(send_paced(writer, data, bucket))  # type: ignore[arg-type]
+        while len(writer.data) < len(data) // 3:
+            await asyncio.sleep(0)
+        bucket.set_rate(200_000.0)  # a 10x larger chunk from now on
+        await sending
+    asyncio.run(both())
+    assert bytes(writer.data) == len(data).to_bytes(HEADER_LEN, "big") + data
+
+
 def test_an_unpaced_send_is_the_plain_framing(virtual: VirtualTime) -> None:
     writer = Writer(virtual)
     asyncio.run(send_paced(writer, b"abc", None))  # type: ignore[arg-type]
