@@ -22,6 +22,7 @@ from diloco_node.replica import Replica, ReplicaError
 from diloco_node.replica.layout import flatten
 from diloco_node.round import AverageResult, Outcome, RoundReport
 from diloco_node.swarm import HelperTimeout, Swarm
+from diloco_node.swarm.spread import RoundClock
 from diloco_node.telemetry.rounds import RoundTiming
 from diloco_node.train.data import METER as DATA_METER
 from diloco_node.train.fit import FitError
@@ -52,6 +53,10 @@ class Node:
         # θ between rounds: reloaded from φ every round, or per fragment (docs/architecture.md §15)
         self.drift = Drift(parts.runs)
         self.claims = Claims()  # peers' declared tokens against their own published throughput (budget.py)
+        # fragments under an overlapping sync: each round's payload is served across the next round's
+        # inner phase, not in one burst (docs/architecture.md §15); blocking would wait for it instead
+        self.round_clock = RoundClock(self.cfg.round_budget, self.cfg.round_timeout) \
+            if self.cfg.fragments > 1 and self.cfg.sync != "blocking" and self.cfg.algorithm == "diloco" else None
 
     @property
     def swarm(self) -> Swarm:
@@ -94,6 +99,9 @@ class Node:
             logger.warning("round=%d skipped: one inner step (%.1fs) does not fit before the round's deadline; "
                            "taking the others' mean, trying again next round", self.state.round, estimate)
             self.step_clock.forget()
+        if self.round_clock is not None:
+            self.round_clock.ran(computed - started)
+            self.swarm.spread_offers(self.round_clock)
         self.announce(ready=True)
         delta = flatten(self.drift.delta(self.state.phi, self.replica.theta() or []))
         # tokens 0: no payload, we still take the group's mean (outer/averaging.py)

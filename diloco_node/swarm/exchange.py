@@ -25,9 +25,12 @@ from typing import Any
 
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
+from diloco_node.rates import format_rate
 from diloco_node.swarm.messages import MAX_DECLARED, parse_payload_request, peer_ids
+from diloco_node.swarm.spread import Spread, pace_for, send_paced
 from diloco_node.swarm.statesync import CATCH_UP_ROUNDS
 from diloco_node.swarm.streams import HEADER_LEN, PEER_FAILURES, Streams, StreamService, parse_json, receive, send
+from diloco_node.swarm.throttle import TokenBucket
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +62,9 @@ class _Offer:
     group: tuple[str, ...] | None = None  # the round's group, ourselves included, once matchmaking told us
     awaited: set[str] = field(default_factory=set)  # members that have not fetched yet (see drain)
     served: set[str] = field(default_factory=set)  # peers that fetched it (before or after we knew the group)
+    # served through the node's payload pace (spread.py): the last two rounds' offers are; an older
+    # one (a joiner catching up, docs/architecture.md §14) goes at the upload cap
+    paced: bool = True
 
     def meta(self) -> bytes:
         return json.dumps({"tokens": self.tokens, "group": self.group}).encode()
@@ -88,17 +94,36 @@ class PayloadExchange(StreamService):
         self._may_fetch, self._token = may_fetch, token
         self._offers: dict[int, _Offer] = {}
         self._offers_changed = threading.Condition()
+        self._spread_said = False
+        self._pace = TokenBucket(0.0)  # our payload serving's pace, set by each offer (spread.py)
 
     # --- serving ------------------------------------------------------------------------------
 
-    def offer(self, round_: int, payload: bytes, tokens: float) -> None:
+    def offer(self, round_: int, payload: bytes, tokens: float, spread: Spread | None = None) -> None:
+        """Serve `payload` for `round_`; with `spread`, paced across the next round (spread.py)."""
+        pace = pace_for(spread, len(payload), self.streams.throttle.upload.rate)
+        if spread is not None and not self._spread_said:
+            self._say_spread(round_, spread, len(payload), pace)
+        self._pace.set_rate(pace)
         with self._offers_changed:
+            for old, older in self._offers.items():
+                older.paced = older.paced and old >= round_ - 1
             self._offers[round_] = _Offer(payload, tokens)
             now = time.monotonic()
             for old, kept in list(self._offers.items()):
                 if old <= round_ - (AWAITED_KEPT_ROUNDS if kept.awaited else KEPT_ROUNDS) and \
                         (now - kept.made > CATCH_UP_KEPT_SECONDS or old <= round_ - CATCH_UP_ROUNDS - KEPT_ROUNDS):
                     del self._offers[old]
+
+    def _say_spread(self, round_: int, spread: Spread, size: int, pace: float) -> None:
+        """The planning line of the spread, once: the pace it chose and from what."""
+        self._spread_said = True
+        cap = self.streams.throttle.upload_limit
+        logger.info("round=%d serving each payload across the round: %.2f MB x %d receiver(s) over %.1fs of "
+                    "a %.1fs round = %s%s", round_, size / 1e6, spread.receivers, spread.window, spread.expected,
+                    format_rate(spread.rate(size)),
+                    f" (under the upload cap {format_rate(cap)})" if pace and cap else
+                    "" if pace else f", over the upload cap {format_rate(cap)}: served at the cap")
 
     def expect(self, round_: int, group: Sequence[str], ourselves: str, fetched: bool = True) -> None:
         """`group` (ourselves included) averages `round_`: each other member will fetch our payload
@@ -166,8 +191,9 @@ class PayloadExchange(StreamService):
                     offer = None
             with self._offers_changed:
                 meta, payload = (offer.meta(), offer.payload) if offer else (b"{}", b"")
+                pace = self._pace if offer and offer.paced and self._pace.rate > 0 else None
             await send(writer, meta)
-            await send(writer, payload)
+            await send_paced(writer, payload, pace)
             # served only once the fetcher says it read everything (its end closes either way)
             acknowledged = await asyncio.wait_for(reader.read(1), timeout=10) == RECEIVED
             if acknowledged and offer is not None:

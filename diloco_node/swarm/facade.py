@@ -33,6 +33,7 @@ from diloco_node.swarm.isolation import Isolation
 from diloco_node.swarm.matchmaking import Matchmaker, start_averager
 from diloco_node.swarm.presence import Presence
 from diloco_node.swarm.reachability import DialBack
+from diloco_node.swarm.spread import RoundClock, Spread
 from diloco_node.swarm.statesync import (
     AGREEMENT_WAIT_SECONDS,
     CatchUp,
@@ -66,6 +67,7 @@ class Swarm:
         self._held_rounds: set[int] = set()
         self._deferred_marks: set[int] = set()
         self._held_lock = threading.Lock()
+        self._spread: Spread | None = None  # how the next offer is served (spread_offers)
         namespace = f"{settings.run_id}_{settings.fingerprint}"
         self.client = is_client(settings, self._dht, namespace)
         isolation = Isolation(Contacts(self._dht, self.peer_id, settings.initial_peers), settings.run_id)
@@ -198,7 +200,12 @@ class Swarm:
     # --- rounds: the transport (round.Transport) ----------------------------------------------
 
     def offer(self, round_: int, payload: bytes | None, tokens: float, parts: PartSource | None = None) -> None:
-        self._transfer.offer(round_, payload, tokens, parts)
+        self._transfer.offer(round_, payload, tokens, parts, self._spread)
+
+    def spread_offers(self, clock: RoundClock) -> None:
+        """Serve the next offers across the round `clock` expects, to every other live node of the run
+        (the all-gather's fetchers; docs/architecture.md §15, spread.py)."""
+        self._spread = clock.spread(max(self.peer_count() - 1, 1))
 
     def gather(self, round_: int, contributing: bool, stop: threading.Event,
                among: Collection[str] | None = None, on_ready: Callable[[], None] | None = None) -> Gathered:

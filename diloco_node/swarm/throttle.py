@@ -49,13 +49,23 @@ class TokenBucket:
     nodes at load 20 on 2 cores, a 1-second window carried 1.15x the cap."""
 
     def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._lock = threading.Lock()  # guards the tokens and when they were counted
+        self._at = clock()
+        self._set(rate)
+        self._tokens = self.capacity
+
+    def _set(self, rate: float) -> None:
         self.rate = rate
         self.capacity = rate * BURST_SECONDS
         self.chunk = int(min(MAX_CHUNK, max(MIN_CHUNK, self.capacity))) if rate > 0 else MAX_CHUNK
-        self._clock = clock
-        self._lock = threading.Lock()  # guards the tokens and when they were counted
-        self._tokens = self.capacity
-        self._at = clock()
+
+    def set_rate(self, rate: float) -> None:
+        """From now on `rate` bytes/s (0: none); what was saved stays, up to the new burst."""
+        with self._lock:
+            self._refill()
+            self._set(rate)
+            self._tokens = min(self._tokens, self.capacity)
 
     def _refill(self) -> None:
         now = self._clock()

@@ -15,6 +15,7 @@ from diloco_node.swarm.dht import SwarmSettings
 from diloco_node.swarm.exchange import Fetched, PayloadExchange
 from diloco_node.swarm.matchmaking import GROUP_POLL_SECONDS
 from diloco_node.swarm.presence import Presence
+from diloco_node.swarm.spread import Spread
 from diloco_node.swarm.streams import Streams
 
 logger = logging.getLogger(__name__)
@@ -32,9 +33,12 @@ class Transfer:
         self._presence, self._streams, self._exchange, self._butterfly = presence, streams, exchange, butterfly
         self._sources: dict[int, PartSource] = {}  # butterfly: what we bring to each round we offered
 
-    def offer(self, round_: int, payload: bytes | None, tokens: float, parts: PartSource | None = None) -> None:
+    def offer(self, round_: int, payload: bytes | None, tokens: float, parts: PartSource | None = None,
+              spread: Spread | None = None) -> None:
+        """`spread`: our payload's serving paced across the next round (spread.py); a butterfly's
+        parts are pushed at the cap (docs/architecture.md §15)."""
         if payload is not None:
-            self._exchange.offer(round_, payload, tokens)
+            self._exchange.offer(round_, payload, tokens, spread)
         if parts is not None:
             self._sources[round_] = parts
             for old in [r for r in self._sources if r < round_ - 2]:

@@ -176,3 +176,15 @@ def test_a_writer_queues_until_drained_and_close_sends_the_rest(clock):
     assert log == []
     writer.close()
     assert log == [(clock.now, 3)] and sink.closed
+
+
+def test_a_bucket_takes_a_new_rate_keeping_no_more_than_its_new_burst() -> None:
+    now = [0.0]
+    bucket = TokenBucket(1000.0, clock=lambda: now[0])
+    assert bucket.wait(50) == 0.0  # the full burst of 50 ms
+    bucket.set_rate(100.0)
+    assert bucket.capacity == pytest.approx(100.0 * BURST_SECONDS)
+    now[0] += 0.05
+    assert bucket.wait(5) == 0.0 and bucket.wait(5) > 0  # 5 B accrued at the new rate, no more
+    bucket.set_rate(0.0)
+    assert bucket.wait(1 << 20) == 0.0  # no rate: no pace
