@@ -7,7 +7,7 @@ the path) so the node's eval split (the last 5 % of the tokens) is held-out file
 trained on it with the project's CLI (`diloco-node tokenizer train`) and the corpus tokenized into
 shards (`diloco-node tokenize`), both cached under --cache-dir (no download, ever).
 
-Model: --model (default configs/llama-2m.json: 1.7 M parameters, vocabulary 4,096). Why not llama-20m:
+Model: --model (default llama-2m, configs/llama-2m.json: 1.7 M parameters, vocabulary 4,096). Why not llama-20m:
 it takes 3.5 s per step at 8 x 256 tokens on one thread here, and four nodes share 2 cores, so the
 ~1,000 steps per node a run needs to reach 8 outer averages would take over two hours of compute alone;
 llama-2m takes about 0.41 s per step at 16 x 128 tokens on one thread, which puts the whole run near
@@ -105,7 +105,9 @@ def prepare_data(args: argparse.Namespace) -> dict[str, Any]:
 
 def overrides(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any]:
     """The NodeConfig fields every row shares (DDP's ranks, the one node alone and the nodes)."""
-    return {"model": args.model, "tokenizer": data["tokenizer"], "data": data["shards"], "seq_len": args.seq_len,
+    model = Path(args.model)  # a config path relative to here: the nodes run in their log folders
+    return {"model": str(model.resolve()) if model.exists() else args.model, "tokenizer": data["tokenizer"],
+            "data": data["shards"], "seq_len": args.seq_len,
             "batch_size": args.batch_size, "eval_batches": args.eval_batches, "warmup_steps": args.warmup_steps}
 
 
@@ -289,6 +291,9 @@ def run(args: argparse.Namespace, work: Path, shared: dict[str, Any], estimated:
             assert target is not None
             if "alone" in args.rows:
                 alone = timed("alone", lambda: alone_row(args, shared, target))
+                last = alone["points"][-1]
+                print(f"  alone: {alone['seconds_per_step']:.2f} s/step, eval loss {last['eval_loss']:.4f} after "
+                      f"{last['step']} steps" + (" (the target)" if last["eval_loss"] <= target else ""), flush=True)
             plan: list[tuple[str, str, str, int, list[str], tuple[float, ...] | None, int | None]] = []
             if "blocking" in args.rows:
                 plan.append(("blocking", f"DiLoCo blocking fp32 H={args.blocking_h}", "blocking", args.blocking_h,
@@ -470,7 +475,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke test: a short budget, a smaller batch (~6 min)")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"',' separated, of {', '.join(ROWS)}")
-    parser.add_argument("--model", default="configs/llama-2m.json", help="a --model of join (a Llama config.json)")
+    parser.add_argument("--model", default="llama-2m", help="a --model of join: a preset or a Llama config.json")
     parser.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary (at most the model's)")
     parser.add_argument("--corpus-mb", type=float, default=32.0, help="most MB of training files in the corpus")
     parser.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "diloco_deep_cache",

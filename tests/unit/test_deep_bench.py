@@ -154,3 +154,23 @@ def test_bad_rows_are_refused(deep: ModuleType, argv: list[str], says: str,
         deep.parse_args(argv)
     assert exc.value.code == 2
     assert says in capsys.readouterr().err
+
+
+# --- DDP ranks for any world (harness/ddp.py) ------------------------------------------------
+
+def test_ddp_rank_command_keeps_the_pairs_form_and_carries_the_rest() -> None:
+    from harness.ddp import worker_command
+
+    pair = worker_command(0, "10.0.0.1", 29500, 30, 5, 2, None, "eth0")
+    assert pair[1:] == ["-m", "harness.ddp", "0", "10.0.0.1", "29500", "30", "5", "--iface", "eth0"]
+    alone = worker_command(0, "127.0.0.1", 1234, 8, 2, 1, {"model": "llama-2m"}, "lo", 3.5)
+    assert alone[alone.index("--world") + 1] == "1"
+    assert json.loads(alone[alone.index("--config") + 1]) == {"model": "llama-2m"}
+    assert float(alone[alone.index("--stop-below") + 1]) == 3.5
+
+
+def test_a_ddp_rank_stops_at_a_target_only_alone() -> None:
+    from harness.ddp import link_worker
+
+    with pytest.raises(ValueError, match="world 1"):
+        link_worker(0, "127.0.0.1", 1, 10, 2, world=2, stop_below=3.0)
