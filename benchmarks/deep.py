@@ -285,12 +285,14 @@ def run(args: argparse.Namespace, work: Path, shared: dict[str, Any], estimated:
             if "ddp" in args.rows:
                 ddp = timed("ddp", lambda: ddp_row(islands, args, shared))
                 target = ddp["final_eval_loss"] if target is None else target
+                reach(ddp, target, ddp, None)  # the later rows' ratios need its point
                 print(f"  DDP: target eval loss {target:.4f} after {args.steps} steps; link "
                       f"{ddp['link']['seconds_per_step']:.2f} s/step, {ddp['link']['wire_bytes_per_step'] / 1e6:.1f} MB"
                       "/step", flush=True)
             assert target is not None
             if "alone" in args.rows:
                 alone = timed("alone", lambda: alone_row(args, shared, target))
+                reach(alone, target, ddp, None)
                 last = alone["points"][-1]
                 print(f"  alone: {alone['seconds_per_step']:.2f} s/step, eval loss {last['eval_loss']:.4f} after "
                       f"{last['step']} steps" + (" (the target)" if last["eval_loss"] <= target else ""), flush=True)
