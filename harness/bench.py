@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +26,12 @@ import torch
 
 from diloco_node.checkpoint import CheckpointStore
 from diloco_node.config import NodeConfig
-from diloco_node.launch import LaunchTimeout
+from diloco_node.launch import LaunchTimeout, NodeProcess
 from diloco_node.train.inner import InnerConfig
 from harness import wire
 from harness.islands import Islands
 from harness.nodes import WORLD, final_eval_loss, node_args, parse_node_log, start_node, start_swarm, stop
+from harness.throttle import Throttle
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
@@ -116,42 +117,71 @@ def run_swarm(label: str, n: int, h: int, rounds: int, run_id: str, work: Path, 
     return [parse_node_log(node) for node in nodes], wall, wire.per_node(lo_before, lo_after, n)
 
 
-# --- a pair across two islands ----------------------------------------------------------------
+# --- nodes across islands (a pair by default) ------------------------------------------
 
 def run_diloco_on_link(islands: Islands, name: str, h: int, rounds: int, work: Path, timeout: float,
-                       options: list[str], join_timeout: float | None = None) -> dict[str, Any]:
-    """A pair of nodes, one per island, to their last round. With `join_timeout`: raises when they have
-    not both joined the run within that many seconds of the launch (e.g. one refused the other)."""
-    a, b = islands[0], islands[1]
+                       options: list[str], join_timeout: float | None = None, nodes: int = WORLD,
+                       slowdowns: Sequence[float] | None = None,
+                       until: Callable[[list[NodeProcess]], bool] | None = None) -> dict[str, Any]:
+    """`nodes` nodes, one per island (islands 0..nodes-1), to their last round; node 1 first, the others
+    pointed at it. With `join_timeout`: raises when they have not all joined the run within that many
+    seconds of the launch (e.g. one refused another). `slowdowns` (one per node, 1: full speed): once
+    all have joined, node i computes at 1/slowdowns[i] of its speed (harness/throttle.py). `until`: polled
+    every second on the running nodes; once true the nodes are stopped (SIGTERM) before their last round."""
+    if len(islands) < nodes:
+        raise ValueError(f"{nodes} nodes need {nodes} islands, not {len(islands)}")
+    if slowdowns is not None and len(slowdowns) != nodes:
+        raise ValueError(f"{len(slowdowns)} slowdowns for {nodes} nodes")
     run_id = f"wide-{os.getpid()}-{int(time.time())}"
     work.mkdir(parents=True)
     before = wire.wire_bytes(islands)
     started, launched = time.monotonic(), time.time()
-    first = start_node("node1", node_args(h, rounds, run_id, work / "ck1", options, host=a.address), work,
-                       wrap=a.command)
-    nodes = [first]
+
+    def launch(i: int, extra: list[str]) -> NodeProcess:
+        island = islands[i]
+        return start_node(f"node{i + 1}", node_args(h, rounds, run_id, work / f"ck{i + 1}", options,
+                                                     host=island.address, min_peers=nodes) + extra,
+                          work, wrap=island.command)
+
+    running = [launch(0, [])]
+    throttles: list[Throttle] = []
     try:
-        address = first.wait_for_address(60)
-        nodes.append(start_node("node2", node_args(h, rounds, run_id, work / "ck2", options, host=b.address)
-                                + ["--peer", address], work, wrap=b.command))
-        if join_timeout is not None:
-            for node in nodes:
-                node.wait_joined(max(1.0, started + join_timeout - time.monotonic()))
-        for node in nodes:
+        address = running[0].wait_for_address(60)
+        running += [launch(i, ["--peer", address]) for i in range(1, nodes)]
+        if join_timeout is not None or slowdowns is not None:
+            limit = join_timeout if join_timeout is not None else timeout
+            for node in running:
+                node.wait_joined(max(1.0, started + limit - time.monotonic()))
+        for node, slowdown in zip(running, slowdowns or (), strict=False):
             assert node.process is not None
-            node.process.wait(timeout=max(1.0, started + timeout - time.monotonic()))
+            throttles.append(Throttle(node.process.pid, slowdown).start())
+        for node in running:
+            assert node.process is not None
+            while True:
+                try:
+                    node.process.wait(timeout=max(0.1, min(1.0, started + timeout - time.monotonic())))
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() > started + timeout:
+                        raise
+                    if until is not None and until(running):
+                        break
+            if until is not None and until(running):
+                break
     finally:
-        for node in nodes:
+        for throttle in throttles:
+            throttle.stop()
+        for node in running:
             stop(node)
     wall = time.monotonic() - started
-    for node in nodes:
+    for node in running:
         assert node.process is not None
         if node.process.returncode != 0:
             raise RuntimeError(f"{name}: {node.name} exited with {node.process.returncode}\n{node.tail()}")
-    logs = [parse_node_log(node) for node in nodes]
+    logs = [parse_node_log(node) for node in running]
     moved = wire.wire_bytes(islands, before)
     return {**summarize_link_run(name, h, rounds, logs, wall, moved,
-                                 outer_difference(run_id, work / "ck1", work / "ck2")),
+                                 outer_difference(run_id, *(work / f"ck{i + 1}" for i in range(nodes)))),
             "launched_at": launched}
 
 
@@ -190,7 +220,9 @@ def outer_difference(run_id: str, *directories: Path) -> dict[str, Any]:
     loaded = [state for state in states if state is not None]
     if len(loaded) < len(states):
         return {"max_abs": None, "elements_differing": None}
-    pairs = list(zip(loaded[0]["outer_params"], loaded[1]["outer_params"], strict=True))
+    # every node against the first (two nodes: the one pair)
+    pairs = [(a, b) for other in loaded[1:] for a, b in zip(loaded[0]["outer_params"], other["outer_params"],
+                                                              strict=True)]
     return {"max_abs": max(float((a - b).abs().max()) for a, b in pairs),
             "elements_differing": sum(int((a != b).sum()) for a, b in pairs)}
 

@@ -1,8 +1,12 @@
-"""Small offline corpora the tests train tokenizers and nodes on (no hub is reachable here)."""
+"""Small offline corpora the tests train tokenizers and nodes on (no hub is reachable here), and a real
+one the benchmarks train on: the Python standard library's sources."""
 
 from __future__ import annotations
 
+import json
 import random
+import sysconfig
+import zlib
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,3 +22,51 @@ def parquet_files(root: Path) -> dict[str, Path]:
     pq.write_table(pa.table({"text": docs}), root / "docs.parquet")
     pq.write_table(pa.table({"content": docs}), root / "content.parquet")
     return {"root": root, "parquet": root / "docs.parquet", "content": root / "content.parquet"}
+
+
+# --- real text present on every machine: the Python standard library's sources (benchmarks/deep.py) ---
+
+def held_out(relative: str, every: int) -> bool:
+    """Whether the file at `relative` (a path under the corpus root, '/'-separated) is held out: about one
+    file in `every`, chosen by a hash of its path, so the choice is the same on every machine and does not
+    depend on which other files exist."""
+    return zlib.crc32(relative.encode()) % every == 0
+
+
+def order_by_file(relatives: list[str], every: int) -> list[str]:
+    """The files in the order the corpus is written: the training files sorted by path, then the held-out
+    files sorted by path. The node holds out the last 5 % of a corpus's tokens (README, Train your own
+    model), so with about 1/every > 5 % of the text in held-out files the eval split is made of held-out
+    files only (of which the first, in part, and any beyond the last 5 % are trained on as well)."""
+    ordered = sorted(relatives)
+    return [r for r in ordered if not held_out(r, every)] + [r for r in ordered if held_out(r, every)]
+
+
+HELD_OUT_SHARE = 0.08  # of the corpus's text in held-out files: above the node's 5 % eval tail
+
+
+def write_stdlib_corpus(out: Path, max_bytes: int, every: int = 8, root: Path | None = None) -> dict[str, int]:
+    """The standard library's *.py files (site-packages and caches left out) as a jsonl corpus at `out`,
+    one document per file in `order_by_file`'s order: training files up to `max_bytes`, then held-out
+    files until they hold HELD_OUT_SHARE of the text, so the node's eval split (the last 5 % of the
+    tokens) lies in held-out files. Files that are not UTF-8 are skipped. Returns counts."""
+    base = root if root is not None else Path(sysconfig.get_paths()["stdlib"])
+    files = [p.relative_to(base).as_posix() for p in base.rglob("*.py")
+             if "site-packages" not in p.parts and "__pycache__" not in p.parts]
+    written = {"train_files": 0, "train_bytes": 0, "held_out_files": 0, "held_out_bytes": 0}
+    with out.open("w", encoding="utf-8") as sink:
+        for relative in order_by_file(files, every):
+            kind = "held_out" if held_out(relative, every) else "train"
+            try:
+                text = (base / relative).read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            if kind == "train" and written["train_bytes"] + len(text) > max_bytes:
+                continue
+            total = written["train_bytes"] + written["held_out_bytes"]
+            if kind == "held_out" and written["held_out_bytes"] >= HELD_OUT_SHARE * total:
+                break
+            sink.write(json.dumps({"text": text, "path": relative}) + "\n")
+            written[f"{kind}_files"] += 1
+            written[f"{kind}_bytes"] += len(text)
+    return written

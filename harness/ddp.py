@@ -5,13 +5,16 @@ schedule of a node whose R*H equals the DDP step count.
 
 - `run_ddp`: both ranks on loopback (torch.multiprocessing, TCP store on 127.0.0.1): eval loss per
   step count, gradient bytes, whether the replicas end identical (benchmarks/diloco_vs_ddp.py).
-- `run_ddp_on_link`: one rank in each of two islands (harness/islands.py): time per step and inside
-  all-reduce, wire bytes per step, evaluations with their time (wide_area.py, headline.py). Each rank
-  is `python -m harness.ddp RANK MASTER PORT STEPS EVAL_EVERY` inside its island.
+- `run_ddp_on_link`: one rank in each of two (or `world`) islands (harness/islands.py): time per step
+  and inside all-reduce, wire bytes per step, evaluations with their time (wide_area.py, headline.py,
+  deep.py). Each rank is `python -m harness.ddp RANK MASTER PORT STEPS EVAL_EVERY` inside its island.
+- `run_ddp_local`: the same rank processes on loopback, any world (1: one node alone, a plain
+  training loop), optionally on another model and data (`overrides`: NodeConfig fields; deep.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -26,9 +29,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from diloco_node.config import NodeConfig
-from diloco_node.train.data import ByteDataset, load_corpus
+from diloco_node.train.data import ByteDataset, load_corpus, open_data
 from diloco_node.train.inner import InnerTrainer, evaluate
-from diloco_node.train.model import build_model, count_parameters
+from diloco_node.train.model import build_model, count_parameters, logits_of
 from harness import wire
 from harness.bench import free_port, inner_config
 from harness.islands import Islands
@@ -113,39 +116,59 @@ def run_ddp(steps: int, eval_every: int, cfg: NodeConfig, timeout: float) -> dic
     }
 
 
-# --- across a link between two islands ------------------------------------------------------
+# --- across a link between islands (or on loopback, one process per rank) -------------------
 
-def link_worker(rank: int, master: str, port: int, steps: int, eval_every: int = 0) -> None:
-    """One DDP rank inside an island; prints its timings as JSON. Started by run_ddp_on_link
-    (`python -m harness.ddp RANK MASTER PORT STEPS EVAL_EVERY`).
+def worker_data(overrides: dict[str, Any]) -> tuple[NodeConfig, Any, Any]:
+    """(config, train batch of (rank seed, step), eval batches) of a rank. Without overrides: the node's
+    defaults on the byte dataset the headline's figures were measured with; with them (model, data,
+    tokenizer, seq_len, batch_size, ... as NodeConfig fields): the node's own data path (train/data.py)."""
+    cfg = NodeConfig.model_validate(overrides)
+    if not overrides:
+        dataset = ByteDataset(load_corpus(cfg.data), cfg.seq_len)
+        return (cfg, lambda seed, step: dataset.train_batch(cfg.batch_size, seed, step),
+                lambda: dataset.eval_batches(cfg.batch_size, cfg.eval_batches))
+    data = open_data(cfg.data, cfg.tokenizer, cfg.seq_len, cfg.text_column)
+    return (cfg, lambda seed, step: data.train_batch(cfg.batch_size, seed, step),
+            lambda: data.eval_batches(cfg.batch_size, cfg.eval_batches))
+
+
+def link_worker(rank: int, master: str, port: int, steps: int, eval_every: int = 0, world: int = WORLD,
+                overrides: dict[str, Any] | None = None, iface: str = "eth0", stop_below: float | None = None) -> None:
+    """One DDP rank (inside an island, or on loopback with iface 'lo'); prints its timings as JSON.
+    Started by run_ddp_on_link / run_ddp_local (`python -m harness.ddp RANK MASTER PORT STEPS EVAL_EVERY
+    [--world N] [--config JSON] [--iface NAME]`). World 1 is a plain training loop: no communication.
 
     With `eval_every`, rank 0 also evaluates the held-out loss every that many steps and after the
-    last: (step, unix time, seconds the evaluation took, eval loss) each."""
-    os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
+    last: (step, unix time, seconds the evaluation took, eval loss) each. With `stop_below` (world 1 only:
+    the other ranks would wait for its all-reduce), it stops after the first evaluation at or below it."""
+    if stop_below is not None and world != 1:
+        raise ValueError("stop_below needs world 1")
+    os.environ["GLOO_SOCKET_IFNAME"] = iface
     torch.set_num_threads(1)  # like the nodes' --threads 1
-    store = dist.TCPStore(master, port, WORLD, is_master=rank == 0, timeout=timedelta(seconds=120))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
-    cfg = NodeConfig.model_validate({})
-    dataset = ByteDataset(load_corpus(cfg.data), cfg.seq_len)
+    store = dist.TCPStore(master, port, world, is_master=rank == 0, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    cfg, train_batch, make_eval = worker_data(overrides or {})
     model = build_model(cfg.model, cfg.seed)
+    forward = logits_of(model)
     communicating = [0.0]  # seconds spent inside all-reduce during the current step
 
     def average_gradient(param: torch.Tensor) -> None:
         assert param.grad is not None
         started = time.perf_counter()
         dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
-        param.grad.div_(WORLD)
+        param.grad.div_(world)
         communicating[0] += time.perf_counter() - started
 
-    for param in model.parameters():
-        param.register_post_accumulate_grad_hook(average_gradient)
-    trainer = InnerTrainer(model, inner_config(cfg, steps))
-    eval_batches = dataset.eval_batches(cfg.batch_size, cfg.eval_batches) if eval_every and rank == 0 else []
+    if world > 1:
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(average_gradient)
+    trainer = InnerTrainer(model, inner_config(cfg, steps), forward)
+    eval_batches = make_eval() if eval_every and rank == 0 else []
     step_seconds: list[float] = []
     comm_seconds: list[float] = []
     evals: list[tuple[int, float, float, float]] = []
     for step in range(steps):
-        x, y = dataset.train_batch(cfg.batch_size, 1000 + rank, step)
+        x, y = train_batch(1000 + rank, step)
         communicating[0] = 0.0
         started = time.perf_counter()
         trainer.train_step(x, y)
@@ -153,38 +176,93 @@ def link_worker(rank: int, master: str, port: int, steps: int, eval_every: int =
         comm_seconds.append(communicating[0])
         if eval_batches and ((step + 1) % eval_every == 0 or step + 1 == steps):
             started = time.perf_counter()
-            loss = evaluate(model, eval_batches)
+            loss = evaluate(model, eval_batches, forward=forward)
             evals.append((step + 1, time.time(), time.perf_counter() - started, loss))
+            if stop_below is not None and loss <= stop_below:
+                break
     dist.destroy_process_group()
-    print(json.dumps({"step_seconds": step_seconds, "comm_seconds": comm_seconds, "evals": evals}), flush=True)
+    print(json.dumps({"step_seconds": step_seconds, "comm_seconds": comm_seconds, "evals": evals,
+                      "parameters": count_parameters(model)}), flush=True)
 
 
-def run_ddp_on_link(islands: Islands, steps: int, timeout: float, eval_every: int = 0) -> dict[str, Any]:
-    """DDP between islands 0 and 1 for `steps` steps (see ddp_worker for `eval_every`)."""
-    a, b = islands[0], islands[1]
-    port = 29500
-    before = wire.wire_bytes(islands)
-    launched = time.time()
-    workers = [island.run([sys.executable, "-m", "harness.ddp", str(rank), a.address, str(port), str(steps),
-                           str(eval_every)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for rank, island in enumerate((a, b))]
+def worker_command(rank: int, master: str, port: int, steps: int, eval_every: int, world: int,
+                   overrides: dict[str, Any] | None, iface: str, stop_below: float | None = None) -> list[str]:
+    command = [sys.executable, "-m", "harness.ddp", str(rank), master, str(port), str(steps), str(eval_every)]
+    if world != WORLD:
+        command += ["--world", str(world)]
+    if overrides:
+        command += ["--config", json.dumps(overrides)]
+    if stop_below is not None:
+        command += ["--stop-below", repr(stop_below)]
+    return [*command, "--iface", iface]
+
+
+def collect(workers: list[subprocess.Popen[str]], steps: int, timeout: float, launched: float) -> dict[str, Any]:
+    """Rank 0's timings (and evaluations) once every rank has finished."""
     outputs = []
-    for worker in workers:
-        out, err = worker.communicate(timeout=timeout)
-        if worker.returncode != 0:
-            raise RuntimeError(f"DDP worker failed ({worker.returncode}): {err[-2000:]}")
-        outputs.append(json.loads(out.strip().splitlines()[-1]))
-    moved = wire.wire_bytes(islands, before)
+    try:
+        for worker in workers:
+            out, err = worker.communicate(timeout=timeout)
+            if worker.returncode != 0:
+                raise RuntimeError(f"DDP worker failed ({worker.returncode}): {err[-2000:]}")
+            outputs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait(timeout=10)
     timings = outputs[0]
-    warm = slice(2, None)  # the first steps include gloo's connection set-up
+    warm = slice(2, None) if steps > 2 else slice(None)  # the first steps include gloo's connection set-up
     step = statistics.mean(timings["step_seconds"][warm])
     comm = statistics.mean(timings["comm_seconds"][warm])
     return {"method": "ddp", "steps": steps, "seconds_per_step": step, "comm_seconds_per_step": comm,
-            "utilization": (step - comm) / step, "wire_bytes_per_step": moved / steps, "launched_at": launched,
+            "utilization": (step - comm) / step, "launched_at": launched,
             "step_seconds": timings["step_seconds"], "comm_seconds": timings["comm_seconds"],
-            "evals": timings["evals"]}
+            "evals": timings["evals"], "parameters": timings.get("parameters")}
+
+
+def run_ddp_on_link(islands: Islands, steps: int, timeout: float, eval_every: int = 0, world: int = WORLD,
+                    overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """DDP between islands 0..world-1 (one rank each) for `steps` steps (see link_worker for `eval_every`
+    and `overrides`)."""
+    ranks = islands.islands[:world]
+    if len(ranks) < world:
+        raise ValueError(f"{world} ranks need {world} islands, not {len(islands)}")
+    port = 29500
+    before = wire.wire_bytes(islands)
+    launched = time.time()
+    workers = [island.run(worker_command(rank, ranks[0].address, port, steps, eval_every, world, overrides, "eth0"),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for rank, island in enumerate(ranks)]
+    result = collect(workers, steps, timeout, launched)
+    return {**result, "wire_bytes_per_step": wire.wire_bytes(islands, before) / steps}
+
+
+def run_ddp_local(steps: int, timeout: float, eval_every: int = 0, world: int = WORLD,
+                  overrides: dict[str, Any] | None = None, stop_below: float | None = None) -> dict[str, Any]:
+    """The same ranks on loopback (no link): the loss against steps; world 1 is one node alone (which may
+    stop at a target: `stop_below`)."""
+    port = free_port()
+    launched = time.time()
+    workers = [subprocess.Popen(worker_command(rank, "127.0.0.1", port, steps, eval_every, world, overrides, "lo",
+                                               stop_below),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for rank in range(world)]
+    return collect(workers, steps, timeout, launched)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m harness.ddp")
+    for name in ("rank", "master", "port", "steps", "eval_every"):
+        parser.add_argument(name, type=str if name == "master" else int)
+    parser.add_argument("--world", type=int, default=WORLD)
+    parser.add_argument("--config", type=json.loads, default=None, help="NodeConfig fields as JSON")
+    parser.add_argument("--iface", default="eth0")
+    parser.add_argument("--stop-below", type=float, default=None, help="world 1: stop at this eval loss")
+    args = parser.parse_args(argv)
+    link_worker(args.rank, args.master, args.port, args.steps, args.eval_every, args.world, args.config, args.iface,
+                args.stop_below)
 
 
 if __name__ == "__main__":
-    link_worker(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    main(sys.argv[1:])

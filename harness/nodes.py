@@ -64,9 +64,10 @@ def stop(node: NodeProcess) -> int | None:
 def node_args(h: int, rounds: int, run_id: str, checkpoint_dir: Path | str, extra: Sequence[str] = (),
               host: str = "127.0.0.1", min_peers: int = WORLD) -> list[str]:
     """`join` flags of a benchmark node: listens on `host`, one torch thread, waits for `min_peers` nodes
-    (all WORLD nodes of a pair unless told otherwise)."""
+    (all WORLD nodes of a pair unless told otherwise). `h` 0: no --inner-steps (rounds by --round-seconds
+    in `extra`)."""
     return ["--listen", f"/ip4/{host}/tcp/0", "--status", "127.0.0.1:0", "--threads", "1",
-            "--max-outer-steps", str(rounds), "--inner-steps", str(h), "--run-id", run_id,
+            "--max-outer-steps", str(rounds), *(["--inner-steps", str(h)] if h else []), "--run-id", run_id,
             "--checkpoint-dir", str(checkpoint_dir), "--min-peers", str(min_peers), *extra]
 
 
@@ -110,7 +111,9 @@ def parse_node_log(node: NodeProcess) -> dict[str, Any]:
                 "bytes_per_param": record.bytes_per_param, "codec_seconds": record.codec_seconds,
                 # as the round's log line shows them: 0 where the round applied no exchange
                 "utilization": record.utilization, "transfer_bytes": record.transfer_bytes or 0,
-                "transfer_seconds": record.transfer_seconds or 0.0})
+                "transfer_seconds": record.transfer_seconds or 0.0,
+                # what the node trained that round (under --round-seconds it varies with its speed)
+                "inner_steps": record.last_round_inner_steps, "tokens": record.last_round_tokens})
         elif kind == "joined":
             parsed["joined"] = {"round": int(event["round"]), "time": float(event["time"]),
                                 "eval_loss": float(event["eval_loss"]),
