@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco_node.launch import LaunchError, NodeProcess
-from harness.bench import RESULTS_DIR, machine_info, pyplot, run_diloco_on_link, work_dir
+from harness.bench import RESULTS_DIR, machine_info, parse_candidate, pyplot, run_diloco_on_link, work_dir
 from harness.corpus import write_stdlib_corpus
 from harness.ddp import run_ddp_local, run_ddp_on_link
 from harness.islands import Islands, require_netns
@@ -220,17 +220,10 @@ def node_row(islands: Islands, sampler: WireSampler, args: argparse.Namespace, w
             "warnings": [w for log in logs for w in log["warnings"]][:20]}
 
 
-def parse_candidate(text: str) -> tuple[str, int, list[str]]:
-    """`H:FLAGS` → (label, H, join options): eager unless FLAGS name another --sync."""
-    h, _, flags = text.partition(":")
-    options = shlex.split(flags)
-    if "--sync" not in options:
-        options = ["--sync", "eager", *options]
-    named = dict(zip(options[::2], options[1:][::2], strict=False))
-    rest = [f"{flag.removeprefix('--').replace('-', ' ')} {value}" for flag, value in named.items()
-            if flag not in ("--sync", "--compression")]
-    label = f"DiLoCo {named['--sync']} {named.get('--compression', 'none')}"
-    return label + (f" ({', '.join(rest)})" if rest else "") + f" H={h}", int(h), options
+def labelled_candidate(text: str) -> tuple[str, int, list[str]]:
+    """`H:FLAGS` → (label naming H, H, join options): rows of several H side by side."""
+    label, h, options = parse_candidate(text)
+    return f"{label} H={h}", h, options
 
 
 # --- to the target -----------------------------------------------------------------------------
@@ -303,7 +296,7 @@ def run(args: argparse.Namespace, work: Path, shared: dict[str, Any], estimated:
                               "--outer-momentum", "0.9"], None, None))
             if "candidates" in args.rows:
                 for candidate in args.candidates.split(";"):
-                    label, h, options = parse_candidate(candidate)
+                    label, h, options = labelled_candidate(candidate)
                     plan.append(("candidates", label, "candidate", h, options, None, None))
             if "noloco" in args.rows:
                 plan.append(("noloco", f"NoLoCo {args.noloco_compression} H={args.noloco_h}", "noloco", args.noloco_h,

@@ -40,7 +40,6 @@ import datetime as dt
 import json
 import math
 import os
-import shlex
 import statistics
 import subprocess
 import time
@@ -49,7 +48,7 @@ from typing import Any
 
 from diloco_node.config import NodeConfig
 from diloco_node.launch import LaunchError
-from harness.bench import RESULTS_DIR, machine_info, pyplot, run_diloco_on_link, work_dir
+from harness.bench import RESULTS_DIR, machine_info, parse_candidate, pyplot, run_diloco_on_link, work_dir
 from harness.ddp import run_ddp_on_link
 from harness.islands import Islands, require_netns
 from harness.nodes import WORLD, final_eval_loss
@@ -175,19 +174,6 @@ def add_payloads(run_: dict[str, Any]) -> None:
             else hit["round"]
         hit["payload_bytes"] = sum(r["sent"] for log in m["run"]["logs"] for r in log["rounds"] if r["round"] <= last)
         hit["payload_ratio"] = ddp["reached"]["payload_bytes"] / max(1, hit["payload_bytes"])
-
-
-def parse_candidate(text: str) -> tuple[str, int, list[str]]:
-    """`H:FLAGS` → (label, H, join options): eager unless FLAGS name another --sync."""
-    h, _, flags = text.partition(":")
-    options = shlex.split(flags)
-    if "--sync" not in options:
-        options = ["--sync", "eager", *options]
-    named = dict(zip(options[::2], options[1:][::2], strict=False))
-    rest = [f"{flag.removeprefix('--').replace('-', ' ')} {value}" for flag, value in named.items()
-            if flag not in ("--sync", "--compression")]
-    label = f"DiLoCo {named['--sync']} {named.get('--compression', 'none')}"
-    return label + (f" ({', '.join(rest)})" if rest else ""), int(h), options
 
 
 def score(method: dict[str, Any]) -> float:

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import platform
+import shlex
 import shutil
 import socket
 import statistics
@@ -34,6 +35,19 @@ from harness.nodes import WORLD, final_eval_loss, node_args, parse_node_log, sta
 from harness.throttle import Throttle
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+def parse_candidate(text: str) -> tuple[str, int, list[str]]:
+    """`H:FLAGS` → (label, H, join options): eager unless FLAGS name another --sync."""
+    h, _, flags = text.partition(":")
+    options = shlex.split(flags)
+    if "--sync" not in options:
+        options = ["--sync", "eager", *options]
+    named = dict(zip(options[::2], options[1:][::2], strict=False))
+    rest = [f"{flag.removeprefix('--').replace('-', ' ')} {value}" for flag, value in named.items()
+            if flag not in ("--sync", "--compression")]
+    label = f"DiLoCo {named['--sync']} {named.get('--compression', 'none')}"
+    return label + (f" ({', '.join(rest)})" if rest else ""), int(h), options
 
 
 @contextlib.contextmanager

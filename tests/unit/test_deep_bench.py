@@ -118,11 +118,11 @@ def test_nodes_stop_once_all_are_at_the_target_after_an_average(deep: ModuleType
     assert deep.reached_in(nodes({1: 5.0, 2: 3.0, 3: 3.5}, {1: 5.0, 2: 4.5, 3: 3.9}), 4.0)
 
 
-def test_parse_candidate_is_eager_unless_told(deep: ModuleType) -> None:
-    label, h, options = deep.parse_candidate("50:--compression int4 --block-size 256")
+def test_labelled_candidate_is_eager_unless_told(deep: ModuleType) -> None:
+    label, h, options = deep.labelled_candidate("50:--compression int4 --block-size 256")
     assert (h, options[:2]) == (50, ["--sync", "eager"])
     assert label == "DiLoCo eager int4 (block size 256) H=50"
-    assert deep.parse_candidate("30:--sync blocking")[2] == ["--sync", "blocking"]
+    assert deep.labelled_candidate("30:--sync blocking")[2] == ["--sync", "blocking"]
 
 
 # --- sizing a run ----------------------------------------------------------------------------
