@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco_node.launch import LaunchError, NodeProcess
-from harness.bench import RESULTS_DIR, machine_info, parse_candidate, pyplot, run_diloco_on_link, work_dir
+from harness.bench import RESULTS_DIR, machine_info, parse_candidate, pyplot, run_diloco_on_link, verdict, work_dir
 from harness.corpus import write_stdlib_corpus
 from harness.ddp import run_ddp_local, run_ddp_on_link
 from harness.islands import Islands, require_netns
@@ -330,14 +330,6 @@ def run(args: argparse.Namespace, work: Path, shared: dict[str, Any], estimated:
 
 def ratio(value: float | None, fmt: str, lower_bound: bool = False) -> str:
     return "–" if value is None else ("≥ " if lower_bound else "") + fmt.format(value)
-
-
-def verdict(measured: float | None, goal: float) -> str:
-    if measured is None:
-        return "**miss** (target loss not reached)"
-    if measured >= goal:
-        return "pass"
-    return f"**miss** ({measured / goal:.2f} of the target: {goal / measured:.1f}x short)"
 
 
 def markdown(payload: dict[str, Any]) -> str:

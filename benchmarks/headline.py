@@ -48,7 +48,7 @@ from typing import Any
 
 from diloco_node.config import NodeConfig
 from diloco_node.launch import LaunchError
-from harness.bench import RESULTS_DIR, machine_info, parse_candidate, pyplot, run_diloco_on_link, work_dir
+from harness.bench import RESULTS_DIR, machine_info, parse_candidate, pyplot, run_diloco_on_link, verdict, work_dir
 from harness.ddp import run_ddp_on_link
 from harness.islands import Islands, require_netns
 from harness.nodes import WORLD, final_eval_loss
@@ -224,14 +224,6 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 # --- report -----------------------------------------------------------------------------------
-
-def verdict(measured: float | None, target: float) -> str:
-    if measured is None:
-        return "**miss** (target loss not reached)"
-    if measured >= target:
-        return "pass"
-    return f"**miss** ({measured / target:.2f} of the target: {target / measured:.1f}x short)"
-
 
 def markdown(payload: dict[str, Any]) -> str:
     run_, args = payload["run"], payload["args"]

@@ -50,6 +50,15 @@ def parse_candidate(text: str) -> tuple[str, int, list[str]]:
     return label + (f" ({', '.join(rest)})" if rest else ""), int(h), options
 
 
+def verdict(measured: float | None, target: float) -> str:
+    """A benchmark's ratio against its target, as its results table says it."""
+    if measured is None:
+        return "**miss** (target loss not reached)"
+    if measured >= target:
+        return "pass"
+    return f"**miss** ({measured / target:.2f} of the target: {target / measured:.1f}x short)"
+
+
 @contextlib.contextmanager
 def work_dir(prefix: str) -> Iterator[Path]:
     """A scratch folder for a benchmark's node logs: removed after a run that succeeds, kept (and
