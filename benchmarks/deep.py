@@ -238,8 +238,11 @@ def reach(row: dict[str, Any], target: float, ddp: dict[str, Any] | None, alone:
     row["reached"] = hit
     if hit is None:
         return
+    for key in ("time_ratio", "bytes_ratio", "alone_ratio", "alone_ratio_at_least"):
+        hit.pop(key, None)  # judged afresh (a report written again from a run's json)
     base = ddp["reached"] if ddp is not None else None
-    if base is not None and row is not ddp:
+    # alone's time (a core of its own) and bytes (none) say nothing against DDP's: its tokens are its figure
+    if base is not None and row["kind"] not in ("ddp", "alone"):
         hit["time_ratio"] = base["seconds"] / max(hit["seconds"], 1e-9)
         hit["bytes_ratio"] = base["bytes"] / max(1, hit["bytes"])
     if alone is not None and row is not alone:
@@ -317,13 +320,24 @@ def run(args: argparse.Namespace, work: Path, shared: dict[str, Any], estimated:
                                         f"target at {hit['seconds']:.0f} s, {hit['bytes']:,} B, "
                                         f"{hit['tokens_per_node']:,.0f} tokens/node, {hit['averaged']} averages"
                                         if hit else f"not reached; best {row['best_eval_loss']:.4f}"), flush=True)
+    judge(rows, target)
+    return {"rate_mbit": args.rate, "raw_tcp_mbit": raw, "target_eval_loss": target, "rows": rows}
+
+
+def judge(rows: list[dict[str, Any]], target: float) -> None:
+    """Every row's point at the target and ratios, and the best candidate marked."""
+    ddp = next((r for r in rows if r["kind"] == "ddp"), None)
+    alone = next((r for r in rows if r["kind"] == "alone"), None)
+    for base in filter(None, (ddp, alone)):  # first: the others' ratios need their points
+        reach(base, target, ddp, None)
     for row in rows:
         reach(row, target, ddp, alone)
     candidates = [r for r in rows if r["kind"] == "candidate"]
+    for row in candidates:
+        row.pop("best", None)
     if candidates:
         best = max(candidates, key=lambda r: (score(r), -r["best_eval_loss"]))
         best["best"] = True
-    return {"rate_mbit": args.rate, "raw_tcp_mbit": raw, "target_eval_loss": target, "rows": rows}
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -445,12 +459,27 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(payload: dict[str, Any], out_dir: Path, name: str, quick: bool) -> str:
+def reproduce(args: dict[str, Any]) -> str:
+    """The command line that ran `args`: the flags whose values differ from the defaults."""
+    if args.get("quick"):
+        return "benchmarks/deep.py --quick"
+    defaults = vars(parse_args([]))
+    flags = []
+    for key, value in args.items():
+        unset = str(value) == str(defaults.get(key))  # a json's paths are strings
+        if unset or key in ("quick", "estimate_only", "out_dir", "report_from", "step_seconds"):
+            continue
+        shown = ",".join(value) if isinstance(value, list) else str(value)
+        flags.append(f"--{key.replace('_', '-')} {shlex.quote(shown)}")
+    return " ".join(["benchmarks/deep.py", *flags])
+
+
+def write_report(payload: dict[str, Any], out_dir: Path, name: str) -> str:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=1))
     text = (f"{markdown(payload)}\n\n## Notes\n\n{notes(payload)}\n\nTotal benchmark time: {payload['seconds']:.0f} s "
             f"(estimated {sum(payload['estimate'].values()):.0f} s). Reproduce (root): `.venv/bin/python "
-            f"benchmarks/deep.py{' --quick' if quick else ''}`. Plot: `{name}.png`.\n")
+            f"{reproduce(payload['args'])}`. Plot: `{name}.png`.\n")
     (out_dir / f"{name}.md").write_text(text)
     plot(payload, out_dir / f"{name}.png")
     return text
@@ -491,6 +520,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--estimate-only", action="store_true", help="prepare the data, time a step, print the "
                                                                      "estimate and exit")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--report-from", type=Path, default=None,
+                        help="write the report (md, png) again from a run's json, running nothing")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.eval_every, args.link_steps, args.corpus_mb = 24, 4, 4, 4.0
@@ -510,6 +541,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     name = f"{NAME}_quick" if args.quick else NAME
+    if args.report_from is not None:
+        payload = json.loads(args.report_from.read_text())
+        judge(payload["run"]["rows"], payload["run"]["target_eval_loss"])
+        print(write_report(payload, args.out_dir, args.report_from.stem))
+        return
     if not args.estimate_only and (problem := require_netns()) is not None:
         raise SystemExit(f"{NAME}: {problem}")
     started = time.monotonic()
@@ -532,7 +568,7 @@ def main() -> None:
                "machine": machine_info(), "data": data, "parameters": calibration["parameters"],
                "step_seconds_alone": args.step_seconds, "estimate": estimated,
                "seconds": time.monotonic() - started, "run": result}
-    text = write_report(payload, args.out_dir, name, args.quick)
+    text = write_report(payload, args.out_dir, name)
     print(f"\n{text}\nresults in {args.out_dir}")
 
 

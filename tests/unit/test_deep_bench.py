@@ -91,6 +91,29 @@ def test_reach_needs_an_average_in_a_node_row_and_takes_ratios(deep: ModuleType)
     assert row["best_eval_loss"] == 3.0
 
 
+def test_judge_leaves_alone_without_ratios_against_ddp_and_marks_one_best(deep: ModuleType) -> None:
+    ddp = {"kind": "ddp", "points": [point(1000, 4.0, 100, 4000, 10**10)]}
+    alone = {"kind": "alone", "points": [point(90, 3.9, 0, 8000, 0)]}
+    slow = {"kind": "candidate", "points": [point(500, 3.9, 9, 4000, 10**6)]}
+    fast = {"kind": "candidate", "points": [point(50, 3.9, 9, 2000, 10**6)], "best": True}
+    rows = [ddp, alone, slow, fast]
+    alone["points"][0]["time_ratio"] = 11.1  # as a run before this rule wrote it: judged afresh
+    deep.judge(rows, 4.0)
+    assert alone["reached"] is not None and not {"time_ratio", "bytes_ratio"} & set(alone["reached"])
+    assert "best" not in slow and fast["best"] is True
+    fast["points"][0]["seconds"] = 5000  # judged again (a report from a json): the other is now the best
+    deep.judge(rows, 4.0)
+    assert slow["best"] is True and "best" not in fast
+
+
+def test_reproduce_names_the_flags_a_run_changed(deep: ModuleType) -> None:
+    args = vars(deep.parse_args(["--steps", "300", "--candidates", "30:--compression int4;60:--compression int4"]))
+    args = {key: str(value) if isinstance(value, Path) else value for key, value in args.items()}  # as in the json
+    assert deep.reproduce(args) == ("benchmarks/deep.py --steps 300 "
+                                    "--candidates '30:--compression int4;60:--compression int4'")
+    assert deep.reproduce({**args, "quick": True}) == "benchmarks/deep.py --quick"
+
+
 def test_reach_against_an_alone_that_never_got_there_is_a_lower_bound(deep: ModuleType) -> None:
     alone = {"kind": "alone", "points": [point(50, 4.5, 0, 4000, 0)]}
     row = {"kind": "noloco", "points": [point(20, 3.9, 1, 1000)]}
