@@ -123,7 +123,8 @@ class PayloadExchange(StreamService):
                     "a %.1fs round = %s%s", round_, size / 1e6, spread.receivers, spread.window, spread.expected,
                     format_rate(spread.rate(size)),
                     f" (under the upload cap {format_rate(cap)})" if pace and cap else
-                    "" if pace else f", over the upload cap {format_rate(cap)}: served at the cap")
+                    "" if pace else f", not under the upload cap {format_rate(cap)} (its streams' share): "
+                                    "served at the cap")
 
     def expect(self, round_: int, group: Sequence[str], ourselves: str, fetched: bool = True) -> None:
         """`group` (ourselves included) averages `round_`: each other member will fetch our payload

@@ -320,7 +320,11 @@ class Swarm:
         if check_digest and self._presence.unanchored():
             # no root of trust: k ≥ 2 forged identities announcing one state would pass the "two
             # agreeing servers" check, so the records must all name one state (docs/architecture.md §9)
-            states = await_one_state(others, AGREEMENT_WAIT_SECONDS if held is not None else 0.0, stop)
+            # a re-sync waits too, a round at most: one snapshot of honest nodes a step apart would
+            # otherwise refuse it round after round while it falls further behind
+            wait = AGREEMENT_WAIT_SECONDS if held is not None else \
+                min(AGREEMENT_WAIT_SECONDS, self.settings.round_timeout)
+            states = await_one_state(others, wait, stop)
             if states > 1 and not stop.is_set():
                 why = (f"the run's records announce {states} different states and no --peers names a node "
                        f"of run {self.settings.run_id} to tell its own from forged ones")

@@ -14,8 +14,8 @@ the link is never more than that much over the rate, so 1-second windows of egre
 next is read, and the sender's TCP window then slows it (a download cap holds on average; the
 first window can carry what the kernel and p2pd had buffered, a few hundred KB).
 
-Everything runs on the streams' event loop; the lock only makes `wait` safe should a caller use
-the bucket from another thread.
+The streams take from the buckets on their event loop; the round thread sets the payload pace's
+rate (swarm/spread.py), so rate and tokens are read and changed under the lock.
 """
 
 from __future__ import annotations
@@ -76,9 +76,9 @@ class TokenBucket:
         """0 when `size` bytes may move now (they are taken); else the seconds until they may (nothing
         is taken). A chunk larger than the burst (slow caps: MIN_CHUNK) goes once a full burst is
         saved and leaves the bucket in debt, which the next chunk waits out."""
-        if self.rate <= 0:
-            return 0.0
-        with self._lock:
+        with self._lock:  # the rate too: set_rate may change it from the round thread (spread.py)
+            if self.rate <= 0:
+                return 0.0
             self._refill()
             needed = min(size, self.capacity)
             if self._tokens >= needed - 1e-9:
@@ -88,8 +88,8 @@ class TokenBucket:
 
     def owe(self, size: int) -> None:
         """`size` bytes moved without waiting (a stream closing with bytes queued): the next wait longer."""
-        if self.rate > 0:
-            with self._lock:
+        with self._lock:
+            if self.rate > 0:
                 self._refill()
                 self._tokens -= size
 

@@ -96,9 +96,12 @@ class Page(HTMLParser):
 
 @pytest.fixture
 def swarm(tmp_path: Path) -> Iterator[list[NodeProcess]]:
-    # two fragments and an upload cap: the fragment timeline and each peer's egress against its cap
-    options = [*FAST, "--run-id", "browser-test", "--min-peers", "2", "--inner-steps", "5", "--checkpoint-dir", "",
-               "--fragments", "2", "--upload-limit", "50mbit"]
+    # two fragments and an upload cap: the fragment timeline and each peer's egress against its cap;
+    # eager, so that each payload is served spread across the round (docs/architecture.md §15): 10
+    # steps a round, so that even on a fast machine the pace (a fragment over 3/4 of the first inner
+    # phase) stays under the cap
+    options = [*FAST, "--run-id", "browser-test", "--min-peers", "2", "--inner-steps", "20", "--checkpoint-dir", "",
+               "--fragments", "2", "--upload-limit", "50mbit", "--sync", "eager"]
     first = NodeProcess("a", options, tmp_path).start()
     nodes = [first]
     try:
@@ -167,6 +170,12 @@ def test_dashboard_shows_the_swarm(swarm: list[NodeProcess], tmp_path: Path) -> 
         if changed != first_live:
             break
     assert changed != first_live, (first_live, changed)
+    # the rates come from payloads served across the round at a pace under the cap, said once by each
+    for node in swarm:
+        spread = re.search(r"serving each payload across the round: [\d.]+ MB x 1 receiver\(s\) over [\d.]+s of a "
+                           r"[\d.]+s round = [\d.]+ [kMG]?bit/s \(under the upload cap 50 Mbit/s\)", node.log_text())
+        assert spread, node.log_text()[-3000:]
+        assert node.log_text().count("serving each payload across the round") == 1
     assert any(value > 0 for value in [*first_live.values(), *changed.values()]), (first_live, changed)
     # the same rates in /metrics, one series per peer (the other node's id) beside the total
     metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()

@@ -359,7 +359,7 @@ def test_a_joiner_with_no_anchor_refuses_a_state_the_records_dispute(monkeypatch
     never = threading.Event()
     # bootstrapped from a DHT-only peer: no anchor, no proof; the forged records announce their own state
     presence = presence_seeing(monkeypatch, [honest("a"), *forged(sybils)])
-    seam = SimpleNamespace(_presence=presence, settings=SimpleNamespace(run_id="run"), _state=None,
+    seam = SimpleNamespace(_presence=presence, settings=SimpleNamespace(run_id="run", round_timeout=1.0), _state=None,
                            _streams=SimpleNamespace(run=None))
     assert presence.unanchored()
     with pytest.raises(DisputedState, match="name one of its nodes with --peers"):
@@ -378,3 +378,23 @@ def test_a_joiner_with_no_anchor_refuses_a_state_the_records_dispute(monkeypatch
     # honest nodes a step apart agree again within the wait
     views = iter([[honest("a"), dataclasses.replace(honest("b"), served_round=ROUND + 1, served_digest="next")]])
     assert await_one_state(lambda: {r.peer_id: r for r in next(views, [honest("a"), honest("b")])}, 5, never) == 1
+
+
+def test_a_resync_with_no_anchor_waits_up_to_a_round_for_the_records_to_agree(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A node that fell behind long enough to hold no proof re-syncs unanchored: one snapshot of honest
+    nodes a step apart must not refuse it round after round, so it waits too (a round at most)."""
+    from types import SimpleNamespace
+
+    from diloco_node.swarm import facade
+    from diloco_node.swarm.facade import Swarm
+
+    waits: list[float] = []
+    monkeypatch.setattr(facade, "await_one_state", lambda _others, wait, _stop: waits.append(wait) or 1)
+    monkeypatch.setattr(facade, "download_run_state", lambda *_args: "downloaded")
+    presence = presence_seeing(monkeypatch, [honest("a"), honest("b")])
+    seam = SimpleNamespace(_presence=presence, settings=SimpleNamespace(run_id="run", round_timeout=7.0), _state=None,
+                           _streams=SimpleNamespace(run=None))
+    assert presence.unanchored()
+    assert Swarm.download_state(seam, 1, threading.Event(), check_digest=True) == "downloaded"  # type: ignore[arg-type]
+    assert Swarm.download_state(seam, 1, threading.Event(), check_digest=True, held=(0, "seed")) == "downloaded"  # type: ignore[arg-type]
+    assert waits == [7.0, facade.AGREEMENT_WAIT_SECONDS]  # a re-sync: a round; a fresh joiner: the full wait
