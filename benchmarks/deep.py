@@ -36,7 +36,8 @@ launching the row's processes), wire bytes to it (tx counters of the 4 islands' 
 node and outer averages in the model by then, and the ratios against DDP and against alone.
 
 Run as root: `.venv/bin/python benchmarks/deep.py` (see the estimate it prints first; `--rows` and
-`--steps` size it); `--quick` is a smoke test (a short budget, a smaller batch, ~6 minutes). Results:
+`--steps` size it); `--add-to benchmarks/results/deep.json --rows candidates --candidates ...` runs
+more rows against a run's target and adds them to its report; `--report-from` writes a report again; `--quick` is a smoke test (a short budget, a smaller batch, ~6 minutes). Results:
 benchmarks/results/deep.{json,md,png} (--quick: deep_quick.*).
 """
 
@@ -417,6 +418,10 @@ def notes(payload: dict[str, Any]) -> str:
                  "at or below it, and φ holding at least one average). Bytes: tx counters of the four islands' veth "
                  f"links, sampled every {args['sample_seconds']:g} s. Tokens per node: the mean over the nodes of "
                  "the tokens their round records say they trained.")
+    for added in payload.get("added", []):
+        lines.append(f"Added by a later invocation on the same machine ({added['date']}, raw TCP "
+                     f"{added['raw_tcp_mbit']:.2f} Mbit/s, {added['seconds']:.0f} s): {', '.join(added['rows'])}; "
+                     f"`.venv/bin/python {added['reproduce']}`.")
     lines.append("Machine load (1-minute load average before / after each row): " + ", ".join(
         f"{r['method']} {r['load_average'][0]:.1f} / {r['load_average'][1]:.1f}" for r in run_["rows"]) + ".")
     return "\n".join(f"- {line}" for line in lines)
@@ -467,10 +472,12 @@ def reproduce(args: dict[str, Any]) -> str:
     flags = []
     for key, value in args.items():
         unset = str(value) == str(defaults.get(key))  # a json's paths are strings
-        if unset or key in ("quick", "estimate_only", "out_dir", "report_from", "step_seconds"):
+        if unset or key in ("quick", "estimate_only", "out_dir", "report_from", "step_seconds", "target"):
             continue
         shown = ",".join(value) if isinstance(value, list) else str(value)
         flags.append(f"--{key.replace('_', '-')} {shlex.quote(shown)}")
+    if args.get("target") is not None and args.get("add_to") is None:
+        flags.append(f"--target {args['target']}")
     return " ".join(["benchmarks/deep.py", *flags])
 
 
@@ -522,6 +529,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--report-from", type=Path, default=None,
                         help="write the report (md, png) again from a run's json, running nothing")
+    parser.add_argument("--add-to", type=Path, default=None,
+                        help="run --rows against that run's json (its data, model, budget and target) and add them "
+                             "to its report")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.eval_every, args.link_steps, args.corpus_mb = 24, 4, 4, 4.0
@@ -533,9 +543,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown rows {', '.join(sorted(unknown))} (known: {', '.join(ROWS)})")
     args.rows = [row for row in ROWS if row in args.rows.split(",")]
-    if "ddp" not in args.rows and args.target is None:
+    if args.add_to is not None and {"ddp", "alone"} & set(args.rows):
+        parser.error("--add-to adds node rows to a run that has its ddp and alone rows")
+    if "ddp" not in args.rows and args.target is None and args.add_to is None:
         parser.error("without the ddp row, give the target loss (--target)")
     return args
+
+
+# what a run's rows are measured on: an added row takes these from the run it is added to
+SHAPE = ("model", "vocab_size", "corpus_mb", "seq_len", "batch_size", "eval_batches", "warmup_steps", "rate", "steps",
+         "max_token_factor", "sample_seconds")
+
+
+def add_rows(base: dict[str, Any], added: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """`base` (a run's payload) with the rows of `added` (a later run against its target) among its
+    own, judged again, and a note of the addition."""
+    rows = base["run"]["rows"] + added["rows"]
+    judge(rows, base["run"]["target_eval_loss"])
+    base["run"]["rows"] = rows
+    base.setdefault("added", []).append({
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "rows": [r["method"] for r in added["rows"]],
+        "reproduce": reproduce({k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                                if k not in SHAPE}),
+        "raw_tcp_mbit": added["raw_tcp_mbit"], "seconds": added["seconds"]})
+    return base
 
 
 def main() -> None:
@@ -546,6 +577,12 @@ def main() -> None:
         judge(payload["run"]["rows"], payload["run"]["target_eval_loss"])
         print(write_report(payload, args.out_dir, args.report_from.stem))
         return
+    base = None
+    if args.add_to is not None:
+        base = json.loads(args.add_to.read_text())
+        name, args.target = args.add_to.stem, base["run"]["target_eval_loss"]
+        for key in SHAPE:
+            setattr(args, key, base["args"][key])
     if not args.estimate_only and (problem := require_netns()) is not None:
         raise SystemExit(f"{NAME}: {problem}")
     started = time.monotonic()
@@ -563,6 +600,11 @@ def main() -> None:
         return
     with work_dir(f"{NAME}_work_") as work:
         result = run(args, work, shared, estimated)
+    if base is not None:
+        result["seconds"] = time.monotonic() - started
+        text = write_report(add_rows(base, result, args), args.out_dir, name)
+        print(f"\n{text}\nresults in {args.out_dir}")
+        return
     payload = {"benchmark": NAME, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "machine": machine_info(), "data": data, "parameters": calibration["parameters"],

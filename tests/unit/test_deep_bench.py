@@ -114,6 +114,24 @@ def test_reproduce_names_the_flags_a_run_changed(deep: ModuleType) -> None:
     assert deep.reproduce({**args, "quick": True}) == "benchmarks/deep.py --quick"
 
 
+def test_rows_added_to_a_run_are_judged_with_its_own_and_noted(deep: ModuleType, tmp_path: Path) -> None:
+    ddp = {"kind": "ddp", "points": [point(1000, 4.0, 100, 4000, 10**10)]}
+    alone = {"kind": "alone", "points": [point(90, 3.9, 0, 8000, 0)]}
+    int4 = {"kind": "candidate", "method": "int4", "points": [point(500, 3.9, 9, 4000, 10**8)]}
+    base = {"run": {"rows": [ddp, alone, int4], "target_eval_loss": 4.0}, "args": {}}
+    deep.judge(base["run"]["rows"], 4.0)
+    sign = {"kind": "candidate", "method": "sign", "points": [point(400, 3.9, 9, 4000, 10**7)]}
+    args = deep.parse_args(["--rows", "candidates", "--add-to", str(tmp_path / "deep.json"),
+                            "--candidates", "30:--compression sign"])
+    merged = deep.add_rows(base, {"rows": [sign], "raw_tcp_mbit": 9.6, "seconds": 600.0}, args)
+    assert [r["method"] for r in merged["run"]["rows"] if r.get("best")] == ["sign"]  # fewer bytes: the best now
+    assert sign["reached"]["time_ratio"] == pytest.approx(2.5)  # against the run's own DDP
+    added = merged["added"][0]
+    assert added["rows"] == ["sign"] and "--add-to" in added["reproduce"] and "--rows candidates" in added["reproduce"]
+    with pytest.raises(SystemExit):
+        deep.parse_args(["--rows", "ddp,candidates", "--add-to", "deep.json"])
+
+
 def test_reach_against_an_alone_that_never_got_there_is_a_lower_bound(deep: ModuleType) -> None:
     alone = {"kind": "alone", "points": [point(50, 4.5, 0, 4000, 0)]}
     row = {"kind": "noloco", "points": [point(20, 3.9, 1, 1000)]}
