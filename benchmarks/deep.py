@@ -37,7 +37,8 @@ node and outer averages in the model by then, and the ratios against DDP and aga
 
 Run as root: `.venv/bin/python benchmarks/deep.py` (see the estimate it prints first; `--rows` and
 `--steps` size it); `--add-to benchmarks/results/deep.json --rows candidates --candidates ...` runs
-more rows against a run's target and adds them to its report; `--report-from` writes a report again; `--quick` is a smoke test (a short budget, a smaller batch, ~6 minutes). Results:
+more rows against a run's target and adds them to its report; `--report-from` writes a report
+again; `--quick` is a smoke test (a short budget, a smaller batch, ~6 minutes). Results:
 benchmarks/results/deep.{json,md,png} (--quick: deep_quick.*).
 """
 
