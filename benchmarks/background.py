@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from diloco_node.launch import NodeProcess
-from harness.bench import RESULTS_DIR, machine_info, work_dir, write_results
+from harness.bench import RESULTS_DIR, machine_info, unwind_on_sigterm, work_dir, write_results
 from harness.islands import Islands, require_netns
 from harness.nodes import WORLD, node_args, start_node, stop
 from harness.wire import wire_bytes
@@ -56,6 +56,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, float]:
 
 
 def main() -> None:
+    unwind_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", type=float, default=10.0, help="link rate in Mbit/s")
     parser.add_argument("--inner-steps", type=int, default=3000, help="long enough to outlast the window")

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco_node.rates import format_rate, parse_rate
-from harness.bench import RESULTS_DIR, machine_info, work_dir, write_results
+from harness.bench import RESULTS_DIR, machine_info, unwind_on_sigterm, work_dir, write_results
 from harness.islands import Islands, require_netns
 from harness.nodes import final_eval_loss, node_args, parse_node_log, start_node, stop
 from harness.wire import WireSampler, windows
@@ -146,6 +146,7 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
+    unwind_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2, help="rounds of P = 1 (P runs P times as many)")
     parser.add_argument("--inner-steps", type=int, default=16, help="H: inner steps per exchange of a fragment")

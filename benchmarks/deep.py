@@ -37,7 +37,7 @@ node and outer averages in the model by then, and the ratios against DDP and aga
 
 Run as root: `.venv/bin/python benchmarks/deep.py` (see the estimate it prints first; `--rows` and
 `--steps` size it); `--add-to benchmarks/results/deep.json --rows candidates --candidates ...` runs
-more rows against a run's target and adds them to its report; `--report-from` writes a report
+more rows against a run's target and adds them to its report; `--report-only` writes the report
 again; `--quick` is a smoke test (a short budget, a smaller batch, ~6 minutes). Results:
 benchmarks/results/deep.{json,md,png} (--quick: deep_quick.*).
 """
@@ -60,7 +60,16 @@ from pathlib import Path
 from typing import Any
 
 from diloco_node.launch import LaunchError, NodeProcess
-from harness.bench import RESULTS_DIR, machine_info, parse_candidate, pyplot, run_diloco_on_link, verdict, work_dir
+from harness.bench import (
+    RESULTS_DIR,
+    machine_info,
+    parse_candidate,
+    pyplot,
+    run_diloco_on_link,
+    unwind_on_sigterm,
+    verdict,
+    work_dir,
+)
 from harness.corpus import write_stdlib_corpus
 from harness.ddp import run_ddp_local, run_ddp_on_link
 from harness.islands import Islands, require_netns
@@ -473,7 +482,7 @@ def reproduce(args: dict[str, Any]) -> str:
     flags = []
     for key, value in args.items():
         unset = str(value) == str(defaults.get(key))  # a json's paths are strings
-        if unset or key in ("quick", "estimate_only", "out_dir", "report_from", "step_seconds", "target"):
+        if unset or key in ("quick", "estimate_only", "out_dir", "report_only", "step_seconds", "target"):
             continue
         shown = ",".join(value) if isinstance(value, list) else str(value)
         flags.append(f"--{key.replace('_', '-')} {shlex.quote(shown)}")
@@ -528,8 +537,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--estimate-only", action="store_true", help="prepare the data, time a step, print the "
                                                                      "estimate and exit")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--report-from", type=Path, default=None,
-                        help="write the report (md, png) again from a run's json, running nothing")
+    parser.add_argument("--report-only", action="store_true", help="rewrite the md and png from the JSON of a run")
     parser.add_argument("--add-to", type=Path, default=None,
                         help="run --rows against that run's json (its data, model, budget and target) and add them "
                              "to its report")
@@ -571,12 +579,13 @@ def add_rows(base: dict[str, Any], added: dict[str, Any], args: argparse.Namespa
 
 
 def main() -> None:
+    unwind_on_sigterm()
     args = parse_args()
     name = f"{NAME}_quick" if args.quick else NAME
-    if args.report_from is not None:
-        payload = json.loads(args.report_from.read_text())
+    if args.report_only:  # judged again, the tables, notes and plot again from the run's JSON
+        payload = json.loads((args.out_dir / f"{name}.json").read_text())
         judge(payload["run"]["rows"], payload["run"]["target_eval_loss"])
-        print(write_report(payload, args.out_dir, args.report_from.stem))
+        print(write_report(payload, args.out_dir, name))
         return
     base = None
     if args.add_to is not None:

@@ -48,7 +48,16 @@ from typing import Any
 
 from diloco_node.config import NodeConfig
 from diloco_node.launch import LaunchError
-from harness.bench import RESULTS_DIR, machine_info, parse_candidate, pyplot, run_diloco_on_link, verdict, work_dir
+from harness.bench import (
+    RESULTS_DIR,
+    machine_info,
+    parse_candidate,
+    pyplot,
+    run_diloco_on_link,
+    unwind_on_sigterm,
+    verdict,
+    work_dir,
+)
 from harness.ddp import run_ddp_on_link
 from harness.islands import Islands, require_netns
 from harness.nodes import WORLD, final_eval_loss
@@ -417,6 +426,7 @@ def write_report(payload: dict[str, Any], out_dir: Path, name: str, quick: bool)
 
 
 def main() -> None:
+    unwind_on_sigterm()
     args = parse_args()
     name = f"{NAME}_quick" if args.quick else NAME
     if args.report_only:  # the tables, notes and plot again from the run's JSON

@@ -19,7 +19,7 @@ import statistics
 import time
 from typing import Any
 
-from harness.bench import RESULTS_DIR, machine_info
+from harness.bench import RESULTS_DIR, machine_info, unwind_on_sigterm
 from harness.docker import (
     GATEWAYS,
     NODES,
@@ -70,6 +70,7 @@ def measure(sync: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
+    unwind_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--h", type=int, default=20, help="inner steps per round")

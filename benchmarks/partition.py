@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.bench import RESULTS_DIR, machine_info, pyplot
+from harness.bench import RESULTS_DIR, machine_info, pyplot, unwind_on_sigterm
 from harness.islands import IslandNode, Islands, node_options, require_netns
 from harness.nodes import agreed_round
 
@@ -110,6 +110,7 @@ def plot(payload: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
+    unwind_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--h", type=int, default=20)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco_node.config import NodeConfig
-from harness.bench import RESULTS_DIR, machine_info, pyplot, run_diloco_on_link
+from harness.bench import RESULTS_DIR, machine_info, pyplot, run_diloco_on_link, unwind_on_sigterm
 from harness.ddp import run_ddp, run_ddp_on_link
 from harness.islands import Islands, require_netns
 from harness.nodes import WORLD
@@ -138,6 +138,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    unwind_on_sigterm()
     args = parse_args()
     if (problem := require_netns()) is not None:
         raise SystemExit(f"wide_area: {problem}")

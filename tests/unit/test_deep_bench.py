@@ -101,7 +101,7 @@ def test_judge_leaves_alone_without_ratios_against_ddp_and_marks_one_best(deep: 
     deep.judge(rows, 4.0)
     assert alone["reached"] is not None and not {"time_ratio", "bytes_ratio"} & set(alone["reached"])
     assert "best" not in slow and fast["best"] is True
-    fast["points"][0]["seconds"] = 5000  # judged again (a report from a json): the other is now the best
+    fast["points"][0]["seconds"] = 5000  # judged again (--report-only): the other is now the best
     deep.judge(rows, 4.0)
     assert slow["best"] is True and "best" not in fast
 
