@@ -445,12 +445,13 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
     keys = (("seconds", "wall-clock seconds from launch (log)", 1.0),
             ("bytes", "MB on the wire, four links (log)", 1e6),
-            ("tokens_per_node", "tokens per node (log)", 1.0))
-    for row in run_["rows"]:
+            ("tokens_per_node", "thousand tokens per node", 1e3))
+    for index, row in enumerate(run_["rows"]):
         if not row["points"]:
             continue
+        # one colour per row in every panel (alone has no place on the bytes panel's log axis)
         style = {"marker": "." if row["kind"] in ("ddp", "alone") else "o", "markersize": 3,
-                 "linewidth": 2.5 if row.get("best") else 1.2}
+                 "linewidth": 2.5 if row.get("best") else 1.2, "color": f"C{index % 10}"}
         label = row["method"] + (" (best)" if row.get("best") else "")
         for ax, (key, _, scale) in zip(axes, keys, strict=True):
             if key == "bytes" and row["kind"] == "alone":
@@ -458,9 +459,10 @@ def plot(payload: dict[str, Any], path: Path) -> None:
             ax.plot([max(p[key], 1) / scale for p in row["points"]], [p["eval_loss"] for p in row["points"]],
                     label=label, **style)
     lowest = min((p["eval_loss"] for r in run_["rows"] for p in r["points"]), default=0.0)
-    for ax, (_, xlabel, _) in zip(axes, keys, strict=True):
+    for ax, (key, xlabel, _) in zip(axes, keys, strict=True):
         ax.axhline(run_["target_eval_loss"], color="grey", linestyle="--", linewidth=1, label="target (DDP's loss)")
-        ax.set_xscale("log")
+        if key != "tokens_per_node":  # tokens: every row within a few times of the others, on a linear axis
+            ax.set_xscale("log")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("held-out eval loss (nats/token)")
         ax.set_ylim(lowest - 0.1, run_["target_eval_loss"] + 2.0)
