@@ -58,6 +58,7 @@ NORM_CLIP_MULTIPLE = 1.25  # a contribution longer than this many reference norm
 # against either member's own Δ (an attacker can cancel a step, never reverse it).
 PAIR_CLIP_MULTIPLE = 1.0
 TOKEN_CAP_MULTIPLE = 1.0  # declared tokens count at most this many times the group's typical count
+FAR_OVER_BOUND = 2.0  # a clip of a contribution this many times the bound or more is logged as a warning
 # NoLoCo's φ̄: how far (in reference norms of Δ) a member's φ may pull from ours. φs differ by the
 # drift of several rounds, not one Δ, so this stays wider than the Δ clip.
 PHI_RADIUS_MULTIPLE = 4.0
@@ -154,7 +155,10 @@ def _clipped(finite: list[Contribution], norms: torch.Tensor,
     vectors, scaled = [], []
     for contribution, norm in zip(finite, norms, strict=True):
         if len(finite) > 1 and norm > limit:
-            logger.warning("clipped contribution from peer=%s: norm %.3g > %.3g", contribution.peer_id, norm, limit)
+            # a little over the bound is ordinary between honest peers (a pair clips the longer Δ
+            # every round); far over it is worth the operator's attention
+            level = logging.WARNING if norm > FAR_OVER_BOUND * limit else logging.INFO
+            logger.log(level, "clipped contribution from peer=%s: norm %.3g > %.3g", contribution.peer_id, norm, limit)
             vectors.append(contribution.pseudo_gradient * float(limit / norm))
             scaled.append(contribution.peer_id)
         else:

@@ -43,6 +43,14 @@ def test_in_a_pair_the_longer_is_clipped_to_the_shorter_norm() -> None:
     assert mean.tolist() == pytest.approx([0.5, 0.5])
 
 
+def test_a_clip_a_little_over_the_bound_is_information_far_over_it_a_warning(caplog) -> None:  # type: ignore[no-untyped-def]
+    caplog.set_level("INFO", logger=aggregate_module.__name__)
+    aggregate([c("us", 1, 1, 0), c("them", 1, 0, 1.2)])  # an honest pair: the longer Δ clipped every round
+    aggregate([c("us", 1, 1, 0), c("far", 1, 0, 1000)])
+    levels = {record.getMessage().split(":")[0]: record.levelname for record in caplog.records}
+    assert levels == {"clipped contribution from peer=them": "INFO", "clipped contribution from peer=far": "WARNING"}
+
+
 def test_an_honest_pair_with_equal_norms_clips_nothing() -> None:
     result = aggregate([c("a", 1, 1, 2), c("b", 1, 2, 1)])
     assert result.mean.tolist() == pytest.approx([1.5, 1.5]) and result.clipped == ()
