@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -47,8 +48,9 @@ def test_a_clip_a_little_over_the_bound_is_information_far_over_it_a_warning(cap
     caplog.set_level("INFO", logger=aggregate_module.__name__)
     aggregate([c("us", 1, 1, 0), c("them", 1, 0, 1.2)])  # an honest pair: the longer Δ clipped every round
     aggregate([c("us", 1, 1, 0), c("far", 1, 0, 1000)])
-    levels = {record.getMessage().split(":")[0]: record.levelname for record in caplog.records}
-    assert levels == {"clipped contribution from peer=them": "INFO", "clipped contribution from peer=far": "WARNING"}
+    levels = {record.getMessage().split(":")[0]: record.levelno for record in caplog.records}
+    assert levels == {"clipped contribution from peer=them": logging.INFO,
+                      "clipped contribution from peer=far": logging.WARNING}
 
 
 def test_an_honest_pair_with_equal_norms_clips_nothing() -> None:
