@@ -11,6 +11,7 @@ once per peer and reason. `send`/`receive` are the length-prefixed framing of ev
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -238,6 +239,12 @@ class StreamService(ABC):
                 return
             try:
                 await handler(info, reader, writer)
+            except asyncio.CancelledError:
+                # the node is stopping (its loop cancels what runs): end quietly. Left to propagate,
+                # hivemind's stream callback asks the cancelled task for its exception and asyncio
+                # logs that as an error with a traceback (seen: a stop while serving a joiner's state)
+                with contextlib.suppress(Exception):  # a transport already torn down
+                    writer.close()
             finally:
                 self._limits.release(peer)
         return limited

@@ -207,3 +207,25 @@ def test_a_capped_transfer_lowers_the_least_rate_a_download_keeps_but_not_withou
     assert announced_rate(b'{"sharing": true, "rate": 125000}') == 125_000
     for header in (b'{"rate": -1}', b'{"rate": true}', b'{"rate": "1"}', b'[1]', b'not json', b'{}'):
         assert announced_rate(header) is None
+
+
+def test_a_handler_cancelled_by_a_stop_ends_quietly_and_frees_its_slot() -> None:
+    """A stop cancels the handlers that run: the wrapper ends the stream and returns, since a cancelled
+    handler task makes asyncio log a traceback from hivemind's stream callback."""
+    from types import SimpleNamespace
+
+    from diloco_node.swarm.streams import StreamService
+
+    closed: list[bool] = []
+
+    class Serving(StreamService):
+        async def _serve(self, info, reader, writer) -> None:  # type: ignore[no-untyped-def]
+            raise asyncio.CancelledError
+
+    unpaced = SimpleNamespace(reader=lambda r: r, writer=lambda w: w)
+    uncounted = SimpleNamespace(count=lambda *_, **__: None)
+    streams = SimpleNamespace(p2p=None, loop=None, throttle=unpaced, traffic=uncounted)
+    service = Serving(streams, "test")  # type: ignore[arg-type]
+    writer = SimpleNamespace(close=lambda: closed.append(True))
+    assert asyncio.run(service._limited(service._serve)(SimpleNamespace(peer_id="p"), None, writer)) is None
+    assert closed == [True] and service._limits.open_streams() == 0
