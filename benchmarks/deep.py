@@ -566,6 +566,11 @@ SHAPE = ("model", "vocab_size", "corpus_mb", "seq_len", "batch_size", "eval_batc
          "max_token_factor", "sample_seconds")
 
 
+def json_args(args: argparse.Namespace) -> dict[str, Any]:
+    """`args` as a run's json keeps them (paths as strings)."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+
+
 def add_rows(base: dict[str, Any], added: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """`base` (a run's payload) with the rows of `added` (a later run against its target) among its
     own, judged again, and a note of the addition."""
@@ -574,8 +579,7 @@ def add_rows(base: dict[str, Any], added: dict[str, Any], args: argparse.Namespa
     base["run"]["rows"] = rows
     base.setdefault("added", []).append({
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "rows": [r["method"] for r in added["rows"]],
-        "reproduce": reproduce({k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-                                if k not in SHAPE}),
+        "reproduce": reproduce({k: v for k, v in json_args(args).items() if k not in SHAPE}),
         "raw_tcp_mbit": added["raw_tcp_mbit"], "seconds": added["seconds"]})
     return base
 
@@ -614,14 +618,12 @@ def main() -> None:
         result = run(args, work, shared, estimated)
     if base is not None:
         result["seconds"] = time.monotonic() - started
-        text = write_report(add_rows(base, result, args), args.out_dir, name)
-        print(f"\n{text}\nresults in {args.out_dir}")
-        return
-    payload = {"benchmark": NAME, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-               "machine": machine_info(), "data": data, "parameters": calibration["parameters"],
-               "step_seconds_alone": args.step_seconds, "estimate": estimated,
-               "seconds": time.monotonic() - started, "run": result}
+        payload = add_rows(base, result, args)
+    else:
+        payload = {"benchmark": NAME, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                   "args": json_args(args), "machine": machine_info(), "data": data,
+                   "parameters": calibration["parameters"], "step_seconds_alone": args.step_seconds,
+                   "estimate": estimated, "seconds": time.monotonic() - started, "run": result}
     text = write_report(payload, args.out_dir, name)
     print(f"\n{text}\nresults in {args.out_dir}")
 

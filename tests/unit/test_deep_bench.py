@@ -107,8 +107,8 @@ def test_judge_leaves_alone_without_ratios_against_ddp_and_marks_one_best(deep: 
 
 
 def test_reproduce_names_the_flags_a_run_changed(deep: ModuleType) -> None:
-    args = vars(deep.parse_args(["--steps", "300", "--candidates", "30:--compression int4;60:--compression int4"]))
-    args = {key: str(value) if isinstance(value, Path) else value for key, value in args.items()}  # as in the json
+    args = deep.json_args(deep.parse_args(["--steps", "300", "--candidates",
+                                           "30:--compression int4;60:--compression int4"]))  # as in the json
     assert deep.reproduce(args) == ("benchmarks/deep.py --steps 300 "
                                     "--candidates '30:--compression int4;60:--compression int4'")
     assert deep.reproduce({**args, "quick": True}) == "benchmarks/deep.py --quick"
