@@ -183,11 +183,13 @@ class Swarm:
         """Why `peer` may not fetch our payload of `round_` (None: it may). Once our group is known:
         its members, and joiners a member vouched for (they complete rounds their server had in
         flight). Before: any verified node of the run, since our matchmaking may still be running
-        or have failed one-sided (matchmaking.py)."""
+        or have failed one-sided (matchmaking.py), and joiners we served: they complete the rounds we
+        had in flight, and their first record may not have reached us yet."""
         if why := self.gate.refusal(peer, token):
             return why
         if group is None:
-            verified = self._presence.known(peer) or self._presence.recent_peers().get(peer)
+            verified = self._presence.vouched(peer) or self._presence.known(peer) or \
+                self._presence.recent_peers().get(peer)
             return None if verified else "not a verified node of this run"
         if peer in group:
             return None
@@ -299,7 +301,7 @@ class Swarm:
     def _shared_state(self, peer: str, metadata: dict[str, Any]) -> None:
         """A joiner we served is vouched for: the barrier waits for it in its first round
         (swarm/proofs.py), and one handed rounds in flight fetches those rounds' payloads from our group."""
-        self._presence.vouch(peer)
+        self._presence.vouch(peer, metadata["round"])
 
     def download_state(self, timeout: float, stop: threading.Event, check_digest: bool,
                        held: tuple[int, str] | None = None, catch_up: CatchUp | None = None,

@@ -52,6 +52,11 @@ NEWCOMER_GRACE = 0.5
 # trusted partners are ready: a forged record drawn into our group costs this much, not the round
 # timeout; an honest partner we never met that is later than this misses the round with us.
 STRANGER_GRACE = 0.1
+# A joiner we served publishes its record only once our state is installed, a second or more after
+# the serve, while our barrier of the round it joins may come sooner: that barrier waits this long
+# (and at most the newcomer's grace) for the record, once per joiner (proofs.Proofs.newcomers). A
+# blocking pair whose barrier went on without it averaged that round alone on both sides (φ split).
+JOINER_RECORD_SECONDS = 10.0
 # A request from a peer we do not know reads the records again at most this often: fresh peer ids
 # cannot make us read the DHT (under its lock) once per request (docs/architecture.md §9)
 UNKNOWN_PEER_READ_SECONDS = 2.0
@@ -112,6 +117,7 @@ class Presence:
         # record from the last one: one lock, so neither loses the other's field
         self._record_lock = threading.Lock()
         self._record = NodeRecord(peer_id, fingerprint, 0, -1, "", admission=gate.token, client=client)
+        self._served_in: dict[str, int] = {}  # joiners we served: the round we were at (JOINER_RECORD_SECONDS)
         self._stats: dict[str, Any] = {}
         # monotonic times of our last store of the record, read of the records, store of our config
         self._published_at = self._read_at = self._config_published_at = -math.inf
@@ -156,16 +162,27 @@ class Presence:
             self._record = dataclasses.replace(self._record,
                                                exchanged_round=max(round_, self._record.exchanged_round))
 
-    def vouch(self, peer: str) -> None:
+    def vouch(self, peer: str, round_: int | None = None) -> None:
         """`peer` took our state: the barrier waits for it in its first round (proofs.py), and it
         may fetch the payloads of rounds we had in flight from our group, which serves them only to
-        members and to those a member vouches for."""
+        members and to those a member vouches for. `round_`: the round of the state it took, its
+        first (our record's by default)."""
         with self._record_lock:
+            self._served_in.pop(peer, None)
+            self._served_in[peer] = self._record.round if round_ is None else round_
+            while len(self._served_in) > records.MAX_VOUCHED:
+                del self._served_in[next(iter(self._served_in))]
             if self._record.vouched[-1:] == (peer,):
                 return  # said already: a peer asking again costs us no store
             vouched = [p for p in self._record.vouched if p != peer][-(records.MAX_VOUCHED - 1):] + [peer]
             self._record = dataclasses.replace(self._record, vouched=tuple(vouched))
             self._publish()
+
+    def vouched(self, peer: str) -> bool:
+        """Whether `peer` took our state (see `vouch`), as our own record says now: before the
+        joiner's first record reaches us, or ours reaches the DHT."""
+        with self._record_lock:
+            return peer in self._record.vouched
 
     def prove(self, round_: int, peers: Collection[str]) -> None:
         """`peers`' checked contributions went into the mean we applied in `round_` (proofs.py); our
@@ -289,7 +306,8 @@ class Presence:
         (nobody else is in the run), BEHIND (others already finished this round) or STOPPED
         (the node was asked to stop while waiting).
         """
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         pauses = polls()
         counted_ready_at: float | None = None  # when every counted peer was ready, the others aside
         while True:
@@ -300,6 +318,14 @@ class Presence:
             pending = {*(newcomers if late <= NEWCOMER_GRACE * timeout else ()),
                        *(strangers if late <= STRANGER_GRACE * timeout else ())}
             state = round_state(others.values(), round_, counted, pending)
+            if state == Outcome.TOGETHER and (unseen := self._unseen_joiners(others, round_, among)):
+                if time.monotonic() - started < min(JOINER_RECORD_SECONDS, NEWCOMER_GRACE * timeout):
+                    if stop.wait(next(pauses)):
+                        return Outcome.STOPPED
+                    continue
+                logger.info("round=%d not waiting longer for newcomer %s: no record of it at this round",
+                            round_, ", ".join(sorted(unseen)))
+                self.proofs.late_newcomers(round_, unseen)
             if state != Outcome.WAITING:
                 for word, peers in (("newcomer", newcomers - pending), ("unproven partner", strangers - pending)):
                     if unready := sorted(p for p in peers if others[p].ready_round < round_):
@@ -317,6 +343,18 @@ class Presence:
                 return Outcome.TIMEOUT
             if stop.wait(next(pauses)):
                 return Outcome.STOPPED
+
+    def _unseen_joiners(self, others: dict[str, NodeRecord], round_: int, among: Collection[str] | None) -> set[str]:
+        """Joiners we served while at `round_` whose record does not show that round yet (they are
+        still installing our state), each waited for as a newcomer: once, and not while a late
+        newcomer is unproven (proofs.Proofs.newcomers). NoLoCo's drawn groups (`among`) are drawn
+        from records: a joiner without one is in none."""
+        if among is not None:
+            return set()
+        with self._record_lock:
+            served = [p for p, at in self._served_in.items() if at == round_]
+        unseen = [p for p in served if p not in others or others[p].round < round_]
+        return self.proofs.newcomers(unseen, round_) if unseen else set()
 
     def round_state(self, round_: int, among: Collection[str] | None = None) -> Outcome:
         """Where the others (of `among`, when given) stand on `round_` right now; see `round_state`."""

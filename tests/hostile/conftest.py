@@ -52,7 +52,7 @@ def report(nodes: list[NodeProcess]) -> str:
 def spawn(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[NodeFactory]:
     """integration's `spawn`, reporting at the end what the attack cost the nodes it started."""
     started: list[NodeProcess] = []
-    factory = integration.spawn.__wrapped__(tmp_path)  # type: ignore[attr-defined]
+    factory = integration.spawn.__wrapped__(tmp_path, request)  # type: ignore[attr-defined]
     start = next(factory)
 
     def spawn_and_track(*args, **kwargs) -> NodeProcess:  # type: ignore[no-untyped-def]

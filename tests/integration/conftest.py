@@ -29,11 +29,22 @@ def starter(tmp_path: Path, started: list[NodeProcess]) -> NodeFactory:
     return start
 
 
+def tell_if_failed(request: pytest.FixtureRequest, nodes: list[NodeProcess]) -> None:
+    """Every node's last log lines when the test failed (tests/conftest.py): the failure itself
+    shows only the node it waited on, and a flake in CI is read from this report alone."""
+    report = getattr(request.node, "rep_call", None)
+    if report is None or not report.failed:
+        return
+    for node in nodes:
+        print(f"\n--- {node.name}: last log lines ---\n{node.tail(60)}")
+
+
 @pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[NodeFactory]:
+def spawn(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[NodeFactory]:
     """Start nodes; whatever a test leaves running is killed afterwards."""
     started: list[NodeProcess] = []
     yield starter(tmp_path, started)
+    tell_if_failed(request, started)
     for node in started:
         node.kill()
 

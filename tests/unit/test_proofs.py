@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import pytest
 
@@ -398,3 +399,44 @@ def test_a_resync_with_no_anchor_waits_up_to_a_round_for_the_records_to_agree(mo
     assert Swarm.download_state(seam, 1, threading.Event(), check_digest=True) == "downloaded"  # type: ignore[arg-type]
     assert Swarm.download_state(seam, 1, threading.Event(), check_digest=True, held=(0, "seed")) == "downloaded"  # type: ignore[arg-type]
     assert waits == [7.0, facade.AGREEMENT_WAIT_SECONDS]  # a re-sync: a round; a fresh joiner: the full wait
+
+
+def test_a_joiner_we_served_fetches_our_payload_before_its_record_reaches_us(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A joiner completes the rounds its server had in flight (outer/overlapped.py, inherit). When
+    our matchmaking failed, our group is unknown for a while and only verified nodes may fetch; a
+    joiner's first record may not have reached us yet, and refusing it split φ between us for good
+    (it lost a round we applied alone). Having served it our state vouches for it."""
+    from types import SimpleNamespace
+
+    from diloco_node.swarm.facade import Swarm
+
+    presence = presence_seeing(monkeypatch, [honest("a")])
+    seam = SimpleNamespace(_presence=presence, gate=SimpleNamespace(refusal=lambda _peer, _token: None))
+    assert Swarm._may_fetch_payload(seam, "a", 3, "", None) is None  # type: ignore[arg-type]
+    assert Swarm._may_fetch_payload(seam, "joiner", 3, "", None) == "not a verified node of this run"  # type: ignore[arg-type]
+    presence.vouch("joiner")
+    assert Swarm._may_fetch_payload(seam, "joiner", 3, "", None) is None  # type: ignore[arg-type]
+    assert Swarm._may_fetch_payload(seam, "stranger", 3, "", None) == "not a verified node of this run"  # type: ignore[arg-type]
+
+
+def test_the_barrier_waits_for_the_record_of_a_joiner_we_just_served(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A joiner publishes its record only once our state is installed; a barrier that went on
+    without it (a record copying ours is always ready) left both of a blocking pair averaging that
+    round alone: φ split (seen in CI). The barrier waits for the record, the newcomer's grace at most."""
+    seen = [honest("copy")]
+    presence = presence_seeing(monkeypatch, [])
+    monkeypatch.setattr(records, "fetch", lambda _dht, _run: ({r.peer_id: r for r in seen}, {}))
+    presence.announce(ROUND, ROUND - 1, "d", HONEST_SERVED)
+    presence.vouch("joiner", ROUND)
+    threading.Timer(0.6, lambda: seen.append(honest("joiner"))).start()
+    started = time.monotonic()
+    assert presence.wait_for_round(ROUND, timeout=60, stop=threading.Event()) == Outcome.TOGETHER
+    assert time.monotonic() - started >= 0.6
+    assert not presence.strangers_only(ROUND), "the joiner is worth a matchmaking window"
+    # one that never shows up costs the grace (half the timeout here), once
+    presence.vouch("taker", ROUND + 1)
+    presence.announce(ROUND + 1, ROUND, "d", HONEST_SERVED)
+    seen[:] = [dataclasses.replace(honest("copy"), round=ROUND + 1, ready_round=ROUND + 1)]
+    started = time.monotonic()
+    assert presence.wait_for_round(ROUND + 1, timeout=2, stop=threading.Event()) == Outcome.TOGETHER
+    assert 1.0 <= time.monotonic() - started < 3.0
