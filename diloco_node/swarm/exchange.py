@@ -193,11 +193,13 @@ class PayloadExchange(StreamService):
             with self._offers_changed:
                 meta, payload = (offer.meta(), offer.payload) if offer else (b"{}", b"")
                 pace = self._pace if offer and offer.paced and self._pace.rate > 0 else None
+            if asked.group_only:
+                payload = b""
             await send(writer, meta)
             await send_paced(writer, payload, pace)
             # served only once the fetcher says it read everything (its end closes either way)
             acknowledged = await asyncio.wait_for(reader.read(1), timeout=10) == RECEIVED
-            if acknowledged and offer is not None:
+            if acknowledged and offer is not None and not asked.group_only:
                 with self._offers_changed:
                     offer.served.add(str(info.peer_id))
                     offer.awaited.discard(str(info.peer_id))
@@ -211,17 +213,21 @@ class PayloadExchange(StreamService):
 
     # --- fetching -----------------------------------------------------------------------------
 
-    def fetch_all(self, peers: Sequence[str], round_: int, timeout: float) -> dict[str, Fetched | None]:
-        """Each peer's payload for `round_`, or None where it failed, timed out or had none."""
+    def fetch_all(self, peers: Sequence[str], round_: int, timeout: float,
+                  group_only: bool = False) -> dict[str, Fetched | None]:
+        """Each peer's payload for `round_`, or None where it failed, timed out or had none;
+        `group_only`: its tokens and group, with an empty payload (a poll for a group being formed
+        must not move the payload each time: a joiner polling through its server's 20-s matchmaking
+        moved 53 MB of a 1.6 MB payload)."""
         async def fetch_every() -> list[Fetched | None]:
-            return await asyncio.gather(*(self._fetch(peer, round_, timeout) for peer in peers))
+            return await asyncio.gather(*(self._fetch(peer, round_, timeout, group_only) for peer in peers))
         try:
             results = self.streams.run(fetch_every(), timeout=timeout + 5)
         except TimeoutError:
             results = [None] * len(peers)
         return dict(zip(peers, results, strict=True))
 
-    async def _fetch(self, peer: str, round_: int, timeout: float) -> Fetched | None:
+    async def _fetch(self, peer: str, round_: int, timeout: float, group_only: bool = False) -> Fetched | None:
         """One peer's payload; a transient failure is retried for a while, since one lost payload
         splits φ: a stream cut short, or the daemon not reaching a peer whose link just came back
         (seen after a partition healed: ControlFailure, and the group's φ split)."""
@@ -231,7 +237,7 @@ class PayloadExchange(StreamService):
         while True:
             attempt += 1
             try:
-                return await self._fetch_once(peer, round_, max(deadline - self.loop.time(), 1.0))
+                return await self._fetch_once(peer, round_, max(deadline - self.loop.time(), 1.0), group_only)
             except (asyncio.IncompleteReadError, ConnectionError, P2PDaemonError) as exc:
                 if self.loop.time() >= give_up:
                     return self._failed(peer, round_, exc)
@@ -245,10 +251,13 @@ class PayloadExchange(StreamService):
     def _failed(peer: str, round_: int, exc: Exception) -> None:
         logger.warning("round=%d could not fetch payload from peer=%s: %s", round_, peer, type(exc).__name__)
 
-    async def _fetch_once(self, peer: str, round_: int, timeout: float) -> Fetched | None:
+    async def _fetch_once(self, peer: str, round_: int, timeout: float, group_only: bool = False) -> Fetched | None:
         reader, writer = await self._open(peer, self.name, timeout)
         try:
-            request = json.dumps({"round": round_, "admission": self._token}).encode()
+            asked: dict[str, Any] = {"round": round_, "admission": self._token}
+            if group_only:
+                asked["group_only"] = True
+            request = json.dumps(asked).encode()
             await send(writer, request)
             meta = await receive(reader, MAX_META_BYTES, timeout)
             payload = await receive(reader, self._max_payload, timeout)
@@ -258,10 +267,11 @@ class PayloadExchange(StreamService):
             writer.close()
         self.streams.count(sent=HEADER_LEN + len(request) + len(RECEIVED),
                            received=2 * HEADER_LEN + len(meta) + len(payload))
-        if not payload:
+        fields = parse_json(meta)
+        if not payload and not (group_only and fields):  # no offer: its meta is empty too
             return None
-        tokens, group = _parse_meta(parse_json(meta))
-        return Fetched(payload, tokens, group)
+        tokens, group = _parse_meta(fields)
+        return Fetched(b"" if group_only else payload, tokens, group)
 
 
 def _parse_meta(meta: Any) -> tuple[float, tuple[str, ...] | None]:

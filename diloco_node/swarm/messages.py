@@ -62,6 +62,7 @@ class PayloadRequest:
 
     round: int
     token: str
+    group_only: bool = False  # the offer's tokens and group, no payload: a joiner polling for a group
 
 
 def parse_payload_request(data: bytes) -> PayloadRequest | str:
@@ -69,9 +70,10 @@ def parse_payload_request(data: bytes) -> PayloadRequest | str:
     if fields is None:
         return "malformed request"
     round_, token = _round(fields.get("round")), _token(fields.get("admission", ""))
-    if round_ is None or token is None:
+    group_only = fields.get("group_only", False)
+    if round_ is None or token is None or not isinstance(group_only, bool):
         return "malformed request"
-    return PayloadRequest(round_, token)
+    return PayloadRequest(round_, token, group_only)
 
 
 @dataclass(frozen=True)

@@ -103,21 +103,23 @@ class Transfer:
         flight when it shared its state. Empty when `member` has not formed that group (yet)."""
         deadline = time.monotonic() + self.settings.round_timeout
         while True:  # its group is known once its matchmaking has ended, which may still be under way
-            first = self._exchange.fetch_all([member], round_, self.settings.round_timeout).get(member)
-            if first is None or (first.group is not None and member in first.group):
+            probe = self._exchange.fetch_all([member], round_, self.settings.round_timeout,
+                                             group_only=True).get(member)
+            if probe is None or (probe.group is not None and member in probe.group):
                 break
             if time.monotonic() > deadline:
                 break
             time.sleep(GROUP_POLL_SECONDS)
-        if first is None or first.group is None or member not in first.group:
+        if probe is None or probe.group is None or member not in probe.group:
             return Gathered(Outcome.ALONE, round_)
-        if self.by_butterfly(first.group):
+        group = probe.group
+        if self.by_butterfly(group):
             return self._parts_held_by(member, round_, deadline)
-        others = [peer for peer in first.group if peer not in (member, self.peer_id)]
-        fetched = {member: first, **self._exchange.fetch_all(others, round_, self.settings.round_timeout)}
-        if self.peer_id in first.group:  # a re-sync mid-round: the round in flight is one we averaged in
+        others = [peer for peer in group if peer != self.peer_id]
+        fetched = self._exchange.fetch_all(others, round_, self.settings.round_timeout)
+        if self.peer_id in group:  # a re-sync mid-round: the round in flight is one we averaged in
             fetched[self.peer_id] = self._exchange.own(round_)
-        missing = sorted(peer for peer in first.group if fetched.get(peer) is None)
+        missing = sorted(peer for peer in group if fetched.get(peer) is None)
         if missing:  # a mean over fewer payloads is not the one `member` applied: lost, and said so
             logger.warning("round=%d the payloads of %s in peer=%s's group are gone; its mean cannot be "
                            "completed", round_, ", ".join(missing), member)

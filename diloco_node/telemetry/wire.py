@@ -41,7 +41,10 @@ SAMPLE_SECONDS = 1.0
 FRESH_SECONDS = 0.5  # `refresh` reuses a sample this young, so a flood of readers can't flood the kernel
 # The egress and ingress rates shown against the caps (docs/architecture.md §14) are measured over
 # the last samples spanning at least this long: one second would swing with each burst of a round.
-RATE_SECONDS = 3.0
+# The span of our streams' own rates (peer_traffic.WINDOW_SAMPLES), so the two "now" figures agree;
+# at 3 s a pair exchanging every ~3 s read 4 Mbit/s, then 0.05, then 4 again as a window fell
+# between two exchanges.
+RATE_SECONDS = 5.0
 ETHERNET_HEADER = 14  # what Linux interface counters (and the veth ground truth) include per frame
 TCP_HEADER, TCP_TIMESTAMPS = 20, 12
 _INET_DIAG_INFO = 2  # the tcp_info extension of an inet_diag request

@@ -129,6 +129,26 @@ def test_an_awaited_offer_is_dropped_in_the_end(pair: tuple[PayloadExchange, Pay
 def test_nothing_offered_fetches_as_none(pair: tuple[PayloadExchange, PayloadExchange, str, str]) -> None:
     _, fetching, offering_id, _ = pair
     assert fetching.fetch_all([offering_id], 7, timeout=10) == {offering_id: None}
+    assert fetching.fetch_all([offering_id], 7, timeout=10, group_only=True) == {offering_id: None}
+
+
+def test_a_poll_for_the_group_moves_no_payload(pair: tuple[PayloadExchange, PayloadExchange, str, str]) -> None:
+    """A joiner completing its server's round polls for the server's group while its matchmaking
+    runs (transfer.group_of): each poll used to fetch the whole payload (53 MB of a 1.6 MB payload
+    through one 20-s matchmaking), and counted as a fetch of it."""
+    offering, fetching, offering_id, fetching_id = pair
+    payload = b"x" * 100_000
+    offering.offer(1, payload, 320.0)
+    for _ in range(3):
+        assert fetching.fetch_all([offering_id], 1, timeout=10, group_only=True) == \
+            {offering_id: Fetched(b"", 320.0, None)}
+    assert offering.streams.bytes_sent < len(payload), "no poll carried the payload"
+    assert offering.served(1, timeout=0.2) == set(), "a poll is no fetch of the payload"
+    offering.expect(1, [offering_id, fetching_id], offering_id)
+    group = tuple(sorted([offering_id, fetching_id]))
+    polled = fetching.fetch_all([offering_id], 1, timeout=10, group_only=True)
+    assert polled == {offering_id: Fetched(b"", 320.0, group)}
+    assert fetching.fetch_all([offering_id], 1, timeout=10) == {offering_id: Fetched(payload, 320.0, group)}
 
 
 @pytest.mark.parametrize("meta", [[], {}, {"tokens": 0}, {"tokens": -3.0}, {"tokens": float("nan")},

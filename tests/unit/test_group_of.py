@@ -18,14 +18,27 @@ GROUP = ("a", "b", "me")
 class Exchange:
     """Each peer's offer of round 7; `gone`: peers whose offer cannot be fetched."""
 
-    def __init__(self, gone: tuple[str, ...] = ()) -> None:
-        self.gone = gone
+    def __init__(self, gone: tuple[str, ...] = (), forming: int = 0) -> None:
+        """`forming`: how many asks find the group not formed yet."""
+        self.gone, self.forming = gone, forming
+        self.payloads_fetched: list[str] = []
 
     def offered(self, peer: str) -> Fetched:
         return Fetched(peer.encode(), 10.0, GROUP)
 
-    def fetch_all(self, peers: list[str], round_: int, timeout: float) -> dict[str, Fetched | None]:
-        return {peer: None if peer in self.gone else self.offered(peer) for peer in peers}
+    def fetch_all(self, peers: list[str], round_: int, timeout: float,
+                  group_only: bool = False) -> dict[str, Fetched | None]:
+        if not group_only:
+            self.payloads_fetched += peers
+        fetched: dict[str, Fetched | None] = {}
+        for peer in peers:
+            offer = None if peer in self.gone else self.offered(peer)
+            if offer is not None:
+                offer = Fetched(b"" if group_only else offer.payload, offer.tokens,
+                                None if self.forming else offer.group)
+            fetched[peer] = offer
+        self.forming = max(self.forming - 1, 0)
+        return fetched
 
     def own(self, round_: int) -> Fetched | None:
         return None if "me" in self.gone else self.offered("me")
@@ -50,3 +63,16 @@ def test_a_group_missing_a_payload_is_not_completed_with_fewer() -> None:
     for gone in (("b",), ("me",)):  # another member's offer is gone, or ours (a restarted process)
         gathered = transfer(Exchange(gone)).group_of(7, "a")
         assert gathered.outcome == Outcome.ALONE and not gathered.payloads
+
+
+def test_polling_for_a_group_being_formed_moves_no_payload(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Each poll for the server's group used to fetch its whole payload (53 MB of a 1.6 MB payload
+    through one 20-s matchmaking); now the polls ask for the group only, and each member's payload
+    is fetched once, when the group is known."""
+    from diloco_node.swarm import transfer as transfer_module
+
+    monkeypatch.setattr(transfer_module, "GROUP_POLL_SECONDS", 0.0)
+    exchange = Exchange(forming=5)
+    gathered = transfer(exchange).group_of(7, "a")
+    assert payloads(gathered) == {"a": b"a", "b": b"b", "me": b"me"}
+    assert sorted(exchange.payloads_fetched) == ["a", "b"]

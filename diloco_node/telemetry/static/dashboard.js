@@ -83,7 +83,7 @@ function renderStatus(s) {
 }
 
 // --- the link against the caps (live) ------------------------------------------------------------
-// The egress and ingress rates the node measures on its wire (the last 3 s, DHT and headers
+// The egress and ingress rates the node measures on its wire (the last 5 s, DHT and headers
 // included), against --upload-limit and --download-limit, one point per poll.
 
 const LINK_SAMPLES = 150;  // 5 minutes of polls
