@@ -179,10 +179,10 @@ class Presence:
             self._publish()
 
     def vouched(self, peer: str) -> bool:
-        """Whether `peer` took our state (see `vouch`), as our own record says now: before the
-        joiner's first record reaches us, or ours reaches the DHT."""
+        """Whether `peer` took our state (see `vouch`; the same last MAX_VOUCHED peers our record
+        lists), known here before the joiner's first record reaches us or ours reaches the DHT."""
         with self._record_lock:
-            return peer in self._record.vouched
+            return peer in self._served_in
 
     def prove(self, round_: int, peers: Collection[str]) -> None:
         """`peers`' checked contributions went into the mean we applied in `round_` (proofs.py); our
