@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 # An inner phase that would start with less than this share of T left runs to the grid point after:
 # a blocking exchange ending just before a grid point would otherwise leave a round of a few steps
@@ -44,6 +44,21 @@ def deadline(now: float, seconds: float) -> float:
 def barrier_timeout(seconds: float, round_timeout: float) -> float:
     """How long the barrier waits for peers in a round of `seconds` (see BARRIER_SHARE)."""
     return min(round_timeout, max(BARRIER_FLOOR, BARRIER_SHARE * seconds))
+
+
+def warmup_pace(step: int, own_steps: int, others_tokens: Iterable[float], tokens_per_step: int,
+                warmup_steps: int) -> int:
+    """Where our learning-rate schedule stands after a round under --round-seconds: during the warmup
+    it moves on by the most steps one member of the group trained that round (its declared tokens in
+    our steps), not only by our `own_steps`, so a slow node leaves its warmup in the same round as
+    the fastest one instead of spending many rounds at a small lr, with a short Δ that becomes the
+    median norm longer Δs are clipped to (docs/architecture.md §13, "Warmup"). Past the warmup the
+    step is left alone: the decay follows the run's rounds. A declaration that is not a finite
+    positive number counts for nothing."""
+    if step >= warmup_steps:
+        return step
+    fastest = max((t for t in others_tokens if math.isfinite(t) and t > 0), default=0.0)
+    return max(step, min(warmup_steps, step - own_steps + int(fastest // tokens_per_step)))
 
 
 class StepClock:

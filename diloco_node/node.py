@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 
-from diloco_node.budget import Claims, StepClock, deadline
+from diloco_node.budget import Claims, StepClock, deadline, warmup_pace
 from diloco_node.compose import Parts
 from diloco_node.export import export_info
 from diloco_node.outer.fragments import Drift, codec_state
@@ -122,7 +122,9 @@ class Node:
             self.swarm.share_state()
             return
         if report.result is not None:  # whose checked work went into the mean we applied (swarm/proofs.py)
-            self.swarm.prove(self.state.round, self._credible(report.result))
+            credible = self._credible(report.result)
+            self.swarm.prove(self.state.round, credible)
+            self._keep_pace(report.result, credible, len(losses))
         if report.diverged:  # our Δ was still a fine direction to contribute; our φ is what must be replaced
             logger.warning("round=%d our φ differs from the swarm's; re-syncing after this round", self.state.round)
             self.sync_from_peers()
@@ -133,6 +135,19 @@ class Node:
         # after announcing, so our own row carries this round's stats
         self.parts.reporter.swarm_table(self.swarm.peer_stats(), self.swarm.peer_id, self.replica.peak_memory())
         self.swarm.share_state()
+
+    def _keep_pace(self, result: AverageResult, credible: list[str], steps: int) -> None:
+        """Under --round-seconds, our warmup goes on at the pace of the group's fastest credible member
+        (budget.warmup_pace). A butterfly member sees no declarations and keeps its own pace."""
+        if not self.cfg.round_seconds:
+            return
+        declared = dict(result.declared)
+        paced = warmup_pace(self.inner_step, steps, (declared[peer] for peer in credible if peer in declared),
+                            self.cfg.batch_size * self.cfg.seq_len, self.cfg.warmup_steps)
+        if paced > self.inner_step:
+            assert self.replica is not None
+            self.inner_step = paced
+            self.replica.advance_schedule(paced)
 
     def _credible(self, result: AverageResult) -> list[str]:
         """The round's group less the peers whose payloads declared more tokens than their own records

@@ -15,7 +15,8 @@ Aggregators (`--aggregator`):
   token-weighted mean of each Δ_m − v clipped to the reference norm: a peer far from the
   others moves v by at most that norm times its share, however far it is.
 
-The reference norm is the group's median norm. In a group of two the median is the mean of the two
+The reference norm is the group's median norm (the middle element of the sorted norms, the upper one
+of an even group, as the token cap's median declaration). In a group of two the median is the mean of the two
 norms, which a single huge contribution drags up with it, so there it is the smaller norm: the same
 on both sides, so an honest pair stays bit-equal whatever its norms. A pair cannot tell which of
 the two lies, so there the clip is the smaller norm itself (PAIR_CLIP_MULTIPLE): both count alike
@@ -195,7 +196,10 @@ def reference_norm(norms: list[float]) -> float:
 
 
 def _reference_norm(norms: torch.Tensor) -> torch.Tensor:
-    return norms.min() if len(norms) == 2 else norms.median()
+    # the middle element, as token_cap takes it: with an even group (torch's lower median would be the
+    # one below) half the group slower than the rest made ρ a slow node's norm, and a fast node's Δ
+    # was clipped to 1.25 of the slowest's (docs/architecture.md §13, "Warmup")
+    return norms.min() if len(norms) == 2 else norms.sort().values[len(norms) // 2]
 
 
 def _weighted(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from diloco_node.outer import aggregate as aggregate_module
-from diloco_node.outer.aggregate import Contribution, aggregate, bounded_phi_mean
+from diloco_node.outer.aggregate import Contribution, aggregate, bounded_phi_mean, reference_norm, token_cap
 
 
 def c(peer: str, tokens: float, *values: float) -> Contribution:
@@ -25,6 +25,15 @@ def test_token_weighted_mean_without_clipping() -> None:
     # (2·[1,0] + 1·[0,1] + 2·[0.6,0.6]) / 5
     mean = robust_weighted_mean([c("a", 2, 1, 0), c("b", 1, 0, 1), c("c", 2, 0.6, 0.6)])
     assert mean.tolist() == pytest.approx([0.64, 0.44])
+
+
+def test_the_reference_norm_is_the_middle_element_the_token_cap_takes() -> None:
+    """Four nodes at speeds 1, 1, 2, 4 with Δ norms to match: ρ is the 2x node's norm, as the cap is
+    its declaration; the lower median (a 1x node's) clipped the 4x node to 1.25 of the slowest."""
+    assert reference_norm([4.0, 1.0, 2.0, 1.1]) == 2.0
+    assert token_cap([4.0, 1.0, 2.0, 1.1], None) == 2.0
+    assert reference_norm([3.0, 1.0, 2.0]) == 2.0  # odd: the one median
+    assert reference_norm([5.0, 1.0]) == 1.0  # a pair: the smaller
 
 
 def test_a_long_contribution_is_clipped_to_a_quarter_more_than_the_median_norm() -> None:

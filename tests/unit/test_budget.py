@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from diloco_node.budget import BARRIER_FLOOR, MIN_SHARE, StepClock, barrier_timeout, deadline
+from diloco_node.budget import BARRIER_FLOOR, MIN_SHARE, StepClock, barrier_timeout, deadline, warmup_pace
 from diloco_node.config import build_config
 from diloco_node.round import Outcome
 from diloco_node.train.inner import InnerConfig, budget_lr_at, lr_at
@@ -317,3 +317,33 @@ def test_claims_are_judged_by_the_most_a_peers_records_showed_and_said_once() ->
         claims.saw({f"p{n}": 1.0})
         claims.first_doubt(f"p{n}")
     assert len(claims.most) <= Claims.MAX_PEERS and len(claims.said) <= Claims.MAX_PEERS
+
+
+# --- warmup at the fastest member's pace ---------------------------------------------------------
+
+TOKENS_PER_STEP = 16 * 128
+
+
+@pytest.mark.parametrize(("step", "own", "others", "expected"), [
+    (4, 4, [4 * TOKENS_PER_STEP], 4),  # alike: our own steps, as before
+    (4, 4, [30 * TOKENS_PER_STEP, 8 * TOKENS_PER_STEP], 30),  # a 1x node beside a 7.5x one keeps its pace
+    (4, 4, [30 * TOKENS_PER_STEP + TOKENS_PER_STEP - 1], 30),  # whole steps only
+    (44, 4, [30 * TOKENS_PER_STEP], 50),  # never past the warmup
+    (50, 4, [30 * TOKENS_PER_STEP], 50),  # past it: left alone (the decay follows the rounds)
+    (120, 4, [300 * TOKENS_PER_STEP], 120),
+    (4, 4, [], 4),  # alone, or a butterfly member: no declarations
+    (4, 4, [1 * TOKENS_PER_STEP], 4),  # slower members never hold us back
+    (4, 4, [math.inf, math.nan, -1e9, 0.0], 4),  # a declaration that is no number of tokens counts for nothing
+])
+def test_warmup_goes_on_at_the_fastest_members_pace(step: int, own: int, others: list[float], expected: int) -> None:
+    assert warmup_pace(step, own, others, TOKENS_PER_STEP, warmup_steps=50) == expected
+
+
+def test_slow_and_fast_nodes_leave_the_warmup_in_the_same_round() -> None:
+    """Steps 4 and 30 a round, warmup 50: by their own steps the slow node would warm up over 13 rounds
+    and the fast one over 2; at the fastest member's pace both are warm from round 2 on."""
+    slow = fast = 0
+    for round_ in range(3):
+        slow = warmup_pace(slow + 4, 4, [30 * TOKENS_PER_STEP], TOKENS_PER_STEP, 50)
+        fast = warmup_pace(fast + 30, 30, [4 * TOKENS_PER_STEP], TOKENS_PER_STEP, 50)
+        assert (slow >= 50) == (fast >= 50) == (round_ >= 1)
