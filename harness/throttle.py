@@ -72,7 +72,8 @@ class Throttle:
             used = self._run_until(allowed, end)
             if used is None:
                 return
-            # the ticks' rounding and a poll's lag are paid back next period, not lost or gained
+            # an overdraft (a poll's lag, the ticks' rounding) is paid back next period; time the node
+            # left unused (waiting on the network) is not saved up for a burst later
             credit = max(-self.period, min(0.0, allowed - used)) if used >= allowed else 0.0
             left = end - time.monotonic()
             if left > 0 and used >= allowed:
