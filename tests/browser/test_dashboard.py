@@ -172,8 +172,11 @@ def test_dashboard_shows_the_swarm(swarm: list[NodeProcess], tmp_path: Path) -> 
     assert changed != first_live, (first_live, changed)
     # the rates come from payloads served across the round at a pace under the cap, said once by each
     for node in swarm:
+        # (a node whose first round was a fraction of a second, as a round alone at start-up can be, finds
+        # that pace over the cap and says it serves at the cap instead: the same line, the other ending)
         spread = re.search(r"serving each payload across the round: [\d.]+ MB x 1 receiver\(s\) over [\d.]+s of a "
-                           r"[\d.]+s round = [\d.]+ [kMG]?bit/s \(under the upload cap 50 Mbit/s\)", node.log_text())
+                           r"[\d.]+s round = [\d.]+ [kMG]?bit/s( \(under the upload cap 50 Mbit/s\)|, not under the "
+                           r"upload cap 50 Mbit/s \(its streams' share\): served at the cap)", node.log_text())
         assert spread, node.log_text()[-3000:]
         assert node.log_text().count("serving each payload across the round") == 1
     assert any(value > 0 for value in [*first_live.values(), *changed.values()]), (first_live, changed)
