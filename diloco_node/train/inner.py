@@ -60,8 +60,9 @@ def lr_at(step: int, cfg: InnerConfig) -> float:
 def budget_lr_at(step: int, progress: float, cfg: InnerConfig) -> float:
     """Learning rate under --round-seconds (docs/architecture.md §13), where nodes take different
     numbers of steps per round: warmup by this node's own steps ``step`` (it exists for its own AdamW
-    moments), times a cosine by the run's ``progress`` in [0, 1] (the round over --max-outer-steps, the
-    same on every node whatever its speed):
+    moments; the round loop moves ``step`` on at the group's fastest pace meanwhile, budget.warmup_pace),
+    times a cosine by the run's ``progress`` in [0, 1] (the round over --max-outer-steps, the same on
+    every node whatever its speed):
 
         lr · min(1, (step + 1) / warmup_steps) · (r + (1 − r)·½·(1 + cos(π·progress)))
 
