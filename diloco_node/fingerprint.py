@@ -13,7 +13,7 @@ from typing import Any
 # The version of what nodes exchange: DHT records, payload and stream formats, the round protocol.
 # It is part of every fingerprint, so nodes of different versions refuse each other with a message
 # naming it instead of misreading each other. Raise it with any change to those formats.
-PROTOCOL = 4
+PROTOCOL = 5
 
 
 def fingerprint_of(fields: dict[str, Any]) -> str:

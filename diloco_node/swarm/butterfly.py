@@ -16,11 +16,14 @@ connection (behind a NAT) can still push its parts and receive the averaged ones
 part. A part whose owner vanished is asked of the other members (any that received it holds the
 same bytes); when nobody has it, every member skips it alike.
 
-Before a member applies the parts, it compares them with the group (docs/architecture.md §9): it
-asks every other member for the hash of each averaged part it holds (and tells its own). A part is
-kept only where every member that answered holds it with the same hash: an owner that sent
-different bytes to different members, or a part some member lacks, is skipped by each member that
-compared, and outer/verify.py then checks what is kept against the declared contributions.
+An owner seals each averaged part it answers (seals.py), and a member takes no part its owner did
+not seal. Before a member applies the parts, it compares them with the group (docs/architecture.md
+§9): it asks every other member for the sealed hash of each averaged part it holds (and tells its
+own). A part is kept only where the members other than its owner hold one sealed version of it: a
+member that lacks it fetches it from one that holds it, and two sealed versions (an owner that sent
+different bytes to different members) make every member skip it. Only what the owner sealed counts
+and the owner's own word counts for nothing, so no single member can make two others decide
+differently. outer/verify.py then checks what is kept against the declared contributions.
 """
 
 from __future__ import annotations
@@ -35,7 +38,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diloco_node.round import PartIn, PartSource, Reduced, part_bounds
-from diloco_node.swarm.messages import hash_list, parse_digests_request, parse_part_request, parse_push, parse_report
+from diloco_node.swarm.messages import (
+    Told,
+    parse_digests_request,
+    parse_part_request,
+    parse_push,
+    parse_report,
+    told_list,
+)
+from diloco_node.swarm.seals import Seal, Sealer, parse_seal, sealed_by, statement
 from diloco_node.swarm.streams import HEADER_LEN, PEER_FAILURES, Streams, StreamService, receive, send
 
 logger = logging.getLogger(__name__)
@@ -44,6 +55,9 @@ MAX_REQUEST_BYTES = 1 << 16  # round, part, tokens, norms, the group's peer ids 
 # An owner's report: per used peer its id and declaration (M + 2 floats), so ~M² floats in all:
 # groups up to about 100 members
 MAX_REPORT_BYTES = 1 << 18
+# A member's sealed hashes: ~840 bytes a part (hash, signature, the owner's public key), so the
+# same groups up to about 300
+MAX_HASHES_BYTES = 1 << 18
 KEPT_ROUNDS = 4  # rounds whose parts we hold (late members, joiners completing a round in flight)
 PART_RECOVERY_SECONDS = 10.0  # how long a member asks the others for a part whose owner vanished
 # A push waits this long beyond the owners' wait for parts: the owner reduces when its wait ends and
@@ -78,13 +92,14 @@ class _Round:
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)  # our part is reduced, or we will not reduce one
     held: dict[int, tuple[bytes, dict[str, Any]]] = field(default_factory=dict)  # averaged parts we hold
+    seals: dict[int, Seal] = field(default_factory=dict)  # their owners' seals
     awaited: set[str] = field(default_factory=set)  # members that pushed and have not read our answer yet
     unwritten: set[str] = field(default_factory=set)  # members whose answer we have not written yet
     written: asyncio.Event = field(default_factory=asyncio.Event)  # `unwritten` is empty
     owning: tuple[str, ...] = ()  # the part owners, in part order
     finished: bool = False  # our exchange of the round has ended: what we hold is all we will hold
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # `finished` is set: our hashes are final
-    told: dict[str, tuple[str | None, ...]] = field(default_factory=dict)  # member → the part hashes it told us
+    told: dict[str, tuple[Told | None, ...]] = field(default_factory=dict)  # member → the part hashes it told us
     asked: set[str] = field(default_factory=set)  # members we answered our hashes to
     answered: asyncio.Event = field(default_factory=asyncio.Event)  # `asked` grew
 
@@ -96,8 +111,8 @@ def digest(part: tuple[bytes, dict[str, Any]]) -> str:
 
 
 def _without_serving_keys(report: dict[str, Any]) -> dict[str, Any]:
-    """An owner's report as its owner answered it, without what a member adds when serving it."""
-    return {key: value for key, value in report.items() if key not in ("group", "parts")}
+    """An owner's report as its owner made it, without its seal and what a member adds when serving it."""
+    return {key: value for key, value in report.items() if key not in ("group", "parts", "seal")}
 
 
 # Why `peer`, showing admission `token`, may not take part in `round`'s exchange whose group (None:
@@ -107,11 +122,13 @@ Policy = Callable[[str, int, str, "tuple[str, ...] | None"], "str | None"]
 
 class Butterfly(StreamService):
     def __init__(self, streams: Streams, namespace: str, max_part_bytes: int, may_take_part: Policy, token: str,
-                 wait_seconds: float):
+                 wait_seconds: float, sealer: Sealer):
         """What we move adds to the node's payload traffic (`streams.count`); a push waits up to
-        `wait_seconds` (the round timeout) for us to reduce its part. Two handlers: pushes to reduce
-        (`name`, served by `_serve`) and requests for averaged parts we hold (`_serve_part`)."""
+        `wait_seconds` (the round timeout) for us to reduce its part; `sealer` signs the parts we
+        own with our libp2p key. Three handlers: pushes to reduce (`name`, served by `_serve`),
+        requests for averaged parts we hold (`_serve_part`) and for their hashes (`_serve_digests`)."""
         super().__init__(streams, f"{namespace}_reduce")
+        self._namespace, self._sealer = namespace, sealer
         self._wait = wait_seconds
         self._reduce_name, self._part_name, self._digest_name = self.name, f"{namespace}_part", f"{namespace}_digests"
         self._handlers[self._part_name] = self._serve_part
@@ -182,7 +199,7 @@ class Butterfly(StreamService):
                 await self._reduce_ours(round_, rnd, group, bounds, ourselves, source, deadline)
             for index, push in pushes.items():
                 if (answer := await push) is not None:
-                    rnd.held[index] = answer
+                    self._take(round_, rnd, index, *answer, owning[index])
         finally:
             for push in pushes.values():
                 push.cancel()
@@ -198,14 +215,38 @@ class Butterfly(StreamService):
         agreed = await self._compare(round_, rnd, group, owning, ourselves)
         return Reduced(group, len(owning), {i: rnd.held[i] for i in agreed}, rnd.owned)
 
-    def _hashes(self, rnd: _Round) -> list[str | None]:
-        return [digest(rnd.held[i]) if i in rnd.held else None for i in range(len(rnd.owning))]
+    def _statement(self, round_: int, rnd: _Round, index: int, part_hash: str) -> bytes:
+        return statement(self._namespace, round_, index, rnd.owning, part_hash)
+
+    def _take(self, round_: int, rnd: _Round, index: int, averaged: bytes, report: dict[str, Any], source: str,
+              want: str | None = None) -> bool:
+        """Hold part `index` as peer `source` gave it (with its owner's seal in the report) when its
+        owner sealed it, and, given `want`, when it hashes to that."""
+        part = averaged, _without_serving_keys(report)
+        part_hash, seal = digest(part), parse_seal(report.get("seal"))
+        if (want is not None and part_hash != want) or seal is None or not sealed_by(
+                rnd.owning[index], self._statement(round_, rnd, index, part_hash), seal):
+            logger.warning("round=%d part %d from peer=%s is not what its owner peer=%s sealed: not taken",
+                           round_, index, source, rnd.owning[index])
+            return False
+        rnd.held[index], rnd.seals[index] = part, seal
+        return True
+
+    def _served(self, rnd: _Round, index: int) -> tuple[bytes, dict[str, Any]]:
+        """An averaged part we hold as we hand it on: with its owner's seal."""
+        averaged, report = rnd.held[index]
+        return averaged, {**report, "seal": rnd.seals[index].to_wire()}
+
+    def _hashes(self, rnd: _Round) -> list[Told | None]:
+        return [Told(digest(rnd.held[i]), rnd.seals[i]) if i in rnd.held else None for i in range(len(rnd.owning))]
 
     async def _compare(self, round_: int, rnd: _Round, group: tuple[str, ...], owning: tuple[str, ...],
                        ourselves: str) -> list[int]:
-        """The parts every member that answered (or asked) holds with the same hash as ours."""
+        """The parts of which the members other than their owner hold one sealed version (ours, or
+        fetched now from a member that holds it)."""
         ours = self._hashes(rnd)
-        request = json.dumps({"round": round_, "admission": self._token, "digests": ours}).encode()
+        request = json.dumps({"round": round_, "admission": self._token,
+                              "digests": [told.to_wire() if told else None for told in ours]}).encode()
         deadline = self.loop.time() + COMPARE_SECONDS
 
         async def ask(peer: str) -> None:
@@ -213,7 +254,7 @@ class Butterfly(StreamService):
                 _, answer = await self._ask(peer, self._digest_name, request, b"", deadline)
             except Exception:  # a member gone or silent: it cannot split what the others compare
                 return
-            if (told := hash_list(answer.get("digests"), len(owning))) is not None:
+            if (told := told_list(answer.get("digests"), len(owning))) is not None:
                 rnd.told[peer] = told
         await asyncio.gather(*(ask(peer) for peer in group if peer != ourselves))
         # the members that answered us ask us too: the round's traffic holds those answers (and we
@@ -223,18 +264,44 @@ class Butterfly(StreamService):
             rnd.answered.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(rnd.answered.wait(), left)
-        agreed = []
-        for index, mine in enumerate(ours):
-            if mine is None:
-                continue
-            differing = sorted(peer for peer, told in rnd.told.items() if told[index] != mine)
-            if differing:
-                logger.warning("round=%d skipped averaged part %d (owner peer=%s): peer=%s hold%s other bytes or none",
-                               round_, index, owning[index], ",".join(differing), "" if len(differing) > 1 else "s")
-                # no longer held: members that ask our hashes (or the part) later skip it as we do
-                rnd.held.pop(index, None)
-            else:
-                agreed.append(index)
+        agreed, unsealed = [], set()
+        for index, owner in enumerate(owning):
+            # hash → the members other than the owner that hold that sealed version: an owner's own
+            # word would let it show a part to some members only
+            versions: dict[str, list[str]] = {}
+            if ourselves != owner and (mine := ours[index]) is not None:
+                versions[mine.hash] = [ourselves]
+            for peer, told in sorted(rnd.told.items()):
+                if peer == owner or (entry := told[index]) is None:
+                    continue
+                if sealed_by(owner, self._statement(round_, rnd, index, entry.hash), entry.seal):
+                    versions.setdefault(entry.hash, []).append(peer)
+                else:
+                    unsealed.add(peer)
+            if len(versions) == 1:
+                (want, holders), = versions.items()
+                if (mine := ours[index]) is not None:
+                    kept = mine.hash == want  # false only for an owner that sealed two versions
+                else:
+                    kept = await self._fetch(round_, rnd, group, index, holders, deadline, want) is not None
+                if kept:
+                    agreed.append(index)
+                    continue
+            if len(versions) > 1:
+                logger.warning("round=%d skipped averaged part %d: its owner peer=%s sealed %d different versions "
+                               "(held by peer=%s)", round_, index, owner, len(versions),
+                               ";".join(",".join(holders) for holders in versions.values()))
+            elif versions:
+                logger.warning("round=%d skipped averaged part %d (owner peer=%s): peer=%s hold%s it and did not give "
+                               "it to us", round_, index, owner, ",".join(holders), "" if len(holders) > 1 else "s")
+            elif ours[index] is not None:
+                logger.warning("round=%d skipped averaged part %d (owner peer=%s): no other member holds it",
+                               round_, index, owner)
+            # no longer held: members that ask our hashes (or the part) later skip it as we do
+            rnd.held.pop(index, None)
+            rnd.seals.pop(index, None)
+        if unsealed:
+            logger.warning("round=%d peer=%s told hashes their owners did not seal", round_, ",".join(sorted(unsealed)))
         return agreed
 
     async def _reduce_ours(self, round_: int, rnd: _Round, group: tuple[str, ...], bounds: tuple[tuple[int, int], ...],
@@ -263,6 +330,7 @@ class Butterfly(StreamService):
         parts.sort(key=lambda part: part.peer)
         answer = await self.loop.run_in_executor(None, source.reduce, round_, index, bounds, parts)
         rnd.held[index] = answer
+        rnd.seals[index] = self._sealer.seal(self._statement(round_, rnd, index, digest(answer)))
         rnd.awaited, rnd.unwritten = set(fitting), set(fitting)
         rnd.done.set()
 
@@ -270,7 +338,7 @@ class Butterfly(StreamService):
                     bounds: tuple[tuple[int, int], ...], source: PartSource,
                     deadline: float) -> tuple[bytes, dict[str, Any]] | None:
         """Our part `index` to its owner, with the norms of all our parts (the same list to every owner);
-        its answer is the averaged part (None: failed or empty)."""
+        its answer is the averaged part with its report and seal (None: failed or empty)."""
         payload = source.encode(*bounds[index]) if source.encode is not None else b""
         request = json.dumps({"round": round_, "part": index, "group": list(group), "admission": self._token,
                               "tokens": source.tokens if payload else 0.0, "norm": source.norm,
@@ -301,6 +369,21 @@ class Butterfly(StreamService):
                     received=2 * HEADER_LEN + len(meta) + len(averaged))
         return averaged, parse_report(meta)  # ValueError: that owner's part is not taken
 
+    async def _fetch(self, round_: int, rnd: _Round, group: tuple[str, ...], index: int, holders: Sequence[str],
+                     deadline: float, want: str | None = None) -> str | None:
+        """Ask `holders` in turn for part `index` until one gives what its owner sealed (hashing to
+        `want` when given); the member that did, None when none."""
+        request = json.dumps({"round": round_, "part": index, "group": list(group), "admission": self._token}).encode()
+        for peer in holders:
+            try:
+                averaged, report = await self._ask(peer, self._part_name, request, b"", deadline)
+            except Exception:  # that member is gone too
+                continue
+            if averaged and report.get("group") == list(group) and self._take(round_, rnd, index, averaged, report,
+                                                                              peer, want):
+                return peer
+        return None
+
     async def _recover(self, round_: int, rnd: _Round, group: tuple[str, ...], owning: tuple[str, ...],
                        missing: list[int], ourselves: str) -> None:
         """Ask the other members for the parts whose owner did not answer us."""
@@ -308,23 +391,14 @@ class Butterfly(StreamService):
         others = [p for p in group if p != ourselves and p not in {owning[i] for i in missing}]
         while missing and self.loop.time() < deadline:
             for index in list(missing):
-                for peer in others:
-                    request = json.dumps({"round": round_, "part": index, "group": list(group),
-                                          "admission": self._token}).encode()
-                    try:
-                        averaged, report = await self._ask(peer, self._part_name, request, b"", deadline)
-                    except Exception:  # that member is gone too
-                        continue
-                    if averaged and report.get("group") == list(group):
-                        rnd.held[index] = averaged, _without_serving_keys(report)
-                        missing.remove(index)
-                        logger.info("round=%d part %d: owner peer=%s vanished; got it from peer=%s",
-                                    round_, index, owning[index], peer)
-                        break
+                if (peer := await self._fetch(round_, rnd, group, index, others, deadline)) is not None:
+                    missing.remove(index)
+                    logger.info("round=%d part %d: not from its owner peer=%s; got it from peer=%s",
+                                round_, index, owning[index], peer)
             if missing:
                 await asyncio.sleep(0.5)
         for index in missing:
-            logger.warning("round=%d part %d: nobody holds it (owner peer=%s vanished); skipped",
+            logger.warning("round=%d part %d: neither its owner peer=%s nor another member gave it to us; skipped",
                            round_, index, owning[index])
 
     async def fetch_parts(self, peer: str, round_: int,
@@ -375,7 +449,7 @@ class Butterfly(StreamService):
                 rnd.arrived.set()
                 await asyncio.wait_for(rnd.done.wait(), timeout=self._wait + ANSWER_SLACK)
                 if rnd.owned == index and rnd.group == group and index in rnd.held:
-                    answer = rnd.held[index]
+                    answer = self._served(rnd, index)
             # counted as soon as written: the round's traffic is read when our exchange returns
             self._count(sent=await self._answer(writer, answer))
             self._written(rnd, peer)
@@ -398,10 +472,11 @@ class Butterfly(StreamService):
                 rnd.written.set()
 
     @staticmethod
-    async def _read_request(reader: asyncio.StreamReader, parse: Callable[[bytes], Any]) -> tuple[Any, int]:
-        """A request with no body, parsed by its messages.py parser (ValueError: malformed), and
-        the bytes it took."""
-        request = await receive(reader, MAX_REQUEST_BYTES, timeout=10)
+    async def _read_request(reader: asyncio.StreamReader, parse: Callable[[bytes], Any],
+                            limit: int = MAX_REQUEST_BYTES) -> tuple[Any, int]:
+        """A request with no body of at most `limit` bytes, parsed by its messages.py parser
+        (ValueError: malformed), and the bytes it took."""
+        request = await receive(reader, limit, timeout=10)
         await receive(reader, 0, timeout=10)
         asked = parse(request)
         if isinstance(asked, str):
@@ -422,7 +497,7 @@ class Butterfly(StreamService):
                 if why is not None:
                     self._refuse_once(peer, why, REFUSAL, round_, peer, why)
                 else:
-                    averaged, report = rnd.held.get(index, (b"", {}))
+                    averaged, report = self._served(rnd, index) if index in rnd.held else (b"", {})
                     answer = averaged, {**report, "group": list(rnd.group), "parts": len(rnd.owning)}
             sent = await self._answer(writer, answer)
             received += await asyncio.wait_for(reader.read(1), timeout=10) == RECEIVED
@@ -437,7 +512,7 @@ class Butterfly(StreamService):
         peer = str(info.peer_id)
         sent = received = 0
         try:
-            asked, received = await self._read_request(reader, parse_digests_request)
+            asked, received = await self._read_request(reader, parse_digests_request, MAX_HASHES_BYTES)
             round_, token = asked.round, asked.token
             rnd = self._round_for_push(round_)
             answer: dict[str, Any] = {}
@@ -450,7 +525,7 @@ class Butterfly(StreamService):
                 if rnd.group is not None and peer in rnd.group:
                     if len(asked.digests) == len(rnd.owning):
                         rnd.told.setdefault(peer, asked.digests)
-                    answer = {"digests": self._hashes(rnd)}
+                    answer = {"digests": [told.to_wire() if told else None for told in self._hashes(rnd)]}
             sent = await self._answer(writer, (b"", answer))
             self._count(sent=sent, received=received)
             sent = received = 0

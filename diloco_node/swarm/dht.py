@@ -19,6 +19,7 @@ from diloco_node.admission import Gate
 from diloco_node.errors import NodeError
 from diloco_node.swarm import records
 from diloco_node.swarm.reachability import detect
+from diloco_node.swarm.seals import Sealer
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +57,15 @@ class SwarmSettings:
     download_limit: float = 0.0  # bytes/s they receive at most together; 0: no cap
 
 
-def start_dht(settings: SwarmSettings) -> tuple[DHT, RSASignatureValidator]:
-    """Start hivemind's DHT under our libp2p identity, and the signer of our records holding that
-    identity's key; a first contact that fails is retried, since busy peers answer late."""
+def start_dht(settings: SwarmSettings) -> tuple[DHT, RSASignatureValidator, Sealer]:
+    """Start hivemind's DHT under our libp2p identity, with the signer of our records and the sealer
+    of our butterfly parts, both holding that identity's key; a first contact that fails is
+    retried, since busy peers answer late."""
     path = settings.identity or identity.ephemeral()
     try:
         identity.create(path)
-        signed_by = records.signer(identity.load(path))
+        key = identity.load(path)
+        signed_by, sealer = records.signer(key), Sealer(key)
         attempt = 1
         while True:
             try:
@@ -70,7 +73,7 @@ def start_dht(settings: SwarmSettings) -> tuple[DHT, RSASignatureValidator]:
                            announce_maddrs=list(settings.announce) or None, start=True, startup_timeout=30,
                            record_validators=records.validators(settings.run_id, signed_by,
                                                                 settings.gate.owner if settings.gate else None),
-                           identity_path=str(path), client_mode=settings.reachability == "private"), signed_by
+                           identity_path=str(path), client_mode=settings.reachability == "private"), signed_by, sealer
             except Exception as exc:  # hivemind reports p2pd and bootstrap failures as generic errors
                 message = explain_start_failure(settings, exc)
                 if attempt == BOOTSTRAP_ATTEMPTS or not message.startswith("cannot reach"):

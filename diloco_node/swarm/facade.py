@@ -59,7 +59,7 @@ class Swarm:
         `max_payload_bytes` bound what a peer may send us."""
         self.settings = settings
         self.gate = settings.gate or Gate(settings.run_id)
-        self._dht, signed_by = start_dht(settings)
+        self._dht, signed_by, sealer = start_dht(settings)
         self.peer_id = bounded.peer_id(self._dht)
         self.min_group_size = settings.min_group_size
         # the last rounds we held, and those of them whose exchanged mark waits for the next barrier
@@ -85,7 +85,7 @@ class Swarm:
                                    self.gate.refusal, self.gate.token, on_shared=self._shared_state)
         self._state.attach()
         self._butterfly = Butterfly(self._streams, namespace, settings.max_payload_bytes, self._may_fetch_payload,
-                                    self.gate.token, settings.round_timeout)
+                                    self.gate.token, settings.round_timeout, sealer)
         if settings.butterfly_possible:  # an all-gather run serves no part: no handler to read pushes on
             self._butterfly.attach()
         self._dial_back = DialBack(self._streams, namespace)

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from diloco_node.swarm.seals import Seal, parse_seal
 from diloco_node.swarm.streams import parse_json
 
 MAX_ROUND = 1 << 40  # records.MAX_ROUND: no run gets near
@@ -129,20 +130,39 @@ def parse_part_request(data: bytes) -> PartRequest | str:
 
 
 @dataclass(frozen=True)
+class Told:
+    """What a member holds of one averaged part: its hash and its owner's seal over it."""
+
+    hash: str  # SHA-256 in hex (butterfly.digest)
+    seal: Seal
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"hash": self.hash, "seal": self.seal.to_wire()}
+
+
+@dataclass(frozen=True)
 class DigestsRequest:
     """A member's hashes of a round's averaged parts, compared before applying them (butterfly.py)."""
 
     round: int
     token: str
-    digests: tuple[str | None, ...]  # one per part: its SHA-256 in hex, None for a part it lacks
+    digests: tuple[Told | None, ...]  # one per part; None for a part it lacks
 
 
-def hash_list(value: Any, count: int) -> tuple[str | None, ...] | None:
-    """`count` part hashes (hex SHA-256, or None for a part not held); None when malformed."""
-    if isinstance(value, list) and len(value) == count and all(
-            v is None or (isinstance(v, str) and len(v) == 64) for v in value):
-        return tuple(value)
-    return None
+def told_list(value: Any, count: int) -> tuple[Told | None, ...] | None:
+    """`count` parts' hashes with their seals (None for a part not held); None when malformed."""
+    if not (isinstance(value, list) and len(value) == count):
+        return None
+    told: list[Told | None] = []
+    for entry in value:
+        if entry is None:
+            told.append(None)
+            continue
+        if not (isinstance(entry, dict) and set(entry) == {"hash", "seal"} and isinstance(entry["hash"], str)
+                and len(entry["hash"]) == 64 and (seal := parse_seal(entry["seal"])) is not None):
+            return None
+        told.append(Told(entry["hash"], seal))
+    return tuple(told)
 
 
 def parse_digests_request(data: bytes) -> DigestsRequest | str:
@@ -152,7 +172,7 @@ def parse_digests_request(data: bytes) -> DigestsRequest | str:
     round_, token, digests = _round(fields.get("round")), _token(fields.get("admission", "")), fields.get("digests")
     if round_ is None or token is None or not isinstance(digests, list) or len(digests) > MAX_GROUP:
         return "malformed hash request"
-    told = hash_list(digests, len(digests))
+    told = told_list(digests, len(digests))
     if told is None:
         return "malformed hash request (digests)"
     return DigestsRequest(round_, token, told)

@@ -21,8 +21,9 @@ Usage: forger.py PEER_MULTIADDR RUN_ID MODE
   grown), a fresh one each round. It prints `contributed ROUND GROUP_SIZE` per round it averaged in.
 - owner: a run exchanging by butterfly: takes part in every round and owns a part (pushing nothing
   of its own); it waits for every member's push of its part and answers with the mean of their
-  slices and a well-formed report: in even rounds times 1e16 to everyone, in odd rounds halved for
-  every second pusher (different bytes to different members, each within the clip bound).
+  slices and a well-formed report, sealed with its own key as an honest owner does: in even rounds
+  times 1e16 to everyone, in odd rounds halved for every second pusher (two sealed versions:
+  different bytes to different members, each within the clip bound).
 - sybils N (N ≥ 2): N identities from one process, one record each, all following the honest
   round but never ready, all claiming a far-ahead exchanged round, listing each other as proven
   and vouched for, and announcing one served state: an honest node's, shifted by 1, which the
@@ -259,10 +260,14 @@ async def push_nothing(p2p, owner_: str, namespace: str, round_: int, index: int
         pass
 
 
-def owner(numel: int, me: str):
+def owner(numel: int, me: str, namespace: str, key: rsa.RSAPrivateKey):
     """The push handler of a hostile butterfly owner (see the module's docstring)."""
-    from diloco_node.codec import CodecConfig, make_codec  # the format only: no node code runs here
+    from diloco_node.codec import CodecConfig, make_codec  # the formats only: no node code runs here
     from diloco_node.round import part_bounds
+    from diloco_node.swarm.butterfly import digest
+    from diloco_node.swarm.seals import Sealer, statement
+
+    sealer = Sealer(key)
 
     codec = make_codec(CodecConfig(name="none"))
     pushes: dict[int, dict[str, tuple[dict, bytes]]] = {}
@@ -289,7 +294,11 @@ def owner(numel: int, me: str):
         report = {"used": used, "tokens": [pushes[round_][p][0]["tokens"] for p in used], "clipped": [],
                   "rejected": [], "declared": {p: [pushes[round_][p][0]["norm"], pushes[round_][p][0]["tokens"],
                                                    pushes[round_][p][0]["norms"]] for p in used}}
-        writer.write(message(json.dumps(report).encode()) + message(codec.encode(mean) if used else b""))
+        averaged = codec.encode(mean) if used else b""
+        signed = statement(namespace, round_, request["part"], sorted(request["group"]),
+                           digest((averaged, json.loads(json.dumps(report)))))
+        report["seal"] = sealer.seal(signed).to_wire()
+        writer.write(message(json.dumps(report).encode()) + message(averaged))
         await writer.drain()
         await reader.read(1)
         writer.close()
@@ -297,7 +306,7 @@ def owner(numel: int, me: str):
 
 
 def contribute(dht: DHT, p2p, run, namespace: str, key: str, me: str, signer, mode: str, numel: int,
-               stop: threading.Event) -> None:
+               stop: threading.Event, identity: Path) -> None:
     """Take part in every round the honest nodes are ready for, with a bad payload."""
     averager = DecentralizedAverager([torch.zeros(1)], dht, start=True, prefix=namespace,
                                      min_matchmaking_time=MATCHMAKING_TIME, request_timeout=1.0,
@@ -316,7 +325,10 @@ def contribute(dht: DHT, p2p, run, namespace: str, key: str, me: str, signer, mo
 
     run(p2p.add_binary_stream_handler(f"{namespace}_payload", serve))
     if mode == "owner":
-        run(p2p.add_binary_stream_handler(f"{namespace}_reduce", owner(numel, me)))
+        private = serialization.load_der_private_key(crypto_pb2.PrivateKey.FromString(identity.read_bytes()).data,
+                                                     password=None)
+        assert isinstance(private, rsa.RSAPrivateKey)
+        run(p2p.add_binary_stream_handler(f"{namespace}_reduce", owner(numel, me, namespace, private)))
     done = -1
     while not stop.is_set():
         honest = [r for r in honest_records(dht, key, stop) if r["peer_id"] != me]
@@ -400,7 +412,7 @@ def main() -> None:
         header, vectors = fetch_state(p2p, run, honest[0]["peer_id"], namespace)
         numel = len(vectors) // 4 // json.loads(header)["vectors"]
         print(f"forging {me}", flush=True)
-        contribute(dht, p2p, run, namespace, key, me, signer, mode, numel, stop)
+        contribute(dht, p2p, run, namespace, key, me, signer, mode, numel, stop, path)
         dht.shutdown()
         return
     if mode in STATE_MODES:  # from the highest peer id: the honest node (other forgers sort before it)

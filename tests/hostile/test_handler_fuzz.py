@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
@@ -24,10 +25,12 @@ from hypothesis import strategies as st
 
 from diloco_node.admission import Claims, Gate, sign
 from diloco_node.codec import CodecConfig, CodecError, make_codec, wire
+from diloco_node.identity import peer_id_of_public_key
 from diloco_node.outer import verify
 from diloco_node.swarm import messages, records
 from diloco_node.swarm.exchange import _parse_meta
 from diloco_node.swarm.records import NodeRecord, RunValidator
+from diloco_node.swarm.seals import Sealer, sealed_by
 from diloco_node.swarm.statesync import (
     Admission,
     StateRefused,
@@ -175,12 +178,20 @@ def test_butterfly_pushes_with_part_norms(rng: random.Random) -> None:
 HASH = "ab" * 32
 
 
+OWNER_KEY = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+OWNER = peer_id_of_public_key(OWNER_KEY.public_key())
+SEAL = Sealer(OWNER_KEY).seal(b"signed").to_wire()
+
+
 @fuzzed
 def test_butterfly_hash_requests(rng: random.Random) -> None:
-    data = encoded(rng, message(rng, {"round": 3, "admission": "", "digests": [HASH, None]}))
+    """Each told hash that parses goes on to the seal check, which must answer, not raise."""
+    entry = message(rng, {"hash": HASH, "seal": message(rng, SEAL) if rng.random() < 0.5 else SEAL})
+    data = encoded(rng, message(rng, {"round": 3, "admission": "", "digests": [entry, None]}))
     asked = messages.parse_digests_request(data)
     if not isinstance(asked, str):
-        assert all(d is None or (isinstance(d, str) and len(d) == 64) for d in asked.digests)
+        for told in asked.digests:
+            assert told is None or len(told.hash) == 64 and sealed_by(OWNER, b"signed", told.seal) in (True, False)
 
 
 PARTS = 2

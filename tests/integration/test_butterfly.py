@@ -9,16 +9,19 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from hivemind import DHT
 
+from diloco_node import identity
 from diloco_node.codec import CodecConfig, make_codec
 from diloco_node.outer.averaging import Averaging
 from diloco_node.round import Reduced, Reducer
 from diloco_node.swarm import butterfly as butterfly_module
 from diloco_node.swarm.butterfly import Butterfly
+from diloco_node.swarm.seals import Sealer
 from diloco_node.swarm.streams import Streams
 
 pytestmark = pytest.mark.integration
@@ -28,15 +31,18 @@ WAIT = 5.0  # the round timeout
 
 
 @pytest.fixture
-def trio() -> Iterator[list[tuple[str, Streams, Butterfly]]]:
-    first = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-    dhts = [first, *(DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), start=True)
-                     for _ in range(2))]
+def trio(tmp_path: Path) -> Iterator[list[tuple[str, Streams, Butterfly]]]:
+    keys = [tmp_path / f"identity{index}.key" for index in range(3)]
+    for key in keys:
+        identity.create(key)
+    first = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=str(keys[0]), start=True)
+    dhts = [first, *(DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(),
+                         identity_path=str(key), start=True) for key in keys[1:])]
     anyone = lambda *_: None  # noqa: E731  (the admission policy: the swarm facade's, tested elsewhere)
     members = []
-    for dht in dhts:
+    for dht, key in zip(dhts, keys, strict=True):
         exchange = Streams(dht)
-        butterfly = Butterfly(exchange, "btest", 1 << 20, anyone, "", WAIT)
+        butterfly = Butterfly(exchange, "btest", 1 << 20, anyone, "", WAIT, Sealer(identity.load(key)))
         butterfly.attach()
         members.append((str(dht.peer_id), exchange, butterfly))
     yield sorted(members, key=lambda member: member[0])

@@ -1,0 +1,86 @@
+"""Owner seals on averaged butterfly parts (docs/architecture.md §9, "Butterfly").
+
+An owner signs each averaged part it answers with the libp2p key its peer id is derived from: the
+seal covers the run, the round, the part's index, the owners in part order and the hash of the part
+with its report. So a member cannot claim a hash the owner did not sign, and two valid seals of one
+part with different hashes prove that its owner sent different bytes to different members.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import padding, rsa
+
+from diloco_node.identity import peer_id_of_public_key
+
+MAX_SIGNATURE_CHARS = 700  # base64 of an RSA signature up to 4096 bits (ours: 2048 bits, 344 chars)
+MAX_KEY_CHARS = 800  # OpenSSH text of an RSA public key up to 4096 bits (ours: 2048 bits, 372 chars)
+
+
+@dataclass(frozen=True)
+class Seal:
+    signature: str  # base64, PKCS #1 v1.5 over SHA-256 of the statement
+    key: str  # the owner's public key, OpenSSH text: its peer id must be the owner's
+
+    def to_wire(self) -> dict[str, str]:
+        return asdict(self)
+
+
+def statement(namespace: str, round_: int, index: int, owning: Sequence[str], part_hash: str) -> bytes:
+    """What an owner signs: its answer for part `index` of `round_` among `owning`, in this run."""
+    return json.dumps([namespace, round_, index, list(owning), part_hash]).encode()
+
+
+class Sealer:
+    """Signs statements with our libp2p identity's private key."""
+
+    def __init__(self, key: rsa.RSAPrivateKey):
+        self._key = key
+        self._public = key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                     serialization.PublicFormat.OpenSSH).decode()
+
+    def seal(self, signed: bytes) -> Seal:
+        signature = self._key.sign(signed, padding.PKCS1v15(), hashes.SHA256())
+        return Seal(base64.b64encode(signature).decode(), self._public)
+
+
+@functools.lru_cache(maxsize=1024)  # a group's owners seal every round with the same keys
+def _key_of(text: str) -> tuple[rsa.RSAPublicKey, str] | None:
+    """The RSA key in OpenSSH text and its peer id; None when it is no RSA key."""
+    try:
+        key = serialization.load_ssh_public_key(text.encode())
+    except (ValueError, TypeError, UnicodeError):
+        return None
+    return (key, peer_id_of_public_key(key)) if isinstance(key, rsa.RSAPublicKey) else None
+
+
+def sealed_by(owner: str, signed: bytes, seal: Seal) -> bool:
+    """Whether `seal` is `owner`'s signature of `signed`."""
+    loaded = _key_of(seal.key)
+    if loaded is None or loaded[1] != owner:
+        return False
+    try:
+        loaded[0].verify(base64.b64decode(seal.signature, validate=True), signed, padding.PKCS1v15(), hashes.SHA256())
+    except (InvalidSignature, binascii.Error, ValueError):
+        return False
+    return True
+
+
+def parse_seal(value: Any) -> Seal | None:
+    """A seal as it comes on the wire (`{"signature": …, "key": …}`); None when malformed."""
+    if not isinstance(value, dict) or set(value) != {"signature", "key"}:
+        return None
+    signature, key = value["signature"], value["key"]
+    if not (isinstance(signature, str) and 0 < len(signature) <= MAX_SIGNATURE_CHARS
+            and isinstance(key, str) and 0 < len(key) <= MAX_KEY_CHARS):
+        return None
+    return Seal(signature, key)
