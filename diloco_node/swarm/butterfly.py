@@ -372,11 +372,13 @@ class Butterfly(StreamService):
     async def _fetch(self, round_: int, rnd: _Round, group: tuple[str, ...], index: int, holders: Sequence[str],
                      deadline: float, want: str | None = None) -> str | None:
         """Ask `holders` in turn for part `index` until one gives what its owner sealed (hashing to
-        `want` when given); the member that did, None when none."""
+        `want` when given); the member that did, None when none. Each is given an equal share of
+        the time left, so one that stalls cannot use up the others' turns."""
         request = json.dumps({"round": round_, "part": index, "group": list(group), "admission": self._token}).encode()
-        for peer in holders:
+        for turn, peer in enumerate(holders):
+            share = (deadline - self.loop.time()) / (len(holders) - turn)
             try:
-                averaged, report = await self._ask(peer, self._part_name, request, b"", deadline)
+                averaged, report = await self._ask(peer, self._part_name, request, b"", self.loop.time() + share)
             except Exception:  # that member is gone too
                 continue
             if averaged and report.get("group") == list(group) and self._take(round_, rnd, index, averaged, report,
