@@ -34,10 +34,9 @@ class GossipUpdate(NoPending):
             logger.info("round=%d held: a drawn group of %d is below --min-group-size %d, so no outer step",
                         round_, 1 + len(others), ctx.swarm.min_group_size)
             outcome, result = Outcome.HELD, averaging.nothing(own)
-        elif not others:  # the odd one out this round: nobody to wait for
-            logger.info("round=%d drawn to average alone", round_)
-            result = averaging.alone(own)
         else:
+            # the odd one out of the draw (no partner) goes on alone at once, unless a trusted peer
+            # was left partnerless by forged records: they meet under the spare key (swarm/presence.py)
             with exchanging(ctx.telemetry, round_):
                 gathered = ctx.swarm.gather(round_, own.payload is not None, ctx.stop, among=others)
             if gathered.outcome == Outcome.STOPPED:
@@ -45,7 +44,8 @@ class GossipUpdate(NoPending):
             if gathered.outcome == Outcome.HELD:
                 outcome, result = Outcome.HELD, averaging.nothing(own)
             elif gathered.outcome in (Outcome.ALONE, Outcome.BEHIND):
-                logger.info("round=%d our group has left or moved on; averaging alone", round_)
+                logger.info("round=%d drawn to average alone" if not others else
+                            "round=%d our group has left or moved on; averaging alone", round_)
                 result = averaging.alone(own)
             else:
                 result = averaging.mean(own, gathered)

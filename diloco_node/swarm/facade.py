@@ -214,10 +214,17 @@ class Swarm:
         """The other members' payloads for `round_`: wait until the run (or `among`, NoLoCo's drawn
         group) is ready, call `on_ready`, form the group, fetch. Safe off the main thread; `stop`
         ends the wait."""
-        outcome = self._presence.wait_for_round(round_, self.settings.barrier_timeout or self.settings.round_timeout,
-                                                stop, among=among)
+        timeout = self.settings.barrier_timeout or self.settings.round_timeout
         spare = False
-        if among is not None and outcome in (Outcome.TOGETHER, Outcome.TIMEOUT):
+        if among is not None and not among:  # NoLoCo's odd one out: no drawn partner to wait for
+            among = self._presence.odd_spare_partners(round_, self._matchmaker.drawn_groups(round_), timeout, stop)
+            spare = bool(among)
+            outcome = Outcome.STOPPED if stop.is_set() else Outcome.TOGETHER if spare else Outcome.ALONE
+            if spare:
+                logger.info("round=%d drawn alone; matchmaking under the spare key with %s", round_, ", ".join(among))
+        else:
+            outcome = self._presence.wait_for_round(round_, timeout, stop, among=among)
+        if among and not spare and outcome in (Outcome.TOGETHER, Outcome.TIMEOUT):
             # NoLoCo: a drawn partner we have no proof for and that is not ready was not waited
             # for, and is not matchmade for either (swarm/proofs.py); with none left, the trusted
             # peers forged records left partnerless as well are met under the spare key

@@ -393,10 +393,8 @@ class Presence:
         records dilute the draws (an honest partner with probability (h − 1)/(h + k − 1)); here
         the honest nodes they left partnerless find each other (docs/architecture.md §9). Empty
         before any proof (a drawn group then counts whole, nobody is dropped) and when no such
-        peer exists. The odd one out of a draw (a group of one) goes on alone at once, so it is
-        no spare partner (and looks for none: whether a trusted peer's strangers will be ready in
-        its grace cannot be told the moment the odd one out is done; an honest run paid a
-        matchmaking window for that guess)."""
+        peer exists. A trusted odd one out of the draw (a group of one) is one too: it looks for
+        spare partners itself (`odd_spare_partners`)."""
         found = self.compatible_peers()
         trusted = proofs.trusted(self.proofs.proven(), self.anchors, found)
         if trusted is None:
@@ -409,14 +407,29 @@ class Presence:
 
         spare = []
         for group in groups:
-            # a node drawn alone (the odd one out) averages alone at once and never comes
-            if self.peer_id in group or len(group) < 2:
+            if self.peer_id in group:
                 continue
             for peer in group:
                 record = found.get(peer)
                 if peer in trusted and record is not None and record.round == round_ and \
                         not any(kept(other) for other in group if other != peer):
                     spare.append(peer)
+        return spare
+
+    def odd_spare_partners(self, round_: int, groups: list[list[str]], timeout: float,
+                           stop: threading.Event) -> list[str]:
+        """NoLoCo, when we are the odd one out of the draw: the spare partners (`spare_partners`)
+        still left partnerless once their drawn partners had STRANGER_GRACE of the round timeout
+        to get ready, as long as a partner of theirs drops them (with an odd number of records an
+        honest node is the odd one out one round in N, and its trusted peer drawn with forged
+        records would otherwise look for it in vain). Empty at once when nobody is partnerless
+        (an honest run whose nodes trust each other pays nothing), and when `stop` is set."""
+        until = time.monotonic() + STRANGER_GRACE * timeout
+        pauses = polls()
+        while (spare := self.spare_partners(round_, groups)) and time.monotonic() < until:
+            if stop.wait(next(pauses)):
+                return []
+            self.recent_peers()  # the partners' records, fresh (at most one read per 2 s)
         return spare
 
     def _waited_for(self, others: dict[str, NodeRecord], round_: int,

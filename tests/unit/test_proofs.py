@@ -270,8 +270,17 @@ def test_nodes_forged_records_left_partnerless_matchmake_again_under_a_spare_key
     drawn = round_bits(ROUND, "us", groups)
     assert round_bits(ROUND, "us", groups, spare=True) == drawn[:-8] + SPARE_KEY != round_bits(ROUND, "b", groups)
     assert round_bits(ROUND, "us", None) == drawn[:-8]
-    # a peer drawn alone (the odd one out) averages alone at once: never waited for under the spare key
-    assert presence.spare_partners(ROUND, [["us", "sybil0"], ["b"], ["sybil1", "sybil2"]]) == []
+    # a trusted peer drawn alone (the odd one out) looks for spare partners too, so it is one
+    assert presence.spare_partners(ROUND, [["us", "sybil0"], ["b"], ["sybil1", "sybil2"]]) == ["b"]
+    # and the odd one out, we: the trusted peer drawn with forged records only, once they had their grace
+    stop = threading.Event()
+    started = time.monotonic()
+    assert presence.odd_spare_partners(ROUND, [["us"], ["b", "sybil0"], ["sybil1", "sybil2"]], 1.0, stop) == ["b"]
+    assert time.monotonic() - started >= presence_module.STRANGER_GRACE * 1.0
+    # nobody partnerless (b drawn with d, which we trust): alone at once, no wait
+    started = time.monotonic()
+    assert presence.odd_spare_partners(ROUND, [["us"], ["b", "d"]], 60.0, stop) == []
+    assert time.monotonic() - started < 1.0
 
 
 def test_newcomers_share_one_grace_while_a_late_one_is_unproven() -> None:
