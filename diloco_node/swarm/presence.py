@@ -418,12 +418,13 @@ class Presence:
 
     def odd_spare_partners(self, round_: int, groups: list[list[str]], timeout: float,
                            stop: threading.Event) -> list[str]:
-        """NoLoCo, when we are the odd one out of the draw: the spare partners (`spare_partners`)
-        still left partnerless once their drawn partners had STRANGER_GRACE of the round timeout
-        to get ready, as long as a partner of theirs drops them (with an odd number of records an
-        honest node is the odd one out one round in N, and its trusted peer drawn with forged
-        records would otherwise look for it in vain). Empty at once when nobody is partnerless
-        (an honest run whose nodes trust each other pays nothing), and when `stop` is set."""
+        """NoLoCo, when we are the odd one out of the draw: the trusted peers still left
+        partnerless (`spare_partners`) once their drawn partners have had STRANGER_GRACE of the
+        round timeout to get ready (the grace those peers give them). With an odd number of
+        records an honest node is the odd one out about one round in N, and a trusted peer drawn
+        only with forged records would otherwise look for it under the spare key in vain. Empty
+        at once when nobody is partnerless (an honest run whose nodes trust each other pays
+        nothing), and when `stop` is set."""
         until = time.monotonic() + STRANGER_GRACE * timeout
         pauses = polls()
         while (spare := self.spare_partners(round_, groups)) and time.monotonic() < until:
