@@ -14,9 +14,9 @@ llama-2m takes about 0.41 s per step at 16 x 128 tokens on one thread, which put
 an hour. The estimate printed before the run (and `--estimate-only`) says how long a preset takes.
 
 A deeper target (results/deep_batch4.*: `--batch-size 4 --steps 800 --eval-every 50`, H 30 to 100): at
-4 x 128 tokens a step data-parallel needs 2.9x fewer tokens per worker than one node alone (800 steps
-against 2,350 to an eval loss of 5.18), where at 16 x 128 it needed only 1.07x fewer; but no node row
-reached that loss within 2x DDP's tokens per node (the closest, eager sign at H = 30, 5.184).
+4 x 128 tokens a step data-parallel needs 3.36x fewer tokens per worker than one node alone to reach its
+800-step eval loss of 5.1774 (358,400 against 1,203,200), where at 16 x 128 it needed only 1.07x fewer;
+but no node row reached that loss within 2x DDP's tokens per node (the closest, eager sign at H = 30, 5.184).
 
 Rows (--rows selects; the target needs `ddp` or --target):
 - ddp: data-parallel, 4 gloo ranks (harness/ddp.py). Its eval loss against steps is measured on

@@ -240,13 +240,17 @@ class Butterfly(StreamService):
     def _hashes(self, rnd: _Round) -> list[Told | None]:
         return [Told(digest(rnd.held[i]), rnd.seals[i]) if i in rnd.held else None for i in range(len(rnd.owning))]
 
+    @staticmethod
+    def _on_wire(hashes: list[Told | None]) -> list[dict[str, Any] | None]:
+        return [told.to_wire() if told else None for told in hashes]
+
     async def _compare(self, round_: int, rnd: _Round, group: tuple[str, ...], owning: tuple[str, ...],
                        ourselves: str) -> list[int]:
         """The parts of which the members other than their owner hold one sealed version (ours, or
         fetched now from a member that holds it)."""
         ours = self._hashes(rnd)
         request = json.dumps({"round": round_, "admission": self._token,
-                              "digests": [told.to_wire() if told else None for told in ours]}).encode()
+                              "digests": self._on_wire(ours)}).encode()
         deadline = self.loop.time() + COMPARE_SECONDS
 
         async def ask(peer: str) -> None:
@@ -527,7 +531,7 @@ class Butterfly(StreamService):
                 if rnd.group is not None and peer in rnd.group:
                     if len(asked.digests) == len(rnd.owning):
                         rnd.told.setdefault(peer, asked.digests)
-                    answer = {"digests": [told.to_wire() if told else None for told in self._hashes(rnd)]}
+                    answer = {"digests": self._on_wire(self._hashes(rnd))}
             sent = await self._answer(writer, (b"", answer))
             self._count(sent=sent, received=received)
             sent = received = 0
