@@ -55,22 +55,41 @@ class Sealer:
 
 @functools.lru_cache(maxsize=1024)  # a group's owners seal every round with the same keys
 def _key_of(text: str) -> tuple[rsa.RSAPublicKey, str] | None:
-    """The RSA key in OpenSSH text and its peer id; None when it is no RSA key."""
+    """The RSA key in OpenSSH text and its peer id; None when it is no RSA key.
+
+    Any failure is "no key": cryptography raises UnsupportedAlgorithm for a key type it does not
+    know (`ssh-foo …`), ValueError, TypeError or UnicodeError for damaged text, and may raise others
+    in a later version; a peer's text must never raise out of `exchange()` (docs/architecture.md §9,
+    "Butterfly": every malformed seal is one invalid seal)."""
     try:
         key = serialization.load_ssh_public_key(text.encode())
-    except (ValueError, TypeError, UnicodeError):
+        if not isinstance(key, rsa.RSAPublicKey):
+            return None
+        return key, peer_id_of_public_key(key)
+    except Exception:  # a peer's bytes: whatever the loader raises, the seal is invalid
         return None
-    return (key, peer_id_of_public_key(key)) if isinstance(key, rsa.RSAPublicKey) else None
+
+
+def _signature_of(text: str) -> bytes | None:
+    """The signature bytes in base64 text; None when it is no strict base64."""
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError, TypeError):  # ValueError: non-ASCII characters
+        return None
 
 
 def sealed_by(owner: str, signed: bytes, seal: Seal) -> bool:
-    """Whether `seal` is `owner`'s signature of `signed`."""
+    """Whether `seal` is `owner`'s signature of `signed`: False, never an exception, for any seal
+    whose key or signature is malformed (docs/architecture.md §9, "Butterfly")."""
     loaded = _key_of(seal.key)
     if loaded is None or loaded[1] != owner:
         return False
+    signature = _signature_of(seal.signature)
+    if signature is None:
+        return False
     try:
-        loaded[0].verify(base64.b64decode(seal.signature, validate=True), signed, padding.PKCS1v15(), hashes.SHA256())
-    except (InvalidSignature, binascii.Error, ValueError):
+        loaded[0].verify(signature, signed, padding.PKCS1v15(), hashes.SHA256())
+    except (InvalidSignature, Exception):  # a wrong length or any other refusal of a peer's bytes
         return False
     return True
 
