@@ -9,7 +9,6 @@ swarm; the run's state; then we announce ourselves and wait for the run's first 
 from __future__ import annotations
 
 import logging
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +16,7 @@ import torch
 
 from diloco_node import identity
 from diloco_node.admission import AdmissionError, Gate, load_token, parse_public_key
-from diloco_node.checkpoint import CheckpointError, CheckpointStore
+from diloco_node.checkpoint import CheckpointError, CheckpointStore, check_fits, check_node_state, installing
 from diloco_node.codec import Codec
 from diloco_node.compose import attach_swarm
 from diloco_node.lifecycle import exit_later, isolate_forked_children
@@ -26,6 +25,7 @@ from diloco_node.outer.fragments import Drift, load_codec_state
 from diloco_node.outer.state import OuterState
 from diloco_node.outer.sync import Applied
 from diloco_node.replica import Replica, make_replica, settings_of
+from diloco_node.train.data import data_stream_seed
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def _start(node: Node) -> None:
     assert parts.update is not None
     parts.update.restore(outstanding or [])
     if outstanding is None:  # a fresh node gets its own data order, derived from its identity
-        node.stream_seed = zlib.crc32(swarm.peer_id.encode()) ^ cfg.seed
+        node.stream_seed = data_stream_seed(swarm.peer_id, cfg.seed)
     swarm.check_compatible()
     # A resumed checkpoint the run has moved past would only send stale work; one that still
     # holds our Δs awaiting their rounds' means (a crash under eager) lacks those means, which
@@ -127,21 +127,24 @@ def resume(store: CheckpointStore, fingerprint: str, state: OuterState, replica:
     saved = store.load()
     if saved is None:
         return None
+    check_node_state(saved, store.path)  # every key read below is there and of its kind: one line if not
     if saved["fingerprint"] != fingerprint:
         raise CheckpointError(f"checkpoint in '{store.directory}' was made with another model/config")
-    state.install(saved["round"], saved["outer_params"], saved["momentum"])
-    inner_step = 0
-    if saved["format"] >= 2:
-        replica.load_inner_state(saved["inner"])
-        inner_step = int(saved["inner"]["step"])
-    else:
-        logger.warning("checkpoint from an older version: the inner optimizer starts afresh")
-    load_codec_state(codecs, saved["codec"])
-    if "drift" in saved and not drift.restore(saved["drift"], state.phi):
-        logger.warning("checkpoint's θ of the fragments does not fit the model: θ restarts from φ")
+    check_fits(saved, store.path, [p.shape for p in state.phi])
+    with installing(store.path):
+        state.install(saved["round"], saved["outer_params"], saved["momentum"])
+        inner_step = 0
+        if saved["format"] >= 2:
+            replica.load_inner_state(saved["inner"])
+            inner_step = int(saved["inner"]["step"])
+        else:
+            logger.warning("checkpoint from an older version: the inner optimizer starts afresh")
+        load_codec_state(codecs, saved["codec"])
+        if "drift" in saved and not drift.restore(saved["drift"], state.phi):
+            logger.warning("checkpoint's θ of the fragments does not fit the model: θ restarts from φ")
+        outstanding = [Applied(**entry) for entry in saved.get("outstanding", [])]
     logger.info("resumed round=%d from %s", state.round, store.path)
-    return Resumed(inner_step, saved["data_position"], saved["stream_seed"],
-                   [Applied(**entry) for entry in saved.get("outstanding", [])])
+    return Resumed(inner_step, saved["data_position"], saved["stream_seed"], outstanding)
 
 
 def _shared_state(node: Node) -> tuple[dict[str, Any], list[torch.Tensor]]:

@@ -17,6 +17,7 @@ import queue
 import sysconfig
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -41,6 +42,13 @@ _SKIP_DIRS = frozenset({"site-packages", "test", "tests", "__pycache__"})
 
 class DataError(NodeError, ValueError):
     """A corpus that cannot be used; the message is one line, fit for the CLI to print."""
+
+
+def data_stream_seed(peer_id: str, seed: int) -> int:
+    """A fresh node's data order (`train_batch`'s stream), derived from its identity: nodes of one run
+    share --seed but never a stream. The learning simulator (harness/simulator.py) draws its workers'
+    streams the same way."""
+    return zlib.crc32(peer_id.encode()) ^ seed
 
 
 def embedded_corpus(max_bytes: int = 4_000_000) -> bytes:

@@ -1,0 +1,271 @@
+"""The learning simulator (docs/architecture.md §18): M workers in one process, each a real node's
+learning path, joined by an in-memory transport instead of the swarm.
+
+What is real: each worker is the node's own parts from `compose.build` (φ, the outer optimizer, the
+codecs with their error feedback, one `Averaging` per fragment from `compose.make_fragments`), its
+own `SingleReplica` (the node's inner AdamW, schedule and data stream), `Drift`, and the outer
+update `outer.factory.make_update` picks for its config (blocking, delayed, eager, NoLoCo). A round
+is the one `node.Node.run_round` runs: θ ← φ, `round_inner_steps` inner steps on the worker's stream
+(`data_stream_seed`), Δ = φ − θ, `finish_round`. So a change in outer/, codec/ or train/ changes the
+simulator's result; tests/integration/test_simulator.py checks its φ digests against real nodes'.
+
+What is not: the swarm. `MemoryTransport` implements round.Transport over a shared `Room`: every
+worker of a group gets every other member's payload of a round once all of them have offered it
+(no timeouts, nobody leaves, no butterfly: the all-gather's arithmetic). Workers run their inner
+phases one after another on one thread, then finish the round each on a thread of its own, since a
+blocking `gather` waits for the others' offers.
+
+`ddp` and `alone` train the same model, data streams and schedule through the same replica class:
+DDP steps one replica on the concatenation of the M workers' batches of each position (the mean of M
+equal-size batch means is the mean over their union, so this is gradient averaging every step).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from diloco_node.compose import build, make_fragments
+from diloco_node.config import NodeConfig
+from diloco_node.outer.factory import make_update
+from diloco_node.outer.fragments import Drift
+from diloco_node.outer.update import UpdateContext
+from diloco_node.replica.base import settings_of
+from diloco_node.replica.layout import flatten
+from diloco_node.replica.single import SingleReplica
+from diloco_node.round import Gathered, Outcome, PartSource, RoundReport
+from diloco_node.swarm.groups import random_groups
+from diloco_node.train.data import data_stream_seed
+
+
+class Room:
+    """The in-memory swarm of one simulated run: each round's offers, and the bytes they moved.
+    One condition guards everything in it."""
+
+    def __init__(self, peers: list[str], run_id: str, group_size: int | None, min_group_size: int):
+        self.peers, self.run_id = list(peers), run_id
+        self.group_size, self.min_group_size = group_size, min_group_size
+        self.changed = threading.Condition()
+        self.offers: dict[int, dict[str, tuple[bytes | None, float]]] = defaultdict(dict)
+        self.payload_bytes = 0  # what every worker fetched from the others: the all-gather's traffic
+
+    def offer(self, round_: int, peer: str, payload: bytes | None, tokens: float) -> None:
+        with self.changed:
+            self.offers[round_][peer] = (payload, tokens)
+            for old in [r for r in self.offers if r < round_ - 4]:  # every worker is past them
+                del self.offers[old]
+            self.changed.notify_all()
+
+    def wait_for(self, round_: int, members: Collection[str], stop: threading.Event) -> dict[str, tuple[bytes | None, float]] | None:
+        with self.changed:
+            while not all(peer in self.offers[round_] for peer in members):
+                if stop.is_set():
+                    return None
+                self.changed.wait(0.5)
+            return {peer: self.offers[round_][peer] for peer in members}
+
+
+@dataclass
+class MemoryTransport:
+    """round.Transport for one worker of a `Room`."""
+
+    room: Room
+    peer_id: str
+    min_group_size: int = 2
+
+    def offer(self, round_: int, payload: bytes | None, tokens: float, parts: PartSource | None = None) -> None:
+        self.room.offer(round_, self.peer_id, payload, tokens)
+
+    def gather(self, round_: int, contributing: bool, stop: threading.Event,
+               among: Collection[str] | None = None, on_ready: Callable[[], None] | None = None) -> Gathered:
+        if on_ready is not None:
+            on_ready()
+        others = [p for p in (among if among is not None else self.room.peers) if p != self.peer_id]
+        if not others:
+            return Gathered(Outcome.ALONE, round_)
+        offers = self.room.wait_for(round_, others, stop)
+        if offers is None:
+            return Gathered(Outcome.STOPPED, round_)
+        payloads = {peer: (payload, tokens) for peer, (payload, tokens) in offers.items() if payload is not None}
+        received = sum(len(payload) for payload, _ in payloads.values())
+        with self.room.changed:
+            self.room.payload_bytes += received
+        return Gathered(Outcome.TOGETHER, round_, payloads, 0.0, received)
+
+    def gather_group_of(self, round_: int, member: str) -> Gathered:
+        return Gathered(Outcome.ALONE, round_)  # nobody joins late in a simulated run
+
+    def drawn_group(self, round_: int) -> list[str]:
+        assert self.room.group_size, "groups are drawn for NoLoCo only"
+        least = self.min_group_size if self.min_group_size > 2 else 1
+        groups = random_groups(self.room.peers, self.room.run_id, round_, self.room.group_size, least)
+        return next((group for group in groups if self.peer_id in group), [self.peer_id])
+
+    def stop_sharing(self) -> None:
+        pass
+
+    def mark_exchanged(self, round_: int) -> None:
+        pass
+
+    def isolated(self) -> bool:
+        return False
+
+    def all_past(self, round_: int) -> bool:
+        return False
+
+    def peer_count(self) -> int:
+        return len(self.room.peers)
+
+    def diverged(self, round_: int, digest: str, among: Collection[str]) -> bool:
+        return False  # every worker's φ is compared by the simulator itself (Simulation.digests)
+
+    def served_diverged(self, among: Collection[str]) -> bool:
+        return False
+
+
+class Worker:
+    """One simulated node: its parts as compose.build makes them, its replica, and its round."""
+
+    def __init__(self, cfg: NodeConfig, peer_id: str, room: Room, phi: list[torch.Tensor]):
+        self.cfg, self.peer_id = cfg, peer_id
+        self.parts = build(cfg)
+        self.state = self.parts.state
+        with torch.no_grad():  # the run's φ, as a joiner downloads it from the node that started the run
+            for mine, run in zip(self.state.phi, phi, strict=True):
+                mine.copy_(run)
+        transport = MemoryTransport(room, peer_id, cfg.min_group_size)
+        ctx = UpdateContext(self.state, make_fragments(self.parts, peer_id), transport, self.parts.telemetry,
+                            threading.Event(), threading.Event())
+        self.update = make_update(cfg, ctx)
+        self.replica = SingleReplica(settings_of(cfg))
+        self.drift = Drift(self.parts.runs)
+        self.stream_seed = data_stream_seed(peer_id, cfg.seed)
+        self.position = 0
+        self.replica.prepare_data(self.stream_seed, self.position)
+
+    def inner_phase(self) -> list[float]:
+        """θ ← φ, then this round's inner steps (node.Node._inner_phase with a fixed H)."""
+        with self.state.lock:
+            self.replica.load(self.drift.start(self.state.phi))
+        losses = []
+        for _ in range(self.cfg.round_inner_steps(self.state.round)):
+            losses.append(self.replica.train_step(self.stream_seed, self.position))
+            self.position += 1
+        return losses
+
+    def finish_round(self, losses: list[float]) -> RoundReport:
+        """Δ = φ − θ, then the outer update (node.Node.run_round after the inner phase)."""
+        delta = flatten(self.drift.delta(self.state.phi, self.replica.theta() or []))
+        tokens = float(len(losses) * self.cfg.batch_size * self.cfg.seq_len)
+        report = self.update.finish_round(self.state.round, delta, tokens)
+        self.drift.ended(self.state.round - 1 if report.stepped else self.state.round)
+        return report
+
+    def evaluate(self) -> float:
+        with self.state.lock:
+            self.replica.load(self.state.phi)
+        return self.replica.evaluate()
+
+    def close(self) -> None:
+        self.replica.close()
+
+
+@dataclass
+class Curve:
+    """A run's evaluations: (tokens per worker, eval loss of every worker's φ), and what it moved."""
+
+    label: str
+    points: list[tuple[int, list[float]]] = field(default_factory=list)
+    digests: list[list[str]] = field(default_factory=list)  # per round, each worker's φ digest
+    payload_bytes: list[int] = field(default_factory=list)  # per evaluation, payload bytes fetched so far (all workers)
+    seconds: float = 0.0
+
+    def as_json(self) -> dict[str, Any]:
+        return {"label": self.label, "points": self.points, "payload_bytes": self.payload_bytes,
+                "seconds": self.seconds}
+
+
+def simulate(cfg: NodeConfig, peers: list[str], rounds: int, evaluate: bool = True,
+             on_round: Callable[[int, Curve], bool] | None = None) -> Curve:
+    """`rounds` rounds of len(peers) workers on `cfg` (each worker's seed: cfg.seed; its data stream
+    from its peer id, as a node's). Stops early when `on_round` returns True. φ starts as a node
+    with `cfg` builds it."""
+    torch.set_num_threads(max(1, cfg.threads))
+    cfg = cfg.model_copy(update={"checkpoint_dir": ""})  # a simulated worker keeps no checkpoint
+    room = Room(peers, cfg.run_id, cfg.group_size if cfg.algorithm == "noloco" else None, cfg.min_group_size)
+    phi = build(cfg).state.phi
+    workers = [Worker(cfg, peer, room, phi) for peer in peers]
+    curve, started = Curve(label=""), time.monotonic()
+    try:
+        if evaluate:
+            curve.points.append((0, [workers[0].evaluate()] * len(workers)))
+            curve.payload_bytes.append(0)
+        tokens = 0
+        for _ in range(rounds):
+            losses = [worker.inner_phase() for worker in workers]
+            tokens += len(losses[0]) * cfg.batch_size * cfg.seq_len
+            _finish_together(workers, losses)
+            curve.digests.append([worker.state.digest() for worker in workers])
+            if evaluate:
+                curve.points.append((tokens, [worker.evaluate() for worker in workers]))
+                curve.payload_bytes.append(room.payload_bytes)
+            if on_round is not None and on_round(tokens, curve):
+                break
+        for worker in workers:  # delayed and eager apply what is in flight, as a node at the run's end
+            worker.update.settle()
+    finally:
+        for worker in workers:
+            worker.close()
+    curve.seconds = time.monotonic() - started
+    return curve
+
+
+def _finish_together(workers: list[Worker], losses: list[list[float]]) -> None:
+    """Every worker's finish_round at once: a blocking gather waits for the others' offers."""
+    errors: list[BaseException] = []
+
+    def finish(worker: Worker, mine: list[float]) -> None:
+        try:
+            worker.finish_round(mine)
+        except BaseException as exc:  # re-raised on the simulator's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=finish, args=(w, l), name=f"finish-{i}")
+               for i, (w, l) in enumerate(zip(workers, losses, strict=True))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def data_parallel(cfg: NodeConfig, peers: list[str], steps: int, eval_every: int,
+                  on_eval: Callable[[int, Curve], bool] | None = None) -> Curve:
+    """DDP over len(peers) workers (one worker: training alone): each step one batch of every
+    worker's stream at the same position, gradients averaged, the node's AdamW and schedule (its
+    total: `steps`). Tokens per worker on the curve."""
+    torch.set_num_threads(max(1, cfg.threads))
+    run = cfg.model_copy(update={"inner_steps": steps, "max_outer_steps": 1, "checkpoint_dir": ""})  # the schedule spans `steps`
+    replica = SingleReplica(settings_of(run))
+    replica.load(build(run).state.phi)
+    seeds = [data_stream_seed(peer, cfg.seed) for peer in peers]
+    data = replica.dataset.dataset  # each stream by position, without the node's prefetch of one stream
+    curve, started = Curve(label=""), time.monotonic()
+    curve.points.append((0, [replica.evaluate()]))
+    for step in range(steps):
+        batches = [data.batch(cfg.batch_size, seed, step) for seed in seeds]
+        replica.trainer.train_step(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            curve.points.append(((step + 1) * cfg.batch_size * cfg.seq_len, [replica.evaluate()]))
+            if on_eval is not None and on_eval(step + 1, curve):
+                break
+    curve.seconds = time.monotonic() - started
+    replica.close()
+    return curve

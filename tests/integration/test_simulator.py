@@ -1,0 +1,34 @@
+"""The learning simulator (harness/simulator.py) runs the node's own learning path: for the same
+config, seeds and peer ids, its φ after each round is bit for bit the φ of two real nodes over
+loopback (blocking, fp32 and int4). benchmarks/learning.py's searches rest on this."""
+
+from __future__ import annotations
+
+import pytest
+
+from diloco_node.config import NodeConfig
+from harness.simulator import simulate
+from tests.integration.conftest import NodeFactory
+
+pytestmark = pytest.mark.integration
+
+H, ROUNDS = 5, 3
+
+
+@pytest.mark.parametrize("compression", ["none", "int4"])
+def test_simulator_digests_equal_real_nodes(spawn: NodeFactory, compression: str) -> None:
+    flags = ["--inner-steps", str(H), "--max-outer-steps", str(ROUNDS), "--min-peers", "2",
+             "--compression", compression]
+    first = spawn("a", *flags, checkpoint=False)
+    second = spawn("b", *flags, peer=first, checkpoint=False)
+    for node in (first, second):
+        assert node.wait_exit(180) == 0, node.tail()
+    peers = [node.address.rsplit("/p2p/", 1)[1] for node in (first, second) if node.address]
+    assert len(peers) == 2
+    # harness.nodes.FAST, the flags every integration node runs with, and the ones above
+    cfg = NodeConfig.model_validate({
+        "run_id": "itest", "sync": "blocking", "seq_len": 64, "batch_size": 8, "eval_batches": 2,
+        "warmup_steps": 5, "threads": 1, "inner_steps": H, "max_outer_steps": ROUNDS, "compression": compression})
+    curve = simulate(cfg, peers, ROUNDS, evaluate=False)
+    real = [[node.rounds[round_].digest for node in (first, second)] for round_ in range(1, ROUNDS + 1)]  # a record names the round φ reached
+    assert curve.digests == real
