@@ -41,8 +41,11 @@ REPLICATE_TIMEOUT = 60.0
 PEER_FAILURES = (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError)
 MAX_JSON_DEPTH = 8  # our messages nest 3 deep at most; json.loads recurses once per level
 MAX_TRACKED_PEERS = 4096  # per-peer tables (limits, logged refusals) forget the least recent beyond this
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
-_JSON_NESTING = re.compile(rb"[\[\]{}]")
+# A JSON string, its closing quote optional: an unterminated one then runs to the end (which json
+# refuses too) in one pass, where a required quote made the scan quadratic (`"\"\"\"…`: 2.5 s of
+# CPU for 20 KB, minutes for a 256 KB report)
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"?', re.DOTALL)
+_JSON_NESTING = re.compile(r"[\[\]{}]")
 
 # A stream handler: hivemind calls it with the stream's info (its peer_id) and its two ends.
 Handler = Callable[[Any, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -64,15 +67,21 @@ async def receive(reader: asyncio.StreamReader, limit: int, timeout: float) -> b
 
 
 def parse_json(data: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """`data` as JSON; ValueError when it is not JSON, nests deeper than `max_depth` (checked
-    before parsing: a deep nest within any size limit would raise RecursionError in json.loads),
-    or holds NaN or ±Infinity (numbers no message of ours carries)."""
+    """`data` as JSON; ValueError when it is not UTF-8 JSON, nests deeper than `max_depth`, or
+    holds NaN or ±Infinity (numbers no message of ours carries).
+
+    Every JSON message a peer sends is parsed here, and only here (docs/architecture.md §9). The
+    bytes are decoded as UTF-8 first and the depth is checked on that text, the very text json.loads
+    then parses: given bytes, json.loads would itself detect and decode UTF-16 and UTF-32, which a
+    depth check on the raw bytes does not see, and a deep nest within any size limit would raise
+    RecursionError. Our own messages are json.dumps(...).encode(), UTF-8 without a BOM."""
+    text = data.decode("utf-8")  # UnicodeDecodeError is a ValueError
     depth = 0
-    for bracket in _JSON_NESTING.findall(_JSON_STRING.sub(b"", data)):
-        depth += 1 if bracket in b"[{" else -1
+    for bracket in _JSON_NESTING.findall(_JSON_STRING.sub("", text)):
+        depth += 1 if bracket in "[{" else -1
         if depth > max_depth:
             raise ValueError(f"JSON nested deeper than {max_depth}")
-    return json.loads(data, parse_constant=_refuse_constant)  # ValueError (UnicodeDecodeError, JSONDecodeError)
+    return json.loads(text, parse_constant=_refuse_constant)  # ValueError (JSONDecodeError)
 
 
 def _refuse_constant(name: str) -> Any:

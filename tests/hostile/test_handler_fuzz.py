@@ -93,14 +93,23 @@ def message(rng: random.Random, valid: dict[str, Any]) -> Any:
     return fields
 
 
+# Every text encoding json.loads accepts from bytes (it detects UTF-16 and UTF-32 itself)
+JSON_ENCODINGS = ["utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"]
+
+
 def encoded(rng: random.Random, value: Any) -> bytes:
     kind = rng.randrange(10)
+    encoding = "utf-8" if rng.random() < 0.7 else rng.choice(JSON_ENCODINGS)
     if kind == 0:
         return rng.randbytes(rng.randrange(300))
     if kind == 1:
         depth = rng.randrange(1, 20000)
-        return b"[" * depth + b"]" * depth if rng.random() < 0.5 else b'{"a":' * depth + b"1" + b"}" * depth
-    text = json.dumps(value, allow_nan=True).encode()
+        deep = "[" * depth + "]" * depth if rng.random() < 0.5 else '{"a":' * depth + "1" + "}" * depth
+        if rng.random() < 0.5:  # between strings whose characters hold quote bytes in UTF-16/32
+            quote = rng.choice(["\u2200", "\u5c22", "\u225c", "\u0022", "\u2222"])
+            deep = f'["{quote}", {deep}, "{quote}"]'
+        return deep.encode(encoding)
+    text = json.dumps(value, allow_nan=True).encode(encoding)
     return text[:rng.randrange(len(text) + 1)] if kind == 2 else text
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -47,6 +48,41 @@ def test_nested_json_within_any_size_limit_is_refused_before_parsing() -> None:
 def test_json_a_node_never_sends_is_refused_as_value_error(text: bytes) -> None:
     with pytest.raises(ValueError):
         parse_json(text)
+
+
+JSON_ENCODINGS = ["utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"]
+
+
+NESTS = ["[" * 10000 + "]" * 10000, '{"a":' * 5000 + "1" + "}" * 5000]
+# A nest between strings whose characters hold a quote byte (U+2200 is 22 00 in UTF-16-BE): a scan of
+# the raw bytes saw a string around the nest where json.loads, decoding UTF-16 itself, sees none
+DISGUISED = ['["\u2200", {nest}, "\u2200"]', '{{"\u5c22": {nest}, "x": "\u2200"}}']
+
+
+@pytest.mark.parametrize("encoding", JSON_ENCODINGS)
+@pytest.mark.parametrize("deep", NESTS + [wrap.format(nest=nest) for wrap in DISGUISED for nest in NESTS])
+def test_a_deep_nest_in_any_encoding_json_accepts_is_refused_as_value_error(encoding: str, deep: str) -> None:
+    """docs/architecture.md §9: json.loads decodes UTF-16 and UTF-32 bytes itself, which a depth
+    check on the raw bytes missed (a 20 KB body raised RecursionError): ValueError, never that."""
+    with pytest.raises(ValueError):
+        parse_json(deep.encode(encoding))
+
+
+@pytest.mark.parametrize("encoding", JSON_ENCODINGS[1:])
+def test_json_in_any_encoding_but_utf8_is_refused(encoding: str) -> None:
+    """Our messages are UTF-8 without a BOM: anything else is no message of ours."""
+    assert parse_json(b'{"round": 3}') == {"round": 3}
+    with pytest.raises(ValueError):
+        parse_json('{"round": 3}'.encode(encoding))
+
+
+def test_the_depth_scan_is_linear_in_the_message() -> None:
+    """Unterminated strings (`"\\"\\"…`) once made the scan quadratic: seconds of CPU per 20 KB."""
+    for body in (b'"' + b'\\"' * 131072, b'["' + b'\\"' * 131072 + b'[' * 50):
+        started = time.process_time()
+        with pytest.raises(ValueError):
+            parse_json(body)
+        assert time.process_time() - started < 1.0
 
 
 # --- stream limits ----------------------------------------------------------------------------
