@@ -58,7 +58,6 @@ import os
 import shlex
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -75,7 +74,7 @@ from harness.bench import (
     verdict,
     work_dir,
 )
-from harness.corpus import write_stdlib_corpus
+from harness.corpus import stdlib_shards
 from harness.ddp import run_ddp_local, run_ddp_on_link
 from harness.islands import Islands, require_netns
 from harness.wire import WireSampler, wire_bytes
@@ -98,25 +97,7 @@ NODE_STARTUP = 60.0  # seconds a row of four nodes takes to start and join (for 
 
 def prepare_data(args: argparse.Namespace) -> dict[str, Any]:
     """The corpus, tokenizer and shards for these arguments, made once and cached under --cache-dir."""
-    key = f"stdlib-{args.corpus_mb:g}mb-v{args.vocab_size}"
-    root = args.cache_dir / key
-    tokenizer, shards = root / "tokenizer", root / "shards"
-    if not (shards / "done").exists():
-        root.mkdir(parents=True, exist_ok=True)
-        corpus = root / "corpus.jsonl"
-        counts = write_stdlib_corpus(corpus, int(args.corpus_mb * 1e6))
-        (root / "corpus.json").write_text(json.dumps(counts))
-        for argv in (["tokenizer", "train", "--data", str(corpus), "--vocab-size", str(args.vocab_size),
-                      str(tokenizer)],
-                     ["tokenize", "--data", str(corpus), "--tokenizer", str(tokenizer), str(shards)]):
-            done = subprocess.run([sys.executable, "-m", "diloco_node", *argv], capture_output=True, text=True,
-                                  check=False)
-            if done.returncode != 0:
-                raise SystemExit(f"{NAME}: `diloco-node {' '.join(argv)}` failed: {done.stderr.strip()[-2000:]}")
-            print(f"  {done.stdout.strip() or done.stderr.strip().splitlines()[-1]}", flush=True)
-        (shards / "done").write_text("")
-    return {"cache": str(root), "tokenizer": str(tokenizer), "shards": str(shards),
-            "corpus": json.loads((root / "corpus.json").read_text())}
+    return stdlib_shards(args.cache_dir, args.corpus_mb, args.vocab_size)
 
 
 def overrides(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any]:

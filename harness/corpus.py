@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 import sysconfig
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -70,3 +73,27 @@ def write_stdlib_corpus(out: Path, max_bytes: int, every: int = 8, root: Path | 
             written[f"{kind}_files"] += 1
             written[f"{kind}_bytes"] += len(text)
     return written
+
+
+def stdlib_shards(cache_dir: Path, corpus_mb: float, vocab_size: int) -> dict[str, Any]:
+    """The standard library's corpus (at most `corpus_mb` MB of training files), a byte-level BPE of
+    `vocab_size` trained on it and its token shards, made with the project's own CLI (`diloco-node
+    tokenizer train`, `diloco-node tokenize`) once and cached under `cache_dir` (no download, ever):
+    the data of benchmarks/deep.py and benchmarks/learning.py."""
+    root = cache_dir / f"stdlib-{corpus_mb:g}mb-v{vocab_size}"
+    tokenizer, shards = root / "tokenizer", root / "shards"
+    if not (shards / "done").exists():
+        root.mkdir(parents=True, exist_ok=True)
+        corpus = root / "corpus.jsonl"
+        counts = write_stdlib_corpus(corpus, int(corpus_mb * 1e6))
+        (root / "corpus.json").write_text(json.dumps(counts))
+        for argv in (["tokenizer", "train", "--data", str(corpus), "--vocab-size", str(vocab_size), str(tokenizer)],
+                     ["tokenize", "--data", str(corpus), "--tokenizer", str(tokenizer), str(shards)]):
+            done = subprocess.run([sys.executable, "-m", "diloco_node", *argv], capture_output=True, text=True,
+                                  check=False)
+            if done.returncode != 0:
+                raise SystemExit(f"`diloco-node {' '.join(argv)}` failed: {done.stderr.strip()[-2000:]}")
+            print(f"  {done.stdout.strip() or done.stderr.strip().splitlines()[-1]}", flush=True)
+        (shards / "done").write_text("")
+    return {"cache": str(root), "tokenizer": str(tokenizer), "shards": str(shards),
+            "corpus": json.loads((root / "corpus.json").read_text())}

@@ -62,7 +62,8 @@ class Room:
                 del self.offers[old]
             self.changed.notify_all()
 
-    def wait_for(self, round_: int, members: Collection[str], stop: threading.Event) -> dict[str, tuple[bytes | None, float]] | None:
+    def wait_for(self, round_: int, members: Collection[str],
+                 stop: threading.Event) -> dict[str, tuple[bytes | None, float]] | None:
         with self.changed:
             while not all(peer in self.offers[round_] for peer in members):
                 if stop.is_set():
@@ -236,8 +237,8 @@ def _finish_together(workers: list[Worker], losses: list[list[float]]) -> None:
         except BaseException as exc:  # re-raised on the simulator's thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=finish, args=(w, l), name=f"finish-{i}")
-               for i, (w, l) in enumerate(zip(workers, losses, strict=True))]
+    threads = [threading.Thread(target=finish, args=(worker, mine), name=f"finish-{index}")
+               for index, (worker, mine) in enumerate(zip(workers, losses, strict=True))]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -252,7 +253,8 @@ def data_parallel(cfg: NodeConfig, peers: list[str], steps: int, eval_every: int
     worker's stream at the same position, gradients averaged, the node's AdamW and schedule (its
     total: `steps`). Tokens per worker on the curve."""
     torch.set_num_threads(max(1, cfg.threads))
-    run = cfg.model_copy(update={"inner_steps": steps, "max_outer_steps": 1, "checkpoint_dir": ""})  # the schedule spans `steps`
+    # the schedule spans `steps`; no checkpoint
+    run = cfg.model_copy(update={"inner_steps": steps, "max_outer_steps": 1, "checkpoint_dir": ""})
     replica = SingleReplica(settings_of(run))
     replica.load(build(run).state.phi)
     seeds = [data_stream_seed(peer, cfg.seed) for peer in peers]

@@ -30,5 +30,6 @@ def test_simulator_digests_equal_real_nodes(spawn: NodeFactory, compression: str
         "run_id": "itest", "sync": "blocking", "seq_len": 64, "batch_size": 8, "eval_batches": 2,
         "warmup_steps": 5, "threads": 1, "inner_steps": H, "max_outer_steps": ROUNDS, "compression": compression})
     curve = simulate(cfg, peers, ROUNDS, evaluate=False)
-    real = [[node.rounds[round_].digest for node in (first, second)] for round_ in range(1, ROUNDS + 1)]  # a record names the round φ reached
+    # a round's record names the round φ reached: 1 after the first
+    real = [[node.rounds[round_].digest for node in (first, second)] for round_ in range(1, ROUNDS + 1)]
     assert curve.digests == real
