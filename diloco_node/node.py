@@ -247,8 +247,7 @@ class Node:
         if received is None:
             return False
         installed = self.state.install_shared(*received, self.cfg.fingerprint())
-        if installed is None:
-            logger.warning("ignored state from a peer: malformed, non-finite or from another model/config")
+        if installed is None:  # malformed, or farther from our φ than the rounds between allow: said once there
             return False
         if self.parts.update is not None:
             self.parts.update.forget()

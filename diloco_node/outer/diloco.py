@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from diloco_node.outer.reach import Reach, norm
+
 
 def pseudo_gradient(outer_params: Sequence[torch.Tensor], inner_params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Δ = φ − θ: the direction the inner phase moved, signed like a gradient."""
@@ -27,6 +29,8 @@ class OuterOptimizer:
         self.lr, self.momentum, self.foreach = lr, momentum, foreach
         # momentum 0 (a valid setting) is plain SGD; torch refuses Nesterov without momentum
         self._sgd = torch.optim.SGD(self.params, lr=lr, momentum=momentum, nesterov=momentum > 0, foreach=foreach)
+        # the forces of our recent steps: how far a state we download may be from φ (outer/reach.py)
+        self.reach = Reach(momentum)
 
     @torch.no_grad()
     def step(self, mean_pseudo_gradient: Sequence[torch.Tensor], first: int = 0) -> None:
@@ -41,6 +45,8 @@ class OuterOptimizer:
         self._sgd.step()
         for param in self.params:
             param.grad = None
+        force = norm(mean_pseudo_gradient)  # the buffer takes ‖Δ̄‖, φ moves by lr·‖Δ̄‖ of it
+        self.reach.stepped(self.lr * force, force)
 
     def copy(self, outer_params: Sequence[torch.Tensor]) -> OuterOptimizer:
         """The same optimizer, momentum included, over a copy of φ (`outer_params`)."""

@@ -8,10 +8,13 @@ With g = θ − φ (local progress, i.e. −Δ) and means over the group:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from diloco_node.outer.reach import Reach, norm
 
 
 class NoLoCoOptimizer:
@@ -22,6 +25,8 @@ class NoLoCoOptimizer:
         self.alpha, self.beta, self.gamma = alpha, beta, gamma
         self._momentum = [torch.zeros_like(p) for p in self.params]
         self._stepped = False
+        # the forces of our recent steps: how far a state we download may be from φ (outer/reach.py)
+        self.reach = Reach(beta)
 
     @torch.no_grad()
     def step(self, mean_pseudo_gradient: Sequence[torch.Tensor], mean_phi: Sequence[torch.Tensor],
@@ -30,11 +35,17 @@ class NoLoCoOptimizer:
         parameters from `first` on that the means cover move, and only their momentum (one fragment,
         docs/architecture.md §15)."""
         end = first + len(mean_pseudo_gradient)
+        pull = 0.0  # ‖φ̄ − φ‖², for the step's force
         for phi, momentum, delta, phi_bar in zip(self.params[first:end], self._momentum[first:end],
                                                  mean_pseudo_gradient, mean_phi, strict=True):
-            momentum.mul_(self.beta).add_(delta, alpha=-self.alpha).add_(phi_bar - phi, alpha=self.gamma)
+            towards = phi_bar - phi
+            pull += float(torch.linalg.vector_norm(towards)) ** 2
+            momentum.mul_(self.beta).add_(delta, alpha=-self.alpha).add_(towards, alpha=self.gamma)
             phi.add_(momentum)
         self._stepped = True
+        # at most α‖Δ̄‖ + γ‖φ̄ − φ‖ enters the momentum, which is φ's move itself (outer/reach.py)
+        force = self.alpha * norm(mean_pseudo_gradient) + self.gamma * math.sqrt(pull)
+        self.reach.stepped(force, force)
 
     def momentum_buffers(self) -> list[torch.Tensor]:
         return self._momentum

@@ -7,6 +7,8 @@ while the round engine steps them.
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,8 +18,11 @@ import torch
 
 from diloco_node.outer.diloco import OuterOptimizer
 from diloco_node.outer.noloco import NoLoCoOptimizer
+from diloco_node.outer.reach import norm
 from diloco_node.outer.sync import MAX_IN_FLIGHT, Applied
 from diloco_node.replica.layout import digest, flatten, unflatten
+
+logger = logging.getLogger(__name__)
 
 SharedState = tuple[dict[str, Any], list[torch.Tensor]]  # metadata; φ and momentum, flat
 MAX_SHARED_VECTORS = 2
@@ -76,6 +81,7 @@ class OuterState:
             self.optimizer.load_momentum(momentum)
             self.round = round_
             self.steps = 0
+        self.optimizer.reach.installed()
 
     def momentum(self) -> list[torch.Tensor] | None:
         """A copy of the outer momentum, None before the first step."""
@@ -111,18 +117,53 @@ class OuterState:
 
     def install_shared(self, metadata: Any, vectors: list[torch.Tensor],
                        fingerprint: str) -> tuple[str, list[Applied]] | None:
-        """Install a state a peer shared, if it is well-formed, finite and of our run's config;
-        returns the sharing peer and the rounds it had in flight (None when refused)."""
+        """Install a state a peer shared, if it is well-formed, finite and of our run's config, and,
+        when we hold φ of the run, no farther from ours than the rounds between can move it
+        (`too_far`); returns the sharing peer and the rounds it had in flight (None when refused,
+        said in one log line). Every download ends here, whatever led to it (a joiner, "behind",
+        "diverged", a return from isolation): docs/architecture.md §9, "Installing a state"."""
         if not (isinstance(metadata, dict) and isinstance(metadata.get("round"), int) and metadata["round"] >= 0
                 and metadata.get("fingerprint") == fingerprint and isinstance(metadata.get("server"), str)):
+            logger.warning("ignored state from a peer: malformed, or from another model/config")
             return None
         in_flight = _in_flight(metadata.get("in_flight"), metadata["round"], self.numel)
         sizes_match = len(vectors) == 2 and all(v.dim() == 1 and v.numel() == self.numel for v in vectors)
         if in_flight is None or not sizes_match or not all(torch.isfinite(v).all() for v in vectors):
+            logger.warning("ignored state from peer=%s: malformed or non-finite", metadata["server"][:60])
             return None
         phi, momentum = unflatten(vectors[0], self.phi), unflatten(vectors[1], self.phi)
-        self.install(metadata["round"], phi, momentum if metadata.get("has_momentum") else None)
+        has_momentum = bool(metadata.get("has_momentum"))
+        why = self.too_far(metadata["round"], [a.round for a in in_flight], phi, momentum if has_momentum else None)
+        if why is not None:
+            logger.warning("refused state from peer=%s round=%d: %s (docs/architecture.md §9)",
+                           metadata["server"][:60], metadata["round"], why)
+            return None
+        self.install(metadata["round"], phi, momentum if has_momentum else None)
         return metadata["server"], in_flight
+
+    def too_far(self, round_: int, in_flight: Sequence[int], phi: Sequence[torch.Tensor],
+                momentum: Sequence[torch.Tensor] | None) -> str | None:
+        """Why a state at `round_` (with `in_flight` rounds not in its φ) is farther from ours than
+        the rounds between can move φ under the clip (outer/reach.py), None when it is not, or when
+        we hold no φ of the run yet (no outer step taken since start: a joiner keeps nothing).
+        Checked on the received tensors before they replace φ: one peer that claims the run moved on,
+        or wins a tie, can move φ by at most what honest rounds could, never replace it."""
+        with self.lock:
+            ours = self.round
+            gap = max(abs(r - ours) for r in [round_, *in_flight])
+            bound = self.optimizer.reach.bound(gap)
+            if bound is None:
+                return None
+            distance = math.sqrt(sum(float(torch.linalg.vector_norm(theirs - mine)) ** 2
+                                     for mine, theirs in zip(self.phi, phi, strict=True)))
+        buffer = norm(momentum) if momentum is not None else 0.0
+        if not distance <= bound.distance:
+            return (f"φ is {distance:.4g} from ours (round={ours}), beyond the {bound.distance:.4g} that "
+                    f"rounds={bound.rounds} can move it under the clip")
+        if not buffer <= bound.momentum:
+            return (f"its momentum's norm {buffer:.4g} is beyond the {bound.momentum:.4g} our recent means "
+                    "can build")
+        return None
 
 
 def _in_flight(rounds: Any, round_: int, numel: int) -> list[Applied] | None:

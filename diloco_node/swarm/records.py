@@ -310,19 +310,24 @@ def fetch(dht: DHT, run_id: str) -> tuple[dict[str, NodeRecord], dict[str, NodeR
 
 
 def canonical_digest(nodes: Iterable[NodeRecord], round_: int, served: bool = False) -> str | None:
-    """The φ digest most nodes at the start of `round_` hold (`served`: the digest of the state
-    most nodes serve with `round_` as its settled round); a tie goes to the smallest peer id's.
+    """The φ digest more nodes at the start of `round_` hold than any other (`served`: the digest of
+    the state most nodes serve with `round_` as its settled round); None when none is held, or two
+    or more are held by equally many: a tie goes to nobody.
 
-    Every node evaluates this on the same records, so all reach the same verdict.
+    Every node evaluates this on the same records, so all reach the same verdict. A tie-break by
+    peer id went to whoever generated the smaller key (an attacker, in a pair), and one by a hash of
+    the digests to whoever ground its φ's digest: neither side of an even split re-syncs from the
+    other (docs/architecture.md §9), a majority still re-syncs the minority.
     """
-    holders: dict[str, list[str]] = {}
+    holders: dict[str, int] = {}
     for record in nodes:
         at, digest = (record.served_round, record.served_digest) if served else (record.round, record.digest)
         if at == round_ and digest:
-            holders.setdefault(digest, []).append(record.peer_id)
-    if not holders:
+            holders[digest] = holders.get(digest, 0) + 1
+    ranked = sorted(holders.values(), reverse=True)
+    if not ranked or (len(ranked) > 1 and ranked[1] == ranked[0]):
         return None
-    return min(holders, key=lambda digest: (-len(holders[digest]), min(holders[digest])))
+    return max(holders, key=lambda digest: holders[digest])
 
 
 def reference_state(nodes: Iterable[NodeRecord]) -> tuple[int, str] | None:

@@ -58,10 +58,28 @@ def test_majority_digest_is_canonical() -> None:
     assert canonical_digest(nodes, 5) == "y"
 
 
-def test_tie_goes_to_the_smallest_peer_id_whatever_the_order() -> None:
-    nodes = [record("b", 5, "x"), record("a", 5, "y")]
-    assert canonical_digest(nodes, 5) == "y"
-    assert canonical_digest(list(reversed(nodes)), 5) == "y"
+def test_a_tie_goes_to_nobody_whatever_the_peer_ids_and_digests() -> None:
+    """docs/architecture.md §9: the smaller peer id won a tie, and an attacker picks its id by
+    generating keys (a hash of the digests, by grinding its φ): no key or digest choice wins one."""
+    for attacker in ("0" * 46, "z" * 46):  # smaller, then larger than the honest id
+        for fake in ("0" * 64, "f" * 64):
+            nodes = [record("QmHonest", 5, "ab" * 32), record(attacker, 5, fake)]
+            assert canonical_digest(nodes, 5) is None
+            assert canonical_digest(list(reversed(nodes)), 5) is None
+            # two against two as well; a majority still decides, whichever ids hold it
+            assert canonical_digest([*nodes, record("QmOther", 5, "ab" * 32), record("1", 5, fake)], 5) is None
+            assert canonical_digest([*nodes, record("QmOther", 5, "ab" * 32)], 5) == "ab" * 32
+            assert canonical_digest([*nodes, record("QmOther", 5, fake)], 5) == fake
+
+
+def test_neither_member_of_a_split_pair_re_syncs_from_the_other(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    for us, them in (("a", "b"), ("b", "a")):  # whichever id is smaller
+        presence = Presence(SimpleNamespace(), us, "run", "fp", {}, SimpleNamespace(), None, Gate("run"))  # type: ignore[arg-type]
+        offline(monkeypatch, [dataclasses.replace(record(them, 5, "theirs"), served_round=5, served_digest="theirs")])
+        presence.announce(5, 4, "ours", (5, "ours"))
+        presence.compatible_peers(refresh=True)
+        assert not presence.diverged(5, "ours", among=[us, them])
+        assert not presence.served_diverged([us, them])
 
 
 def test_only_nodes_at_that_round_count() -> None:
@@ -295,10 +313,10 @@ def test_a_joiner_takes_the_state_most_records_announce(monkeypatch) -> None:  #
     assert reference_state([others["a"]]) == (7, honest)  # one node alone serves the run's state
     two_liars = [*others.values(), serving("liar2", 10**6, "fake")]
     assert reference_state(two_liars) is None  # a tie never goes to the later round
-    # the state a group serves, settled up to a round: the majority's, a tie to the smaller peer id
+    # the state a group serves, settled up to a round: the majority's, a tie to nobody
     group = [others["a"], others["b"], serving("c", 7, "split")]
     assert canonical_digest(group, 7, served=True) == honest
-    assert canonical_digest([others["b"], serving("c", 7, "split")], 7, served=True) == honest
+    assert canonical_digest([others["b"], serving("c", 7, "split")], 7, served=True) is None
     assert canonical_digest(group, 8, served=True) is None
 
 

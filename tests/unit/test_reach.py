@@ -1,0 +1,180 @@
+"""A node that holds φ never installs a state farther from its own than the rounds between them can
+move it under the clip (outer/reach.py, OuterState.install_shared; docs/architecture.md §9,
+"Installing a state"): one peer that claims the run moved on, or wins a tie, cannot replace φ."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from diloco_node.outer import reach as reach_module
+from diloco_node.outer.diloco import OuterOptimizer
+from diloco_node.outer.noloco import NoLoCoOptimizer
+from diloco_node.outer.reach import REACH_STEPS, Reach
+from diloco_node.outer.state import OuterState
+
+SHAPES = [(16, 8), (8,), (4, 4)]
+NUMEL = sum(torch.Size(shape).numel() for shape in SHAPES)
+
+
+ROUND_SECONDS = 60.0
+
+
+class Clock:
+    """Our monotonic clock, moved on a round by each outer step of `run`."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture(autouse=True)
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    fake = Clock()
+    monkeypatch.setattr(reach_module, "time", fake)
+    return fake
+
+
+def model(seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) * 0.02 for shape in SHAPES]
+
+
+def means(rounds: int, seed: int = 1) -> list[torch.Tensor]:
+    """A run's mean pseudo-gradients: small, as an inner phase's Δ is beside φ."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(NUMEL, generator=generator) * 1e-3 for _ in range(rounds)]
+
+
+def diloco(phi: list[torch.Tensor]) -> OuterState:
+    return OuterState(phi, OuterOptimizer(phi, 0.7, 0.9))
+
+
+def run(state: OuterState, steps: list[torch.Tensor]) -> None:
+    """Outer steps as blocking.py takes them, a round apart: the mean on φ, then the next round."""
+    for mean in steps:
+        time_now = reach_module.time
+        assert isinstance(time_now, Clock)
+        time_now.now += ROUND_SECONDS
+        assert isinstance(state.optimizer, OuterOptimizer)
+        with state.lock:
+            state.optimizer.step(state.shaped(mean))
+            state.round += 1
+
+
+def shared(state: OuterState, server: str = "peer") -> tuple[dict[str, object], list[torch.Tensor]]:
+    served = state.served(lambda: None)
+    return state.shared("fp", server, lambda: served)
+
+
+def refusals(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.levelno >= logging.WARNING and "refused state" in r.getMessage()]
+
+
+def test_a_far_away_state_is_refused_with_one_line_and_phi_unchanged(caplog: pytest.LogCaptureFixture) -> None:
+    """The attack of issue 40: a proven partner claims a later round and serves φ all 0.5."""
+    run_means = means(5)
+    ours = diloco(model())
+    run(ours, run_means[:4])
+    before = ours.flat().clone()
+    metadata, vectors = shared(ours, "attacker")
+    for ahead in (1, 3, 10**6):  # a claim of any round: the rounds are capped by our own clock
+        forged = {**metadata, "round": ours.round + ahead}
+        with caplog.at_level(logging.WARNING):
+            caplog.clear()
+            assert ours.install_shared(forged, [torch.full((NUMEL,), 0.5), vectors[1]], "fp") is None
+        assert len(refusals(caplog)) == 1 and "attacker" in refusals(caplog)[0].getMessage()
+        assert torch.equal(ours.flat(), before) and ours.round == 4
+
+
+def test_a_nearby_honest_state_one_round_ahead_is_taken(caplog: pytest.LogCaptureFixture) -> None:
+    """The run's state one real outer step past ours (the round we missed) installs, momentum and all."""
+    run_means = means(5)
+    ours, server = diloco(model()), diloco(model())
+    run(ours, run_means[:4])
+    run(server, run_means[:5])
+    metadata, vectors = shared(server)
+    assert metadata["round"] == 5
+    with caplog.at_level(logging.WARNING):
+        assert ours.install_shared(metadata, vectors, "fp") is not None
+    assert not refusals(caplog)
+    assert torch.equal(ours.flat(), server.flat()) and ours.round == 5
+
+
+def test_a_split_at_the_same_round_within_a_step_is_taken() -> None:
+    """A pair split by a one-sided exchange failure: one member stepped with its own Δ only."""
+    run_means = means(5)
+    ours, majority = diloco(model()), diloco(model())
+    run(ours, run_means[:3] + [run_means[3] * 2])
+    run(majority, run_means[:4])
+    assert ours.install_shared(*shared(majority), "fp") is not None
+
+
+def test_a_huge_momentum_beside_our_own_phi_is_refused() -> None:
+    """The next step would carry φ away: the buffer is bounded as φ is (F/(1 − μ), with slack)."""
+    ours = diloco(model())
+    run(ours, means(4))
+    metadata, vectors = shared(ours)
+    assert ours.install_shared(metadata, [vectors[0], vectors[1] * 1e6], "fp") is None
+    assert ours.install_shared(metadata, vectors, "fp") is not None  # ours, as it is: taken
+
+
+def test_a_node_without_phi_of_the_run_takes_any_state() -> None:
+    """A joiner (no outer step since start) has nothing to compare: today's behaviour."""
+    joiner = diloco(model(seed=3))
+    metadata, vectors = shared(diloco(model()))
+    assert joiner.install_shared({**metadata, "round": 40}, [torch.full((NUMEL,), 0.5), vectors[1]], "fp")
+    assert torch.equal(joiner.flat(), torch.full((NUMEL,), 0.5))
+
+
+def test_zero_means_bound_the_reach_to_nothing() -> None:
+    """A partner that sent only zero payloads (proven by them) moved nothing: it can move nothing."""
+    ours = diloco(model())
+    run(ours, [torch.zeros(NUMEL)] * 3)
+    metadata, vectors = shared(ours)
+    moved = vectors[0] + 1e-3
+    assert ours.install_shared({**metadata, "round": ours.round + 2}, [moved, vectors[1]], "fp") is None
+
+
+def test_noloco_nodes_refuse_a_far_state_and_take_their_groups() -> None:
+    """NoLoCo's φ differs per node by design and has no digest check: the bound still holds."""
+    def noloco(phi: list[torch.Tensor]) -> OuterState:
+        return OuterState(phi, NoLoCoOptimizer(phi, 0.7, 0.5, 0.7))
+
+    ours, other = noloco(model()), noloco(model(seed=1))
+    for mean in means(4):
+        mean_phi = (ours.flat() + other.flat()) / 2
+        for state in (ours, other):
+            assert isinstance(state.optimizer, NoLoCoOptimizer)
+            with state.lock:
+                state.optimizer.step(state.shaped(mean), state.shaped(mean_phi))
+                state.round += 1
+    metadata, vectors = shared(other)
+    assert ours.install_shared({**metadata, "round": 5}, [torch.full((NUMEL,), 0.5), vectors[1]], "fp") is None
+    assert ours.install_shared({**metadata, "round": 5}, vectors, "fp") is not None
+
+
+def test_the_rounds_between_are_capped_by_our_own_clock(clock: Clock) -> None:
+    """A server's round is its word: without a measured pace a claim counts for a few rounds only,
+    with one for the rounds our shortest step interval fits since φ last moved."""
+    reach = Reach(0.9)
+    assert reach.bound(5) is None  # nothing measured: no φ of the run
+    reach.stepped(1.0, 1.0)
+    untimed = reach.bound(10**9)
+    assert untimed is not None and untimed.rounds < 20
+    assert untimed.distance == pytest.approx(untimed.rounds * 1.0 * 2.0 / (1 - 0.9))
+    for _ in range(REACH_STEPS + 4):
+        clock.now += ROUND_SECONDS
+        reach.stepped(0.5, 0.5)  # the force of the first step is forgotten after REACH_STEPS
+    bound = reach.bound(3)
+    assert bound is not None and bound.rounds == 1 + 2  # just stepped: the run can be a round on at most
+    clock.now += 10 * ROUND_SECONDS  # paused ten rounds (isolated): the run may be that far on
+    far = reach.bound(10**9)
+    assert far is not None and far.rounds == 10 + 1 + 2
+    reach.installed()  # a state installed now: rounds count from it
+    assert reach.bound(10**9) == reach.bound(1)
+    assert bound is not None and bound.distance == pytest.approx(bound.rounds * 0.5 * 2.0 / (1 - 0.9))
