@@ -1,6 +1,6 @@
 """Joining pays? Tokens per worker to a target loss for DiLoCo / NoLoCo swarms of M workers against
 data-parallel (DDP) and one worker alone, in the learning simulator (harness/simulator.py: the node's
-own replica, inner loop, codecs and outer updates, joined in memory; docs/architecture.md §18).
+own replica, inner loop, codecs and outer updates, joined in memory; docs/architecture.md §16).
 
 Shape (fixed, so that every row of a log is comparable): `llama-2m` (configs/llama-2m.json, 1.7 M
 parameters) with a byte-level BPE of 4,096 trained on the Python standard library's sources

@@ -1,4 +1,4 @@
-"""The learning simulator (docs/architecture.md §18): M workers in one process, each a real node's
+"""The learning simulator (docs/architecture.md §16): M workers in one process, each a real node's
 learning path, joined by an in-memory transport instead of the swarm.
 
 What is real: each worker is the node's own parts from `compose.build` (φ, the outer optimizer, the
