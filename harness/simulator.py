@@ -214,7 +214,7 @@ def simulate(cfg: NodeConfig, peers: list[str], rounds: int, evaluate: bool = Tr
             _finish_together(workers, losses)
             curve.digests.append([worker.state.digest() for worker in workers])
             if evaluate:
-                curve.points.append((tokens, [worker.evaluate() for worker in workers]))
+                curve.points.append((tokens, _evaluate_all(workers, curve.digests[-1])))
                 curve.payload_bytes.append(room.payload_bytes)
             if on_round is not None and on_round(tokens, curve):
                 break
@@ -225,6 +225,15 @@ def simulate(cfg: NodeConfig, peers: list[str], rounds: int, evaluate: bool = Tr
             worker.close()
     curve.seconds = time.monotonic() - started
     return curve
+
+
+def _evaluate_all(workers: list[Worker], digests: list[str]) -> list[float]:
+    """Each worker's eval loss of its φ; workers whose φ is the same (blocking: all) evaluated once."""
+    losses: dict[str, float] = {}
+    for worker, digest in zip(workers, digests, strict=True):
+        if digest not in losses:
+            losses[digest] = worker.evaluate()
+    return [losses[digest] for digest in digests]
 
 
 def _finish_together(workers: list[Worker], losses: list[list[float]]) -> None:
