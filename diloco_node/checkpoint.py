@@ -14,6 +14,9 @@ is kept (one save longer) so a reader that opened the manifest just before a sav
 No pickle anywhere: a checkpoint cannot run code when read. An old `node.pt` (torch's format, from
 before safetensors) is still read, with weights_only=True, and replaced by the next save.
 A lock file keeps two nodes from sharing one directory (they would overwrite each other's state).
+A checkpoint is confined to its directory: the manifest may name only a plain tensors file beside
+it (no path, no link, no device), and any damage, a missing or mistyped key included, is refused in
+one line (`CheckpointError`), never a traceback (docs/architecture.md §11).
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ import hashlib
 import json
 import logging
 import os
+import re
+import stat
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -38,6 +45,12 @@ TENSORS_PREFIX, TENSORS_SUFFIX = "node-", ".safetensors"
 FORMAT_VERSION = 3  # 3: safetensors + JSON manifest; 2: the inner optimizer's state in the canonical layout
 READABLE_FORMATS = (1, 2, 3)
 HASH_CHUNK = 1 << 22
+# what a manifest may name: a file our own save wrote beside it (`node-<16 hex>.safetensors`); no
+# directory part, so neither an absolute path (`/dev/zero`, which hangs the hash) nor `..`
+TENSORS_NAME = re.compile(r"node-[0-9a-f]{16}\.safetensors")
+# a manifest holds the state's structure and scalars (the tensors are elsewhere): a few MiB at most
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_ROUND = 2**40  # the records' bound on a round (swarm/records.py)
 
 
 class CheckpointError(NodeError, RuntimeError):
@@ -123,15 +136,16 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     if path.suffix == ".pt":
         return _read_legacy(path)
     try:
-        manifest = json.loads(path.read_bytes())
-        if not isinstance(manifest, dict) or manifest.get("format") not in READABLE_FORMATS:
+        manifest = json.loads(_read_manifest(path))
+        if not isinstance(manifest, dict) or not _is_int(manifest.get("format")) \
+                or manifest["format"] not in READABLE_FORMATS:
             raise CheckpointError(f"checkpoint '{path}' has an unknown format")
-        tensors_path = path.parent / str(manifest["tensors"])
-        if _sha256(tensors_path) != manifest["sha256"]:
+        tensors_path = _tensors_path(path, manifest.get("tensors"))
+        if _sha256(tensors_path) != manifest.get("sha256"):
             raise ValueError(f"{tensors_path.name} does not match the SHA-256 its manifest names")
         from safetensors.torch import load_file
 
-        state = _decode(manifest["state"], load_file(tensors_path, device="cpu"))
+        state = _decode(manifest.get("state"), load_file(tensors_path, device="cpu"))
     except CheckpointError:
         raise
     except Exception as exc:  # json, safetensors and the OS raise many types; all mean the same here
@@ -140,6 +154,36 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint '{path}' has an unknown format")
     return {**state, "format": manifest["format"]}
+
+
+def _read_manifest(path: Path) -> bytes:
+    """The manifest's bytes, once it is known to be a regular file of a manifest's size: a FIFO or
+    a device in its place would block or never end (ValueError: refused)."""
+    # O_NONBLOCK: opening a FIFO would otherwise wait for a writer (no effect on a regular file)
+    with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:
+        info = os.fstat(file.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_MANIFEST_BYTES:
+            raise ValueError("the manifest is not a regular file of at most "
+                             f"{MAX_MANIFEST_BYTES >> 20} MiB")
+        return file.read(MAX_MANIFEST_BYTES + 1)
+
+
+def _tensors_path(manifest_path: Path, name: Any) -> Path:
+    """The tensors file a manifest names, confined to the manifest's directory: a name our save
+    writes, naming a regular file there (not a link, a device or a FIFO)."""
+    if not isinstance(name, str) or not TENSORS_NAME.fullmatch(name):
+        raise CheckpointError(f"checkpoint '{manifest_path}' names a tensors file outside its directory "
+                              f"or not of its own making: {_shown(name)}")
+    path = manifest_path.parent / name
+    if not stat.S_ISREG(os.lstat(path).st_mode):  # OSError when missing: unreadable, as before
+        raise CheckpointError(f"checkpoint '{manifest_path}' names {name}, which is not a regular file")
+    return path
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """A manifest's value in a one-line message: repr-escaped and cut, whatever it holds."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _read_legacy(path: Path) -> dict[str, Any]:
@@ -157,6 +201,99 @@ def _read_legacy(path: Path) -> dict[str, Any]:
     if not isinstance(state, dict) or state.get("format") not in (1, 2):
         raise CheckpointError(f"checkpoint '{path}' has an unknown format")
     return state
+
+
+# --- a node's state: every key it is resumed or exported from, checked before use --------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_tensors(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, torch.Tensor) for t in value)
+
+
+def _is_inner(value: Any) -> bool:
+    """The inner optimizer's canonical state: steps, and per parameter name a pair of moments."""
+    return isinstance(value, dict) and _is_int(value.get("step")) and value["step"] >= 0 \
+        and _is_number(value.get("adam_step")) and isinstance(value.get("moments"), dict) \
+        and all(isinstance(name, str) and isinstance(pair, (tuple, list)) and len(pair) == 2
+                and all(isinstance(t, torch.Tensor) for t in pair) and pair[0].shape == pair[1].shape
+                for name, pair in value["moments"].items())
+
+
+def _is_outstanding(value: Any) -> bool:
+    """Our Δs awaiting their rounds' means (outer/sync.Applied, as dicts)."""
+    return isinstance(value, list) and all(
+        isinstance(entry, dict) and set(entry) <= {"round", "own", "weight", "at_step"}
+        and _is_int(entry.get("round")) and isinstance(entry.get("own"), torch.Tensor)
+        and entry["own"].dim() == 1 and _is_number(entry.get("weight")) and _is_int(entry.get("at_step", 0))
+        for entry in value)
+
+
+# what each key of a node's checkpoint must hold (node.Node.save_checkpoint writes them); the
+# resume reads every one, so a missing or mistyped key is refused here in one line, not as a
+# KeyError or TypeError from deep inside the install
+NODE_KEYS: dict[str, Callable[[Any], bool]] = {
+    "fingerprint": lambda v: isinstance(v, str),
+    "round": lambda v: _is_int(v) and 0 <= v <= MAX_ROUND,
+    "outer_params": _is_tensors,
+    "momentum": lambda v: v is None or _is_tensors(v),
+    "codec": lambda v: isinstance(v, dict),
+    "data_position": lambda v: _is_int(v) and v >= 0,
+    "stream_seed": _is_int,
+}
+OPTIONAL_KEYS: dict[str, Callable[[Any], bool]] = {
+    "inner": _is_inner,  # formats 2 and 3 (required there)
+    "outstanding": _is_outstanding,
+    "export": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()),
+    "drift": lambda v: True,  # Drift.restore checks it against φ and starts θ afresh when it does not fit
+}
+
+
+def check_node_state(state: dict[str, Any], path: Path | str, keys: Sequence[str] | None = None) -> None:
+    """Refuse, in one line, a checkpoint lacking one of `keys` (default: every key a resume
+    reads) or holding a value of the wrong kind under any key it has."""
+    wanted = list(NODE_KEYS) + (["inner"] if state.get("format", FORMAT_VERSION) >= 2 else []) \
+        if keys is None else list(keys)
+    for key in wanted:
+        if key not in state:
+            raise CheckpointError(f"checkpoint '{path}' is damaged: it lacks '{key}'")
+    for key, fits in {**NODE_KEYS, **OPTIONAL_KEYS}.items():
+        if key in state and not fits(state[key]):
+            raise CheckpointError(f"checkpoint '{path}' is damaged: its '{key}' is not what a checkpoint holds")
+
+
+def check_fits(state: dict[str, Any], path: Path | str, shapes: Sequence[torch.Size]) -> None:
+    """Refuse, in one line, a checkpoint whose tensors are not of the model's shapes (φ's): a
+    mismatch would otherwise surface as a torch error mid-install, or mid-run for the moments."""
+    def same(tensors: Sequence[torch.Tensor]) -> bool:
+        return len(tensors) == len(shapes) and all(t.shape == s for t, s in zip(tensors, shapes, strict=True))
+
+    moments = state.get("inner", {}).get("moments", {}) if isinstance(state.get("inner"), dict) else {}
+    known = set(shapes)
+    if not same(state["outer_params"]) or (state.get("momentum") is not None and not same(state["momentum"])) \
+            or len(moments) > len(shapes) or any(pair[0].shape not in known for pair in moments.values()):
+        raise CheckpointError(f"checkpoint '{path}' does not fit this model: its tensors have other shapes "
+                              "(damaged, or made with another model)")
+
+
+@contextmanager
+def installing(path: Path | str) -> Iterator[None]:
+    """Around the install of a checked checkpoint into the node's parts: what the checks cannot
+    foresee (a codec's or the replica's own view of its state) still ends in one line."""
+    try:
+        yield
+    except (CheckpointError, torch.OutOfMemoryError):
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as exc:
+        logger.debug("installing checkpoint %s failed", path, exc_info=True)
+        raise CheckpointError(f"checkpoint '{path}' does not fit this node (damaged?): {_first_line(exc)}") from None
 
 
 # --- the store ------------------------------------------------------------------------------------

@@ -138,6 +138,18 @@ def _write_tokenizer(source: str, out: Path) -> None:
              "clean_up_tokenization_spaces": False}, indent=2) + "\n")
 
 
+def _built(path: Path, info: dict[str, Any], phi: list[torch.Tensor]) -> Any:
+    """`_model_with`, where a config.json the checkpoint holds that transformers cannot build (a
+    damaged manifest) ends in one line too."""
+    try:
+        return _model_with(info, phi)
+    except ExportError:
+        raise
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ExportError(f"checkpoint '{path}' names a model this version cannot build (damaged?): {first}") from None
+
+
 def export(checkpoint_dir: str, run_id: str, out: str) -> Path:
     """Write run `run_id`'s latest checkpointed φ under `checkpoint_dir` as a model directory `out`."""
     target = Path(out)
@@ -151,20 +163,24 @@ def export(checkpoint_dir: str, run_id: str, out: str) -> Path:
     from diloco_node import checkpoint
 
     assert (checkpoint.CHECKPOINT_NAME, checkpoint.LEGACY_NAME) == (CHECKPOINT_NAME, LEGACY_NAME)
-    from diloco_node.checkpoint import CheckpointError, read_checkpoint
+    from diloco_node.checkpoint import CheckpointError, check_node_state, read_checkpoint
 
     try:
         state = read_checkpoint(path)
+        if "export" in state:  # the keys export reads, checked: a damaged one is one line, not a KeyError
+            check_node_state(state, path, keys=("outer_params", "export"))
     except CheckpointError as exc:
         raise ExportError(str(exc)) from None
     info = state.get("export")
     if not isinstance(info, dict):
         raise ExportError(f"checkpoint '{path}' predates export (it does not name its model): resume the run with "
                           "this version for one checkpoint, then export")
+    if not (isinstance(info.get("model"), str) and isinstance(info.get("config"), str)):
+        raise ExportError(f"checkpoint '{path}' is damaged: its 'export' does not name a model and its config")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the command prints its one line
-    model = _model_with(info, list(state["outer_params"]))
+    model = _built(path, info, list(state["outer_params"]))
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:

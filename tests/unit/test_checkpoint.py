@@ -143,3 +143,167 @@ def test_a_replica_resumed_from_a_checkpoint_continues_bit_exactly(tmp_path: Pat
     finally:
         for replica in (straight, stopped, resumed):
             replica.close()
+
+
+# --- a checkpoint confined to its directory, and read with one line on any damage -----------------
+
+
+def node_state() -> dict[str, Any]:
+    """What Node.save_checkpoint writes, for a φ of shapes (2, 3) and (6,)."""
+    return {**{k: v for k, v in state().items() if k not in ("by_number", "scalars")},
+            "export": {"model": "tiny", "config": "", "tokenizer": ""}}
+
+
+def edit_manifest(directory: Path, edit: Any) -> None:
+    manifest = json.loads((directory / "node.json").read_text())
+    edit(manifest)
+    (directory / "node.json").write_text(json.dumps(manifest))
+
+
+def resume_from(directory: Path) -> None:
+    """startup.resume against a φ of node_state()'s shapes: the node's own path through the checks."""
+    from types import SimpleNamespace
+
+    from diloco_node.startup import resume
+
+    phi = [torch.zeros(2, 3), torch.zeros(6)]
+    outer = SimpleNamespace(phi=phi, round=0, install=lambda round_, params, momentum: [
+        p.copy_(v) for p, v in zip(phi, params, strict=True)])
+    replica = SimpleNamespace(load_inner_state=lambda inner: None)
+    codec = SimpleNamespace(load_state_dict=lambda d: None)
+    drift = SimpleNamespace(restore=lambda saved, phi: True)
+    store = CheckpointStore(directory)
+    try:
+        resume(store, "abc", outer, replica, [codec], drift)  # type: ignore[arg-type]
+    finally:
+        store.close()
+
+
+def test_a_node_checkpoint_resumes_through_the_checks(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    store.save(node_state())
+    store.close()
+    resume_from(tmp_path)  # nothing refused
+
+
+@pytest.mark.parametrize("key", ["fingerprint", "round", "outer_params", "momentum", "codec", "data_position",
+                                 "stream_seed", "inner"])
+def test_a_manifest_missing_a_key_is_refused_in_one_line_on_resume(tmp_path: Path, key: str) -> None:
+    store = CheckpointStore(tmp_path)
+    store.save(node_state())
+    store.close()
+    edit_manifest(tmp_path, lambda manifest: manifest["state"].pop(key))
+    with pytest.raises(CheckpointError, match=f"is damaged: it lacks '{key}'") as info:
+        resume_from(tmp_path)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("key, value", [("round", "7"), ("round", -1), ("outer_params", 5), ("inner", {"step": 1}),
+                                        ("outstanding", [{"round": 1, "what": 2}]), ("data_position", True)])
+def test_a_mistyped_key_is_refused_in_one_line_on_resume(tmp_path: Path, key: str, value: Any) -> None:
+    store = CheckpointStore(tmp_path)
+    store.save(node_state())
+    store.close()
+    edit_manifest(tmp_path, lambda manifest: manifest["state"].__setitem__(key, value))
+    with pytest.raises(CheckpointError, match=f"its '{key}' is not what a checkpoint holds") as info:
+        resume_from(tmp_path)
+    assert "\n" not in str(info.value)
+
+
+def test_tensors_of_other_shapes_are_refused_in_one_line_on_resume(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    store.save({**node_state(), "outer_params": [torch.zeros(3, 2), torch.zeros(6)]})
+    store.close()
+    with pytest.raises(CheckpointError, match="does not fit this model") as info:
+        resume_from(tmp_path)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.timeout(20)  # before the fix, /dev/zero was hashed for ever
+@pytest.mark.parametrize("name", ["/dev/zero", "../elsewhere/node-0123456789abcdef.safetensors", "..", "",
+                                  "node.json", 5, None])
+def test_a_tensors_file_outside_the_directory_is_refused(tmp_path: Path, name: Any) -> None:
+    run = tmp_path / "run"
+    store = CheckpointStore(run)
+    store.save(state())
+    store.close()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "node-0123456789abcdef.safetensors").write_bytes(next(run.glob("node-*")).read_bytes())
+    edit_manifest(run, lambda manifest: manifest.__setitem__("tensors", name))
+    with pytest.raises(CheckpointError, match="names a tensors file outside its directory") as info:
+        read_checkpoint(run)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.timeout(20)
+def test_a_link_a_fifo_or_a_device_in_a_checkpoint_is_refused_and_does_not_hang(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    store.save(state())
+    store.close()
+    tensors = next(tmp_path.glob("node-*.safetensors"))
+    tensors.unlink()
+    tensors.symlink_to("/dev/zero")  # a name of our making, but a link out of the directory
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        read_checkpoint(tmp_path)
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    import os
+
+    os.mkfifo(fifo / "node.json")  # a manifest that would block its reader
+    with pytest.raises(CheckpointError, match="is unreadable") as info:
+        read_checkpoint(fifo)
+    assert "\n" not in str(info.value)
+
+
+def export_cli(*args: str) -> tuple[int, str]:
+    """`diloco-node export` through the CLI's own `main` in this process: (exit code, stderr, and
+    any exception the CLI let escape, which would be a traceback for a user)."""
+    from click.testing import CliRunner
+
+    from diloco_node.cli import main
+
+    done = CliRunner().invoke(main, ["export", *args])
+    crashed = "" if done.exception is None or isinstance(done.exception, SystemExit) else \
+        "Traceback " + repr(done.exception)
+    return done.exit_code, done.stderr + crashed
+
+
+@pytest.mark.parametrize("edit", ["no outer_params", "no model", "export not a dict of text", "absolute tensors"])
+def test_export_of_a_damaged_checkpoint_ends_in_one_line(tmp_path: Path, edit: str) -> None:
+    run = tmp_path / "ckpt" / "r"
+    store = CheckpointStore(run)
+    store.save(node_state())
+    store.close()
+
+    def damage_manifest(manifest: dict[str, Any]) -> None:
+        if edit == "no outer_params":
+            manifest["state"].pop("outer_params")
+        elif edit == "no model":
+            manifest["state"]["export"].pop("model")
+        elif edit == "export not a dict of text":
+            manifest["state"]["export"]["config"] = [1]
+        else:
+            manifest["tensors"] = "/dev/zero"
+    edit_manifest(run, damage_manifest)
+    code, stderr = export_cli("--checkpoint-dir", str(tmp_path / "ckpt"), "--run-id", "r", str(tmp_path / "out"))
+    assert code == 2, stderr
+    assert stderr.startswith("diloco-node: error: checkpoint") and stderr.count("\n") == 1, stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(120)
+def test_the_export_command_refuses_a_damaged_checkpoint_in_one_line(tmp_path: Path) -> None:
+    """The real command in a subprocess, end to end: exit 2, one line on stderr."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "ckpt" / "r"
+    store = CheckpointStore(run)
+    store.save(node_state())
+    store.close()
+    edit_manifest(run, lambda manifest: manifest["state"].pop("outer_params"))
+    done = subprocess.run([sys.executable, "-m", "diloco_node", "export", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                           "--run-id", "r", str(tmp_path / "out")], capture_output=True, text=True, timeout=110)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("diloco-node: error: checkpoint") and "lacks 'outer_params'" in done.stderr
