@@ -294,7 +294,9 @@ def _fetch_json(base_url: str, path: str) -> dict[str, Any]:
         with urllib.request.urlopen(url, timeout=5) as response:
             body = json.loads(response.read())
     except urllib.error.HTTPError as exc:
-        fail(f"{url} answered HTTP {exc.code} {exc.reason}")
+        from diloco_node.status_view import shown  # the reason phrase is the server's text: escaped
+
+        fail(f"{url} answered HTTP {exc.code} {shown(exc.reason)}")
     except urllib.error.URLError as exc:
         fail(f"cannot reach {url}: {exc.reason}")
     except (OSError, http.client.HTTPException) as exc:

@@ -5,6 +5,10 @@ Every field may be missing or null (a node that has not finished a round yet has
 node may not report a newer field); those print as "-" instead of failing. The keys read are
 /api/status's (telemetry/meter.STATUS_FIELDS; a round's figures declared once by telemetry/record.py)
 and the swarm table's rows (telemetry/swarm_table.py); tests/unit/test_record.py holds them to those.
+Every string the server sends is shown escaped and cut (`shown`): a peer's label reaches the swarm
+table from its record, and a label carrying terminal escapes (ANSI colours, cursor moves, a
+rewritten title) or line breaks would otherwise act on the user's terminal or forge rows
+(docs/architecture.md §9).
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from typing import Any
 
 MISSING = "-"
 PEER_ID_CHARS = 12  # enough to tell peers apart in a table; the full id is in the node section
+TEXT_CHARS = 160  # the most of one server-sent string shown (a multiaddr with its /p2p id is ~100)
+LABEL_CHARS = 64  # a label as records bound it (swarm/records.py): an honest one is never cut
+CUT = "..."
 _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 
@@ -56,8 +63,34 @@ def decimal(value: Any, digits: int = 4) -> str:
     return MISSING if number is None else f"{number:.{digits}f}"
 
 
-def text(value: Any) -> str:
-    return MISSING if value is None or value == "" else str(value)
+def _escaped(char: str) -> str:
+    """One character as the terminal may see it: printable ones as they are, the rest (control
+    characters, ESC, DEL, bidi overrides, line and paragraph separators) as repr writes them, and
+    the backslash doubled so an escape shown is never confused with the same text sent."""
+    if char == "\\":
+        return "\\\\"
+    return char if char.isprintable() else repr(char)[1:-1]
+
+
+def shown(value: Any, limit: int = TEXT_CHARS) -> str:
+    """A server-sent value as one safe line: escaped character by character, and cut to at most
+    `limit` characters, ending in '...' when cut (an escape is never cut in half)."""
+    string = str(value)
+    pieces = [_escaped(char) for char in string[:limit + 1]]  # each shows as ≥ 1 character
+    if len(string) <= limit and sum(map(len, pieces)) <= limit:
+        return "".join(pieces)
+    kept, length = [], 0
+    for piece in pieces:
+        if length + len(piece) > limit - len(CUT):
+            break
+        kept.append(piece)
+        length += len(piece)
+    return "".join(kept) + CUT
+
+
+def text(value: Any, limit: int = TEXT_CHARS) -> str:
+    """A server-sent value shown (`shown`), or '-' for a missing one."""
+    return MISSING if value is None or value == "" else shown(value, limit)
 
 
 def ago(timestamp: Any, now: float) -> str:
@@ -127,7 +160,7 @@ def _peer_row(peer: dict[str, Any], now: float) -> tuple[str, ...]:
     marker = " *" if peer.get("is_self") else ""
     return (
         short_peer_id(peer.get("peer_id")) + marker,
-        text(peer.get("label")),
+        text(peer.get("label"), LABEL_CHARS),  # a peer's own word, from its record
         text(peer.get("rounds")),
         human_bytes(_first_number(peer.get("wire_bytes_sent"), peer.get("bytes_sent"))),  # the link's cost
         human_bytes(_first_number(peer.get("wire_bytes_received"), peer.get("bytes_received"))),

@@ -9,6 +9,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -201,3 +202,43 @@ def test_status_against_a_real_status_server() -> None:
     assert "2 (inner step 80)" in out and "3.9000 (eval 4.1000)" in out
     assert "1.9 MiB" in out and "3.8 MiB" in out and "int8 (1.030 B/param)" in out
     assert "swarm (2 peers)" in out and "node-1" in out and "90.0%" in out and "s ago" in out
+
+
+# --- what a peer or a server sends is shown escaped and bounded -----------------------------------
+
+HOSTILE = ("\x1b[2J\x1b[31mpwned\x1b]0;title\x07\r\nPEER  fake-row\u202etxt\x00\x7f\u2028\\x1b "
+           + "A" * 10_000)
+
+
+def _is_safe(line: str) -> bool:
+    return all(char.isprintable() for char in line)
+
+
+def test_a_peer_label_with_escapes_is_shown_escaped_and_bounded() -> None:
+    rows = [peer_row(0, is_self=True), {**peer_row(1), "label": HOSTILE}]
+    table = status_view.format_peers(rows, NOW).splitlines()
+    assert len(table) == 3  # no forged row: the CR/LF is shown, not obeyed
+    assert all(_is_safe(line) for line in table)
+    hostile_row = table[2]
+    assert "\\x1b[2J\\x1b[31mpwned" in hostile_row and "\\r\\n" in hostile_row and "\\u202e" in hostile_row
+    assert "..." in hostile_row and "AAAA" not in hostile_row  # cut at LABEL_CHARS
+    assert len(table[2]) <= len(table[1]) - len("node-0") + status_view.LABEL_CHARS
+
+
+def test_every_string_of_the_status_block_is_shown_escaped_and_bounded() -> None:
+    status: dict[str, Any] = {key: HOSTILE for key in ("run_id", "peer_id", "label", "compression", "outer_step",
+                                                       "peers")}
+    status["maddrs"] = [HOSTILE]
+    text = status_view.render(status, {"peers": [{"peer_id": HOSTILE, "label": HOSTILE}]}, NOW)
+    assert all(_is_safe(line) for line in text.splitlines())
+    assert "\x1b" not in text and "\r" not in text
+    assert max(len(line) for line in text.splitlines()) < 2 * status_view.TEXT_CHARS
+
+
+def test_shown_keeps_honest_text_and_never_cuts_an_escape_in_half() -> None:
+    assert status_view.shown("gpu-box (eu-west, Zürich) 東京") == "gpu-box (eu-west, Zürich) 東京"
+    assert status_view.shown("x" * 64, 64) == "x" * 64
+    cut = status_view.shown("\x1b" * 50, 20)
+    assert cut == "\\x1b" * 4 + "..." and len(cut) <= 20
+    assert status_view.shown("a\\x1b") == "a\\\\x1b"  # a backslash sent is doubled: never taken for an escape
+    assert status_view.text("") == "-" and status_view.text(None) == "-"
