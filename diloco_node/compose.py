@@ -34,7 +34,7 @@ from diloco_node.telemetry.events import Events
 from diloco_node.telemetry.meter import Telemetry
 from diloco_node.telemetry.planning import Planner
 from diloco_node.telemetry.rounds import RoundReporter
-from diloco_node.telemetry.server import StatusServer
+from diloco_node.telemetry.server import StatusServer, announced_hosts
 from diloco_node.telemetry.wire import WireMeter
 from diloco_node.train.model import build_model
 
@@ -100,7 +100,8 @@ def build(cfg: NodeConfig) -> Parts:
         if cfg.upload_rate or cfg.download_rate else None
     return Parts(cfg=cfg, state=state, codecs=[make_codec(codec_config_of(cfg)) for _ in range(cfg.fragments)],
                  runs=runs, phi_codec=phi_codec,
-                 signals=StopSignals(), telemetry=telemetry, server=StatusServer(telemetry, *cfg.status_host_port),
+                 signals=StopSignals(), telemetry=telemetry,
+                 server=StatusServer(telemetry, *cfg.status_host_port, announced_hosts(cfg.announce)),
                  wire=wire, reporter=RoundReporter(telemetry, wire, cfg.label, gossip, planner,
                                                    caps=(float(cfg.upload_rate), float(cfg.download_rate))),
                  events=Events(cfg.events),

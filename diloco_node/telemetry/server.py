@@ -2,18 +2,28 @@
 
 Read-only by construction (GET routes only) and bound to 127.0.0.1 unless the operator says
 otherwise; responses carry training state and public peer ids, never paths or keys.
+
+Every request must name in its Host header an IP address, `localhost`, or a name of ours (the
+status host the server was given, the DNS names the node announces, the machine's hostname);
+others get 421 (docs/architecture.md §9). A DNS-rebinding page (evil.example re-resolved to
+127.0.0.1) is same-origin with our address in its victim's browser, but its requests still say
+`Host: evil.example`: without this check it could read /api/status. Prometheus and curl by IP, and
+the dashboard opened at the URL the node prints, pass.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 import threading
 import time
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from diloco_node.errors import NodeError
 from diloco_node.lifecycle import close_in_helpers
@@ -25,6 +35,9 @@ STATIC_DIR = Path(__file__).parent / "static"
 logger = logging.getLogger(__name__)
 
 TELEMETRY_KEY = web.AppKey("telemetry", Telemetry)
+MISDIRECTED = 421  # RFC 9110: this server does not answer for the host the request names
+LOCAL_NAMES = frozenset({"localhost"})
+MAX_LOGGED_HOSTS = 64  # refused hosts named in the log, once each; more are refused silently
 
 
 class StatusServerError(NodeError, RuntimeError):
@@ -64,8 +77,68 @@ async def dashboard(request: web.Request) -> web.FileResponse:
     return web.FileResponse(STATIC_DIR / "index.html")
 
 
-def build_app(telemetry: Telemetry) -> web.Application:
-    app = web.Application()
+def host_name(header: str) -> str:
+    """The host of a Host header, without its port and brackets, lower case, no trailing dot."""
+    header = header.strip().lower()
+    if header.startswith("["):  # [v6]:port
+        return header[1:header.find("]")] if "]" in header else header
+    name = header.rsplit(":", 1)[0] if header.count(":") == 1 else header  # a bare v6 has several
+    return name.rstrip(".")
+
+
+def is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.split("%", 1)[0])  # a v6 zone (fe80::1%eth0) is no part of the address
+    except ValueError:
+        return False
+    return True
+
+
+def announced_hosts(multiaddrs: Iterable[str]) -> list[str]:
+    """The DNS names in --announce multiaddrs (/dns4/<name>/tcp/…): names peers and people reach us by."""
+    names = []
+    for address in multiaddrs:
+        parts = address.split("/")
+        names += [parts[i + 1] for i, part in enumerate(parts[:-1]) if part in ("dns", "dns4", "dns6")]
+    return names
+
+
+def allowed_hosts(bound: str, announced: Iterable[str] = ()) -> frozenset[str]:
+    """The host names (besides IP literals, always allowed) a request may name: `localhost`, the
+    host the server is bound to, the announced names, and the machine's hostname; a rebinding
+    page's Host is its own domain, which is none of these."""
+    names = {host_name(bound), *(host_name(name) for name in announced), host_name(socket.gethostname())}
+    return LOCAL_NAMES | {name for name in names if name}
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def host_check(allowed: frozenset[str]) -> Middleware:
+    """The middleware answering 421 to a request whose Host is neither an IP literal nor in
+    `allowed` (a request with no Host at all comes from no browser, and passes)."""
+    logged: set[str] = set()
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        header = request.headers.get("Host")
+        host = host_name(header) if header is not None else None
+        if host is None or is_ip_literal(host) or host in allowed:
+            return await handler(request)
+        if host not in logged and len(logged) < MAX_LOGGED_HOSTS:
+            logged.add(host)
+            logger.warning("status server refused host=%r path=%s: not one of ours (a DNS-rebinding page?); "
+                           "to serve it by that name, give it as the --status host", host[:100], request.path)
+        return web.Response(status=MISDIRECTED, text="this status server answers to its IP addresses, localhost "
+                                                     "and its own host names only\n")
+
+    return check
+
+
+def build_app(telemetry: Telemetry, hosts: frozenset[str] | None = None) -> web.Application:
+    """`hosts`: the names requests may give as Host besides IP literals (`allowed_hosts`; default:
+    localhost and this machine's hostname)."""
+    app = web.Application(middlewares=[host_check(allowed_hosts("localhost") if hosts is None else hosts)])
     app[TELEMETRY_KEY] = telemetry
     app.router.add_get("/", dashboard)
     app.router.add_get("/healthz", healthz)
@@ -99,8 +172,9 @@ def listening_socket(host: str, port: int) -> socket.socket:
 class StatusServer:
     """Starts synchronously (so a busy port is reported before training starts), then serves."""
 
-    def __init__(self, telemetry: Telemetry, host: str, port: int):
-        self._app = build_app(telemetry)
+    def __init__(self, telemetry: Telemetry, host: str, port: int, announced: Iterable[str] = ()):
+        """`announced`: further names the node is reached by (announced_hosts of --announce)."""
+        self._app = build_app(telemetry, allowed_hosts(host, announced))
         self._host, self._requested_port = host, port
         self._loop = asyncio.new_event_loop()
         self._runner = web.AppRunner(self._app, access_log=None)

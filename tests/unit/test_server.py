@@ -408,3 +408,48 @@ def test_swarm_rows_read_the_published_stats() -> None:
         "last_round_tokens_per_second": None, "upload_limit_bytes_per_second": None,
         "download_limit_bytes_per_second": None, "egress_bytes_per_second": None, "ingress_bytes_per_second": None,
         "last_round_weight": None}
+
+
+# --- the Host check: a DNS-rebinding page cannot read the status ---------------------------------
+
+ROUTES = ("/", "/healthz", "/api/status", "/api/history", "/api/peers", "/metrics", "/static/dashboard.js")
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:7781", "127.0.0.1.nip.io", "localhost.evil.example",
+                                  "EVIL.example.", ""])
+def test_a_forged_host_is_refused_on_every_route(host: str) -> None:
+    async def check(client: TestClient) -> None:
+        for path in ROUTES:
+            response = await client.get(path, headers={"Host": host})
+            assert response.status == 421, (host, path)
+            body = await response.text()
+            assert RUN not in body and "diloco_" not in body  # nothing of the node's state
+
+    serve(filled_telemetry(), check)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:7781", "127.0.0.1", "10.1.2.3:9100", "[::1]:7781", "::1", "localhost:7781",
+                                  "LOCALHOST", "localhost."])
+def test_ip_literals_and_localhost_are_served_prometheus_included(host: str) -> None:
+    async def check(client: TestClient) -> None:
+        assert (await client.get("/api/status", headers={"Host": host})).status == 200
+        response = await client.get("/metrics", headers={"Host": host})
+        assert response.status == 200 and "diloco_loss" in await response.text()
+        assert (await client.get("/", headers={"Host": host})).status == 200
+
+    serve(filled_telemetry(), check)
+
+
+def test_the_bound_and_announced_names_are_served() -> None:
+    from diloco_node.telemetry.server import allowed_hosts, announced_hosts
+
+    hosts = allowed_hosts("status.internal", announced_hosts(["/dns4/node.example.org/tcp/31337",
+                                                              "/ip4/1.2.3.4/tcp/31337"]))
+
+    async def main() -> None:
+        async with TestClient(TestServer(build_app(filled_telemetry(), hosts))) as client:
+            for host in ("status.internal:7781", "node.example.org", "Node.Example.Org.:80"):
+                assert (await client.get("/api/status", headers={"Host": host})).status == 200, host
+            assert (await client.get("/api/status", headers={"Host": "evil.example"})).status == 421
+
+    asyncio.run(main())
