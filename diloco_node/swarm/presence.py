@@ -137,8 +137,9 @@ class Presence:
         others = [r for r in found if r.fingerprint != self.fingerprint]
         if others and len(others) == len(found):
             self._publish()  # so that the run's nodes see, and log, whom they refused
-            raise IncompatibleRun(f"refused: run '{self.run_id}' uses an incompatible config "
-                                  f"(peer {others[0].peer_id}: {self._difference(others[0].fingerprint)})")
+            # one short line of the options that differ, as the user types them (docs/architecture.md §4)
+            raise IncompatibleRun(f"refused: run '{self.run_id}' uses an incompatible config: "
+                                  f"{self._difference(others[0].fingerprint)} (peer …{others[0].peer_id[-8:]})")
 
     def enter(self, round_: int, digest: str, served: tuple[int, str]) -> None:
         """Announce ourselves as a member at `round_`, after any state download: a joiner that the
@@ -248,7 +249,8 @@ class Presence:
                 self._configs[fingerprint] = records.fetch_config(self._dht, self.run_id, fingerprint)
         theirs = self._configs[fingerprint]
         if theirs is None:
-            return f"fingerprint={fingerprint} (ours: {self.fingerprint}); its config is not published"
+            return (f"fingerprint={records.shown_value(fingerprint)} (ours: {records.shown_value(self.fingerprint)}); "
+                    "its config is not published")
         return records.config_difference(self.config, theirs)
 
     def publish_stats(self, **stats: Any) -> None:

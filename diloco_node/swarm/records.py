@@ -352,8 +352,66 @@ def reference_state(nodes: Iterable[NodeRecord]) -> tuple[int, str] | None:
     return max(counts, key=lambda state: counts[state])
 
 
+# The fingerprint's keys that --model sets: a preset's shape (train/presets.py) and, for a Hugging Face
+# model, one `model.<entry>` key per config entry (train/hf.py)
+MODEL_SHAPE_KEYS = frozenset({"model", "n_layer", "d_model", "n_head", "vocab_size", "max_seq_len"})
+# fingerprint keys named otherwise than the option that sets them (config.fingerprint_fields)
+OPTION_OF_KEY = {"tokenizer": "--tokenizer", "eval_data": "--data", "protocol": "protocol version"}
+SHOWN_OPTIONS = 3  # options a refusal spells out; the rest are counted ("and N more")
+SHOWN_ENTRIES = 2  # entries of one model's config spelled out when both sides name the same model
+SHOWN_HASH_CHARS = 12  # a digest is cut to this many characters: enough to tell two apart
+SHOWN_VALUE_CHARS = 24  # any other value longer than this is cut (a run owner's key, a long path)
+
+
+def option_of(key: str) -> str:
+    """The command-line option that sets fingerprint key `key`, as a user types it: a refused
+    user is told what to change, not our internal keys (every model entry folds into --model)."""
+    if key in MODEL_SHAPE_KEYS or key.startswith("model."):
+        return "--model"
+    return OPTION_OF_KEY.get(key, "--" + key.replace("_", "-"))  # every other key is a NodeConfig field
+
+
+def shown_value(value: Any, present: bool = True) -> str:
+    """`value` as a refusal prints it: short, since one line holds several (a digest is cut to
+    SHOWN_HASH_CHARS, a key absent from a config is its default)."""
+    if not present:
+        return "default"
+    text = "none" if value is None else str(value)
+    if len(text) > SHOWN_HASH_CHARS and all(c in "0123456789abcdefABCDEF" for c in text):
+        return text[:SHOWN_HASH_CHARS] + "…"
+    return text if len(text) <= SHOWN_VALUE_CHARS else text[:SHOWN_VALUE_CHARS - 4] + "…"
+
+
+def _option_difference(option: str, keys: list[str], ours: dict[str, Any], theirs: dict[str, Any]) -> str:
+    """'OPTION THEIRS (ours: OURS)' for one option whose `keys` differ. --model names the model
+    (hf:llama, tiny) and, when both name the same one, its first SHOWN_ENTRIES entries that differ
+    (one changed entry often moves a derived one: hidden_size and head_dim)."""
+    def pair(key: str) -> str:
+        return f"{shown_value(theirs.get(key), key in theirs)} (ours: {shown_value(ours.get(key), key in ours)})"
+
+    if option == "--model" and ours.get("model") == theirs.get("model"):
+        entries = [f"{key.removeprefix('model.')}={pair(key)}" for key in keys[:SHOWN_ENTRIES]]
+        more = f" and {len(keys) - SHOWN_ENTRIES} more entries" if len(keys) > SHOWN_ENTRIES else ""
+        return f"--model {shown_value(theirs.get('model'))}: {', '.join(entries)}{more}"
+    return f"{option} {pair('model' if option == '--model' else keys[0])}"
+
+
 def config_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> str:
-    """A short 'key=theirs (ours: value)' list naming what makes two configs incompatible."""
-    keys = sorted(set(ours) | set(theirs))
-    diffs = [f"{k}={theirs.get(k)} (ours: {ours.get(k)})" for k in keys if ours.get(k) != theirs.get(k)]
-    return ", ".join(diffs) or "unknown difference"
+    """What makes two fingerprinted configs incompatible, as one short line of the options that set
+    them (`--model hf:llama (ours: tiny); --tokenizer 026b1f2a3c4d… (ours: default) and 2 more options`): a
+    joiner refused for 25 internal keys could not tell what to change (docs/architecture.md §4).
+    The run's value first, ours in brackets; the protocol version, model and data options first."""
+    keys = [*ours, *(key for key in theirs if key not in ours)]
+    by_option: dict[str, list[str]] = {}
+    for key in keys:
+        if key in ours and key in theirs and ours[key] == theirs[key] or \
+                key not in ours and key not in theirs:
+            continue
+        by_option.setdefault(option_of(key), []).append(key)
+    first = ("protocol version", "--model", "--tokenizer", "--data")
+    options = sorted(by_option, key=lambda option: first.index(option) if option in first else len(first))
+    if not options:
+        return "unknown difference"
+    shown = [_option_difference(option, by_option[option], ours, theirs) for option in options[:SHOWN_OPTIONS]]
+    more = len(options) - len(shown)
+    return "; ".join(shown) + (f" and {more} more options" if more else "")

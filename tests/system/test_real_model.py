@@ -89,9 +89,9 @@ def test_a_node_with_another_tokenizer_is_refused_on_both_sides(nodes: Processes
     assert first_line(a, "joined run=", timeout=120), "node A did not finish starting"
     b = join(nodes, *common, "--tokenizer", str(other), "--peer", address, "--checkpoint-dir", str(tmp_path / "b"),
              local=False)
-    assert_bad_input(b, "incompatible", run_id, f"tokenizer={ours}", theirs)
+    assert_bad_input(b, "incompatible", run_id, f"--tokenizer {ours[:12]}… (ours: {theirs[:12]}…)")
     refused = first_line(a, "refused peer", timeout=30)
-    assert refused is not None and f"tokenizer={theirs} (ours: {ours})" in refused, refused
+    assert refused is not None and f"--tokenizer {theirs[:12]}… (ours: {ours[:12]}…)" in refused, refused
     assert a.running()
     a.signal(signal.SIGTERM)
     assert a.wait_exit(timeout=60) == 0

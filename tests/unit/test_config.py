@@ -364,7 +364,24 @@ def test_nodes_of_another_protocol_version_are_told_apart_by_name(monkeypatch) -
     assert NodeConfig().fingerprint() != ours
     assert NodeConfig().checkpoint_fingerprint() == checkpoint  # an upgraded node resumes its checkpoint
     assert config_difference(our_fields, NodeConfig().fingerprint_fields()) == \
-        f"protocol={config_module.PROTOCOL} (ours: {config_module.PROTOCOL - 1})"
+        f"protocol version {config_module.PROTOCOL} (ours: {config_module.PROTOCOL - 1})"
+
+
+def test_every_fingerprint_key_is_named_by_the_option_that_sets_it() -> None:
+    """A refusal names options a user can type (records.option_of): a key the fingerprint gains
+    without an option of the same name must be mapped, or the refusal would name a flag that is not."""
+    from diloco_node.swarm.records import option_of
+
+    flags = {"--" + name.replace("_", "-") for name in NodeConfig.model_fields}
+    for values in ({}, {"algorithm": "noloco"}, {"sync": "eager"}, {"compression": "topk"}, {"compression": "int8"},
+                   {"min_group_size": 3, "weighting": "equal", "fragments": 2, "exchange": "allgather"},
+                   {"round_seconds": 30.0}):
+        for key in NodeConfig(**values).fingerprint_fields():
+            option = option_of(key)
+            assert option == "protocol version" or option in flags, (key, option)
+    assert {option_of(key) for key in ("model", "n_layer", "vocab_size", "model.hidden_size")} == {"--model"}
+    assert (option_of("tokenizer"), option_of("eval_data"), option_of("run_owner")) == \
+        ("--tokenizer", "--data", "--run-owner")
 
 
 def test_butterfly_is_refused_where_it_cannot_run_with_one_reason() -> None:

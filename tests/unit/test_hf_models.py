@@ -86,7 +86,8 @@ def test_the_fingerprint_covers_the_architecture_not_the_file(tmp_path: Path) ->
     assert a.fingerprint() != wider.fingerprint()
     from diloco_node.swarm.records import config_difference
 
-    assert "model.hidden_size=64 (ours: 32)" in config_difference(a.fingerprint_fields(), wider.fingerprint_fields())
+    assert config_difference(a.fingerprint_fields(), wider.fingerprint_fields()) == \
+        "--model hf:llama: head_dim=16 (ours: 8), hidden_size=64 (ours: 32)"
     gpt = config(model="tiny").fingerprint_fields()
     assert {key: gpt[key] for key in ("model", "n_layer", "d_model", "n_head", "vocab_size", "max_seq_len")} == \
         {"model": "tiny", "n_layer": 2, "d_model": 128, "n_head": 4, "vocab_size": 256, "max_seq_len": 256}

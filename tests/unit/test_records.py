@@ -89,7 +89,39 @@ def test_only_nodes_at_that_round_count() -> None:
 
 
 def test_config_difference_names_the_keys() -> None:
-    assert config_difference({"model": "tiny", "lr": 1}, {"model": "small", "lr": 1}) == "model=small (ours: tiny)"
+    assert config_difference({"model": "tiny", "lr": 1}, {"model": "small", "lr": 1}) == "--model small (ours: tiny)"
+
+
+def test_a_refusal_for_many_keys_is_one_short_line_of_the_options_a_user_types() -> None:
+    """The issue's joiner: a default node against a Llama run with a tokenizer, data and another codec,
+    25 keys apart: one short line, --model once, the run's value then ours, no long hashes."""
+    import re
+
+    ours = {"protocol": 5, "model": "tiny", "n_layer": 2, "d_model": 128, "n_head": 4, "vocab_size": 256,
+            "max_seq_len": 256, "algorithm": "diloco", "sync": "blocking", "outer_lr": 0.7, "outer_momentum": 0.9,
+            "compression": "none", "aggregator": "mean", "max_tokens_per_round": None}
+    entries = {f"model.entry_{i}": i for i in range(16)}
+    theirs = {"protocol": 5, "model": "hf:llama", "model.hidden_size": 128, **entries,
+              "tokenizer": "026b" + "e" * 60, "eval_data": "9f3c" * 4, "algorithm": "diloco", "sync": "eager",
+              "outer_lr": 0.5, "outer_momentum": 0.9, "eager_proxy": "delta", "compression": "int8",
+              "quant_block": 64, "aggregator": "centered-clip", "max_tokens_per_round": None,
+              "run_owner": "ssh-rsa " + "A" * 300}
+    line = config_difference(ours, theirs)
+    assert len(line) < 300, line
+    assert line.count("--model") == 1 and "--model hf:llama (ours: tiny)" in line
+    assert line == "--model hf:llama (ours: tiny); --tokenizer 026beeeeeeee… (ours: default); " \
+                   "--data 9f3c9f3c9f3c… (ours: default) and 7 more options", line
+    assert not re.search(r"[0-9a-f]{13}", line) and "model." not in line and "None" not in line
+    # the same model on both sides: the entries that differ, under --model
+    assert config_difference({"model": "hf:llama", "model.hidden_size": 32}, {"model": "hf:llama",
+                             "model.hidden_size": 64}) == "--model hf:llama: hidden_size=64 (ours: 32)"
+    wider = {"model": "hf:llama", **{f"model.entry_{i}": i + 1 for i in range(5)}}
+    assert config_difference({"model": "hf:llama", **{f"model.entry_{i}": i for i in range(5)}}, wider) == \
+        "--model hf:llama: entry_0=1 (ours: 0), entry_1=2 (ours: 1) and 3 more entries"
+    assert config_difference({"protocol": 4}, {"protocol": 5}) == "protocol version 5 (ours: 4)"
+    assert config_difference({"min_group_size": 3}, {}) == "--min-group-size default (ours: 3)"
+    assert config_difference({"model": "tiny"}, {"model": "tiny"}) == "unknown difference"
+    assert records.shown_value("ssh-rsa " + "A" * 300) == "ssh-rsa " + "A" * 12 + "…"
 
 
 def peer_at(peer: str, ready_round: int, exchanged_round: int = -1) -> NodeRecord:
@@ -443,5 +475,5 @@ def test_a_refusal_names_what_differs_or_that_the_config_is_unknown(monkeypatch)
         presence.check_compatible()
     monkeypatch.setattr(records, "fetch_config", lambda _dht, _run, _fingerprint: {"model": "small"})
     presence._configs.clear()
-    with pytest.raises(IncompatibleRun, match=r"model=small \(ours: tiny\)"):
+    with pytest.raises(IncompatibleRun, match=r"incompatible config: --model small \(ours: tiny\) \(peer …them\)$"):
         presence.check_compatible()
