@@ -247,9 +247,18 @@ def tokenize(data: str | None, tokenizer_spec: str | None, text_column: str, max
 
     Example: diloco-node tokenize --data examples/tiny-stories.jsonl --tokenizer my-tokenizer tokens/
     """
+    from diloco_node.telemetry.progress import meter
     from diloco_node.train.data import write_shards
 
-    paths, train, held = write_shards(data, tokenizer_spec, out, text_column, max_tokens)  # or DataError
+    # minutes on a large dataset: a bar on a terminal, else a line every few seconds (on stderr, as
+    # a bar is: stdout keeps the one result line)
+    progress = meter("tokenize", unit="M tokens", scale=1e6, count_unit="documents", bar_unit="tok",
+                     emit=lambda line: click.echo(line, err=True))
+    try:
+        paths, train, held = write_shards(data, tokenizer_spec, out, text_column, max_tokens,
+                                          tally=progress.add)  # or DataError
+    finally:
+        progress.close()
     click.echo(f"wrote {len(paths)} shards to {out}: {train} train tokens, {held} eval tokens")
 
 

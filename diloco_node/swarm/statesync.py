@@ -30,6 +30,7 @@ from diloco_node.rates import format_rate
 from diloco_node.replica.layout import digest
 from diloco_node.swarm.records import NodeRecord, reference_state
 from diloco_node.swarm.streams import HEADER_LEN, Limits, Streams, StreamService, parse_json, receive, send
+from diloco_node.telemetry.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -316,6 +317,9 @@ class StateService(StreamService):
                 raise StateRefused(f"it announced {size} bytes for {count} vectors of the model's size")
             # a slow drip is cut at the least rate, whatever the pace of single reads
             deadline = min(deadline, started + SETUP_SECONDS + size / least)
+            # minutes on a slow link: a line every few seconds says how far (docs/architecture.md §4)
+            progress = Progress("state download", total=size, clock=self.loop.time,
+                                emit=lambda line: logger.info("%s (peer=%s)", line, peer))
             while len(data) < size:
                 if self.loop.time() > deadline:
                     raise StateRefused(f"too slow: {len(data)} of {size} bytes in time")
@@ -324,6 +328,7 @@ class StateService(StreamService):
                 if not chunk:
                     raise StateRefused(f"it closed the stream after {len(data)} of {size} bytes")
                 data += chunk
+                progress.update(len(data))
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
             raise StateRefused(f"transfer failed ({type(exc).__name__})") from None
         except ValueError as exc:  # an oversized header

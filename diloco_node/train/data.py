@@ -407,13 +407,27 @@ def _split_tail(arrays: list[np.ndarray], fraction: float) -> tuple[list[np.ndar
     return train, held
 
 
-def read_source(spec: str | None, tokenizer: Tokenizer, text_column: str = "text") -> Source:
-    """Read and split --data; DataError (one line) when it cannot be used."""
+Tally = Callable[[int], None]  # told each tokenized document's token count (tokenize's progress)
+
+
+def _tallied(pieces: Iterable[np.ndarray], tally: Tally | None) -> Iterator[np.ndarray]:
+    """`pieces` as they come, each one's length told to `tally`: `tokenize` of a large dataset
+    is minutes of tokenizing, which its progress line reports (telemetry/progress.py)."""
+    for piece in pieces:
+        if tally is not None:
+            tally(len(piece))
+        yield piece
+
+
+def read_source(spec: str | None, tokenizer: Tokenizer, text_column: str = "text",
+                tally: Tally | None = None) -> Source:
+    """Read and split --data; DataError (one line) when it cannot be used. `tally`: told of every
+    document tokenized (see _tallied)."""
     if spec is not None and spec.startswith(HUB_PREFIX):
         load = hub_loader(spec)
         held: list[np.ndarray] = []
         count = docs = 0
-        for tokens in _pack(tokenizer, _column_texts(load(), text_column, spec)):
+        for tokens in _tallied(_pack(tokenizer, _column_texts(load(), text_column, spec)), tally):
             held.append(tokens)
             count, docs = count + len(tokens), docs + 1
             if count >= STREAM_EVAL_TOKENS:
@@ -422,7 +436,7 @@ def read_source(spec: str | None, tokenizer: Tokenizer, text_column: str = "text
     if spec is None and isinstance(tokenizer, ByteTokenizer):  # the default: the byte stream as it always was
         return Source(*_split_tail([np.frombuffer(load_corpus(None), dtype=np.uint8)], EVAL_FRACTION))
     if spec is None:
-        return Source(*_split_tail(list(_pack(tokenizer, documents(None))), EVAL_FRACTION))
+        return Source(*_split_tail(list(_tallied(_pack(tokenizer, documents(None)), tally)), EVAL_FRACTION))
     path = Path(spec)
     if not path.exists():
         raise DataError(f"data path '{spec}' does not exist")
@@ -437,7 +451,7 @@ def read_source(spec: str | None, tokenizer: Tokenizer, text_column: str = "text
         if held and train:
             return Source(train, held)
         return Source(*_split_tail(train or held, EVAL_FRACTION))
-    packed = list(_pack(tokenizer, documents(spec, text_column)))
+    packed = list(_tallied(_pack(tokenizer, documents(spec, text_column)), tally))
     if not packed:
         raise DataError(f"data '{spec}' is empty")
     return Source(*_split_tail([np.concatenate(packed)], EVAL_FRACTION))
@@ -820,12 +834,14 @@ def train_tokenizer_from(spec: str | None, vocab_size: int, out: Path, text_colu
 
 
 def write_shards(spec: str | None, tokenizer_spec: str | None, out: Path, text_column: str = "text",
-                 max_tokens: int = 0, shard_tokens: int = shards.SHARD_TOKENS) -> tuple[list[Path], int, int]:
+                 max_tokens: int = 0, shard_tokens: int = shards.SHARD_TOKENS,
+                 tally: Tally | None = None) -> tuple[list[Path], int, int]:
     """`diloco-node tokenize`: --data as llm.c-layout shards under `out`, the held-out split in `*_val_*`
     files (what the node holds out from the source itself). Returns the shards and the train and eval
-    token counts. `max_tokens` (0: all) bounds the train tokens, for a hub stream that would not end."""
+    token counts. `max_tokens` (0: all) bounds the train tokens, for a hub stream that would not end;
+    `tally` is told of every document tokenized (its token count), for tokenize's progress."""
     tokenizer = load_tokenizer(tokenizer_spec)
-    source = read_source(spec, tokenizer, text_column)
+    source = read_source(spec, tokenizer, text_column, tally)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -837,7 +853,8 @@ def write_shards(spec: str | None, tokenizer_spec: str | None, out: Path, text_c
     train = shards.ShardWriter(out, prefix, "train", tokenizer.vocab_size, shard_tokens)
     if source.stream is not None:
         stream = source.stream().skip(source.skip)
-        pieces: Iterable[np.ndarray] = _pack(tokenizer, _column_texts(stream, text_column, str(spec)))
+        pieces: Iterable[np.ndarray] = _tallied(_pack(tokenizer, _column_texts(stream, text_column, str(spec))),
+                                                tally)
     else:
         pieces = source.train
     taken = 0

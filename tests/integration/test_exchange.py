@@ -300,6 +300,40 @@ def test_state_downloads_are_served_bounded_and_refused() -> None:
         first.shutdown()
 
 
+def test_a_state_download_says_how_far_it_has_got(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A joiner's download of φ and the momentum logs its progress (telemetry/progress.py): every
+    read here, the interval made 0 (by default a line every 5 s of a download that long)."""
+    import functools
+    import logging
+
+    import torch
+
+    from diloco_node.swarm import statesync
+    from diloco_node.telemetry.progress import Progress
+
+    monkeypatch.setattr(statesync, "Progress", functools.partial(Progress, interval=0.0))
+    first = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    second = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), start=True)
+    hosts = [Streams(dht) for dht in (first, second)]
+    numel = 1 << 20  # 8 MB of φ and momentum
+    server = statesync.StateService(hosts[0], "xprogress", numel, 4,
+                                    lambda peer: ({"round": 3}, [torch.ones(numel), torch.zeros(numel)]),
+                                    lambda peer, token: None)
+    server.attach()
+    client = statesync.StateService(hosts[1], "xprogress", numel, 4, lambda peer: None, lambda peer, token: None)
+    try:
+        with caplog.at_level(logging.INFO, logger="diloco_node.swarm.statesync"):
+            hosts[1].run(client.download(str(first.peer_id), 30), 40)
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("state download: ")]
+        assert lines and lines[-1].startswith("state download: 8.4/8.4 MB at "), lines
+        assert f"(peer={first.peer_id})" in lines[-1]
+    finally:
+        for host in hosts:
+            host.close()
+        second.shutdown()
+        first.shutdown()
+
+
 def test_a_fetch_is_retried_until_the_peer_can_be_reached() -> None:
     # a peer whose link just came back (or whose handler is not up yet) fails to open a stream for a
     # moment: dropping its payload at once would split φ from the members that did get it

@@ -269,10 +269,12 @@ def test_a_producer_failure_reaches_the_training_thread() -> None:
 
 def test_tokenize_writes_llmc_shards_the_node_reads_back(corpus: dict[str, Path], tmp_path: Path) -> None:
     tokenizer = load_tokenizer(str(corpus["tok"]))
+    tallied: list[int] = []  # tokenize's progress: every document tokenized, once (telemetry/progress.py)
     paths, train, held = D.write_shards(str(corpus["parquet"]), str(corpus["tok"]), tmp_path / "out",
-                                        shard_tokens=4000)
+                                        shard_tokens=4000, tally=tallied.append)
     source = D.read_source(str(corpus["parquet"]), tokenizer)
     assert train == sum(len(a) for a in source.train) and held == sum(len(a) for a in source.eval)
+    assert sum(tallied) == train + held and len(tallied) > 1
     assert len(paths) == 1 + -(-train // 4000)
     header = np.fromfile(paths[-1], dtype="<i4", count=256)
     assert (header[0], header[1]) == (20240520, 1)  # llm.c's GPT-2 layout: uint16 tokens

@@ -1,0 +1,78 @@
+"""Progress of long waits (telemetry/progress.py): the line's rate and time left, one line per
+interval of an injected clock, and a bar only on a terminal."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from diloco_node.telemetry.progress import Bar, Progress, meter, time_left
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_line_says_how_far_at_what_rate_and_how_long_is_left() -> None:
+    clock, lines = Clock(), []
+    progress = Progress("state download", total=48e6, clock=clock, emit=lines.append)
+    clock.now += 10
+    assert progress.line(12.5e6, clock.now) == "state download: 12.5/48.0 MB at 1.2 MB/s, ~28 s left"
+    # no total: no time left; a count where asked
+    tokens = Progress("tokenize", unit="M tokens", count_unit="documents", clock=clock)
+    clock.now += 4
+    assert tokens.line(6e6, clock.now, count=12345) == "tokenize: 6.0 M tokens at 1.5 M tokens/s, 12,345 documents"
+    assert (time_left(0.2), time_left(90), time_left(600), time_left(3 * 3600)) == \
+        ("~1 s left", "~90 s left", "~10 min left", "~3.0 h left")
+
+
+def test_one_line_per_interval_whatever_the_pace_of_the_reports() -> None:
+    clock, lines = Clock(), []
+    progress = Progress("state download", total=10e6, interval=5.0, clock=clock, emit=lines.append)
+    for _ in range(19):  # a chunk every 0.25 s for 4.75 s: a short wait stays silent
+        clock.now += 0.25
+        progress.update(progress.done + 0.25e6)
+    assert lines == []
+    for _ in range(21):  # to 10 s: one line at 5 s, one at 10 s
+        clock.now += 0.25
+        progress.update(progress.done + 0.25e6)
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("state download: 5.0/10.0 MB at 1.0 MB/s, ~5 s left"), lines
+    assert lines[1] == "state download: 10.0/10.0 MB at 1.0 MB/s", lines  # done: nothing left to say
+    clock.now += 4.9
+    progress.update(10e6)
+    assert len(lines) == 2
+
+
+def test_add_counts_pieces_and_items() -> None:
+    clock, lines = Clock(), []
+    progress = Progress("tokenize", unit="M tokens", count_unit="documents", clock=clock, emit=lines.append)
+    for _ in range(1000):
+        progress.add(2000)
+    clock.now += 5
+    progress.add(0, count=0)
+    assert lines == ["tokenize: 2.0 M tokens at 0.4 M tokens/s, 1,000 documents"]
+
+
+def test_a_bar_only_on_a_terminal_and_drawn_only_once_there_is_progress(tmp_path: Path) -> None:
+    lines: list[str] = []
+    assert isinstance(meter("tokenize", stream=io.StringIO(), emit=lines.append), Progress)
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    bar = meter("tokenize", count_unit="documents", bar_unit="tok", stream=terminal)
+    assert isinstance(bar, Bar)
+    bar.close()
+    assert terminal.getvalue() == ""  # refused before any work: the error line stands alone
+    bar = meter("tokenize", count_unit="documents", bar_unit="tok", stream=terminal)
+    bar.add(1500)
+    bar.add(1500)
+    bar.close()
+    assert "3.00ktok" in terminal.getvalue() and "2 documents" in terminal.getvalue(), terminal.getvalue()
