@@ -39,6 +39,7 @@ from typing import Any
 
 from diloco_node.round import PartIn, PartSource, Reduced, part_bounds
 from diloco_node.swarm.messages import (
+    MAX_GROUP,
     Told,
     parse_digests_request,
     parse_part_request,
@@ -88,7 +89,8 @@ class _Round:
 
     group: tuple[str, ...] | None = None  # once our matchmaking has told us
     owned: int | None = None
-    received: dict[str, tuple[int, PartIn, tuple[str, ...]]] = field(default_factory=dict)  # peer → (part, it, group)
+    # peer → (part, its push, the group it names): held only until the round is reduced (`_release`)
+    received: dict[str, tuple[int, PartIn, tuple[str, ...]]] = field(default_factory=dict)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)  # our part is reduced, or we will not reduce one
     held: dict[int, tuple[bytes, dict[str, Any]]] = field(default_factory=dict)  # averaged parts we hold
@@ -147,9 +149,31 @@ class Butterfly(StreamService):
         self._rounds[round_] = _Round()
         for old in [r for r in self._rounds if r <= max(self._rounds) - KEPT_ROUNDS]:
             dropped = self._rounds.pop(old)
-            dropped.done.set()  # a push still waiting on it gets an empty answer
+            self._release(dropped)  # a push still waiting on it gets an empty answer
             dropped.settled.set()
         return self._rounds[round_]
+
+    @staticmethod
+    def _release(rnd: _Round) -> None:
+        """The round is reduced, or we will not reduce a part of it: its pushes are no longer
+        needed, so their payloads go at once, not when the round leaves the KEPT_ROUNDS we keep
+        (64 pusher ids held 256 MiB that way; docs/architecture.md §9)."""
+        rnd.done.set()
+        rnd.received.clear()
+
+    def _holds_push(self, round_: int, rnd: _Round, peer: str, group: tuple[str, ...]) -> bool:
+        """Whether a push of `peer` naming `group` is kept for our reduction of `round_`: not once
+        the round is reduced, not for a past round we never exchanged (we will not reduce it), and,
+        once we know the round's group, only a member's naming that very group. What we hold is
+        thus bounded (docs/architecture.md §9): before the group is known, one push per open push
+        stream (≤ the service's total stream limit, `Limits.total`, each ≤ max_part_bytes: a push
+        is dropped when its stream ends, `_serve`); after, one per member of the group, until the
+        round is reduced."""
+        if rnd.done.is_set():
+            return False
+        if rnd.group is None:
+            return self._current is None or round_ >= self._current
+        return rnd.owned is not None and peer in rnd.group and group == rnd.group
 
     def _round_for_push(self, round_: int) -> _Round | None:
         """The round a push may touch: near the one we are exchanging, so a peer pushing far-off
@@ -175,7 +199,7 @@ class Butterfly(StreamService):
     async def close(self, round_: int) -> None:
         """We will not reduce a part of `round_` (we averaged alone): pushes get an empty answer now."""
         if rnd := self._round(round_):
-            rnd.done.set()
+            self._release(rnd)
             rnd.settled.set()
 
     async def exchange(self, round_: int, group: Sequence[str], ourselves: str, clients: Sequence[str],
@@ -189,6 +213,8 @@ class Butterfly(StreamService):
         rnd = self._round(round_) or _Round()
         rnd.group, rnd.owning = group, owning
         rnd.owned = owning.index(ourselves) if ourselves in owning else None
+        for peer in [p for p in rnd.received if not self._holds_push(round_, rnd, p, rnd.received[p][2])]:
+            del rnd.received[peer]  # pushes that came before we knew the group: those we will not reduce go now
         rnd.arrived.set()  # pushes that came before we knew the group are checked against it now
         deadline = self.loop.time() + timeout  # for the parts we own to arrive
         pushes = {index: asyncio.ensure_future(self._push(owner, round_, index, group, bounds, source,
@@ -203,7 +229,7 @@ class Butterfly(StreamService):
         finally:
             for push in pushes.values():
                 push.cancel()
-            rnd.done.set()
+            self._release(rnd)
         missing = [index for index in range(len(owning)) if index not in rnd.held]
         if missing:
             await self._recover(round_, rnd, group, owning, missing, ourselves)
@@ -336,7 +362,7 @@ class Butterfly(StreamService):
         rnd.held[index] = answer
         rnd.seals[index] = self._sealer.seal(self._statement(round_, rnd, index, digest(answer)))
         rnd.awaited, rnd.unwritten = set(fitting), set(fitting)
-        rnd.done.set()
+        self._release(rnd)
 
     async def _push(self, owner: str, round_: int, index: int, group: tuple[str, ...],
                     bounds: tuple[tuple[int, int], ...], source: PartSource,
@@ -407,16 +433,17 @@ class Butterfly(StreamService):
             logger.warning("round=%d part %d: neither its owner peer=%s nor another member gave it to us; skipped",
                            round_, index, owning[index])
 
-    async def fetch_parts(self, peer: str, round_: int,
-                          timeout: float) -> tuple[tuple[str, ...], dict[int, tuple[bytes, dict[str, Any]]]] | None:
+    async def fetch_parts(self, peer: str, round_: int, timeout: float, max_group: int = MAX_GROUP
+                          ) -> tuple[tuple[str, ...], dict[int, tuple[bytes, dict[str, Any]]]] | None:
         """The averaged parts of `round_` that `peer` holds and the group they were reduced in, once
-        its exchange of that round has ended (a part it lacks was skipped by its group); None before."""
+        its exchange of that round has ended (a part it lacks was skipped by its group); None before,
+        and for a group of more than `max_group` (the run's bound: no more parts are asked for)."""
         deadline = self.loop.time() + timeout
         request = json.dumps({"round": round_, "part": 0, "admission": self._token}).encode()
         averaged, report = await self._ask(peer, self._part_name, request, b"", deadline)
         group, count = report.get("group"), report.get("parts")
         if not (isinstance(group, list) and all(isinstance(p, str) for p in group) and isinstance(count, int)
-                and 0 < count <= len(group)):
+                and 0 < count <= len(group) <= max_group):
             return None
         parts = {0: (averaged, _without_serving_keys(report))} if averaged else {}
         for index in range(1, count):
@@ -432,6 +459,7 @@ class Butterfly(StreamService):
         """A member's push of its part; answered with the averaged part once we have reduced it."""
         peer = str(info.peer_id)
         rnd: _Round | None = None
+        held: tuple[int, PartIn, tuple[str, ...]] | None = None
         try:
             request = await receive(reader, MAX_REQUEST_BYTES, timeout=10)
             push = parse_push(request)
@@ -451,10 +479,15 @@ class Butterfly(StreamService):
             if why is not None:
                 self._refuse_once(peer, why, REFUSAL, round_, peer, why)
             elif rnd is not None:
-                rnd.received[peer] = (index, PartIn(peer, payload, tokens if payload else 0.0, norm, norms), group)
-                rnd.arrived.set()
-                await asyncio.wait_for(rnd.done.wait(), timeout=self._wait + ANSWER_SLACK)
-                if rnd.owned == index and rnd.group == group and index in rnd.held:
+                if self._holds_push(round_, rnd, peer, group):
+                    held = (index, PartIn(peer, payload, tokens if payload else 0.0, norm, norms), group)
+                    rnd.received[peer] = held
+                    rnd.arrived.set()
+                    payload = b""
+                    await asyncio.wait_for(rnd.done.wait(), timeout=self._wait + ANSWER_SLACK)
+                    held = None  # reduced: `_release` let go of it, and so do we
+                payload = b""  # a push not held (late, or not for a part we reduce) gets what we reduced without it
+                if rnd.done.is_set() and rnd.owned == index and rnd.group == group and index in rnd.held:
                     answer = self._served(rnd, index)
             # counted as soon as written: the round's traffic is read when our exchange returns
             self._count(sent=await self._answer(writer, answer))
@@ -467,6 +500,8 @@ class Butterfly(StreamService):
             logger.warning("butterfly push from peer=%s failed: %s", peer, type(exc).__name__)
         finally:
             self._written(rnd, peer)
+            if rnd is not None and held is not None and rnd.group is None and rnd.received.get(peer) is held:
+                del rnd.received[peer]  # its stream is gone before we knew the group: held no longer
             writer.close()
 
     @staticmethod

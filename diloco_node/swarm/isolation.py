@@ -15,10 +15,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection
 from datetime import datetime
 
 from diloco_node.swarm.contacts import Contacts
+from diloco_node.swarm.streams import MAX_TRACKED_PEERS
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +34,13 @@ REMEMBER_SECONDS = 30.0  # how often a connected node notes its peers' addresses
 class Isolation:
     def __init__(self, contacts: Contacts, run_id: str):
         self._contacts, self._run_id = contacts, run_id
-        self._lock = threading.Lock()  # guards _known and _left
-        self._known: set[str] = set()  # peers we have seen live
-        self._left: set[str] = set()  # of those, the ones that left on purpose
+        self._lock = threading.Lock()  # guards _known
+        # peers we have seen live → whether they left on purpose since; the most recently seen
+        # MAX_TRACKED_PEERS only: records are free, and fresh ids must not grow it without bound
+        # (docs/architecture.md §9). Forgetting the least recent cannot hide a cut: the peers of our
+        # last heartbeats are the newest.
+        self._known: OrderedDict[str, bool] = OrderedDict()
+        self._capacity = MAX_TRACKED_PEERS
         self.since: float | None = None  # wall time at which we lost the last peer; None: not isolated
         self.on_change: Callable[[float | None], None] | None = None
         self._dial_delay = FIRST_DIAL_DELAY
@@ -45,9 +51,14 @@ class Isolation:
         """One heartbeat's view: the other live nodes of the run, and those that left recently."""
         now = time.monotonic()
         with self._lock:
-            self._left.update(departed)
-            self._known.update(others)
-            self._left.difference_update(others)  # back after leaving
+            for peer in departed:
+                if peer in self._known:  # a peer we never saw live does not count either way
+                    self._known[peer] = True
+            for peer in others:
+                self._known[peer] = False  # live (again: back after leaving)
+                self._known.move_to_end(peer)
+            while len(self._known) > self._capacity:
+                self._known.popitem(last=False)
         if others:
             if self.since is not None:
                 logger.info("back in the swarm after %.0fs isolated: %d peer(s) reachable",
@@ -74,7 +85,12 @@ class Isolation:
         """Whether seeing just `others` (the other live nodes) means we are cut off: none is left
         of the peers we knew, and not all of those left on purpose."""
         with self._lock:
-            return not others and bool(self._known - self._left)
+            return not others and not all(self._known.values())
+
+    def tracked(self) -> int:
+        """How many peers the view remembers (bounded by MAX_TRACKED_PEERS)."""
+        with self._lock:
+            return len(self._known)
 
     def _set(self, since: float | None) -> None:
         self.since = since

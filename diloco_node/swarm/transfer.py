@@ -24,6 +24,11 @@ logger = logging.getLogger(__name__)
 # pushes are answered as soon as it reduced the part: this is only the answers still on the wire)
 ANSWER_DRAIN_SECONDS = 10.0
 EXCHANGE_SLACK = BEYOND_TIMEOUT + 5.0  # a butterfly's longest, beyond the round timeout
+# The most members a group of a DiLoCo run may name when a joiner completes or catches up a round
+# from it (NoLoCo: --group-size): as large as the config lets a run ask (--min-group-size ≤ 64). A
+# server's group is its own word, and every member named is fetched and decoded at once: 256 ids
+# cost +1.06 GiB for a 4 MiB model (docs/architecture.md §9).
+MAX_RUN_GROUP = 64
 
 
 class Transfer:
@@ -97,6 +102,10 @@ class Transfer:
         return Gathered(outcome, round_, payloads, time.perf_counter() - started,
                         sum(len(payload) for payload, _ in payloads.values()))
 
+    def group_bound(self) -> int:
+        """The most members a group of this run has: NoLoCo's --group-size, else MAX_RUN_GROUP."""
+        return self.settings.group_size or MAX_RUN_GROUP
+
     def group_of(self, round_: int, member: str) -> Gathered:
         """The payloads `member`'s group averaged in `round_`, `member`'s own included, fetched from
         them (offers stay up for a few rounds): how a joiner completes a round its server had in
@@ -113,6 +122,10 @@ class Transfer:
         if probe is None or probe.group is None or member not in probe.group:
             return Gathered(Outcome.ALONE, round_)
         group = probe.group
+        if len(group) > self.group_bound():  # nothing of it fetched: the round is lost for us, and said so
+            logger.warning("round=%d peer=%s names a group of %d, more than this run's %d: its mean is not "
+                           "completed", round_, member, len(group), self.group_bound())
+            return Gathered(Outcome.ALONE, round_)
         if self.by_butterfly(group):
             return self._parts_held_by(member, round_, deadline)
         others = [peer for peer in group if peer != self.peer_id]
@@ -131,7 +144,8 @@ class Transfer:
         """The averaged parts of a butterfly round `member` took part in, once its exchange has ended."""
         while True:
             try:
-                held = self._streams.run(self._butterfly.fetch_parts(member, round_, self.settings.round_timeout),
+                held = self._streams.run(self._butterfly.fetch_parts(member, round_, self.settings.round_timeout,
+                                                                     self.group_bound()),
                                          timeout=self.settings.round_timeout)
             except Exception as exc:  # a network or peer failure: that round is lost for us
                 logger.warning("round=%d could not fetch the averaged parts from peer=%s: %s", round_, member,

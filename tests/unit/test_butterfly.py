@@ -218,3 +218,122 @@ def test_infinite_tokens_from_two_members_are_refused_not_raised() -> None:
     averaged, report = averaging.reduce_part(0, 0, ((0, 2), (2, 4)), parts)
     assert report["used"] == ["a"] and report["rejected"] == ["b", "c"]
     assert codec.decode(averaged, 2).tolist() == [1.0, 1.0]
+
+
+# --- what hostile pushers can make an owner hold ---------------------------------------------------
+
+
+class _Writer:
+    """A push stream's writing end: what the owner answers is dropped."""
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    async def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _push_stream(round_: int, group: list[str], payload: bytes, acknowledge: bool = True) -> Any:
+    import asyncio
+    import json
+
+    from diloco_node.swarm.butterfly import RECEIVED
+    from diloco_node.swarm.streams import HEADER_LEN
+
+    request = json.dumps({"round": round_, "part": 0, "group": group, "admission": "", "tokens": 1.0,
+                          "norm": 1.0, "norms": [1.0]}).encode()
+    reader = asyncio.StreamReader()
+    for message in (request, payload):
+        reader.feed_data(len(message).to_bytes(HEADER_LEN, "big") + message)
+    if acknowledge:
+        reader.feed_data(RECEIVED)
+    reader.feed_eof()
+    return reader
+
+
+def _butterfly(wait: float) -> Any:
+    import asyncio
+    from types import SimpleNamespace
+
+    from diloco_node.swarm.butterfly import Butterfly
+
+    streams = SimpleNamespace(p2p=None, loop=asyncio.get_running_loop(), count=lambda **_: None)
+    return Butterfly(streams, "bounds", 1 << 20, lambda *_: None, "", wait, None)  # type: ignore[arg-type]
+
+
+def _pusher(index: int) -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(peer_id=f"fake-{index:05d}")
+
+
+def test_pushes_are_released_once_their_round_is_reduced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """64 fake ids push 64 KiB each to a round we have not reduced yet: held while their streams
+    wait; the round closed (reduced, or we will not reduce), every one goes at once, and a later
+    push to it is answered without being held (before: all kept for about six rounds)."""
+    import asyncio
+
+    async def main() -> None:
+        butterfly = _butterfly(wait=30.0)
+        butterfly._current = 5
+        pushes = [asyncio.ensure_future(butterfly._serve(_pusher(i), _push_stream(5, [f"fake-{i:05d}"], b"x" * 65536),
+                                                         _Writer())) for i in range(64)]
+        await asyncio.sleep(0.05)
+        rnd = butterfly._rounds[5]
+        assert len(rnd.received) == 64  # one per open push stream, as the stream limits allow
+        await butterfly.close(5)
+        assert rnd.received == {}
+        await asyncio.wait_for(asyncio.gather(*pushes), 5)
+        await butterfly._serve(_pusher(99), _push_stream(5, ["fake-00099"], b"x" * 65536), _Writer())
+        assert rnd.received == {}
+
+    asyncio.run(main())
+
+
+def test_fresh_ids_pushing_before_the_group_is_known_hold_nothing_once_their_streams_end(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """1,000 fake ids push one after another to rounds near ours and give up: nothing stays held
+    (what they can make us hold is one push per open stream), nor for a past round we never
+    exchanged."""
+    import asyncio
+
+    from diloco_node.swarm import butterfly as butterfly_module
+
+    monkeypatch.setattr(butterfly_module, "ANSWER_SLACK", 0.0)
+
+    async def main() -> None:
+        butterfly = _butterfly(wait=0.001)
+        butterfly._current = 10
+        for i in range(1000):
+            round_ = 8 + i % 5  # two past rounds, ours and the next two
+            await butterfly._serve(_pusher(i), _push_stream(round_, [f"fake-{i:05d}"], b"x" * 4096), _Writer())
+            assert sum(len(rnd.received) for rnd in butterfly._rounds.values()) == 0
+        assert len(butterfly._rounds) <= butterfly_module.KEPT_ROUNDS + 2
+
+    asyncio.run(main())
+
+
+def test_once_the_group_is_known_only_its_members_pushes_are_held() -> None:
+    import asyncio
+
+    async def main() -> None:
+        butterfly = _butterfly(wait=30.0)
+        butterfly._current = 3
+        rnd = butterfly._round(3)
+        rnd.group, rnd.owning, rnd.owned = ("a", "b"), ("a", "b"), 0
+        outsider = asyncio.ensure_future(butterfly._serve(_pusher(1), _push_stream(3, ["fake-00001"], b"x"), _Writer()))
+        await asyncio.wait_for(outsider, 5)  # answered at once, empty, and not held
+        member = asyncio.ensure_future(butterfly._serve(SimpleNamespace(peer_id="b"), _push_stream(3, ["a", "b"], b"y"),
+                                                        _Writer()))
+        await asyncio.sleep(0.05)
+        assert list(rnd.received) == ["b"]
+        await butterfly.close(3)
+        await asyncio.wait_for(member, 5)
+        assert rnd.received == {}
+
+    from types import SimpleNamespace
+
+    asyncio.run(main())

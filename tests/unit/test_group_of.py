@@ -76,3 +76,31 @@ def test_polling_for_a_group_being_formed_moves_no_payload(monkeypatch) -> None:
     gathered = transfer(exchange).group_of(7, "a")
     assert payloads(gathered) == {"a": b"a", "b": b"b", "me": b"me"}
     assert sorted(exchange.payloads_fetched) == ["a", "b"]
+
+
+class HugeGroup(Exchange):
+    """A server naming a group of `size` ids (MAX_GROUP, 256, is what a message may carry)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.group = ("a", *(f"fake-{i:03d}" for i in range(size - 1)))
+
+    def offered(self, peer: str) -> Fetched:
+        return Fetched(peer.encode(), 10.0, self.group)
+
+
+def test_a_catch_up_group_larger_than_the_runs_is_refused_before_any_payload_is_fetched() -> None:
+    """A server's in-flight group may name 256 ids, each fetched and decoded at once: the group is
+    refused when it names more than the run's bound (NoLoCo: --group-size; DiLoCo: MAX_RUN_GROUP)."""
+    from diloco_node.swarm.messages import MAX_GROUP
+    from diloco_node.swarm.transfer import MAX_RUN_GROUP
+
+    huge = HugeGroup(MAX_GROUP)
+    gathered = transfer(huge).group_of(7, "a")
+    assert gathered.outcome == Outcome.ALONE and huge.payloads_fetched == []
+    at_bound = HugeGroup(MAX_RUN_GROUP)
+    assert transfer(at_bound).group_of(7, "a").outcome == Outcome.TOGETHER  # an honest group at the bound
+    assert len(at_bound.payloads_fetched) == MAX_RUN_GROUP
+    noloco = Transfer(SwarmSettings("run", "fp", {}, [], [], [], 1.0, 1.0, 1 << 20, group_size=4), "me", False, 4,
+                      None, None, HugeGroup(5), None)  # type: ignore[arg-type]
+    assert noloco.group_bound() == 4 and noloco.group_of(7, "a").outcome == Outcome.ALONE

@@ -85,3 +85,20 @@ def test_peer_addresses_are_split_into_id_and_transport() -> None:
     peer = "12D3KooWRkvQ9cYd3RbxBAv4HxCQtqoBJu3hrtVaBDNmQTCLwzTB"
     book = parse_peer_addresses([f"/ip4/10.0.0.1/tcp/5/p2p/{peer}", f"/ip6/::1/tcp/6/p2p/{peer}"])
     assert book == {peer: ["/ip4/10.0.0.1/tcp/5", "/ip6/::1/tcp/6"]}
+
+
+def test_fresh_peer_ids_cannot_grow_the_view_without_bound(clock: list[float]) -> None:
+    """Records are free: 20,000 fresh ids seen live and then gone leave at most MAX_TRACKED_PEERS
+    remembered, and the peers of the last heartbeats still decide whether we are cut off."""
+    isolation = Isolation(Recorder(), "run")  # type: ignore[arg-type]
+    capacity = isolation_module.MAX_TRACKED_PEERS
+    for start in range(0, 20_000, 500):
+        batch = [f"fake-{i}" for i in range(start, start + 500)]
+        isolation.observe(batch, departed=batch[:250])
+        assert len(isolation._known) <= capacity
+    assert isolation.tracked() == capacity
+    isolation.observe(["honest"], departed=[])
+    isolation.observe([], departed=[f"fake-{i}" for i in range(20_000)])
+    assert isolation.cut_off([])  # "honest" vanished without leaving: cut off, as before
+    isolation.observe([], departed=["honest"])
+    assert not isolation.cut_off([])  # every peer remembered left on purpose
