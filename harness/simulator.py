@@ -48,9 +48,8 @@ class Room:
     """The in-memory swarm of one simulated run: each round's offers, and the bytes they moved.
     One condition guards everything in it."""
 
-    def __init__(self, peers: list[str], run_id: str, group_size: int | None, min_group_size: int):
-        self.peers, self.run_id = list(peers), run_id
-        self.group_size, self.min_group_size = group_size, min_group_size
+    def __init__(self, peers: list[str], run_id: str, group_size: int | None):
+        self.peers, self.run_id, self.group_size = list(peers), run_id, group_size  # group_size: NoLoCo's n
         self.changed = threading.Condition()
         self.offers: dict[int, dict[str, tuple[bytes | None, float]]] = defaultdict(dict)
         self.payload_bytes = 0  # what every worker fetched from the others: the all-gather's traffic
@@ -199,7 +198,7 @@ def simulate(cfg: NodeConfig, peers: list[str], rounds: int, evaluate: bool = Tr
     with `cfg` builds it."""
     torch.set_num_threads(max(1, cfg.threads))
     cfg = cfg.model_copy(update={"checkpoint_dir": ""})  # a simulated worker keeps no checkpoint
-    room = Room(peers, cfg.run_id, cfg.group_size if cfg.algorithm == "noloco" else None, cfg.min_group_size)
+    room = Room(peers, cfg.run_id, cfg.group_size if cfg.algorithm == "noloco" else None)
     phi = build(cfg).state.phi
     workers = [Worker(cfg, peer, room, phi) for peer in peers]
     curve, started = Curve(label=""), time.monotonic()
