@@ -46,6 +46,7 @@ from typing import Any
 from diloco_node.config import NodeConfig
 from harness.bench import RESULTS_DIR, machine_info, pyplot
 from harness.corpus import stdlib_shards
+from harness.ddp import ring_all_reduce_bytes
 from harness.simulator import Curve, data_parallel, simulate
 
 SHAPE = {"model": "llama-2m", "seq_len": 128, "batch_size": 4, "eval_batches": 8, "warmup_steps": 50}
@@ -175,11 +176,6 @@ def loss_at(points: list[list[Any]], tokens: int) -> float | None:
     return statistics.fmean(before[-1]) if before else None
 
 
-def ddp_bytes_per_step(parameters: int, workers: int) -> float:
-    """A ring all-reduce of fp32 gradients: 2 (M − 1) / M of them sent per worker per step."""
-    return 2 * (workers - 1) / workers * 4 * parameters
-
-
 def summarize(entries: list[dict[str, Any]], steps: int, parameters: int) -> dict[str, Any]:
     target = target_of(entries, steps)
     if target is None:
@@ -202,7 +198,7 @@ def summarize(entries: list[dict[str, Any]], steps: int, parameters: int) -> dic
             sent = statistics.median(_bytes_to(r, target) for r in runs)
         elif row["kind"] == "ddp" and all(t is not None for t in per_seed):
             step_tokens = SHAPE["batch_size"] * SHAPE["seq_len"]
-            sent = statistics.median(t / step_tokens * ddp_bytes_per_step(parameters, row["workers"])
+            sent = statistics.median(t / step_tokens * ring_all_reduce_bytes(parameters, row["workers"])
                                      for t in per_seed if t)
         rows.append({"label": label, "row": row, "seeds": [r["seed"] for r in runs], "tokens": per_seed,
                      "tokens_median": statistics.median(t for t in per_seed) if all(per_seed) else None,

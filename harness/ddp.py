@@ -37,6 +37,12 @@ from harness.bench import free_port, inner_config
 from harness.islands import Islands
 from harness.nodes import WORLD
 
+
+def ring_all_reduce_bytes(parameters: int, world: int) -> float:
+    """What each worker sends per step in a ring all-reduce of fp32 gradients: 2 (M − 1) / M of them."""
+    return 2 * (world - 1) / world * 4 * parameters
+
+
 # --- on loopback ------------------------------------------------------------------------------
 
 def ddp_worker(rank: int, port: int, steps: int, eval_every: int, queue: Any) -> None:
@@ -102,7 +108,7 @@ def run_ddp(steps: int, eval_every: int, cfg: NodeConfig, timeout: float) -> dic
     if any(worker.exitcode != 0 for worker in workers):
         raise RuntimeError(f"DDP worker failed: exit codes {[w.exitcode for w in workers]}")
     params = result["parameters"]
-    ring_per_step = 2 * (WORLD - 1) / WORLD * params * 4
+    ring_per_step = ring_all_reduce_bytes(params, WORLD)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     return {
         "method": "ddp", "H": 1, "steps_per_worker": steps, **result,
