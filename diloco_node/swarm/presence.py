@@ -22,6 +22,7 @@ from diloco_node.round import Outcome
 from diloco_node.swarm import bounded, proofs, records
 from diloco_node.swarm.isolation import Isolation
 from diloco_node.swarm.records import NodeRecord
+from diloco_node.swarm.streams import LRUSet
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ REFRESH_SECONDS = 10.0  # records.RECORD_TTL (25 s) survives one lost refresh
 ISOLATED_HEARTBEAT_SECONDS = 1.0
 TICK_SECONDS = 0.5  # how often the heartbeat thread checks whether a read or a refresh is due
 WAITING_LOG_SECONDS = 30.0
+REFUSALS_SHOWN = 4  # peers newly refused for their config, named one line each per read of the records
 # Waits on the records (the barrier, peers at start-up) read them 0.3 s apart at first, backing off
 # to 1 s: a peer that arrives at once is seen at once, and a long wait costs a read a second, not three.
 FIRST_POLL_SECONDS = 0.3
@@ -121,9 +123,10 @@ class Presence:
         self._stats: dict[str, Any] = {}
         # monotonic times of our last store of the record, read of the records, store of our config
         self._published_at = self._read_at = self._config_published_at = -math.inf
-        self._configs: dict[str, dict[str, Any] | None] = {}  # refused fingerprints → their published configs
-        self._refused: set[str] = set()
-        self._unadmitted: dict[str, str] = {}  # peer → why it was not admitted (logged once per reason)
+        # peers refused for their config, and (peer, why) not admitted: each logged once. Records are
+        # free, so both forget the least recent beyond MAX_TRACKED_PEERS (docs/architecture.md §9)
+        self._refused = LRUSet()
+        self._unadmitted = LRUSet()
         self._live: dict[str, NodeRecord] = {}
         self._departed: dict[str, NodeRecord] = {}  # compatible nodes that left recently
         self._stop = threading.Event()
@@ -138,8 +141,9 @@ class Presence:
         if others and len(others) == len(found):
             self._publish()  # so that the run's nodes see, and log, whom they refused
             # one short line of the options that differ, as the user types them (docs/architecture.md §4)
+            theirs = others[0].fingerprint
             raise IncompatibleRun(f"refused: run '{self.run_id}' uses an incompatible config: "
-                                  f"{self._difference(others[0].fingerprint)} (peer …{others[0].peer_id[-8:]})")
+                                  f"{self._differences([theirs])[theirs]} (peer …{others[0].peer_id[-8:]})")
 
     def enter(self, round_: int, digest: str, served: tuple[int, str]) -> None:
         """Announce ourselves as a member at `round_`, after any state download: a joiner that the
@@ -242,16 +246,21 @@ class Presence:
             records.publish(self._dht, self.run_id, self._record, self._signer)
             self._published_at = time.monotonic()
 
-    def _difference(self, fingerprint: str) -> str:
-        """What differs between our config and the one `fingerprint` names, as far as it is published."""
-        if fingerprint not in self._configs:
+    def _differences(self, fingerprints: Collection[str]) -> dict[str, str]:
+        """What differs between our config and each one `fingerprints` name, as far as it is
+        published: one DHT read for all of them (a read that times out finds none published)."""
+        try:
             with self._dht_lock:
-                self._configs[fingerprint] = records.fetch_config(self._dht, self.run_id, fingerprint)
-        theirs = self._configs[fingerprint]
-        if theirs is None:
-            return (f"fingerprint={records.shown_value(fingerprint)} (ours: {records.shown_value(self.fingerprint)}); "
-                    "its config is not published")
-        return records.config_difference(self.config, theirs)
+                published = records.fetch_configs(self._dht, self.run_id, fingerprints)
+        except bounded.HelperGone:
+            raise
+        except bounded.HelperTimeout:
+            published = dict.fromkeys(fingerprints)
+        shown = records.shown_value
+        return {fingerprint: (records.config_difference(self.config, theirs) if theirs is not None else
+                              f"fingerprint={shown(fingerprint)} (ours: {shown(self.fingerprint)}); "
+                              "its config is not published")
+                for fingerprint, theirs in published.items()}
 
     def publish_stats(self, **stats: Any) -> None:
         """Stats for the swarm table (see records.NodeStats); they go out with the next announcement."""
@@ -526,11 +535,23 @@ class Presence:
         self._live = {p: r for p, r in found.items() if r.fingerprint == self.fingerprint}
         self._departed = {p: r for p, r in departed.items() if r.fingerprint == self.fingerprint}
         self._live[self.peer_id] = self._record  # our latest, not the DHT's copy of an older one
-        for peer, record in found.items():
-            if record.fingerprint != self.fingerprint and peer not in self._refused:
-                self._refused.add(peer)
-                logger.warning("refused peer %s: incompatible config (%s)", peer, self._difference(record.fingerprint))
+        self._log_refused({p: r.fingerprint for p, r in found.items()
+                           if r.fingerprint != self.fingerprint and p not in self._refused})
         return found
+
+    def _log_refused(self, fingerprints: dict[str, str]) -> None:
+        """Say once of each peer newly refused for its config what differs: a line for each of the
+        first REFUSALS_SHOWN, one count for the rest (fresh ids are free, a read of their configs is not)."""
+        if not fingerprints:
+            return
+        for peer in fingerprints:
+            self._refused.add(peer)
+        shown = list(fingerprints.items())[:REFUSALS_SHOWN]
+        differences = self._differences({fingerprint for _, fingerprint in shown})
+        for peer, fingerprint in shown:
+            logger.warning("refused peer %s: incompatible config (%s)", peer, differences[fingerprint])
+        if len(fingerprints) > len(shown):
+            logger.warning("refused %d more peers: incompatible configs", len(fingerprints) - len(shown))
 
     def _admitted(self, found: dict[str, NodeRecord]) -> dict[str, NodeRecord]:
         """The records of admitted peers (all of them in an open run); the others are logged once."""
@@ -539,8 +560,8 @@ class Presence:
             why = self.gate.refusal(peer, record.admission)
             if why is None:
                 admitted[peer] = record
-            elif peer != self.peer_id and self._unadmitted.get(peer) != why:
-                self._unadmitted[peer] = why
+            elif peer != self.peer_id and (peer, why) not in self._unadmitted:
+                self._unadmitted.add((peer, why))
                 logger.warning("ignored peer %s: not admitted (%s)", peer, why)
         return admitted
 

@@ -23,7 +23,7 @@ another config on a fingerprint.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -270,12 +270,27 @@ def publish_config(dht: DHT, run_id: str, config: dict[str, Any]) -> None:
                   expiration_time=get_dht_time() + CONFIG_TTL)
 
 
-def fetch_config(dht: DHT, run_id: str, fingerprint: str) -> dict[str, Any] | None:
-    """The config published for `fingerprint`, None when none hashes to it."""
+def fetch_configs(dht: DHT, run_id: str, fingerprints: Collection[str]) -> dict[str, dict[str, Any] | None]:
+    """The configs published for `fingerprints`, in one read of the DHT (a read per fingerprint,
+    under the presence's DHT lock, let 200 fresh fingerprints hold it for seconds): each one only
+    when it hashes to its fingerprint, else None."""
     found = bounded.get(dht, configs_key(run_id))
-    item = found.value.get(fingerprint) if found is not None and isinstance(found.value, dict) else None
-    config = item.value if isinstance(item, ValueWithExpiration) else None
-    return config if isinstance(config, dict) and fingerprint_of(config) == fingerprint else None
+    published = found.value if found is not None and isinstance(found.value, dict) else {}
+    configs: dict[str, dict[str, Any] | None] = {}
+    for fingerprint in fingerprints:
+        item = published.get(fingerprint) if isinstance(fingerprint, str) else None
+        config = item.value if isinstance(item, ValueWithExpiration) else None
+        configs[fingerprint] = config if isinstance(config, dict) and _hashes_to(config, fingerprint) else None
+    return configs
+
+
+def _hashes_to(config: dict[Any, Any], fingerprint: str) -> bool:
+    """Whether a peer's published config has `fingerprint`; one that cannot be hashed (keys of
+    mixed types, bytes values: anything canonical JSON refuses) has none."""
+    try:
+        return fingerprint_of(config) == fingerprint
+    except (TypeError, ValueError, RecursionError):
+        return False
 
 
 def withdraw(dht: DHT, run_id: str, record: NodeRecord, signed_by: RSASignatureValidator) -> None:

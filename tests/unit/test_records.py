@@ -7,6 +7,7 @@ import dataclasses
 from concurrent.futures import Future
 from types import SimpleNamespace
 
+import pytest
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from diloco_node import identity
@@ -217,7 +218,7 @@ def offline(monkeypatch, found: list[NodeRecord]) -> None:  # type: ignore[no-un
     monkeypatch.setattr(records, "fetch", lambda _dht, _run: ({r.peer_id: r for r in found}, {}))
     monkeypatch.setattr(records, "publish", lambda _dht, _run, _record, _signer: None)
     monkeypatch.setattr(records, "publish_config", lambda _dht, _run, _config: None)
-    monkeypatch.setattr(records, "fetch_config", lambda _dht, _run, _fingerprint: None)
+    monkeypatch.setattr(records, "fetch_configs", lambda _dht, _run, fingerprints: dict.fromkeys(fingerprints))
 
 
 def answered(value: object) -> Future[object]:
@@ -457,10 +458,40 @@ def test_a_published_config_counts_only_under_its_own_fingerprint() -> None:
     forged = {**config, "model": "small"}
     stored = {ours: ValueWithExpiration(config, 1e12), "f" * 16: ValueWithExpiration(forged, 1e12)}
     dht = SimpleNamespace(get=lambda key, latest, return_future: answered(ValueWithExpiration(stored, 1e12)))
-    assert records.fetch_config(dht, "run", ours) == config  # type: ignore[arg-type]
+    assert records.fetch_configs(dht, "run", [ours]) == {ours: config}  # type: ignore[arg-type]
     stored[ours] = ValueWithExpiration(forged, 1e12)  # someone stored another config under our fingerprint
-    assert records.fetch_config(dht, "run", ours) is None  # type: ignore[arg-type]
-    assert records.fetch_config(dht, "run", "f" * 16) is None  # type: ignore[arg-type]
+    assert records.fetch_configs(dht, "run", [ours, "f" * 16]) == {ours: None, "f" * 16: None}  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("published", [{1: "a", "b": 2}, {"model": b"bytes"}, {"model": float("nan")},
+                                       {(1, 2): 3}, {"a": {"b": object()}}])
+def test_a_published_config_that_cannot_be_hashed_is_none_not_an_error(published: dict) -> None:  # type: ignore[type-arg]
+    """A peer may store anything under any fingerprint: canonical JSON refuses mixed key types,
+    bytes, NaN; none of it may raise out of a read of the configs."""
+    stored = {"f" * 16: ValueWithExpiration(published, 1e12), 7: ValueWithExpiration({}, 1e12)}
+    dht = SimpleNamespace(get=lambda key, latest, return_future: answered(ValueWithExpiration(stored, 1e12)))
+    assert records.fetch_configs(dht, "run", ["f" * 16, 7]) == {"f" * 16: None, 7: None}  # type: ignore[arg-type, list-item]
+
+
+def test_fresh_refused_ids_cost_one_config_read_a_look_and_bounded_memory(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """Records are free: 10,000 fresh ids with 10,000 configs, read at once, cost one read of the
+    configs and REFUSALS_SHOWN + 1 log lines; what is remembered of them stays bounded."""
+    import logging
+
+    from diloco_node.swarm import presence as presence_module
+
+    reads: list[int] = []
+    forged = [dataclasses.replace(record(f"id{i}", 5, "d"), fingerprint=f"{i:016x}") for i in range(10_000)]
+    presence = presence_seeing(monkeypatch, [record("a", 5, "d"), *forged])
+    monkeypatch.setattr(records, "fetch_configs",
+                        lambda _dht, _run, fingerprints: reads.append(len(fingerprints)) or dict.fromkeys(fingerprints))
+    presence._refused = presence_module.LRUSet(100)  # MAX_TRACKED_PEERS, made small
+    with caplog.at_level(logging.WARNING, logger="diloco_node.swarm.presence"):
+        presence.compatible_peers(refresh=True)
+    assert reads == [presence_module.REFUSALS_SHOWN]
+    assert len(caplog.records) == presence_module.REFUSALS_SHOWN + 1
+    assert "refused 9996 more peers" in caplog.records[-1].getMessage()
+    assert len(presence._refused) == 100
 
 
 def test_a_refusal_names_what_differs_or_that_the_config_is_unknown(monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -473,7 +504,7 @@ def test_a_refusal_names_what_differs_or_that_the_config_is_unknown(monkeypatch)
     presence.config = {"model": "tiny"}
     with pytest.raises(IncompatibleRun, match=r"fingerprint=other \(ours: fp\); its config is not published"):
         presence.check_compatible()
-    monkeypatch.setattr(records, "fetch_config", lambda _dht, _run, _fingerprint: {"model": "small"})
-    presence._configs.clear()
+    monkeypatch.setattr(records, "fetch_configs",
+                        lambda _dht, _run, fingerprints: dict.fromkeys(fingerprints, {"model": "small"}))
     with pytest.raises(IncompatibleRun, match=r"incompatible config: --model small \(ours: tiny\) \(peer …them\)$"):
         presence.check_compatible()
