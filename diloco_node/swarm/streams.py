@@ -41,6 +41,11 @@ REPLICATE_TIMEOUT = 60.0
 PEER_FAILURES = (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError)
 MAX_JSON_DEPTH = 8  # our messages nest 3 deep at most; json.loads recurses once per level
 MAX_TRACKED_PEERS = 4096  # per-peer tables (limits, logged refusals) forget the least recent beyond this
+# A stream whose first message has not fully arrived this long after it opened may be closed to make
+# room for a new one once the service's streams are all taken: our own requests arrive within
+# milliseconds, so only silent streams go, and silence no longer holds every slot (16 fresh ids x 4
+# silent streams held all 64 for 20 s each, and honest fetches closed with 0 bytes).
+SILENT_GRACE_SECONDS = 1.0
 # A JSON string, its closing quote optional: an unterminated one then runs to the end (which json
 # refuses too) in one pass, where a required quote made the scan quadratic (`"\"\"\"…`: 2.5 s of
 # CPU for 20 KB, minutes for a 256 KB report)
@@ -109,6 +114,49 @@ class LRUSet:
             self._items.popitem(last=False)
 
 
+class SilenceWatch:
+    """A stream's reading end (as its handler reads it) that knows whether the stream's first
+    message (`send`'s header and body) has arrived in full: until then the stream is silent."""
+
+    def __init__(self, reader: asyncio.StreamReader):
+        self._reader = reader
+        self._header = b""  # the first message's header, as far as it was read
+        self._left: int | None = None  # bytes of the first message still to come, once its header is in
+        self.silent = True
+
+    def _took(self, data: bytes) -> bytes:
+        if self.silent:
+            if self._left is None:
+                head = data[:HEADER_LEN - len(self._header)]
+                self._header += head
+                if len(self._header) == HEADER_LEN:
+                    self._left = int.from_bytes(self._header, "big") + len(head) - len(data)
+            else:
+                self._left -= len(data)
+            self.silent = self._left is None or self._left > 0
+        return data
+
+    async def read(self, n: int = -1) -> bytes:
+        return self._took(await self._reader.read(n))
+
+    async def readexactly(self, n: int) -> bytes:
+        return self._took(await self._reader.readexactly(n))
+
+    def __getattr__(self, name: str) -> Any:  # at_eof, ...: the stream's own
+        return getattr(self._reader, name)
+
+
+@dataclass
+class _Served:
+    """A stream one of our handlers is serving: whose, since when, whether it still says nothing."""
+
+    peer: str
+    task: asyncio.Task[Any] | None
+    opened: float
+    reader: SilenceWatch
+    evicted: bool = False
+
+
 @dataclass(frozen=True)
 class Limits:
     """How much of a handler one peer, and all peers together, may hold: streams open at once, and
@@ -156,6 +204,10 @@ class StreamLimits:
 
     def open_streams(self) -> int:
         return sum(self._open.values())
+
+    def full(self) -> bool:
+        """Whether every stream of the service's total is taken."""
+        return self.open_streams() >= self.limits.total
 
 
 class Streams:
@@ -225,6 +277,8 @@ class StreamService(ABC):
         self._handlers: dict[str, Handler] = {name: self._serve}
         self._refusals_logged = LRUSet()
         self._limits = StreamLimits(limits)  # one budget for all of this service's handlers
+        # the streams our handlers serve now (≤ limits.total, and evicted ones still ending)
+        self._streams_served: list[_Served] = []
 
     def attach(self) -> None:
         """Serve our handlers; raises when the daemon would not take one."""
@@ -236,27 +290,51 @@ class StreamService(ABC):
 
     def _limited(self, handler: Handler) -> Handler:
         """`handler` behind our limits: a stream over them is closed before anything is read; one
-        taken is read and written at the node's caps (throttle.py)."""
+        taken is read and written at the node's caps (throttle.py). When all the service's streams are
+        taken, the longest silent one (`SILENT_GRACE_SECONDS`) is closed to make room."""
         async def limited(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             peer = str(info.peer_id)
             reader, writer = self._paced(reader, writer, peer)
             why = self._limits.admit(peer)
+            if why is not None and self._limits.full() and self._evict_silent():
+                why = self._limits.admit(peer)
             if why is not None:
                 self._refuse_once(peer, why, "%s refused a stream from peer=%s: %s", self.name, peer, why,
                                   level=logging.INFO)
                 writer.close()
                 return
+            served = _Served(peer, asyncio.current_task(), time.monotonic(), SilenceWatch(reader))
+            self._streams_served.append(served)
             try:
-                await handler(info, reader, writer)
+                await handler(info, cast(asyncio.StreamReader, served.reader), writer)
             except asyncio.CancelledError:
-                # the node is stopping (its loop cancels what runs): end quietly. Left to propagate,
-                # hivemind's stream callback asks the cancelled task for its exception and asyncio
-                # logs that as an error with a traceback (seen: a stop while serving a joiner's state)
+                # the node is stopping (its loop cancels what runs), or we closed a silent stream: end
+                # quietly. Left to propagate, hivemind's stream callback asks the cancelled task for its
+                # exception and asyncio logs that with a traceback (seen: a stop while serving a state)
                 with contextlib.suppress(Exception):  # a transport already torn down
                     writer.close()
             finally:
-                self._limits.release(peer)
+                self._streams_served.remove(served)
+                if not served.evicted:  # an evicted stream gave its slot back when it was closed
+                    self._limits.release(peer)
         return limited
+
+    def _evict_silent(self) -> bool:
+        """Close the stream that has been silent longest, if one has been for SILENT_GRACE_SECONDS;
+        its slot is free at once. Whether one was closed."""
+        now = time.monotonic()
+        silent = [s for s in self._streams_served
+                  if s.reader.silent and not s.evicted and now - s.opened >= SILENT_GRACE_SECONDS]
+        if not silent:
+            return False
+        oldest = min(silent, key=lambda s: s.opened)
+        oldest.evicted = True
+        self._limits.release(oldest.peer)
+        if oldest.task is not None:
+            oldest.task.cancel()
+        self._refuse_once(oldest.peer, "silent", "%s closed a silent stream of peer=%s to serve another",
+                          self.name, oldest.peer, level=logging.INFO)
+        return True
 
     async def _open(self, peer: str, handler: str, timeout: float) -> tuple[asyncio.StreamReader,
                                                                             asyncio.StreamWriter]:

@@ -265,3 +265,106 @@ def test_a_handler_cancelled_by_a_stop_ends_quietly_and_frees_its_slot() -> None
     writer = SimpleNamespace(close=lambda: closed.append(True))
     assert asyncio.run(service._limited(service._serve)(SimpleNamespace(peer_id="p"), None, writer)) is None
     assert closed == [True] and service._limits.open_streams() == 0
+
+
+def _silent_service(total: int):  # type: ignore[no-untyped-def]
+    """A service whose handler reads one message and then holds the stream until `release` is set,
+    over fake unpaced streams."""
+    from types import SimpleNamespace
+
+    from diloco_node.swarm.streams import StreamService, receive
+
+    answered: list[bytes] = []
+    release = asyncio.Event()
+
+    class Echo(StreamService):
+        async def _serve(self, info, reader, writer) -> None:  # type: ignore[no-untyped-def]
+            answered.append(await receive(reader, 1024, timeout=30))
+            await release.wait()
+
+    unpaced = SimpleNamespace(reader=lambda r: r, writer=lambda w: w)
+    uncounted = SimpleNamespace(count=lambda *_, **__: None)
+    streams = SimpleNamespace(p2p=None, loop=None, throttle=unpaced, traffic=uncounted)
+    service = Echo(streams, "echo", Limits(per_peer=4, total=total, rate=100.0, burst=100.0))  # type: ignore[arg-type]
+    return service, answered, release
+
+
+def test_silent_streams_cannot_hold_every_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """16 fresh ids x 4 streams that never send a byte took all 64 slots (each held 10 s + 10 s), and
+    honest fetches closed with 0 bytes: once every slot is taken, the stream silent longest is closed
+    for a new one; a stream whose first message is in, or silent for less than the grace, never is."""
+    from types import SimpleNamespace
+
+    from diloco_node.swarm import streams as streams_module
+
+    async def scenario() -> None:
+        service, answered, release = _silent_service(total=64)
+        closed: list[str] = []
+
+        def opened(peer: str, data: bytes = b"") -> tuple[asyncio.Task[None], asyncio.StreamReader]:
+            reader = asyncio.StreamReader()
+            reader.feed_data(data)
+            writer = SimpleNamespace(close=lambda: closed.append(peer))
+            handler = service._limited(service._serve)
+            return asyncio.ensure_future(handler(SimpleNamespace(peer_id=peer), reader, writer)), reader
+
+        def message(n: int) -> bytes:
+            body = json.dumps({"n": n}).encode()
+            return len(body).to_bytes(8, "big") + body
+
+        clock = [1000.0]
+        monkeypatch.setattr(streams_module.time, "monotonic", lambda: clock[0])
+        async def settle() -> None:  # every task that can go on goes as far as it can
+            for _ in range(20):
+                await asyncio.sleep(0)
+
+        silent = [opened(f"sybil{i // 4}") for i in range(64)]
+        await settle()
+        assert service._limits.full()
+        clock[0] += 0.5  # within the grace: a full service refuses
+        early, _ = opened("early", message(-1))
+        await settle()
+        assert early.done() and "early" in closed and answered == []
+        clock[0] += streams_module.SILENT_GRACE_SECONDS
+        honest = [opened(f"honest{n}", message(n)) for n in range(3)]  # each takes a silent stream's slot
+        await settle()
+        assert sorted(json.loads(m)["n"] for m in answered) == [0, 1, 2]
+        assert [index for index, (task, _) in enumerate(silent) if task.done()] == [0, 1, 2]  # the oldest
+        assert service._limits.open_streams() == 64
+        # a header without its body is still silent; a whole first message is not
+        for _, reader in silent[3:]:
+            reader.feed_data((4).to_bytes(8, "big"))
+        for _, reader in silent[3:33]:
+            reader.feed_data(b"1234")
+        await settle()
+        clock[0] += streams_module.SILENT_GRACE_SECONDS
+        late = [opened(f"late{n}", message(10 + n)) for n in range(40)]
+        await settle()
+        assert sum(task.done() for task, _ in silent[3:33]) == 0  # spoken: kept
+        assert all(task.done() for task, _ in silent[33:])  # half-spoken: closed for late ones
+        assert sum(not task.done() for task, _ in late) == 31 and service._limits.open_streams() == 64
+        release.set()
+        await asyncio.gather(*(task for task, _ in [*honest, *silent, *late]))
+        assert service._limits.open_streams() == 0 and service._streams_served == []
+        assert len(answered) == 3 + 30 + 31
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("chunks", [[b"\x00" * 8 + b"abc"], [b"\x00" * 3, b"\x00" * 4, b"\x03ab", b"c"],
+                                    [b"\x00" * 7, b"\x03", b"ab", b"c, then more"]])
+def test_a_stream_stops_being_silent_once_its_first_message_is_in(chunks: list[bytes]) -> None:
+    from diloco_node.swarm.streams import SilenceWatch
+
+    async def scenario() -> bool:
+        raw = asyncio.StreamReader()
+        watch = SilenceWatch(raw)
+        for chunk in chunks[:-1]:
+            raw.feed_data(chunk)
+            await watch.readexactly(len(chunk))
+            assert watch.silent
+        raw.feed_data(chunks[-1])
+        await watch.read(len(chunks[-1]))
+        return watch.silent
+
+    assert asyncio.run(scenario()) is False
