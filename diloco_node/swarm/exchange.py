@@ -50,6 +50,10 @@ AWAITED_KEPT_ROUNDS = 5
 # then). So memory holds at most about what the link moves in these seconds, or the KEPT_ROUNDS.
 CATCH_UP_KEPT_SECONDS = 60.0
 RECEIVED = b"\x01"  # a fetcher's acknowledgement: it read our whole payload
+# How often one peer may have one round's payload from us: a fetch and its retries after cut
+# streams (`_fetch`). Before the group is known any record holder may fetch, and re-fetching as often
+# as the rate limit allowed let 32 requests of 640 B pull 128 MiB.
+MAX_SENDS_PER_PEER = 4
 
 
 @dataclass
@@ -62,6 +66,7 @@ class _Offer:
     group: tuple[str, ...] | None = None  # the round's group, ourselves included, once matchmaking told us
     awaited: set[str] = field(default_factory=set)  # members that have not fetched yet (see drain)
     served: set[str] = field(default_factory=set)  # peers that fetched it (before or after we knew the group)
+    sends: dict[str, int] = field(default_factory=dict)  # peer → payloads of it we began to send (MAX_SENDS_PER_PEER)
     # served through the node's payload pace (spread.py): the last two rounds' offers are; an older
     # one (a joiner catching up, docs/architecture.md §14) goes at the upload cap
     paced: bool = True
@@ -191,10 +196,16 @@ class PayloadExchange(StreamService):
                     self._refuse_once(peer, why, "round=%d refused our payload to peer=%s: %s", round_, peer, why)
                     offer = None
             with self._offers_changed:
+                if offer is not None and not asked.group_only and offer.sends.get(peer, 0) >= MAX_SENDS_PER_PEER:
+                    why = f"sent {MAX_SENDS_PER_PEER} times already"
+                    self._refuse_once(peer, why, "round=%d refused our payload to peer=%s: %s", round_, peer, why)
+                    offer = None
                 meta, payload = (offer.meta(), offer.payload) if offer else (b"{}", b"")
                 pace = self._pace if offer and offer.paced and self._pace.rate > 0 else None
-            if asked.group_only:
-                payload = b""
+                if asked.group_only:
+                    payload = b""
+                elif offer is not None:
+                    offer.sends[peer] = offer.sends.get(peer, 0) + 1
             await send(writer, meta)
             await send_paced(writer, payload, pace)
             # served only once the fetcher says it read everything (its end closes either way)

@@ -151,6 +151,23 @@ def test_a_poll_for_the_group_moves_no_payload(pair: tuple[PayloadExchange, Payl
     assert fetching.fetch_all([offering_id], 1, timeout=10) == {offering_id: Fetched(payload, 320.0, group)}
 
 
+def test_one_peer_gets_a_rounds_payload_a_bounded_number_of_times(
+        pair: tuple[PayloadExchange, PayloadExchange, str, str]) -> None:
+    """Before the group is known any record holder may fetch, and one re-fetching as often as the
+    rate limit allowed pulled 128 MiB with 32 requests of 640 B: a fetch and its retries are served,
+    then nothing more of that round; the next round's payload is served again."""
+    offering, fetching, offering_id, _ = pair
+    payload = b"x" * 100_000
+    offering.offer(1, payload, 320.0)
+    times = exchange_module.MAX_SENDS_PER_PEER + 3
+    fetched = [fetching.fetch_all([offering_id], 1, timeout=10)[offering_id] for _ in range(times)]
+    assert [f.payload == payload if f else None for f in fetched] == \
+        [True] * exchange_module.MAX_SENDS_PER_PEER + [None] * 3
+    assert offering.streams.bytes_sent < (exchange_module.MAX_SENDS_PER_PEER + 1) * len(payload)
+    offering.offer(2, payload, 320.0)
+    assert fetching.fetch_all([offering_id], 2, timeout=10)[offering_id] is not None
+
+
 @pytest.mark.parametrize("meta", [[], {}, {"tokens": 0}, {"tokens": -3.0}, {"tokens": float("nan")},
                                   {"tokens": True}, {"tokens": "12"}, {"tokens": 5, "group": "abc"},
                                   {"tokens": 5, "group": [1, 2]}])
