@@ -41,9 +41,11 @@ READ_TIMEOUT = 10.0  # seconds without a byte before a download is given up
 LEAST_RATE = 256 * 1024  # bytes/s: a server slower than this (2 Mbit/s) is dropped for the next one
 # A server under an upload cap announces the rate it serves each transfer at (its cap shared by
 # MAX_SERVES), and a joiner under a download cap reads at its own: the least rate is then half the
-# lower of those (payloads share the caps), but no less than this, since a server's word is its own
-# and a slow drip must still be cut (docs/architecture.md §14).
-LEAST_CAPPED_RATE = 32 * 1024
+# lower of those (payloads share the caps), but no less than this floor (1 Mbit/s), of our choosing:
+# a server's word is its own (announcing 1 B/s made a drip of 32 KiB/s acceptable), and our servers
+# cut a reader slower than it as well, so that two slow readers cannot hold both serve slots for
+# hours (docs/architecture.md §14).
+STATE_LEAST_RATE = 128 * 1024
 SHARE_WAIT_SECONDS = 6.0  # a request waits this long for us to share again (below the asker's READ_TIMEOUT)
 SHARE_POLL_SECONDS = 0.1
 NOT_SHARING = "it is not sharing its state now"  # a blocking node mid-exchange: asked again, not demoted
@@ -145,7 +147,7 @@ def least_rate(announced: float | None, own_cap: float) -> float:
     """Bytes/s a download must keep, from the server's announced rate and our own download cap
     (each 0 or None: none); LEAST_RATE when neither is capped."""
     caps = [rate / 2 for rate in (announced, own_cap) if rate]
-    return min(LEAST_RATE, max(LEAST_CAPPED_RATE, min(caps))) if caps else LEAST_RATE
+    return min(LEAST_RATE, max(STATE_LEAST_RATE, min(caps))) if caps else LEAST_RATE
 
 
 def lower_median(rounds: Sequence[int]) -> int:
@@ -241,7 +243,7 @@ class StateService(StreamService):
             finally:
                 self._serving -= 1
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, TypeError) as exc:
-            logger.warning("state request from peer=%s failed: %s", peer, type(exc).__name__)
+            logger.warning("state request from peer=%s failed: %s", peer, str(exc) or type(exc).__name__)
         finally:
             writer.close()
 
@@ -259,7 +261,11 @@ class StateService(StreamService):
             if upload.rate > 0:  # what each of our transfers gets at least, for the joiner's least rate
                 header["rate"] = round(upload.rate / MAX_SERVES)
             await send(writer, json.dumps(header).encode())
-            writer.write((len(vectors) * self._numel * 4).to_bytes(HEADER_LEN, "big"))
+            size = len(vectors) * self._numel * 4
+            writer.write(size.to_bytes(HEADER_LEN, "big"))
+            # a reader slower than STATE_LEAST_RATE is cut, as a joiner cuts such a server: a serve
+            # slot is held for a bounded time whatever the reader does
+            deadline = self.loop.time() + SETUP_SECONDS + size / STATE_LEAST_RATE
             # under a cap each drain is at most a chunk of the bucket, well inside READ_TIMEOUT
             step = CHUNK_BYTES if upload.rate <= 0 else upload.chunk
             for vector in vectors:
@@ -267,7 +273,13 @@ class StateService(StreamService):
                 data = memoryview(vector.detach().float().contiguous().numpy()).cast("B")  # type: ignore[arg-type]
                 for start in range(0, len(data), step):
                     writer.write(bytes(data[start:start + step]))
-                    await asyncio.wait_for(writer.drain(), READ_TIMEOUT)
+                    left = deadline - self.loop.time()
+                    try:
+                        await asyncio.wait_for(writer.drain(), min(READ_TIMEOUT, max(left, 0.01)))
+                    except TimeoutError:
+                        if left < READ_TIMEOUT:
+                            raise TimeoutError(f"read slower than {format_rate(STATE_LEAST_RATE)}") from None
+                        raise
             self._on_moved(len(vectors) * self._numel * 4, 0)
         finally:
             snapshot.users -= 1

@@ -417,3 +417,47 @@ def test_a_second_state_request_from_one_peer_is_refused_while_its_first_is_serv
             host.close()
         second.shutdown()
         first.shutdown()
+
+
+def test_a_reader_slower_than_the_least_rate_is_cut_and_frees_its_serve_slot(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Two readers at 0.1 MB/s held both serve slots for hours: a serve ends within SETUP_SECONDS +
+    the state's bytes at STATE_LEAST_RATE (made small here), whatever the reader does."""
+    import asyncio
+    import json
+
+    import torch
+
+    from diloco_node.swarm import statesync
+    from diloco_node.swarm.statesync import StateService
+    from diloco_node.swarm.streams import receive, send
+
+    monkeypatch.setattr(statesync, "SETUP_SECONDS", 1.0)
+    monkeypatch.setattr(statesync, "STATE_LEAST_RATE", 2 * 1024 * 1024)  # 8 MB in 1 + 4 s at most
+    first = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    second = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), start=True)
+    hosts = [Streams(dht) for dht in (first, second)]
+    numel = 1 << 20
+    server = StateService(hosts[0], "xslow", numel, 4, lambda peer: ({"round": 1}, [torch.zeros(numel)] * 2),
+                          lambda peer, token: None)
+    server.attach()
+    client = StateService(hosts[1], "xslow", numel, 4, lambda peer: None, lambda peer, token: None)
+
+    async def slow_reader() -> tuple[int, float]:
+        reader, writer = await client._open(str(first.peer_id), server.name, 10)
+        await send(writer, json.dumps({"admission": ""}).encode())
+        await receive(reader, 1 << 16, 10)
+        started, got = asyncio.get_running_loop().time(), 0
+        while chunk := await reader.read(16 * 1024):  # 0.16 MB/s: a drip
+            got += len(chunk)
+            await asyncio.sleep(0.1)
+        return got, asyncio.get_running_loop().time() - started
+
+    try:
+        got, seconds = hosts[1].run(slow_reader(), 60)
+        assert got < 8 * numel and seconds < 15, (got, seconds)
+        assert server._serving == 0
+    finally:
+        for host in hosts:
+            host.close()
+        second.shutdown()
+        first.shutdown()

@@ -233,12 +233,13 @@ def test_record_round_and_message_round_bounds_agree() -> None:
 
 
 def test_a_capped_transfer_lowers_the_least_rate_a_download_keeps_but_not_without_bound():
-    from diloco_node.swarm.statesync import LEAST_CAPPED_RATE, LEAST_RATE, announced_rate, least_rate
+    from diloco_node.swarm.statesync import LEAST_RATE, STATE_LEAST_RATE, announced_rate, least_rate
 
     assert least_rate(None, 0) == LEAST_RATE  # nobody capped
-    assert least_rate(125_000.0, 0) == 62_500  # a server at 2 Mbit/s shared by two joiners
-    assert least_rate(None, 100_000) == 50_000  # our own download cap
-    assert least_rate(10.0, 0) == LEAST_CAPPED_RATE  # a server's word cannot make a drip acceptable
+    assert least_rate(375_000.0, 0) == 187_500  # a server at 6 Mbit/s shared by two joiners
+    assert least_rate(None, 300_000) == 150_000  # our own download cap
+    assert least_rate(10.0, 0) == STATE_LEAST_RATE  # a server's word cannot make a drip acceptable
+    assert least_rate(125_000.0, 0) == STATE_LEAST_RATE  # 1 Mbit/s: the floor of our choosing, whoever says
     assert least_rate(10 ** 9, 10 ** 9) == LEAST_RATE
     assert announced_rate(b'{"sharing": true, "rate": 125000}') == 125_000
     for header in (b'{"rate": -1}', b'{"rate": true}', b'{"rate": "1"}', b'[1]', b'not json', b'{}'):
