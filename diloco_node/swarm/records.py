@@ -22,6 +22,7 @@ another config on a fingerprint.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
@@ -326,23 +327,32 @@ def fetch(dht: DHT, run_id: str) -> tuple[dict[str, NodeRecord], dict[str, NodeR
 
 def canonical_digest(nodes: Iterable[NodeRecord], round_: int, served: bool = False) -> str | None:
     """The φ digest more nodes at the start of `round_` hold than any other (`served`: the digest of
-    the state most nodes serve with `round_` as its settled round); None when none is held, or two
-    or more are held by equally many: a tie goes to nobody.
+    the state most nodes serve with `round_` as its settled round); None when none is held. A tie
+    goes to the digest of the holder that comes first in the round's draw (`tie_order`).
 
-    Every node evaluates this on the same records, so all reach the same verdict. A tie-break by
-    peer id went to whoever generated the smaller key (an attacker, in a pair), and one by a hash of
-    the digests to whoever ground its φ's digest: neither side of an even split re-syncs from the
-    other (docs/architecture.md §9), a majority still re-syncs the minority.
+    Every node evaluates this on the same records, so all reach the same verdict, and one side of
+    an even split (a pair that split) re-syncs from the other: left to nobody, a split pair stayed
+    split for good and no joiner could find a state two servers agree on. The tie-break by peer id
+    went to whoever generated the smaller key (an attacker, in a pair), and one by the digests to
+    whoever ground its φ; the round's draw gives any key about half the ties, and what a winner can
+    make the other install is bounded by outer/reach.py (docs/architecture.md §9).
     """
-    holders: dict[str, int] = {}
+    holders: dict[str, list[str]] = {}
     for record in nodes:
         at, digest = (record.served_round, record.served_digest) if served else (record.round, record.digest)
         if at == round_ and digest:
-            holders[digest] = holders.get(digest, 0) + 1
-    ranked = sorted(holders.values(), reverse=True)
-    if not ranked or (len(ranked) > 1 and ranked[1] == ranked[0]):
+            holders.setdefault(digest, []).append(record.peer_id)
+    if not holders:
         return None
-    return max(holders, key=lambda digest: holders[digest])
+    most = max(len(peers) for peers in holders.values())
+    tied = {digest: peers for digest, peers in holders.items() if len(peers) == most}
+    return min(tied, key=lambda digest: min(tie_order(round_, peer) for peer in tied[digest]))
+
+
+def tie_order(round_: int, peer: str) -> bytes:
+    """Where `peer` comes in `round_`'s draw: a hash of both, so no key comes first in every round
+    (each comes first in about half of them against another), and every node draws alike."""
+    return hashlib.sha256(f"{round_}:{peer}".encode()).digest()
 
 
 def reference_state(nodes: Iterable[NodeRecord]) -> tuple[int, str] | None:
