@@ -11,8 +11,9 @@ therefore stop together, whatever their speed.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 # An inner phase that would start with less than this share of T left runs to the grid point after:
 # a blocking exchange ending just before a grid point would otherwise leave a round of a few steps
@@ -32,6 +33,10 @@ BARRIER_FLOOR = 2.0
 # round before we doubt it: an owner who stops using their machine makes it honestly faster from one
 # round to the next, by as much as the 4× between a busy and an idle consumer GPU (§13, "Declared tokens").
 CLAIM_SLACK = 4.0
+# ... and never more than this many times what our own round trained, which we measured ourselves: a
+# peer's records are its own word (a liar whose records said 1e15 was never doubted). Far above any
+# honest spread of one run's machines (a GPU beside a CPU node), far below a lie that matters.
+PEER_SPEEDUP = 64.0
 
 
 def deadline(now: float, seconds: float) -> float:
@@ -90,37 +95,50 @@ class StepClock:
 class Claims:
     """Declared tokens judged against what each peer's own published records say a round of it
     trains (§13, "Declared tokens"): the most they have shown us, since a node its owner stops using
-    speeds up honestly (a slowed or frozen round's record shows little). Bounded: at most MAX_PEERS
-    peers remembered."""
+    speeds up honestly (a slowed or frozen round's record shows little), and against our own round
+    (PEER_SPEEDUP), which no peer writes. Bounded: the MAX_PEERS peers seen last are remembered (the
+    round loop shows it only the peers of its groups; 1,025 fresh ids wiped the whole table)."""
 
     MAX_PEERS = 1024
 
     def __init__(self) -> None:
-        self.most: dict[str, float] = {}  # peer → the most tokens a round of it trains, by its records
-        self.said: set[str] = set()  # peers whose claims we doubted in the log already
+        # peer → the most tokens a round of it trains, by its records; peers we doubted in the log already
+        self.most: OrderedDict[str, float] = OrderedDict()
+        self.said: OrderedDict[str, None] = OrderedDict()
 
     def saw(self, allowances: Mapping[str, object]) -> None:
         """Take in what each peer's latest record says a round of it trains (tokens; None: unknown)."""
         for peer, tokens in allowances.items():
             if isinstance(tokens, (int, float)) and math.isfinite(tokens) and tokens > self.most.get(peer, 0.0):
-                if peer not in self.most and len(self.most) >= self.MAX_PEERS:
-                    self.most.clear()
                 self.most[peer] = float(tokens)
+            if peer in self.most:
+                self.most.move_to_end(peer)
+        _forget_oldest(self.most, self.MAX_PEERS)
 
-    def doubted(self, declared: Mapping[str, float]) -> dict[str, float]:
+    def doubted(self, declared: Mapping[str, float], own: float | None = None) -> dict[str, float]:
         """Those of `declared` (peer → the tokens its payload declared) beyond CLAIM_SLACK × the most
-        its records have shown, each with that bound. A peer whose records show nothing yet (its
-        first round) is not judged. The mean is not changed by this (members read records at
-        different moments, so a bound from them would split φ; the token cap at the group's median
-        bounds the mean): the round loop leaves a doubted peer unproven and says so once."""
-        return {peer: CLAIM_SLACK * self.most[peer] for peer, tokens in declared.items()
-                if self.most.get(peer, 0.0) > 0 and tokens > CLAIM_SLACK * self.most[peer]}
+        its records have shown, or beyond PEER_SPEEDUP × `own` (the tokens of our own round), each
+        with the bound it broke. A peer whose records show nothing yet (its first round) is judged
+        by our round only. The mean is not changed by this (members read records at different
+        moments, so a bound from them would split φ; the token cap at the group's median bounds the
+        mean): the round loop leaves a doubted peer unproven and says so once."""
+        doubted = {}
+        for peer, tokens in declared.items():
+            bounds = [CLAIM_SLACK * self.most[peer]] if self.most.get(peer, 0.0) > 0 else []
+            bounds += [PEER_SPEEDUP * own] if own else []
+            if bounds and tokens > min(bounds):
+                doubted[peer] = min(bounds)
+        return doubted
 
     def first_doubt(self, peer: str) -> bool:
         """Whether `peer`'s claims are doubted for the first time (a liar repeats itself every round)."""
         if peer in self.said:
             return False
-        if len(self.said) >= self.MAX_PEERS:
-            self.said.clear()
-        self.said.add(peer)
+        self.said[peer] = None
+        _forget_oldest(self.said, self.MAX_PEERS)
         return True
+
+
+def _forget_oldest(table: OrderedDict[str, Any], capacity: int) -> None:
+    while len(table) > capacity:
+        table.popitem(last=False)

@@ -122,7 +122,7 @@ class Node:
             self.swarm.share_state()
             return
         if report.result is not None:  # whose checked work went into the mean we applied (swarm/proofs.py)
-            credible = self._credible(report.result)
+            credible = self._credible(report.result, tokens)
             self.swarm.prove(self.state.round, credible)
             self._keep_pace(report.result, credible, len(losses))
         if report.diverged:  # our Δ was still a fine direction to contribute; our φ is what must be replaced
@@ -149,22 +149,25 @@ class Node:
             self.inner_step = paced
             self.replica.advance_schedule(paced)
 
-    def _credible(self, result: AverageResult) -> list[str]:
+    def _credible(self, result: AverageResult, own_tokens: float) -> list[str]:
         """The round's group less the peers whose payloads declared more tokens than their own records
         say a round of them trains (budget.Claims): under --round-seconds their tokens per compute
         second times T, under a fixed H their last round's tokens (H, batch and sequence length are
-        each node's own). A doubted peer's work still made the mean, as on every member, but does not
-        prove it (swarm/proofs.py; docs/architecture.md §13, "Declared tokens")."""
+        each node's own), or more than PEER_SPEEDUP × `own_tokens`, what our round trained. A doubted
+        peer's work still made the mean, as on every member, but does not prove it (swarm/proofs.py;
+        docs/architecture.md §13, "Declared tokens")."""
         if not result.declared:  # alone, held, or a butterfly member (its part's owner capped the tokens)
             return list(result.group)
         seconds = self.cfg.round_budget
         allowances = {}
         for peer, stats in self.swarm.peer_stats().items():
+            if peer not in result.group:  # records are free: only our group's are remembered
+                continue
             rate, tokens = stats.get("last_round_tokens_per_second"), stats.get("last_round_tokens")
             allowances[peer] = (rate * seconds if isinstance(rate, (int, float)) else None) if seconds else tokens
         self.claims.saw(allowances)
         declared = dict(result.declared)
-        doubted = self.claims.doubted(declared)
+        doubted = self.claims.doubted(declared, own_tokens)
         for peer, bound in doubted.items():
             if self.claims.first_doubt(peer):
                 logger.warning("round=%d peer=%s declared %.0f tokens, more than its own records allow a round "
