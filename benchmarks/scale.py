@@ -63,7 +63,7 @@ NODE_FLAGS = ["--device", "cpu", "--sync", "blocking", "--batch-size", "4", "--s
               "--round-timeout", "180"]
 TOLERANCE = 0.20  # the model must come within this of every measured round time
 ISLANDS_MATCHMAKING_TIME = 3.0  # the islands ran with the default
-# The projection: a 124M-parameter model sent as int4 (0.49 B/param with zstd, README codecs table),
+# The projection: a 124M-parameter model sent as int4 (0.49 B/param with zstd, docs/configuration.md's codecs table),
 # and 150 s of inner compute per round (H = 500 steps at 0.3 s on one consumer GPU).
 PROJECTED_PAYLOAD = 124e6 * 0.49
 PROJECTED_COMPUTE = 150.0

@@ -39,7 +39,8 @@ from diloco_node.registry import (
 DEFAULT_STATUS_PORT = 7780
 DILOCO_MOMENTUM = 0.9  # DiLoCo's outer Nesterov momentum (docs/architecture.md §3)
 # Under eager, half of each step (the others' Δ) lands a round late, which already carries momentum;
-# 0.6 kept eager within 1 % of blocking in benchmarks/wide_area.py, 0.9 did not (see README, sync modes).
+# 0.6 kept eager within 1 % of blocking in benchmarks/wide_area.py, 0.9 did not (see docs/configuration.md,
+# sync modes).
 EAGER_MOMENTUM = 0.6
 # Delayed applies every Δ one round late, and its inner phases start from a φ that lacks the last
 # one; momentum on top overshoots: at H=100 it ended 1.73× blocking's eval loss with 0.9, 1.39× with

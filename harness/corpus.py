@@ -38,8 +38,8 @@ def held_out(relative: str, every: int) -> bool:
 
 def order_by_file(relatives: list[str], every: int) -> list[str]:
     """The files in the order the corpus is written: the training files sorted by path, then the held-out
-    files sorted by path. The node holds out the last 5 % of a corpus's tokens (README, Train your own
-    model), so with about 1/every > 5 % of the text in held-out files the eval split is made of held-out
+    files sorted by path. The node holds out the last 5 % of a corpus's tokens (docs/models.md, Train your
+    own model), so with about 1/every > 5 % of the text in held-out files the eval split is made of held-out
     files only (of which the first, in part, and any beyond the last 5 % are trained on as well)."""
     ordered = sorted(relatives)
     return [r for r in ordered if not held_out(r, every)] + [r for r in ordered if held_out(r, every)]

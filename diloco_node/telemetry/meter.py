@@ -15,7 +15,7 @@ from typing import Any
 
 from diloco_node.telemetry.record import ROUND_STATUS_FIELDS
 
-# Every field README documents for /api/status: each is there from the first response on, null
+# Every field docs/operations.md documents for /api/status: each is there from the first response on, null
 # until it is known (a client polling right after start-up finds the same keys as later). The node's
 # own fields are listed here; those a finished round sets are declared by the round record.
 NODE_STATUS_FIELDS = (
@@ -76,7 +76,7 @@ class Telemetry:
             return dict(self._values)
 
     def record_round(self, stats: dict[str, Any]) -> None:
-        """One finished round: the point behind every chart (see README, /api/history)."""
+        """One finished round: the point behind every chart (see docs/operations.md, /api/history)."""
         with self._lock:
             self._history.append(dict(stats))
             seconds = stats.get("round_seconds")

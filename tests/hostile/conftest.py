@@ -4,7 +4,7 @@ Every test that spawns honest nodes reports, when it ends, what the attack cost 
 must-hold 8): per node, the rounds it finished, the rounds lost once every node is in (any outcome
 but averaging with a group: alone, held, behind, timed out, isolated), the longest barrier wait,
 whether the honest nodes' φ agreed on their common rounds, and the node's peak memory. Run with
-`-s` to see the line; the README's trust table quotes it. φ's deviation from a clean twin run needs
+`-s` to see the line; docs/trust.md's table quotes it. φ's deviation from a clean twin run needs
 a second run of the same nodes, which only test_deviation.py and test_butterfly_owner.py pay for
 (they print it).
 """

@@ -29,7 +29,7 @@ RATE_MBIT = 100.0
 # 10 s: shorter than a record's life (records.RECORD_TTL, 25 s), so c never looks isolated; 60 s and
 # 150 s: isolated. 150 s is the long cut: the old TCP connection's retransmissions are then about
 # 100 s apart (doubling from 0.2 s), far beyond the 4 rounds to agree, as is a daemon's backoff
-# after failed dials (what a long cut once broke, README "Partitions"); the 5-minute cut this had
+# after failed dials (what a long cut once broke, docs/scale-and-networks.md "Partitions"); the 5-minute cut this had
 # proved nothing more and cost 2.5 more minutes
 CUTS = (10.0, 60.0, 150.0)
 AGREE_WITHIN_ROUNDS = 4

@@ -154,7 +154,7 @@ const perSecond = (amount, r) => (finite(amount) && finite(r.round_seconds) && r
   ? amount / r.round_seconds : null);
 
 // Payload series ("sent", "received") and, for nodes that measure it, the same traffic on the wire
-// with headers and control messages ("wire out", "wire in"; see README, wire bytes).
+// with headers and control messages ("wire out", "wire in"; see docs/operations.md, wire bytes).
 function wireSeries(rounds, value) {
   if (!rounds.some((r) => finite(r.wire_sent))) return [];
   return [series(rounds, "wire out", WIRE_SENT, (r) => value(r, r.wire_sent)),
