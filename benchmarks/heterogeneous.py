@@ -9,7 +9,7 @@ Three nodes at speeds 1×, 2× and 4× (the harness pauses the slower ones' proc
 Per node: compute utilization in steady state (Σ compute / Σ (compute + wait) over the rounds after
 the first, from the round records; a paused step counts as compute, as a slow GPU's step would),
 inner steps and tokens trained, rounds; per variant: the eval loss of the fastest node's φ at the
-last round within the window (equal wall-clock). Time to a target loss is not measured (see README).
+last round within the window (equal wall-clock). Time to a target loss is not measured (see docs/benchmarks.md).
 
 `.venv/bin/python benchmarks/heterogeneous.py --seconds 90 --round-seconds 6 --h 20` (~8 minutes).
 Results: benchmarks/results/heterogeneous.{json,md}. On a machine with fewer cores than nodes the

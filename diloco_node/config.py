@@ -145,7 +145,7 @@ class NodeConfig(BaseModel):
                             "with an error-feedback codec, topk or sign)")
     outer_momentum: float = Field(DILOCO_MOMENTUM, ge=0, lt=1, description=(
         f"outer Nesterov momentum (unset: {DILOCO_MOMENTUM} blocking, {EAGER_MOMENTUM} eager, "
-        f"{DELAYED_MOMENTUM} delayed, 0 with topk or sign; see README, sync modes)"))
+        f"{DELAYED_MOMENTUM} delayed, 0 with topk or sign; see docs/configuration.md, sync modes)"))
     sync: str = Field("eager", pattern=r"^(blocking|delayed|eager)$",
                       description="when the exchange runs: blocking, delayed or eager (overlaps the next round); "
                       "unset, eager for diloco and blocking for noloco")
@@ -157,7 +157,7 @@ class NodeConfig(BaseModel):
     max_outer_steps: int = Field(0, ge=0, description="stop after this many rounds (0 = run forever)")
     aggregator: str = Field("clip", pattern=r"^(mean|clip|trimmed|centered-clip)$",
                             description="how the group's pseudo-gradients are averaged: mean, clip (each to 1.25x "
-                            "the median norm), trimmed or centered-clip (see README, trust)")
+                            "the median norm), trimmed or centered-clip (see docs/trust.md)")
     weighting: str = Field("tokens", pattern=r"^(tokens|sqrt-tokens|equal)$",
                            description="each peer's weight in the mean, from its tokens after the cap: tokens, "
                            "sqrt-tokens or equal (docs/architecture.md §13)")
@@ -169,7 +169,7 @@ class NodeConfig(BaseModel):
                           description="how a group's pseudo-gradients travel: allgather (every member fetches every "
                           "payload), butterfly (each member averages one part: traffic that does not grow with the "
                           "group) or auto (butterfly for groups of 3 or more in a --run-owner run, else allgather; "
-                          "see README, scale)")
+                          "see docs/scale-and-networks.md)")
     max_tokens_per_round: int = Field(0, ge=0, description="most tokens a peer's contribution to a round counts "
                                       "for (0: only the group's median declaration)")
     fragments: int = Field(1, ge=1, description="P: φ is exchanged in P fragments of whole tensors, one per round "

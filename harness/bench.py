@@ -287,7 +287,7 @@ def pyplot() -> Any:
 
 
 def write_results(out_dir: Path, name: str, payload: dict[str, Any], text: str) -> None:
-    """A benchmark's figures as `<name>.json` (every number) and `<name>.md` (the table README quotes),
+    """A benchmark's figures as `<name>.json` (every number) and `<name>.md` (the table docs/benchmarks.md quotes),
     and the table on stdout."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=1))

@@ -10,7 +10,7 @@ link is cut (the hub stops bridging it: packets vanish, as when an uplink fails 
 - c runs under `--upload-limit` (docs/architecture.md §14): its link's egress (the veth's tx counter:
   DHT, records, retransmissions and headers included) stays within 1.1 × the cap in every 1-second
   window from each cut to the agreement after its heal, when its connections come back at once.
-The rounds and seconds to agree again are printed (README quotes them).
+The rounds and seconds to agree again are printed (docs/scale-and-networks.md quotes them).
 """
 
 from __future__ import annotations
