@@ -16,9 +16,10 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/diloco-node demo
 
-# unit + core integration (real nodes on loopback): under 10 minutes on 2 cores
+# unit + core integration (real nodes on loopback), two tests at a time (pytest-xdist): the
+# machine's two cores, which one test's nodes leave partly idle while they wait on each other
 test: $(VENV)/.installed
-	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=15 tests/unit tests/integration
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n 2 --durations=15 tests/unit tests/integration
 
 # network namespaces, browser, lifecycle stress, hostile peers (root, chromium, iproute2)
 test-system: $(VENV)/.installed
