@@ -34,7 +34,9 @@ from harness.docker import (
     stage_build_inputs,
 )
 
-pytestmark = pytest.mark.docker
+# the first test's setup builds the base image (debootstrap) and the images on a fresh machine:
+# 5 minutes and more on CI's machines, beyond the suite's default of 300 s a test
+pytestmark = [pytest.mark.docker, pytest.mark.timeout(1500)]
 
 SETTINGS = {"INNER_STEPS": "10", "COMPRESSION": "none", "ROUND_TIMEOUT": "60", "PROMETHEUS_PORT": "19090"}
 
