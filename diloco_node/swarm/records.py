@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -219,16 +220,20 @@ class NodeRecord:
     @classmethod
     def from_wire(cls, value: Any, left: bool = False) -> NodeRecord | None:
         """A live node's record (a departed node's, with `left`), or None for anything else."""
-        try:
-            parsed = NodeValue.parse_obj(value)
-        except (pydantic.ValidationError, TypeError):
-            return None
-        if parsed.left != left:
-            return None
-        return cls(parsed.peer_id, parsed.fingerprint, parsed.round, parsed.ready_round,
-                   parsed.digest, parsed.stats.dict(), parsed.exchanged_round, parsed.admission,
-                   tuple(parsed.vouched), parsed.served_round, parsed.served_digest, parsed.client,
-                   tuple(parsed.proven))
+        parsed = _parse(value)
+        return parsed[0] if parsed is not None and parsed[1] == left else None
+
+
+def _parse(value: Any) -> tuple[NodeRecord, bool] | None:
+    """A record on the wire → the record and whether its node left; None when malformed."""
+    try:
+        parsed = NodeValue.parse_obj(value)
+    except (pydantic.ValidationError, TypeError):
+        return None
+    return NodeRecord(parsed.peer_id, parsed.fingerprint, parsed.round, parsed.ready_round,
+                      parsed.digest, parsed.stats.dict(), parsed.exchanged_round, parsed.admission,
+                      tuple(parsed.vouched), parsed.served_round, parsed.served_digest, parsed.client,
+                      tuple(parsed.proven)), parsed.left
 
 
 def records_key(run_id: str) -> str:
@@ -307,22 +312,43 @@ def withdraw(dht: DHT, run_id: str, record: NodeRecord, signed_by: RSASignatureV
 
 def fetch(dht: DHT, run_id: str) -> tuple[dict[str, NodeRecord], dict[str, NodeRecord]]:
     """The run's well-formed records by peer id: the live nodes', and those of nodes that left
-    within the last RECORD_TTL seconds (as they were when they left)."""
+    within the last RECORD_TTL seconds (as they were when they left). Records are free, and each
+    costs CPU to check (4,000 took 1.6 s a read): at most MAX_RECORDS_READ are read, those under
+    keys read before first (the run's nodes, read at every heartbeat), then the latest to expire."""
     found = bounded.get(dht, records_key(run_id))
     if found is None or not isinstance(found.value, dict):
         return {}, {}
+    now = get_dht_time()
+    items = [(subkey, item) for subkey, item in found.value.items()
+             if isinstance(subkey, bytes) and isinstance(item, ValueWithExpiration) and item.expiration_time > now]
+    if len(items) > MAX_RECORDS_READ:
+        items.sort(key=lambda pair: (pair[0] not in _SIGNERS, -pair[1].expiration_time))
+        del items[MAX_RECORDS_READ:]
     live: dict[str, NodeRecord] = {}
     departed: dict[str, NodeRecord] = {}
-    for subkey, item in found.value.items():
-        if not (isinstance(subkey, bytes) and isinstance(item, ValueWithExpiration)
-                and item.expiration_time > get_dht_time()):
-            continue
-        for left, into in ((False, live), (True, departed)):
-            record = NodeRecord.from_wire(item.value, left=left)
-            # signed (the DHT checked) by the libp2p key of the peer the record claims to be
-            if record and bound_peer_id(subkey) == record.peer_id:
-                into[record.peer_id] = record
+    for subkey, item in items:
+        parsed = _parse(item.value)
+        # signed (the DHT checked) by the libp2p key of the peer the record claims to be
+        if parsed is not None and _signer(subkey) == parsed[0].peer_id:
+            (departed if parsed[1] else live)[parsed[0].peer_id] = parsed[0]
     return live, departed
+
+
+MAX_RECORDS_READ = 1024  # far above a run's nodes; what a flood of free records can cost a read
+# subkey → the peer id its key hashes to (bound_peer_id), for the keys read last: a heartbeat reads
+# the same records again and again, and the keys read before are the run's nodes
+_SIGNERS: OrderedDict[bytes, str | None] = OrderedDict()
+_SIGNERS_KEPT = 4 * MAX_RECORDS_READ
+
+
+def _signer(subkey: bytes) -> str | None:
+    if subkey in _SIGNERS:
+        _SIGNERS.move_to_end(subkey)
+        return _SIGNERS[subkey]
+    signer = _SIGNERS[subkey] = bound_peer_id(subkey)
+    while len(_SIGNERS) > _SIGNERS_KEPT:
+        _SIGNERS.popitem(last=False)
+    return signer
 
 
 def canonical_digest(nodes: Iterable[NodeRecord], round_: int, served: bool = False) -> str | None:

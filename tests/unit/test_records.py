@@ -526,3 +526,32 @@ def test_a_refusal_names_what_differs_or_that_the_config_is_unknown(monkeypatch)
                         lambda _dht, _run, fingerprints: dict.fromkeys(fingerprints, {"model": "small"}))
     with pytest.raises(IncompatibleRun, match=r"incompatible config: --model small \(ours: tiny\) \(peer …them\)$"):
         presence.check_compatible()
+
+
+def test_a_flood_of_records_costs_a_bounded_read_and_the_runs_nodes_are_still_read(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Records are free and each costs CPU to check (4,000 took 1.6 s a read): a read checks at most
+    MAX_RECORDS_READ, those under keys read before first, so the run's nodes outlast a flood."""
+    monkeypatch.setattr(records, "bound_peer_id", lambda subkey: subkey.decode().removeprefix("key:"))
+    monkeypatch.setattr(records, "_SIGNERS", records.OrderedDict())
+    parsed: list[object] = []
+    real_parse = records._parse
+    monkeypatch.setattr(records, "_parse", lambda value: parsed.append(value) or real_parse(value))
+    stored: dict[object, object] = {}
+
+    def wire(peer: str, expiration: float, left: bool = False) -> ValueWithExpiration:
+        value = {**record(peer, 5, "d").to_wire(), **({"left": True} if left else {})}
+        return ValueWithExpiration(value, expiration)
+
+    now = get_dht_time()
+    stored[b"key:honest"] = wire("honest", now + 20)
+    stored[b"key:gone"] = wire("gone", now + 20, left=True)
+    dht = SimpleNamespace(get=lambda key, latest, return_future: answered(ValueWithExpiration(stored, now + 60)))
+    live, departed = records.fetch(dht, "run")  # type: ignore[arg-type]
+    assert set(live) == {"honest"} and set(departed) == {"gone"} and len(parsed) == 2
+    for index in range(4000):  # a flood of fresh ids, each record expiring later than ours
+        stored[f"key:sybil{index}".encode()] = wire(f"sybil{index}", now + 25)
+    stored[7] = wire("odd key", now + 25)  # a subkey of another type is passed over
+    parsed.clear()
+    live, departed = records.fetch(dht, "run")  # type: ignore[arg-type]
+    assert len(parsed) == records.MAX_RECORDS_READ
+    assert "honest" in live and "gone" in departed and len(live) == records.MAX_RECORDS_READ - 1
