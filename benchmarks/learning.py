@@ -80,8 +80,18 @@ def parse_row(text: str) -> dict[str, Any]:
             "label": f"M={workers} H={h} {text_options}".strip()}
 
 
-def config(row: dict[str, Any], seed: int, data: dict[str, Any], **extra: Any) -> NodeConfig:
-    return NodeConfig.model_validate({**SHAPE, "tokenizer": data["tokenizer"], "data": data["shards"],
+def shape(batch_size: int) -> dict[str, Any]:
+    """SHAPE at a per-worker batch of `batch_size` sequences (--batch-size; a log holds one batch)."""
+    return {**SHAPE, "batch_size": batch_size}
+
+
+def names(batch_size: int) -> str:
+    """The stem of a batch's log and report: `learning` at SHAPE's batch, `learning_b2` at 2."""
+    return "learning" if batch_size == SHAPE["batch_size"] else f"learning_b{batch_size}"
+
+
+def config(row: dict[str, Any], seed: int, data: dict[str, Any], batch_size: int, **extra: Any) -> NodeConfig:
+    return NodeConfig.model_validate({**shape(batch_size), "tokenizer": data["tokenizer"], "data": data["shards"],
                                       "seed": seed, "threads": 1, "run_id": "learning",
                                       **row.get("options", {}), **extra})
 
@@ -95,19 +105,21 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     """One (row, seed): its curve. In a process of its own."""
     row, seed, args = job["row"], job["seed"], job["args"]
     data = stdlib_shards(Path(args["cache_dir"]), CORPUS_MB, VOCAB)
-    budget_tokens = args["steps"] * SHAPE["batch_size"] * SHAPE["seq_len"]
+    batch = args["batch_size"]
+    budget_tokens = args["steps"] * batch * SHAPE["seq_len"]
     target = job["target"]
     started = time.monotonic()
     if row["kind"] == "ddp":
-        curve = data_parallel(config(row, seed, data), peers(row["workers"], seed), args["steps"], args["eval_every"])
+        curve = data_parallel(config(row, seed, data, batch), peers(row["workers"], seed), args["steps"],
+                              args["eval_every"])
     elif row["kind"] == "alone":
         steps = int(row["schedule"] * args["steps"])
-        curve = data_parallel(config(row, seed, data), peers(1, seed), steps, args["eval_every"],
+        curve = data_parallel(config(row, seed, data, batch), peers(1, seed), steps, args["eval_every"],
                               on_eval=lambda _, c: c.points[-1][0] >= budget_tokens and reached(c, target))
     else:
         rounds = math.ceil(args["max_token_factor"] * args["steps"] / row["h"])
         # the schedule's length is H x max_outer_steps (replica.settings_of); the rounds past it train at its floor
-        cfg = config(row, seed, data, inner_steps=row["h"],
+        cfg = config(row, seed, data, batch, inner_steps=row["h"],
                      max_outer_steps=max(1, round(row["schedule"] * args["steps"] / row["h"])))
         curve = simulate(cfg, peers(row["workers"], seed), rounds,
                          on_round=lambda tokens, c: tokens >= budget_tokens and reached(c, target))
@@ -133,7 +145,7 @@ def target_of(entries: list[dict[str, Any]], steps: int) -> float | None:
 def run(args: argparse.Namespace) -> None:
     stdlib_shards(args.cache_dir, CORPUS_MB, VOCAB)  # once, before the jobs read it
     shared = {"cache_dir": str(args.cache_dir), "steps": args.steps, "eval_every": args.eval_every,
-              "max_token_factor": args.max_token_factor}
+              "max_token_factor": args.max_token_factor, "batch_size": args.batch_size}
     rows = [parse_row(text) for text in args.rows.split(";") if text.strip()]
     done = {entry["key"] for entry in read_log(args.log)}
     # DDP first: the others stop early once past the budget and at the target it sets
@@ -176,11 +188,12 @@ def loss_at(points: list[list[Any]], tokens: int) -> float | None:
     return statistics.fmean(before[-1]) if before else None
 
 
-def summarize(entries: list[dict[str, Any]], steps: int, parameters: int) -> dict[str, Any]:
+def summarize(entries: list[dict[str, Any]], steps: int, parameters: int, batch: int) -> dict[str, Any]:
     target = target_of(entries, steps)
     if target is None:
         raise SystemExit("learning: no DDP M=4 row in the log yet (run --rows ddp:4 first)")
-    budget = steps * SHAPE["batch_size"] * SHAPE["seq_len"]
+    step_tokens = batch * SHAPE["seq_len"]
+    budget = steps * step_tokens
     by_label: dict[str, list[dict[str, Any]]] = {}
     for entry in entries:
         if json.loads(entry["key"])[2] == steps:
@@ -192,12 +205,11 @@ def summarize(entries: list[dict[str, Any]], steps: int, parameters: int) -> dic
         equal = [loss_at(r["curve"]["points"], budget) for r in runs]
         averages = None
         if row["kind"] == "diloco" and all(t is not None for t in per_seed):
-            averages = max(math.ceil(t / (row["h"] * SHAPE["batch_size"] * SHAPE["seq_len"])) for t in per_seed if t)
+            averages = max(math.ceil(t / (row["h"] * step_tokens)) for t in per_seed if t)
         sent = None  # payload bytes per worker to the target (the median seed's run)
         if row["kind"] == "diloco" and all(t is not None for t in per_seed):
             sent = statistics.median(_bytes_to(r, target) for r in runs)
         elif row["kind"] == "ddp" and all(t is not None for t in per_seed):
-            step_tokens = SHAPE["batch_size"] * SHAPE["seq_len"]
             sent = statistics.median(t / step_tokens * ring_all_reduce_bytes(parameters, row["workers"])
                                      for t in per_seed if t)
         rows.append({"label": label, "row": row, "seeds": [r["seed"] for r in runs], "tokens": per_seed,
@@ -207,10 +219,25 @@ def summarize(entries: list[dict[str, Any]], steps: int, parameters: int) -> dic
     # the best schedule tried for one worker alone (the one that reaches the target soonest)
     alone = min((r["tokens_median"] for r in rows if r["row"]["kind"] == "alone" and r["tokens_median"]), default=None)
     ddp = next((r for r in rows if r["row"]["kind"] == "ddp" and r["row"]["workers"] == TARGET_M), None)
+    alone_curves = [e["curve"]["points"] for e in entries if e["row"]["kind"] == "alone"
+                    and json.loads(e["key"])[2] == steps]
     for r in rows:
         r["gain"] = alone / r["tokens_median"] if alone and r["tokens_median"] else None
-    return {"target": target, "budget_tokens": budget, "alone_tokens": alone,
+        r["gain_at_budget"] = gain_at_budget(r["loss_at_budget"], alone_curves, budget)
+    return {"target": target, "budget_tokens": budget, "batch_size": batch, "alone_tokens": alone,
             "g_ddp": ddp["gain"] if ddp else None, "rows": rows}
+
+
+def gain_at_budget(losses: list[float | None], alone_curves: list[list[list[Any]]], budget: int) -> float | None:
+    """How many times the budget one worker alone needs to reach the row's mean eval loss at the
+    budget (the soonest of the alone runs): a gain measured where a row misses the target, since
+    every row trains to the budget. None when no alone run got there."""
+    reached = [x for x in losses if x is not None]
+    if not reached or not alone_curves:
+        return None
+    loss = statistics.fmean(reached)
+    needed = [tokens_to(points, loss) for points in alone_curves]
+    return min(t for t in needed if t) / budget if any(needed) else None
 
 
 def _bytes_to(entry: dict[str, Any], target: float) -> float:
@@ -235,14 +262,15 @@ def markdown(summary: dict[str, Any], steps: int) -> str:
             ddp_bytes = r["bytes_per_worker"]
     cores = machine_info()["nproc"]
     lines = [f"# Joining pays? The learning simulator ({time.strftime('%Y-%m-%d')}, {cores} CPU cores)",
-             "", f"`llama-2m`, BPE 4,096 on the standard library's sources, {SHAPE['batch_size']} x "
+             "", f"`llama-2m`, BPE 4,096 on the standard library's sources, {summary['batch_size']} x "
              f"{SHAPE['seq_len']} tokens per worker step. Target: DDP M={TARGET_M}'s worst final eval loss over its "
              f"seeds after {steps} steps = **{summary['target']:.4f}**. One worker alone needs "
              f"{summary['alone_tokens'] or 0:,.0f} tokens to it; DDP's gain G_DDP = "
              f"{g_ddp:.2f}x." if g_ddp else "", "",
              "| row | seeds | tokens per worker to target (each seed) | gain over alone (median) | vs G_DDP | "
-             "eval at the budget (each seed) | averages to target | payload bytes per worker | fewer than DDP |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "eval at the budget (each seed) | gain at the budget | averages to target | payload bytes per worker | "
+             "fewer than DDP |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     order = sorted(summary["rows"], key=rank)
     for r in order:
         tokens = ", ".join(f"{t:,}" if t else "–" for t in r["tokens"])
@@ -251,11 +279,13 @@ def markdown(summary: dict[str, Any], steps: int) -> str:
         vs = f"{r['gain'] / g_ddp:.2f}" if r["gain"] and g_ddp else "–"
         sent = f"{r['bytes_per_worker']:,.0f}" if r["bytes_per_worker"] else "–"
         fewer = f"{ddp_bytes / r['bytes_per_worker']:,.0f}x" if ddp_bytes and r["bytes_per_worker"] else "–"
-        lines.append(f"| {r['label']} | {len(r['seeds'])} | {tokens} | {gain} | {vs} | {equal} | "
+        at_budget = f"{r['gain_at_budget']:.2f}x" if r.get("gain_at_budget") else "–"
+        lines.append(f"| {r['label']} | {len(r['seeds'])} | {tokens} | {gain} | {vs} | {equal} | {at_budget} | "
                      f"{r['averages'] or '–'} | {sent} | {fewer} |")
     lines += ["", "Tokens: the first evaluation (one per round for nodes, every --eval-every steps for DDP and "
               "alone) at which every worker's φ is at or below the target. Gain: alone's median tokens over the "
-              "row's. Eval at the budget: the workers' mean eval loss at DDP's token budget per worker. Bytes: "
+              "row's. Eval at the budget: the workers' mean eval loss at DDP's token budget per worker. Gain at the "
+              "budget: the tokens one worker alone needs to reach that loss (mean over seeds), over the budget. Bytes: "
               "payloads each worker fetched (the all-gather's; DDP: a ring all-reduce of fp32 gradients, "
               "2(M−1)/M x 4 B x parameters per step).", "",
               "Reproduce: `.venv/bin/python benchmarks/learning.py run --rows ROWS --seeds 0,1,2`, then "
@@ -293,14 +323,15 @@ def report(args: argparse.Namespace) -> None:
 
     entries = read_log(args.log)
     parameters = count_parameters(build_model(SHAPE["model"], 0))
-    summary = summarize(entries, args.steps, parameters)
+    summary = summarize(entries, args.steps, parameters, args.batch_size)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "learning.json").write_text(json.dumps({"machine": machine_info(), "shape": SHAPE,
-                                                            "steps": args.steps, **summary}, indent=1))
-    (args.out_dir / "learning.md").write_text(markdown(summary, args.steps))
+    stem = args.out_dir / names(args.batch_size)
+    stem.with_suffix(".json").write_text(json.dumps({"machine": machine_info(), "shape": shape(args.batch_size),
+                                                     "steps": args.steps, **summary}, indent=1))
+    stem.with_suffix(".md").write_text(markdown(summary, args.steps))
     best = [r["label"] for r in sorted(summary["rows"], key=rank)]
-    plot(entries, summary, best[:6], args.out_dir / "learning.png")
-    print((args.out_dir / "learning.md").read_text())
+    plot(entries, summary, best[:6], stem.with_suffix(".png"))
+    print(stem.with_suffix(".md").read_text())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -313,9 +344,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-token-factor", type=float, default=1.5)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "diloco_learning_cache")
-    parser.add_argument("--log", type=Path, default=RESULTS_DIR / "learning_runs.jsonl")
+    parser.add_argument("--batch-size", type=int, default=SHAPE["batch_size"],
+                        help="sequences per worker step (a batch's runs have a log and a report of their own)")
+    parser.add_argument("--log", type=Path, help="default: benchmarks/results/learning[_bB]_runs.jsonl")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.batch_size < 1:
+        parser.error("--batch-size must be at least 1")
+    args.log = args.log or RESULTS_DIR / f"{names(args.batch_size)}_runs.jsonl"
+    return args
 
 
 def main() -> None:
