@@ -322,13 +322,15 @@ def _fetch_json(base_url: str, path: str) -> dict[str, Any]:
 def status(url: str) -> None:
     """Print a running node's state and the swarm it sees, from its status server.
 
-    Example: diloco-node status http://127.0.0.1:7781
+    Example: diloco-node status http://127.0.0.1:7781 (or 127.0.0.1:7781, as given to --status)
     """
     import time
     import urllib.parse
 
     from diloco_node.status_view import render
 
+    if "://" not in url:  # HOST:PORT, as the node's --status takes it
+        url = "http://" + url
     try:
         parts = urllib.parse.urlsplit(url)
         valid = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0

@@ -145,7 +145,7 @@ def _assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments:
         assert fragment in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("url", ["not-a-url", "ftp://127.0.0.1/", "http://[::1", "http://127.0.0.1:abc",
+@pytest.mark.parametrize("url", ["127.0.0.1:abc", "ftp://127.0.0.1/", "http://[::1", "http://127.0.0.1:abc",
                                  "http://127.0.0.1:99999", "http://"])
 def test_malformed_url_is_one_line_exit_2(url: str) -> None:
     _assert_one_line_error(status_in_process(url), "not an http(s) URL")
@@ -157,8 +157,9 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def test_unreachable_url_is_one_line_exit_2() -> None:
-    _assert_one_line_error(status_in_process(f"http://127.0.0.1:{_free_port()}"), "cannot reach")
+@pytest.mark.parametrize("scheme", ["http://", ""])  # HOST:PORT as --status takes it, too
+def test_unreachable_url_is_one_line_exit_2(scheme: str) -> None:
+    _assert_one_line_error(status_in_process(f"{scheme}127.0.0.1:{_free_port()}"), "cannot reach")
 
 
 @pytest.fixture()
