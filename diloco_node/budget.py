@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
-from typing import Any
+
+from diloco_node.lru import LRUSet, trim_oldest
 
 # An inner phase that would start with less than this share of T left runs to the grid point after:
 # a blocking exchange ending just before a grid point would otherwise leave a round of a few steps
@@ -104,7 +105,7 @@ class Claims:
     def __init__(self) -> None:
         # peer → the most tokens a round of it trains, by its records; peers we doubted in the log already
         self.most: OrderedDict[str, float] = OrderedDict()
-        self.said: OrderedDict[str, None] = OrderedDict()
+        self.said = LRUSet(self.MAX_PEERS)
 
     def saw(self, allowances: Mapping[str, object]) -> None:
         """Take in what each peer's latest record says a round of it trains (tokens; None: unknown)."""
@@ -113,7 +114,7 @@ class Claims:
                 self.most[peer] = float(tokens)
             if peer in self.most:
                 self.most.move_to_end(peer)
-        _forget_oldest(self.most, self.MAX_PEERS)
+        trim_oldest(self.most, self.MAX_PEERS)
 
     def doubted(self, declared: Mapping[str, float], own: float | None = None) -> dict[str, float]:
         """Those of `declared` (peer → the tokens its payload declared) beyond CLAIM_SLACK × the most
@@ -134,11 +135,5 @@ class Claims:
         """Whether `peer`'s claims are doubted for the first time (a liar repeats itself every round)."""
         if peer in self.said:
             return False
-        self.said[peer] = None
-        _forget_oldest(self.said, self.MAX_PEERS)
+        self.said.add(peer)
         return True
-
-
-def _forget_oldest(table: OrderedDict[str, Any], capacity: int) -> None:
-    while len(table) > capacity:
-        table.popitem(last=False)

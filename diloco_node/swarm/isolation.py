@@ -19,8 +19,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection
 from datetime import datetime
 
+from diloco_node.lru import MAX_TRACKED_PEERS, trim_oldest
 from diloco_node.swarm.contacts import Contacts
-from diloco_node.swarm.streams import MAX_TRACKED_PEERS
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +57,7 @@ class Isolation:
             for peer in others:
                 self._known[peer] = False  # live (again: back after leaving)
                 self._known.move_to_end(peer)
-            while len(self._known) > self._capacity:
-                self._known.popitem(last=False)
+            trim_oldest(self._known, self._capacity)
         if others:
             if self.since is not None:
                 logger.info("back in the swarm after %.0fs isolated: %d peer(s) reachable",

@@ -18,11 +18,11 @@ from hivemind.dht.crypto import RSASignatureValidator
 
 from diloco_node.admission import Gate
 from diloco_node.errors import NodeError
+from diloco_node.lru import LRUSet
 from diloco_node.round import Outcome
 from diloco_node.swarm import bounded, proofs, records
 from diloco_node.swarm.isolation import Isolation
 from diloco_node.swarm.records import NodeRecord
-from diloco_node.swarm.streams import LRUSet
 
 logger = logging.getLogger(__name__)
 

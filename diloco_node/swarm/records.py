@@ -45,6 +45,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from diloco_node import admission
 from diloco_node.fingerprint import fingerprint_of
 from diloco_node.identity import peer_id_of_public_key
+from diloco_node.lru import trim_oldest
 from diloco_node.swarm import bounded
 
 logger = logging.getLogger(__name__)
@@ -346,8 +347,7 @@ def _signer(subkey: bytes) -> str | None:
         _SIGNERS.move_to_end(subkey)
         return _SIGNERS[subkey]
     signer = _SIGNERS[subkey] = bound_peer_id(subkey)
-    while len(_SIGNERS) > _SIGNERS_KEPT:
-        _SIGNERS.popitem(last=False)
+    trim_oldest(_SIGNERS, _SIGNERS_KEPT)
     return signer
 
 

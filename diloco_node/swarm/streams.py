@@ -26,6 +26,7 @@ from typing import Any, cast
 from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
 
+from diloco_node.lru import MAX_TRACKED_PEERS, LRUSet, trim_oldest
 from diloco_node.swarm.peer_traffic import CountedReader, CountedWriter, PeerTraffic
 from diloco_node.swarm.throttle import Throttle
 
@@ -40,7 +41,6 @@ REPLICATE_TIMEOUT = 60.0
 # something malformed (parsers raise ValueError); each ends that request with one log line.
 PEER_FAILURES = (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError)
 MAX_JSON_DEPTH = 8  # our messages nest 3 deep at most; json.loads recurses once per level
-MAX_TRACKED_PEERS = 4096  # per-peer tables (limits, logged refusals) forget the least recent beyond this
 # A stream whose first message has not fully arrived this long after it opened may be closed to make
 # room for a new one once the service's streams are all taken: our own requests arrive within
 # milliseconds, so only silent streams go, and silence no longer holds every slot (16 fresh ids x 4
@@ -91,27 +91,6 @@ def parse_json(data: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
 
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"JSON constant {name} refused")
-
-
-class LRUSet:
-    """A set that forgets its least recently added members beyond `capacity`: a per-peer table
-    fresh peer ids cannot grow without bound."""
-
-    def __init__(self, capacity: int = MAX_TRACKED_PEERS):
-        self._items: OrderedDict[Any, None] = OrderedDict()
-        self._capacity = capacity
-
-    def __contains__(self, item: object) -> bool:
-        return item in self._items
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def add(self, item: Any) -> None:
-        self._items[item] = None
-        self._items.move_to_end(item)
-        while len(self._items) > self._capacity:
-            self._items.popitem(last=False)
 
 
 class SilenceWatch:
@@ -188,8 +167,7 @@ class StreamLimits:
         tokens, at = self._buckets.pop(peer, (self.limits.burst, now))
         tokens = min(self.limits.burst, tokens + (now - at) * self.limits.rate)
         self._buckets[peer] = (tokens - 1.0, now) if tokens >= 1.0 else (tokens, now)
-        while len(self._buckets) > self._capacity:
-            self._buckets.popitem(last=False)
+        trim_oldest(self._buckets, self._capacity)
         if tokens < 1.0:
             return f"more than {self.limits.rate:g} requests/s"
         self._open[peer] = self._open.get(peer, 0) + 1
