@@ -65,7 +65,10 @@ function renderStatus(s) {
   setText("bytes-per-param", finite(s.bytes_per_param) ? `${s.bytes_per_param.toFixed(3)} B/param` : "");
   setText("loss", `${fixed(s.loss, 3)} / ${fixed(s.eval_loss, 3)}`);
   setText("utilization", percent(s.utilization));
-  setText("model", show(s.model));
+  // A model given as a file path would overflow its card: its name, the whole path on hover.
+  const model = show(s.model);
+  setText("model", model.startsWith("hf:") ? model : model.replace(/\/+$/, "").split("/").pop());
+  document.getElementById("model").title = model;
   setText("parameters", finite(s.parameters) ? `${(s.parameters / 1e6).toFixed(2)} M parameters` : "");
   setText("uptime", duration(s.uptime_seconds));
   // A cut-off node pauses training: say so above everything else, with how long it has been.
