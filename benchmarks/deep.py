@@ -31,8 +31,9 @@ Rows (--rows selects; the target needs `ddp` or --target):
   headline.py: the one closest to all three targets (max of min(time ratio / 10, bytes ratio /
   3000, tokens-per-node ratio against alone / 2.5)).
 - noloco: `--algorithm noloco`, --noloco-compression.
-- mixed: speeds 1x, 1x, 2x, 4x (harness/throttle.py pauses the slower nodes, as heterogeneous.py does)
-  with --round-seconds T (T sized so the fastest node trains about --mixed-h steps a round).
+- mixed: speeds 1x, 1x, 2x, 4x (harness/pace.py: each node's inner steps take a fixed time, 1/speed of
+  a pace the fastest node keeps even while the four share the cores; each node's measured steps per
+  second are reported beside it) with --round-seconds T (T: --mixed-h of the fastest node's steps).
 
 The nodes are the real CLI (`diloco-node join`), one per island (harness/islands.py). They may train up
 to --max-token-factor x DDP's tokens per worker and are stopped once every node has evaluated at or
@@ -77,6 +78,7 @@ from harness.bench import (
 from harness.corpus import stdlib_shards
 from harness.ddp import run_ddp_local, run_ddp_on_link
 from harness.islands import Islands, require_netns
+from harness.pace import steps_per_second
 from harness.wire import WireSampler, wire_bytes
 
 NAME = "deep"
@@ -89,6 +91,7 @@ ROWS = ("ddp", "alone", "blocking", "candidates", "noloco", "mixed")
 SPEEDS = (4, 2, 1, 1)  # the mixed swarm; node 1 (the one the others dial) the fastest
 CANDIDATES = ["50:--compression int4", "100:--compression int4",
               "50:--sync blocking --compression int4 --block-size 256 --outer-momentum 0.6"]
+PACE_MARGIN = 1.25  # a paced step's slack for the machine's jitter (an overrun is counted and reported)
 JOIN_TIMEOUT = 240.0  # seconds for the four nodes of a row to join
 NODE_STARTUP = 60.0  # seconds a row of four nodes takes to start and join (for the estimate)
 
@@ -129,13 +132,20 @@ def estimate(args: argparse.Namespace, step_seconds: float, parameters: int, cor
     return {row: seconds for row, seconds in rows.items() if row in args.rows}
 
 
+def mixed_paces(step_seconds: float, cores: int) -> tuple[float, ...]:
+    """Each mixed node's step time (harness/pace.py): the fastest's is its step time alone, stretched by
+    how much the four oversubscribe the cores (the slower ones use 1/2 + 1/4 + 1/4 of the fastest's
+    share) and by PACE_MARGIN, so that every step fits its pace; the others' k times that."""
+    busy = sum(speed / SPEEDS[0] for speed in SPEEDS)  # cores the four want at full speed
+    fastest = step_seconds * max(1.0, busy / cores) * PACE_MARGIN
+    return tuple(fastest * SPEEDS[0] / speed for speed in SPEEDS)
+
+
 def round_seconds(args: argparse.Namespace, step_seconds: float, cores: int) -> float:
-    """T of the mixed swarm: --round-seconds, else the time the fastest node takes for --mixed-h steps
-    (it shares the cores with three slower ones, which use 1/2 + 1/4 + 1/4 of a core between them)."""
+    """T of the mixed swarm: --round-seconds, else the time the fastest node takes for --mixed-h steps."""
     if args.round_seconds:
         return float(args.round_seconds)
-    busy = sum(speed / SPEEDS[0] for speed in SPEEDS)  # cores the four want
-    return args.mixed_h * step_seconds * max(1.0, busy / cores)
+    return args.mixed_h * mixed_paces(step_seconds, cores)[0]
 
 
 def mixed_rounds(args: argparse.Namespace) -> int:
@@ -182,12 +192,12 @@ def reached_in(nodes: list[NodeProcess], target: float) -> bool:
 
 def node_row(islands: Islands, sampler: WireSampler, args: argparse.Namespace, work: Path, shared: dict[str, Any],
              label: str, kind: str, h: int, options: list[str], target: float,
-             slowdowns: tuple[float, ...] | None = None, rounds: int | None = None) -> dict[str, Any]:
+             paces: tuple[float, ...] | None = None, rounds: int | None = None) -> dict[str, Any]:
     rounds = rounds or math.ceil(args.max_token_factor * args.steps / h)
     _, baseline = sampler.sample()
     try:
         result = run_diloco_on_link(islands, label, h, rounds, work, args.timeout, node_flags(shared) + options,
-                                    join_timeout=JOIN_TIMEOUT, nodes=NODES, slowdowns=slowdowns,
+                                    join_timeout=JOIN_TIMEOUT, nodes=NODES, step_seconds=paces,
                                     until=lambda nodes: reached_in(nodes, target))
     except (LaunchError, RuntimeError, TimeoutError, subprocess.TimeoutExpired) as exc:
         print(f"  {label}: FAILED: {str(exc)[:2000]}", flush=True)
@@ -214,6 +224,10 @@ def node_row(islands: Islands, sampler: WireSampler, args: argparse.Namespace, w
             "final_eval_loss": points[-1]["eval_loss"],
             "run": {k: v for k, v in result.items() if k != "logs"},
             "tokens_per_node_total": [sum(r["tokens"] for r in log["rounds"]) for log in logs],
+            # the emulated speeds as they came out: each node's measured steps per second and its pace's
+            # overruns (harness/pace.py; paced rows only)
+            "steps_per_second": [steps_per_second(log["rounds"]) for log in logs],
+            "pace": [log["pace"] for log in logs] if paces else None,
             "warnings": [w for log in logs for w in log["warnings"]][:20]}
 
 
@@ -221,6 +235,20 @@ def labelled_candidate(text: str) -> tuple[str, int, list[str]]:
     """`H:FLAGS` → (label naming H, H, join options): rows of several H side by side."""
     label, h, options = parse_candidate(text)
     return f"{label} H={h}", h, options
+
+
+def paced_speeds(row: dict[str, Any]) -> str:
+    """A paced row's speeds as they came out: steps per second each node measured against its pace."""
+    if not row.get("pace"):
+        return ""
+    parts = []
+    for speed, reports in zip(row.get("steps_per_second") or [], row["pace"], strict=False):
+        pace = reports[0]["step_seconds"] if reports else None
+        overran = sum(r["overran"] for r in reports)
+        steps = sum(r["steps"] for r in reports)
+        parts.append(f"{speed:.2f}" + (f" (pace {1 / pace:.2f}, {overran} of {steps} steps over)" if pace else "")
+                     if speed else "–")
+    return " Measured steps per second per node: " + ", ".join(parts) + "."
 
 
 # --- to the target -----------------------------------------------------------------------------
@@ -307,10 +335,10 @@ def run(args: argparse.Namespace, work: Path, shared: dict[str, Any], estimated:
                          f"`{args.mixed_options}`")
                 plan.append(("mixed", label, "mixed", 0, ["--sync", "eager", "--round-seconds", f"{seconds:.2f}",
                                                           *shlex.split(args.mixed_options)],
-                             tuple(SPEEDS[0] / s for s in SPEEDS), mixed_rounds(args)))
-            for index, (name, label, kind, h, options, slowdowns, rounds) in enumerate(plan):
+                             mixed_paces(args.step_seconds, os.cpu_count() or 1), mixed_rounds(args)))
+            for index, (name, label, kind, h, options, paces, rounds) in enumerate(plan):
                 row = timed(name, functools.partial(node_row, islands, sampler, args, work / str(index), shared,
-                                                    label, kind, h, options, target, slowdowns, rounds))
+                                                    label, kind, h, options, target, paces, rounds))
                 reach(row, target, ddp, alone)
                 hit = row["reached"]
                 print(f"  {label}: " + ("FAILED" if row.get("failed") else
@@ -408,7 +436,7 @@ def notes(payload: dict[str, Any]) -> str:
             lines.append(f"{row['method']}: `{' '.join(row['options'])}`, up to {row['rounds']} rounds, start-up "
                          f"{row['startup_seconds']:.0f} s ({row['startup_bytes']:,} B), tokens per node trained "
                          f"{', '.join(f'{t:,.0f}' for t in row['tokens_per_node_total'])}, node warnings "
-                         f"{len(row['warnings'])}.")
+                         f"{len(row['warnings'])}." + paced_speeds(row))
     lines.append("Time to target: from launching the row's processes to the first evaluation at or below the target "
                  "(no interpolation); node rows evaluate once per round (the latest node's round event; every node "
                  "at or below it, and φ holding at least one average). Bytes: tx counters of the four islands' veth "

@@ -33,7 +33,6 @@ from diloco_node.train.inner import InnerConfig
 from harness import wire
 from harness.islands import Islands
 from harness.nodes import WORLD, final_eval_loss, node_args, parse_node_log, start_node, start_swarm, stop
-from harness.throttle import Throttle
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
@@ -152,17 +151,17 @@ def run_swarm(label: str, n: int, h: int, rounds: int, run_id: str, work: Path, 
 
 def run_diloco_on_link(islands: Islands, name: str, h: int, rounds: int, work: Path, timeout: float,
                        options: list[str], join_timeout: float | None = None, nodes: int = WORLD,
-                       slowdowns: Sequence[float] | None = None,
+                       step_seconds: Sequence[float] | None = None,
                        until: Callable[[list[NodeProcess]], bool] | None = None) -> dict[str, Any]:
     """`nodes` nodes, one per island (islands 0..nodes-1), to their last round; node 1 first, the others
     pointed at it. With `join_timeout`: raises when they have not all joined the run within that many
-    seconds of the launch (e.g. one refused another). `slowdowns` (one per node, 1: full speed): once
-    all have joined, node i computes at 1/slowdowns[i] of its speed (harness/throttle.py). `until`: polled
+    seconds of the launch (e.g. one refused another). `step_seconds` (one per node): node i's inner steps
+    take step_seconds[i] each (harness/pace.py), an emulated machine of that speed. `until`: polled
     every second on the running nodes; once true the nodes are stopped (SIGTERM) before their last round."""
     if len(islands) < nodes:
         raise ValueError(f"{nodes} nodes need {nodes} islands, not {len(islands)}")
-    if slowdowns is not None and len(slowdowns) != nodes:
-        raise ValueError(f"{len(slowdowns)} slowdowns for {nodes} nodes")
+    if step_seconds is not None and len(step_seconds) != nodes:
+        raise ValueError(f"{len(step_seconds)} step times for {nodes} nodes")
     run_id = f"wide-{os.getpid()}-{int(time.time())}"
     work.mkdir(parents=True)
     before = wire.wire_bytes(islands)
@@ -172,20 +171,15 @@ def run_diloco_on_link(islands: Islands, name: str, h: int, rounds: int, work: P
         island = islands[i]
         return start_node(f"node{i + 1}", node_args(h, rounds, run_id, work / f"ck{i + 1}", options,
                                                      host=island.address, min_peers=nodes) + extra,
-                          work, wrap=island.command)
+                          work, wrap=island.command, step_seconds=step_seconds[i] if step_seconds else None)
 
     running = [launch(0, [])]
-    throttles: list[Throttle] = []
     try:
         address = running[0].wait_for_address(60)
         running += [launch(i, ["--peer", address]) for i in range(1, nodes)]
-        if join_timeout is not None or slowdowns is not None:
-            limit = join_timeout if join_timeout is not None else timeout
+        if join_timeout is not None:
             for node in running:
-                node.wait_joined(max(1.0, started + limit - time.monotonic()))
-        for node, slowdown in zip(running, slowdowns or (), strict=False):
-            assert node.process is not None
-            throttles.append(Throttle(node.process.pid, slowdown).start())
+                node.wait_joined(max(1.0, started + join_timeout - time.monotonic()))
         for node in running:
             assert node.process is not None
             while True:
@@ -200,8 +194,6 @@ def run_diloco_on_link(islands: Islands, name: str, h: int, rounds: int, work: P
             if until is not None and until(running):
                 break
     finally:
-        for throttle in throttles:
-            throttle.stop()
         for node in running:
             stop(node)
     wall = time.monotonic() - started

@@ -16,6 +16,7 @@ from typing import Any
 
 from diloco_node.launch import NodeProcess
 from diloco_node.telemetry.record import RoundRecord, SettledRecord
+from harness.pace import paced_environment, reports
 
 # Fast test-node flags: tiny batches on loopback, one torch thread.
 FAST = ["--listen", "/ip4/127.0.0.1/tcp/0", "--status", "127.0.0.1:0", "--threads", "1", "--seq-len", "64",
@@ -45,11 +46,13 @@ WARNING_RE = re.compile(r" WARN(ING)? diloco_node")
 
 
 def start_node(name: str, args: list[str], log_dir: Path,
-               wrap: Callable[[list[str]], list[str]] | None = None) -> NodeProcess:
+               wrap: Callable[[list[str]], list[str]] | None = None, step_seconds: float | None = None) -> NodeProcess:
     """A benchmark node, started: its stdout and stderr kept in <log_dir>/<name>.{stdout,stderr}.log.
-    `wrap` wraps its command line, e.g. Island.command to run it in a network namespace."""
+    `wrap` wraps its command line, e.g. Island.command to run it in a network namespace. `step_seconds`:
+    each inner step takes that long (harness/pace.py), an emulated slower machine."""
     return NodeProcess(name, list(args), log_dir, wrap=wrap, log_path=log_dir / f"{name}.stderr.log",
-                       stdout_log_path=log_dir / f"{name}.stdout.log").start()
+                       stdout_log_path=log_dir / f"{name}.stdout.log",
+                       env=paced_environment(step_seconds) if step_seconds is not None else None).start()
 
 
 def stop(node: NodeProcess) -> int | None:
@@ -98,7 +101,8 @@ def parse_node_log(node: NodeProcess) -> dict[str, Any]:
     per round event, in order), `synced_round` (the last sync from peers), `settled` and `warnings`.
     `time`: when the node emitted the event (unix seconds)."""
     node.drain()  # a node that has exited: its last events may still be in the pipe
-    parsed: dict[str, Any] = {"rounds": [], "joined": None, "synced_round": None, "settled": None, "warnings": []}
+    parsed: dict[str, Any] = {"rounds": [], "joined": None, "synced_round": None, "settled": None, "warnings": [],
+                              "pace": reports(node.stderr_lines)}
     for event in list(node.events):
         kind = event["event"]
         if kind == "round":

@@ -1,4 +1,6 @@
-"""A slower machine, emulated for tests and benchmarks: a node's process may use 1/slowdown of a core's
+"""A running node slowed down from outside, for tests that change a node's speed mid-run (harness/pace.py
+gives a node a speed of its own from its start, independent of how the cores are shared, and is what
+benchmarks of mixed speeds use): a node's process may use 1/slowdown of a core's
 time in every short period; once it has, it is paused (SIGSTOP) for the rest of the period and resumed
 (SIGCONT). Only the harness does this, from outside the node: no flag or variable of the node slows it
 down.

@@ -180,9 +180,12 @@ def test_rows_selector_and_estimate(deep: ModuleType) -> None:
 
 def test_mixed_round_seconds_fit_the_fastest_nodes_steps(deep: ModuleType) -> None:
     args = deep.parse_args(["--mixed-h", "40", "--steps", "100"])
-    # speeds 4, 2, 1, 1 want 2 cores of 2: no slowdown for the fastest
-    assert deep.round_seconds(args, 0.5, 2) == pytest.approx(20.0)
-    assert deep.round_seconds(args, 0.5, 1) == pytest.approx(40.0)
+    # speeds 4, 2, 1, 1 want 2 cores of 2: the fastest keeps its step time (and the pace's margin)
+    assert deep.round_seconds(args, 0.5, 2) == pytest.approx(40 * 0.5 * deep.PACE_MARGIN)
+    assert deep.round_seconds(args, 0.5, 1) == pytest.approx(40 * 1.0 * deep.PACE_MARGIN)
+    # each node's pace: 1/speed of the fastest's
+    paces = deep.mixed_paces(0.5, 2)
+    assert [p / paces[0] for p in paces] == pytest.approx([deep.SPEEDS[0] / s for s in deep.SPEEDS])
     assert deep.mixed_rounds(args) == 5
     assert deep.round_seconds(deep.parse_args(["--round-seconds", "7"]), 0.5, 2) == 7.0
 
