@@ -1,6 +1,8 @@
 """The learning simulator (harness/simulator.py) runs the node's own learning path: for the same
 config, seeds and peer ids, its φ after each round is bit for bit the φ of two real nodes over
-loopback (blocking, fp32 and int4). benchmarks/learning.py's searches rest on this."""
+loopback (blocking fp32 and int4, and eager: its exchange lands a round late on both, the same way,
+as long as every exchange holds both nodes, which two nodes waiting for each other do).
+benchmarks/learning.py's searches rest on this."""
 
 from __future__ import annotations
 
@@ -15,10 +17,10 @@ pytestmark = pytest.mark.integration
 H, ROUNDS = 5, 3
 
 
-@pytest.mark.parametrize("compression", ["none", "int4"])
-def test_simulator_digests_equal_real_nodes(spawn: NodeFactory, compression: str) -> None:
+@pytest.mark.parametrize(("sync", "compression"), [("blocking", "none"), ("blocking", "int4"), ("eager", "none")])
+def test_simulator_digests_equal_real_nodes(spawn: NodeFactory, sync: str, compression: str) -> None:
     flags = ["--inner-steps", str(H), "--max-outer-steps", str(ROUNDS), "--min-peers", "2",
-             "--compression", compression]
+             "--compression", compression, "--sync", sync]
     first = spawn("a", *flags, checkpoint=False)
     second = spawn("b", *flags, peer=first, checkpoint=False)
     for node in (first, second):
@@ -27,7 +29,7 @@ def test_simulator_digests_equal_real_nodes(spawn: NodeFactory, compression: str
     assert len(peers) == 2
     # harness.nodes.FAST, the flags every integration node runs with, and the ones above
     cfg = NodeConfig.model_validate({
-        "run_id": "itest", "sync": "blocking", "seq_len": 64, "batch_size": 8, "eval_batches": 2,
+        "run_id": "itest", "sync": sync, "seq_len": 64, "batch_size": 8, "eval_batches": 2,
         "warmup_steps": 5, "threads": 1, "inner_steps": H, "max_outer_steps": ROUNDS, "compression": compression})
     curve = simulate(cfg, peers, ROUNDS, evaluate=False)
     # a round's record names the round φ reached: 1 after the first
