@@ -249,7 +249,7 @@ def parse(data: bytes) -> Manifest:
     if not isinstance(raw, dict):
         raise ManifestError("malformed manifest: not a JSON object")
     if raw.get("format") != FORMAT:
-        raise ManifestError(f"manifest format {str(raw.get('format'))[:20]!r} is not {FORMAT} (another version "
+        raise ManifestError(f"manifest format {str(raw.get('format'))[:20]} is not {FORMAT} (another version "
                             "of diloco-node?)")
     run_id = _text(raw.get("run_id"), "run_id")
     if not RUN_ID.fullmatch(run_id):
@@ -301,10 +301,17 @@ def parse(data: bytes) -> Manifest:
 # --- taking it (the joiner) -------------------------------------------------------------------
 
 
-def _same(key: str, ours: Any, theirs: Any) -> bool:
-    if isinstance(ours, int | float) and isinstance(theirs, int | float) and not isinstance(ours, bool):
-        return float(ours) == float(theirs)
-    return bool(ours == theirs)
+def _same(key: str, given: Any, run: Any) -> bool:
+    """Whether an option the user gave (flags and env travel as text) is the run's value."""
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        value = TypeAdapter(NodeConfig.model_fields[key].annotation).validate_python(given, strict=False)
+    except ValidationError:
+        return False  # not even of the option's type
+    if isinstance(value, int | float) and isinstance(run, int | float) and not isinstance(value, bool):
+        return float(value) == float(run)
+    return bool(value == run)
 
 
 def _shown(value: Any) -> str:
