@@ -306,7 +306,8 @@ def _same(key: str, given: Any, run: Any) -> bool:
     from pydantic import TypeAdapter, ValidationError
 
     try:
-        value = TypeAdapter(NodeConfig.model_fields[key].annotation).validate_python(given, strict=False)
+        annotation: Any = NodeConfig.model_fields[key].annotation
+        value = TypeAdapter(annotation).validate_python(given, strict=False)
     except ValidationError:
         return False  # not even of the option's type
     if isinstance(value, int | float) and isinstance(run, int | float) and not isinstance(value, bool):
