@@ -141,8 +141,9 @@ def _config_of_run(ctx: click.Context, config_file: str | None, values: dict[str
 
     defaults = NodeConfig.model_fields
     checkpoint_dir = str(given.get("checkpoint_dir", defaults["checkpoint_dir"].default))
-    local = manifest.find_local(checkpoint_dir, given.get("run_id"))
     peers = list(given.get("peer") or [])
+    # a node that names neither a peer nor a run starts a run of its own: no earlier run's copy is taken
+    local = manifest.find_local(checkpoint_dir, given.get("run_id")) if peers or "run_id" in given else None
     if local is None and not peers:
         return resolve_config(ctx, config_file, values)
     if local is not None:

@@ -244,3 +244,41 @@ def test_a_server_header_only_ever_raises_manifest_error(data: bytes) -> None:
     except ManifestError:
         return
     assert isinstance(run_id, str) and 0 < size <= manifest.MAX_MANIFEST_BYTES
+
+
+# --- the CLI: a restart takes its run from the copy on disk, with no network --------------------
+
+
+def test_join_takes_the_copy_beside_the_checkpoint_offline(hf_run: tuple[NodeConfig, Manifest], tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from diloco_node.cli import main
+
+    _, m = hf_run
+    manifest.write_local(m, manifest.local_path(str(tmp_path / "ck"), m.run_id))
+    started: list[NodeConfig] = []
+    monkeypatch.setattr("diloco_node.runner.run_node", lambda cfg: started.append(cfg) or 0)
+
+    def fetched(*_: object) -> None:
+        raise AssertionError("the network was asked")
+
+    monkeypatch.setattr("diloco_node.swarm.manifests.fetch", fetched)
+    # a peer that does not exist: the copy on disk is taken before any network
+    peer = "/ip4/127.0.0.1/tcp/9/p2p/QmeSev1BKG3Kmiv7T6PYYCy2aFZguvEDGo54MbRj2gtUNd"
+    done = CliRunner().invoke(main, ["join", "--peer", peer, "--checkpoint-dir", str(tmp_path / "ck"),
+                                     "--threads", "1"])
+    assert done.exit_code == 0, done.output
+    assert done.stdout.startswith("took run hand: ") and str(manifest.local_path(str(tmp_path / "ck"), "hand")) \
+        in done.stdout
+    assert started[0].fingerprint() == m.fingerprint and started[0].threads == 1
+    # the same with --run-id alone (no peer at all); a conflicting run-level flag is one line, exit 2
+    done = CliRunner().invoke(main, ["join", "--run-id", "hand", "--checkpoint-dir", str(tmp_path / "ck")])
+    assert done.exit_code == 0 and started[1].fingerprint() == m.fingerprint
+    done = CliRunner().invoke(main, ["join", "--run-id", "hand", "--checkpoint-dir", str(tmp_path / "ck"),
+                                     "--compression", "none"])
+    assert done.exit_code == 2 and done.stderr == \
+        "diloco-node: error: --compression: the run's is int8, given none (leave it out to take the run's)\n"
+    # naming neither a peer nor a run starts a run of one's own: the earlier run's copy is not taken
+    done = CliRunner().invoke(main, ["join", "--checkpoint-dir", str(tmp_path / "ck")])
+    assert done.exit_code == 0 and "took run" not in done.stdout and started[-1].run_id == "diloco-default"
