@@ -96,7 +96,7 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "run_id": self.run_id, "protocol": self.protocol, "fingerprint": self.fingerprint,
-                "settings": self.settings,
+                "settings": dict(self.settings),  # a copy: the caller may change what it gets
                 "model": {"name": self.model, "config": self.model_config, "digest": self.model_digest,
                           "parameters": self.parameters},
                 "tokenizer": None if self.tokenizer is None else
