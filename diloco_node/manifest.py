@@ -168,6 +168,22 @@ def build(cfg: NodeConfig, parameters: int) -> Manifest:
                     data=cfg.data, eval_digest=fields.get("eval_data"))
 
 
+def served(cfg: NodeConfig, parameters: int) -> Manifest:
+    """The manifest a node serves: the one it took (its copy beside the checkpoint, when it has the
+    node's fingerprint), so that every node of a run serves the first node's, names and data source
+    included; else its own (`build`)."""
+    own = build(cfg, parameters)
+    path = find_local(cfg.checkpoint_dir, cfg.run_id)
+    if path is not None:
+        try:
+            taken = read_local(path)
+        except ManifestError:
+            return own
+        if taken.fingerprint == own.fingerprint and taken.run_id == own.run_id:
+            return taken
+    return own
+
+
 def _model_name(model: str) -> str:
     """What the manifest calls the model: a preset's or hub id's name, a local one's directory name
     (the path is the first node's own)."""

@@ -171,6 +171,14 @@ def test_local_copy_round_trips(hf_run: tuple[NodeConfig, Manifest], tmp_path: P
         manifest.read_local(path)
 
 
+def test_a_node_serves_the_manifest_it_took(hf_run: tuple[NodeConfig, Manifest], tmp_path: Path) -> None:
+    _, m = hf_run
+    taken = take(m, {"checkpoint_dir": str(tmp_path)}, tmp_path / "hand")
+    assert manifest.served(taken, m.parameters).model == "model"  # its own would name the written config's directory
+    manifest.write_local(m, manifest.local_path(str(tmp_path), "hand"))
+    assert manifest.served(taken, m.parameters) == m  # the first node's, as it took it
+
+
 def test_summary_and_show(hf_run: tuple[NodeConfig, Manifest]) -> None:
     m = hf_run[1]
     line = m.summary()
