@@ -115,6 +115,12 @@ def _reason(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if "handler" in text.lower() or "protocol" in text.lower():
         return "it serves no manifest (a node of an older version?)"
+    if isinstance(exc, ConnectionError | asyncio.IncompleteReadError):
+        return f"it broke off its answer ({text[:120]})"
+    if isinstance(exc, TimeoutError):
+        return "it did not answer in time"
+    if isinstance(exc, ValueError):  # parse_json's refusals of a request or header
+        return f"malformed answer ({text[:120]})"
     return f"cannot reach it ({text[:120]})"
 
 
