@@ -92,7 +92,12 @@ def setup_logging(level: str) -> None:
 def _not_a_cancelled_future(record: logging.LogRecord) -> bool:
     # uvloop's exception handler logs with exc_info=False when it has no exception: not a tuple
     cancelled = isinstance(record.exc_info, tuple) and isinstance(record.exc_info[1], asyncio.CancelledError)
-    return not (cancelled and record.getMessage().startswith("Future exception was never retrieved"))
+    if cancelled and record.getMessage().startswith("Future exception was never retrieved"):
+        return False
+    # a manifest fetch whose p2p daemon failed to start (an unreachable --peer) has closed its loop when
+    # asyncio's child watcher reaps the daemon: its one line already said why
+    message = record.getMessage()
+    return not (message.startswith("Loop ") and "that handles pid" in message and message.endswith("is closed"))
 
 
 @click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
@@ -110,8 +115,9 @@ def join(ctx: click.Context, config_file: str | None, log_level: str, **values: 
 
     Example: diloco-node join --peer /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
     """
+    cfg = _config_of_run(ctx, config_file, values, log_level)
+    # after the config: checking a --peer imports hivemind, whose import sets its own log handler up
     setup_logging(log_level)
-    cfg = _config_of_run(ctx, config_file, values)
     cfg.fingerprint()  # reads the tokenizer and the data once: a bad one ends here, before anything is made
     from diloco_node.runner import run_node  # heavy imports (torch, hivemind) only once input is valid
 
@@ -130,7 +136,8 @@ def given_values(ctx: click.Context, config_file: str | None, values: dict[str, 
     return given
 
 
-def _config_of_run(ctx: click.Context, config_file: str | None, values: dict[str, Any]) -> NodeConfig:
+def _config_of_run(ctx: click.Context, config_file: str | None, values: dict[str, Any],
+                   log_level: str = "INFO") -> NodeConfig:
     """The node's config: with --peer (or a manifest beside the checkpoint, which a joiner wrote), the
     run's manifest's settings with the user's node-level ones (manifest.take); else the user's own."""
     given = given_values(ctx, config_file, values)
@@ -150,6 +157,7 @@ def _config_of_run(ctx: click.Context, config_file: str | None, values: dict[str
         taken, source = manifest.read_local(local), str(local)
     else:
         build_config({"peer": peers}, "options")  # a malformed --peer: its own one line, before any network
+        setup_logging(log_level)  # the check imported hivemind: its log is quieted before the fetch talks
         from diloco_node.swarm.manifests import fetch
 
         taken, source = fetch(peers, given.get("run_id"))  # or ManifestUnavailable
