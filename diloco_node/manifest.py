@@ -390,6 +390,9 @@ def take(manifest: Manifest, given: dict[str, Any], directory: Path) -> NodeConf
         cfg = build_config(values, f"run {manifest.run_id}'s manifest")
     except ConfigError as exc:
         raise ManifestError(f"the run's manifest does not make a config here: {exc}") from None
+    if manifest.data_kind == "local" and (own := cfg.fingerprint_fields().get("eval_data")) != manifest.eval_digest:
+        raise ManifestConflict(f"--data: the run's held-out split digest is {manifest.eval_digest}, "
+                               f"'{given['data']}' gives {own}: pass a copy of the run's data")
     if cfg.fingerprint() != manifest.fingerprint:
         raise ManifestError(f"the config taken from run {manifest.run_id}'s manifest has fingerprint "
                             f"{cfg.fingerprint()}, not the {manifest.fingerprint} the manifest names: refused")

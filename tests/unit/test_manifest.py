@@ -111,6 +111,11 @@ def test_local_data_tells_what_to_pass(tmp_path: Path) -> None:
     with pytest.raises(ManifestConflict, match=r"pass --data PATH .*held-out split digest " + str(m.eval_digest)):
         take(m, {}, tmp_path)
     assert take(m, {"data": str(corpus)}, tmp_path).fingerprint() == m.fingerprint
+    other = tmp_path / "other.txt"
+    other.write_text("\n".join(reversed(TEXTS * 20)) + "\nsomething else entirely")
+    with pytest.raises(ManifestConflict, match=rf"--data: the run's held-out split digest is {m.eval_digest}, "
+                       rf"'{other}' gives [0-9a-f]{{16}}: pass a copy of the run's data"):
+        take(m, {"data": str(other)}, tmp_path)
 
 
 def test_tampered_files_are_refused(hf_run: tuple[NodeConfig, Manifest]) -> None:
