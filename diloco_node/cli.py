@@ -92,7 +92,12 @@ def setup_logging(level: str) -> None:
 def _not_a_cancelled_future(record: logging.LogRecord) -> bool:
     # uvloop's exception handler logs with exc_info=False when it has no exception: not a tuple
     cancelled = isinstance(record.exc_info, tuple) and isinstance(record.exc_info[1], asyncio.CancelledError)
-    return not (cancelled and record.getMessage().startswith("Future exception was never retrieved"))
+    if cancelled and record.getMessage().startswith("Future exception was never retrieved"):
+        return False
+    # a manifest fetch whose p2p daemon failed to start (an unreachable --peer) has closed its loop when
+    # asyncio's child watcher reaps the daemon: its one line already said why
+    message = record.getMessage()
+    return not (message.startswith("Loop ") and "that handles pid" in message and message.endswith("is closed"))
 
 
 @click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
@@ -110,12 +115,96 @@ def join(ctx: click.Context, config_file: str | None, log_level: str, **values: 
 
     Example: diloco-node join --peer /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
     """
-    cfg = resolve_config(ctx, config_file, values)
+    cfg = _config_of_run(ctx, config_file, values, log_level)
+    # after the config: checking a --peer imports hivemind, whose import sets its own log handler up
     setup_logging(log_level)
     cfg.fingerprint()  # reads the tokenizer and the data once: a bad one ends here, before anything is made
     from diloco_node.runner import run_node  # heavy imports (torch, hivemind) only once input is valid
 
     sys.exit(run_node(cfg))
+
+
+def given_values(ctx: click.Context, config_file: str | None, values: dict[str, Any]) -> dict[str, Any]:
+    """The options the user set (flags and env over the file), by field name; defaults left out."""
+    from diloco_node.config import read_toml
+
+    explicit = {name: value for name, value in values.items()
+                if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+                and value not in (None, ())}
+    given = read_toml(config_file) if config_file else {}
+    given.update({k: list(v) if isinstance(v, tuple) else v for k, v in explicit.items()})
+    return given
+
+
+def _config_of_run(ctx: click.Context, config_file: str | None, values: dict[str, Any],
+                   log_level: str = "INFO") -> NodeConfig:
+    """The node's config: with --peer (or a manifest beside the checkpoint, which a joiner wrote), the
+    run's manifest's settings with the user's node-level ones (manifest.take); else the user's own."""
+    given = given_values(ctx, config_file, values)
+    if given.get("manifest", "auto") == "off":
+        return resolve_config(ctx, config_file, values)
+    from diloco_node import manifest
+    from diloco_node.config import build_config
+
+    defaults = NodeConfig.model_fields
+    checkpoint_dir = str(given.get("checkpoint_dir", defaults["checkpoint_dir"].default))
+    peers = list(given.get("peer") or [])
+    # a node that names neither a peer nor a run starts a run of its own: no earlier run's copy is taken
+    local = manifest.find_local(checkpoint_dir, given.get("run_id")) if peers or "run_id" in given else None
+    if local is None and not peers:
+        return resolve_config(ctx, config_file, values)
+    if local is not None:
+        taken, source = manifest.read_local(local), str(local)
+    else:
+        build_config({"peer": peers}, "options")  # a malformed --peer: its own one line, before any network
+        setup_logging(log_level)  # the check imported hivemind: its log is quieted before the fetch talks
+        from diloco_node.swarm.manifests import fetch
+
+        taken, source = fetch(peers, given.get("run_id"))  # or ManifestUnavailable
+    if checkpoint_dir:
+        directory = Path(checkpoint_dir) / taken.run_id
+    else:  # no checkpoints: the run's files live as long as the process
+        import atexit
+        import shutil
+        import tempfile
+
+        directory = Path(tempfile.mkdtemp(prefix="diloco-run-"))
+        atexit.register(shutil.rmtree, directory, True)
+    cfg = manifest.take(taken, given, directory)  # or ManifestConflict, ManifestError
+    if checkpoint_dir and local is None:
+        manifest.write_local(taken, manifest.local_path(checkpoint_dir, taken.run_id))
+    click.echo(f"{taken.summary()}, from {source}")
+    return cfg
+
+
+@main.group(cls=Commands)
+def run() -> None:
+    """A run's manifest: its settings, model, tokenizer and data, as its nodes serve it."""
+
+
+@run.command("show")
+@click.option("--run-id", default=None, help="the run to show (default: the one the node serves)")
+@click.option("--json", "as_json", is_flag=True, help="the manifest itself, as JSON")
+@click.argument("address")
+def run_show(run_id: str | None, as_json: bool, address: str) -> None:
+    """Print the manifest of the run a node serves, from its ADDRESS (a peer multiaddr, as given to
+    --peer) or a run.json a joiner wrote beside its checkpoint, without joining.
+
+    Example: diloco-node run show /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
+    """
+    from diloco_node import manifest
+
+    if Path(address).is_file():
+        taken = manifest.read_local(Path(address))
+    else:
+        from diloco_node.config import build_config
+
+        build_config({"peer": [address]}, "the address")  # or one line saying what is wrong with it
+        setup_logging("WARNING")
+        from diloco_node.swarm.manifests import fetch
+
+        taken, _ = fetch([address], run_id)  # or ManifestUnavailable
+    click.echo(json.dumps(taken.to_json(), indent=1, sort_keys=True) if as_json else taken.show())
 
 
 @main.command("config")

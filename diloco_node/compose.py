@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from diloco_node import manifest
 from diloco_node.admission import Gate
 from diloco_node.budget import barrier_timeout
 from diloco_node.checkpoint import CheckpointStore
@@ -120,7 +121,8 @@ def attach_swarm(parts: Parts, shared_state: Callable[[], tuple[dict[str, Any], 
         group_size=cfg.group_size if gossip else None, identity=cfg.identity_path, gate=parts.gate,
         butterfly_from=cfg.butterfly_from, butterfly_possible=cfg.butterfly_possible, reachability=cfg.reachability,
         min_group_size=cfg.min_group_size, upload_limit=cfg.upload_rate, download_limit=cfg.download_rate,
-        barrier_timeout=barrier_timeout(cfg.round_budget, cfg.round_timeout) if cfg.round_budget else None)
+        barrier_timeout=barrier_timeout(cfg.round_budget, cfg.round_timeout) if cfg.round_budget else None,
+        manifest=manifest.served(cfg, parts.state.numel))
     swarm = parts.swarm = Swarm(settings, parts.state.numel, shared_state, MAX_SHARED_VECTORS)
     # our streams' rates per peer, live in /api/status and /metrics (docs/architecture.md §14, "Shown")
     parts.telemetry.refresh_with(lambda: parts.telemetry.update(**swarm.peer_rates()))

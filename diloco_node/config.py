@@ -80,6 +80,10 @@ class NodeConfig(BaseModel):
     listen: list[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"],
                               description="multiaddr to listen on for peers (repeatable)")
     announce: list[str] = Field(default_factory=list, description="public multiaddr to announce to peers (repeatable)")
+    manifest: str = Field("auto", pattern=r"^(auto|off)$",
+                          description="auto: with --peer, take the run's settings, model config and tokenizer from "
+                          "the peer's run manifest (or the copy beside the checkpoint); off: this node's own options "
+                          "only, checked against the run's fingerprint (docs/running.md)")
     label: str = Field("", max_length=64, description="a public name for this node in the swarm table (e.g. a region)")
     status: str = Field(f"127.0.0.1:{DEFAULT_STATUS_PORT}",
                         description="HOST:PORT of the status server (port 0 picks a free one)")

@@ -55,6 +55,7 @@ class SwarmSettings:
     barrier_timeout: float | None = None
     upload_limit: float = 0.0  # bytes/s every stream of ours sends at most together; 0: no cap (throttle.py)
     download_limit: float = 0.0  # bytes/s they receive at most together; 0: no cap
+    manifest: Any = None  # the run's manifest.Manifest, served to whoever asks (swarm/manifests.py); None: none
 
 
 def start_dht(settings: SwarmSettings) -> tuple[DHT, RSASignatureValidator, Sealer]:

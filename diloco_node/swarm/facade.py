@@ -30,6 +30,7 @@ from diloco_node.swarm.contacts import Contacts
 from diloco_node.swarm.dht import SwarmSettings, is_client, start_dht
 from diloco_node.swarm.exchange import PayloadExchange
 from diloco_node.swarm.isolation import Isolation
+from diloco_node.swarm.manifests import ManifestService
 from diloco_node.swarm.matchmaking import Matchmaker, start_averager
 from diloco_node.swarm.presence import Presence
 from diloco_node.swarm.reachability import DialBack
@@ -90,6 +91,9 @@ class Swarm:
             self._butterfly.attach()
         self._dial_back = DialBack(self._streams, namespace)
         self._dial_back.attach()
+        self._manifest = ManifestService(self._streams, settings.manifest) if settings.manifest else None
+        if self._manifest is not None:
+            self._manifest.attach()
         self._transfer = Transfer(settings, self.peer_id, self.client, numel, self._presence, self._streams,
                                   self._exchange, self._butterfly)
         self._matchmaker = Matchmaker(averager, settings, self.peer_id, self._presence, self._streams,
@@ -362,7 +366,9 @@ class Swarm:
             self._presence.leave()
         else:  # nobody can fetch from us or read a withdrawal; each DHT call would only wait out its timeout
             self._watchdog.end_orphans()
-        for service in (self._dial_back, self._butterfly, self._state, self._exchange):
+        for service in (self._manifest, self._dial_back, self._butterfly, self._state, self._exchange):
+            if service is None:
+                continue
             try:
                 service.detach()
             except Exception as exc:  # leaving must not fail; the handler goes with the daemon anyway

@@ -329,7 +329,9 @@ def test_incompatible_peer_is_refused_on_both_sides(nodes: Processes, tmp_path: 
     a_address = a.wait_for_address(timeout=60)
     assert first_line(a, "joined run=", timeout=60), "node A did not finish starting"
 
-    b = join(nodes, "--peer", a_address, "--run-id", run_id, "--model", "small")
+    # --manifest off: B keeps its own options, so the swarm's own refusal is what is tested (with the
+    # run's manifest taken, B would end at start-up naming --model: tests/integration/test_manifest.py)
+    b = join(nodes, "--peer", a_address, "--run-id", run_id, "--model", "small", "--manifest", "off")
     line = assert_bad_input(b, "incompatible", run_id)
     assert "--model tiny (ours: small)" in line  # names the option that differs: A's model, and B's own
     assert len(line) < 300 and "n_layer" not in line, line  # the model's shape folds into --model

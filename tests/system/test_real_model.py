@@ -87,8 +87,9 @@ def test_a_node_with_another_tokenizer_is_refused_on_both_sides(nodes: Processes
                     "--checkpoint-dir", "")
     address = a.wait_for_address(timeout=120)
     assert first_line(a, "joined run=", timeout=120), "node A did not finish starting"
+    # --manifest off: the swarm's own refusal (taking the run's manifest, B would end at start-up naming --tokenizer)
     b = join(nodes, *common, "--tokenizer", str(other), "--peer", address, "--checkpoint-dir", str(tmp_path / "b"),
-             local=False)
+             "--manifest", "off", local=False)
     assert_bad_input(b, "incompatible", run_id, f"--tokenizer {ours[:12]}… (ours: {theirs[:12]}…)")
     refused = first_line(a, "refused peer", timeout=30)
     assert refused is not None and f"--tokenizer {theirs[:12]}… (ours: {ours[:12]}…)" in refused, refused

@@ -26,3 +26,10 @@ def test_other_records_pass_whatever_their_exc_info() -> None:
     for exc_info in (None, False, (type(failure), failure, None)):
         assert _not_a_cancelled_future(record("Future exception was never retrieved", exc_info))
     assert _not_a_cancelled_future(record("Task was destroyed but it is pending!", False))
+
+
+def test_a_closed_loop_of_a_failed_manifest_fetch_is_dropped() -> None:
+    """An unreachable --peer: the fetch's p2p daemon is reaped after its loop closed (one line said why)."""
+    closed = "Loop <_UnixSelectorEventLoop running=False closed=True debug=False> that handles pid 27735 is closed"
+    assert not _not_a_cancelled_future(record(closed, None))
+    assert _not_a_cancelled_future(record("Loop that handles nothing in particular", None))

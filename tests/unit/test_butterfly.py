@@ -281,7 +281,10 @@ def test_pushes_are_released_once_their_round_is_reduced(monkeypatch: pytest.Mon
         butterfly._current = 5
         pushes = [asyncio.ensure_future(butterfly._serve(_pusher(i), _push_stream(5, [f"fake-{i:05d}"], b"x" * 65536),
                                                          _Writer())) for i in range(64)]
-        await asyncio.sleep(0.05)
+        for _ in range(500):  # 50 ms was the bound: too short on a loaded machine (the round not yet made)
+            if 5 in butterfly._rounds and len(butterfly._rounds[5].received) == 64:
+                break
+            await asyncio.sleep(0.01)
         rnd = butterfly._rounds[5]
         assert len(rnd.received) == 64  # one per open push stream, as the stream limits allow
         await butterfly.close(5)
