@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from diloco_node.admission import Gate
 from diloco_node.budget import barrier_timeout
 from diloco_node.checkpoint import CheckpointStore
 from diloco_node.codec import Codec, CodecConfig, codec_config_of, make_codec, max_payload_bytes
@@ -37,6 +36,7 @@ from diloco_node.telemetry.rounds import RoundReporter
 from diloco_node.telemetry.server import StatusServer, announced_hosts
 from diloco_node.telemetry.wire import WireMeter
 from diloco_node.train.model import build_model
+from diloco_node.trust.admission import Gate
 
 
 @dataclass

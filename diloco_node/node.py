@@ -121,7 +121,7 @@ class Node:
                 self.announce(ready=False)
             self.swarm.share_state()
             return
-        if report.result is not None:  # whose checked work went into the mean we applied (swarm/proofs.py)
+        if report.result is not None:  # whose checked work went into the mean we applied (trust/proofs.py)
             credible = self._credible(report.result, tokens)
             self.swarm.prove(self.state.round, credible)
             self._keep_pace(report.result, credible, len(losses))
@@ -154,7 +154,7 @@ class Node:
         say a round of them trains (budget.Claims): under --round-seconds their tokens per compute
         second times T, under a fixed H their last round's tokens (H, batch and sequence length are
         each node's own), or more than PEER_SPEEDUP × `own_tokens`, what our round trained. A doubted
-        peer's work still made the mean, as on every member, but does not prove it (swarm/proofs.py;
+        peer's work still made the mean, as on every member, but does not prove it (trust/proofs.py;
         docs/architecture.md §13, "Declared tokens")."""
         if not result.declared:  # alone, held, or a butterfly member (its part's owner capped the tokens)
             return list(result.group)

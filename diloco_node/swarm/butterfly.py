@@ -47,8 +47,8 @@ from diloco_node.swarm.messages import (
     parse_report,
     told_list,
 )
-from diloco_node.swarm.seals import Seal, Sealer, parse_seal, sealed_by, statement
 from diloco_node.swarm.streams import HEADER_LEN, PEER_FAILURES, Streams, StreamService, receive, send
+from diloco_node.trust.seals import Seal, Sealer, parse_seal, sealed_by, statement
 
 logger = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 
 from diloco_node import identity
-from diloco_node.admission import Gate
 from diloco_node.errors import NodeError
 from diloco_node.swarm import records
 from diloco_node.swarm.reachability import detect
-from diloco_node.swarm.seals import Sealer
+from diloco_node.trust.admission import Gate
+from diloco_node.trust.seals import Sealer
 
 logger = logging.getLogger(__name__)
 

@@ -22,9 +22,8 @@ from typing import Any
 import torch
 from hivemind.utils import get_dht_time
 
-from diloco_node.admission import Gate
 from diloco_node.round import Gathered, Outcome, PartSource, held
-from diloco_node.swarm import bounded, proofs, records
+from diloco_node.swarm import bounded
 from diloco_node.swarm.butterfly import Butterfly
 from diloco_node.swarm.contacts import Contacts
 from diloco_node.swarm.dht import SwarmSettings, is_client, start_dht
@@ -46,6 +45,9 @@ from diloco_node.swarm.streams import Streams
 from diloco_node.swarm.throttle import Throttle
 from diloco_node.swarm.transfer import Transfer
 from diloco_node.swarm.watchdog import Watchdog
+from diloco_node.trust import proofs
+from diloco_node.trust.admission import Gate
+from diloco_node.trust.records import NodeRecord
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +178,7 @@ class Swarm:
 
     def prove(self, round_: int, peers: Collection[str]) -> None:
         """`peers`' contributions passed our checks and went into the mean we applied in `round_`
-        (the AverageResult's group): they are proven peers (swarm/proofs.py)."""
+        (the AverageResult's group): they are proven peers (trust/proofs.py)."""
         self._presence.prove(round_, peers)
 
     def _may_fetch_payload(self, peer: str, round_: int, token: str, group: tuple[str, ...] | None) -> str | None:
@@ -226,7 +228,7 @@ class Swarm:
             outcome = self._presence.wait_for_round(round_, timeout, stop, among=among)
         if among and not spare and outcome in (Outcome.TOGETHER, Outcome.TIMEOUT):
             # NoLoCo: a drawn partner we have no proof for and that is not ready was not waited
-            # for, and is not matchmade for either (swarm/proofs.py); with none left, the trusted
+            # for, and is not matchmade for either (trust/proofs.py); with none left, the trusted
             # peers forged records left partnerless as well are met under the spare key
             drawn = among
             among = self._presence.drawn_partners(round_, drawn)
@@ -242,7 +244,7 @@ class Swarm:
             self._presence.strangers_only(round_, newcomers=False)
         strangers = unproven and self._presence.strangers_only(round_)
         if strangers and not self._presence.proofs.may_matchmake_strangers(round_):
-            # the last matchmakings with only unproven peers about found nobody (swarm/proofs.py)
+            # the last matchmakings with only unproven peers about found nobody (trust/proofs.py)
             logger.info("round=%d not matchmaking: no peer about is proven or new, and the last "
                         "matchmaking with them found nobody", round_)
             outcome = Outcome.ALONE
@@ -307,7 +309,7 @@ class Swarm:
 
     def _shared_state(self, peer: str, metadata: dict[str, Any]) -> None:
         """A joiner we served is vouched for: the barrier waits for it in its first round
-        (swarm/proofs.py), and one handed rounds in flight fetches those rounds' payloads from our group."""
+        (trust/proofs.py), and one handed rounds in flight fetches those rounds' payloads from our group."""
         self._presence.vouch(peer, metadata["round"])
 
     def download_state(self, timeout: float, stop: threading.Event, check_digest: bool,
@@ -319,9 +321,9 @@ class Swarm:
         or `stop` was set."""
         self._presence.read_revocations()  # a revoked server is not asked, even before our first heartbeat
 
-        def others() -> dict[str, records.NodeRecord]:
+        def others() -> dict[str, NodeRecord]:
             # a client cannot be dialled: it serves no state, and its announcements are not asked
-            # for; only the records that decide (swarm/proofs.py), in a fresh run our anchors,
+            # for; only the records that decide (trust/proofs.py), in a fresh run our anchors,
             # choose the state and serve it: free identities announcing a state of their own
             # cannot outvote proven peers
             return {p: r for p, r in self._presence.state_peers().items() if not r.client}

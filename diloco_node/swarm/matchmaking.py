@@ -142,7 +142,7 @@ class Matchmaker:
         """The other members of our group for `round_`, and any payloads already fetched from them.
         With only `strangers` about, a matchmaking that found nobody looks for no group that
         counted us in: a peer that could have is one whose record also claims it may still fetch
-        (a copy of an honest record does), and unproven peers decide nothing (swarm/proofs.py)."""
+        (a copy of an honest record does), and unproven peers decide nothing (trust/proofs.py)."""
         group, formed = self._form_group(round_, spare)
         others = [peer for peer in group if peer != self.peer_id]
         if others or not contributing or (strangers and not formed):  # nobody fetches from a node that offered nothing

@@ -16,13 +16,14 @@ from typing import Any
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 
-from diloco_node.admission import Gate
 from diloco_node.errors import NodeError
 from diloco_node.lru import LRUSet
 from diloco_node.round import Outcome
-from diloco_node.swarm import bounded, proofs, records
+from diloco_node.swarm import bounded, records
 from diloco_node.swarm.isolation import Isolation
-from diloco_node.swarm.records import NodeRecord
+from diloco_node.trust import proofs
+from diloco_node.trust.admission import Gate
+from diloco_node.trust.records import MAX_VOUCHED, NodeRecord, canonical_digest
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ REFUSALS_SHOWN = 4  # peers newly refused for their config, named one line each 
 # to 1 s: a peer that arrives at once is seen at once, and a long wait costs a read a second, not three.
 FIRST_POLL_SECONDS = 0.3
 MAX_POLL_SECONDS = 1.0
-# How long the barrier waits for a newcomer (a peer that took a proven peer's state, swarm/proofs.py)
+# How long the barrier waits for a newcomer (a peer that took a proven peer's state, trust/proofs.py)
 # once the proven peers are ready, as a share of the round timeout: a joiner starts its first round
 # a state download later than they did (seconds for a small model, more for a large one, whose
 # runs set a longer round timeout); a forged identity that downloaded our state and never becomes
@@ -50,7 +51,7 @@ MAX_POLL_SECONDS = 1.0
 # next PROOF_ROUNDS rounds unless it is proven (proofs.Proofs.newcomers: one grace for all fresh identities).
 NEWCOMER_GRACE = 0.5
 # How long a NoLoCo node waits for a drawn partner it has no proof for (neither counted nor endorsed
-# by a counted peer, nor a newcomer: swarm/proofs.py), as a share of the round timeout, once its
+# by a counted peer, nor a newcomer: trust/proofs.py), as a share of the round timeout, once its
 # trusted partners are ready: a forged record drawn into our group costs this much, not the round
 # timeout; an honest partner we never met that is later than this misses the round with us.
 STRANGER_GRACE = 0.1
@@ -175,11 +176,11 @@ class Presence:
         with self._record_lock:
             self._served_in.pop(peer, None)
             self._served_in[peer] = self._record.round if round_ is None else round_
-            while len(self._served_in) > records.MAX_VOUCHED:
+            while len(self._served_in) > MAX_VOUCHED:
                 del self._served_in[next(iter(self._served_in))]
             if self._record.vouched[-1:] == (peer,):
                 return  # said already: a peer asking again costs us no store
-            vouched = [p for p in self._record.vouched if p != peer][-(records.MAX_VOUCHED - 1):] + [peer]
+            vouched = [p for p in self._record.vouched if p != peer][-(MAX_VOUCHED - 1):] + [peer]
             self._record = dataclasses.replace(self._record, vouched=tuple(vouched))
             self._publish()
 
@@ -263,7 +264,7 @@ class Presence:
                 for fingerprint, theirs in published.items()}
 
     def publish_stats(self, **stats: Any) -> None:
-        """Stats for the swarm table (see records.NodeStats); they go out with the next announcement."""
+        """Stats for the swarm table (see trust/records.py's NodeStats); they go out with the next announcement."""
         self._stats = {**self._stats, **stats}
 
     def compatible_peers(self, refresh: bool = False) -> dict[str, NodeRecord]:
@@ -507,7 +508,7 @@ class Presence:
         number, cannot outvote the group and make us drop our φ.
         """
         group = [r for p, r in self.compatible_peers().items() if p in among]
-        canonical = records.canonical_digest(group, round_, served)
+        canonical = canonical_digest(group, round_, served)
         return canonical is not None and digest != canonical
 
     def leave(self) -> None:

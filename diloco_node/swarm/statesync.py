@@ -28,9 +28,9 @@ import torch
 from diloco_node.errors import NodeError
 from diloco_node.rates import format_rate
 from diloco_node.replica.layout import digest
-from diloco_node.swarm.records import NodeRecord, reference_state
 from diloco_node.swarm.streams import HEADER_LEN, Limits, Streams, StreamService, parse_json, receive, send
 from diloco_node.telemetry.progress import Progress
+from diloco_node.trust.records import NodeRecord, reference_state
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Free identities decide nothing (swarm/proofs.py): with 3 to 10 forged records beside two honest
+"""Free identities decide nothing (trust/proofs.py): with 3 to 10 forged records beside two honest
 nodes, the barrier, "behind" and the state a joiner takes follow proven peers only."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import pytest
 
 from diloco_node.round import Outcome
 from diloco_node.swarm import presence as presence_module
-from diloco_node.swarm import proofs, records
+from diloco_node.swarm import records
 from diloco_node.swarm.presence import round_state
-from diloco_node.swarm.proofs import PROOF_ROUNDS, Proofs, anchor_ids, counted
-from diloco_node.swarm.records import MAX_PROVEN, NodeRecord, reference_state
+from diloco_node.trust import proofs
+from diloco_node.trust.proofs import PROOF_ROUNDS, Proofs, anchor_ids, counted
+from diloco_node.trust.records import MAX_PROVEN, NodeRecord, reference_state
 from tests.unit.test_records import presence_seeing
 
 ROUND = 7

@@ -1,4 +1,4 @@
-"""Owner seals on butterfly parts (swarm/seals.py): only the owner's key, over the very statement,
+"""Owner seals on butterfly parts (trust/seals.py): only the owner's key, over the very statement,
 makes a seal that checks."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diloco_node.identity import peer_id_of_public_key
-from diloco_node.swarm.seals import Seal, Sealer, parse_seal, sealed_by, statement
+from diloco_node.trust.peer_ids import peer_id_of_public_key
+from diloco_node.trust.seals import Seal, Sealer, parse_seal, sealed_by, statement
 
 KEYS = [rsa.generate_private_key(public_exponent=65537, key_size=2048) for _ in range(2)]
 OWNER, OTHER = (peer_id_of_public_key(key.public_key()) for key in KEYS)

@@ -20,7 +20,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
-from diloco_node.identity import peer_id_of_public_key
+from diloco_node.trust.peer_ids import peer_id_of_public_key
 
 MAX_SIGNATURE_CHARS = 700  # base64 of an RSA signature up to 4096 bits (ours: 2048 bits, 344 chars)
 MAX_KEY_CHARS = 800  # OpenSSH text of an RSA public key up to 4096 bits (ours: 2048 bits, 372 chars)

@@ -1,0 +1,11 @@
+"""Whom to believe: every decision about peers, in one package (docs/architecture.md §9).
+
+It imports neither hivemind nor torch nor swarm/, outer/ or codec/ (docs/architecture.md §8):
+the transport asks it, and acts on its answers.
+
+- admission.py: a permissioned run's owner key, admission and revocation tokens, the Gate
+- peer_ids.py: which key speaks for which peer id
+- records.py: the presence record's schema, and what the counted records decide together
+- proofs.py: proven peers, anchors and newcomers: whose records count
+- seals.py: owner seals on averaged butterfly parts
+"""
