@@ -8,4 +8,5 @@ the transport asks it, and acts on its answers.
 - records.py: the presence record's schema, and what the counted records decide together
 - proofs.py: proven peers, anchors and newcomers: whose records count
 - seals.py: owner seals on averaged butterfly parts
+- work.py: whether a payload's declared tokens are believed (DeclaredWork)
 """
