@@ -226,28 +226,17 @@ class Swarm:
                 logger.info("round=%d drawn alone; matchmaking under the spare key with %s", round_, ", ".join(among))
         else:
             outcome = self._presence.wait_for_round(round_, timeout, stop, among=among)
-        if among and not spare and outcome in (Outcome.TOGETHER, Outcome.TIMEOUT):
-            # NoLoCo: a drawn partner we have no proof for and that is not ready was not waited
-            # for, and is not matchmade for either (trust/proofs.py); with none left, the trusted
-            # peers forged records left partnerless as well are met under the spare key
-            drawn = among
-            among = self._presence.drawn_partners(round_, drawn)
-            if drawn and not among:
-                among = self._presence.spare_partners(round_, self._matchmaker.drawn_groups(round_))
-                spare = bool(among)
-                if spare:
-                    logger.info("round=%d drawn partners all dropped; matchmaking once more with %s",
-                                round_, ", ".join(among))
-            outcome = outcome if among else Outcome.ALONE
-        # no counted peer about (before any proof: no anchor), nor (strangers) a newcomer
-        unproven = among is None and outcome in (Outcome.TOGETHER, Outcome.TIMEOUT) and \
-            self._presence.strangers_only(round_, newcomers=False)
-        strangers = unproven and self._presence.strangers_only(round_)
-        if strangers and not self._presence.proofs.may_matchmake_strangers(round_):
-            # the last matchmakings with only unproven peers about found nobody (trust/proofs.py)
+        # whom to matchmake with: trust/view.py decides (NoLoCo's kept and spare partners, rounds
+        # with strangers only), the transport acts and says so
+        partners = self._presence.view().partners(round_, outcome, among, spare,
+                                                  lambda: self._matchmaker.drawn_groups(round_), self._presence.proofs)
+        outcome, among, spare = partners.outcome, partners.among, partners.spare
+        if partners.respared:
+            logger.info("round=%d drawn partners all dropped; matchmaking once more with %s",
+                        round_, ", ".join(among or ()))
+        if partners.skipped:  # the last matchmakings with only unproven peers about found nobody (trust/proofs.py)
             logger.info("round=%d not matchmaking: no peer about is proven or new, and the last "
                         "matchmaking with them found nobody", round_)
-            outcome = Outcome.ALONE
         if outcome == Outcome.ALONE and held(1, self.min_group_size):
             self._mark_held_before(round_)
             return self._held(round_, 1)
@@ -262,8 +251,8 @@ class Swarm:
             return self._held(round_, candidates)
         if on_ready is not None:
             on_ready()
-        others, fetched = self._matchmaker.group_for(round_, contributing, spare, strangers)
-        if unproven and not others:
+        others, fetched = self._matchmaker.group_for(round_, contributing, spare, partners.strangers)
+        if partners.unproven and not others:
             skip = self._presence.proofs.strangers_missed(round_)
             logger.info("round=%d matchmaking with unproven peers only found nobody; the next %d such "
                         "rounds go alone", round_, skip)
@@ -277,7 +266,7 @@ class Swarm:
         It is marked exchanged only once we pass the next round's barrier: a held round ends the
         moment the barrier lets us through, so a peer that had announced itself ready could still be
         on its way into this barrier, and would read our mark as the run having gone on without it
-        (presence.moved_on) and re-sync for nothing. Its φ is ours, since nobody stepped."""
+        (trust/view.py's moved_on) and re-sync for nothing. Its φ is ours, since nobody stepped."""
         with self._held_lock:
             self._held_rounds = {r for r in self._held_rounds if r >= round_ - 2} | {round_}
         logger.info("round=%d held: a group of %d is below --min-group-size %d, so no outer step",

@@ -14,11 +14,12 @@ from diloco_node import identity
 from diloco_node.swarm import records, statesync
 from diloco_node.swarm.groups import random_groups
 from diloco_node.swarm.matchmaking import Matchmaker
-from diloco_node.swarm.presence import Presence, round_state
+from diloco_node.swarm.presence import Presence
 from diloco_node.swarm.records import config_difference
 from diloco_node.swarm.statesync import agreement, servers_in_order
 from diloco_node.trust.admission import Claims, Gate, sign
 from diloco_node.trust.records import NodeRecord, canonical_digest, reference_state, tie_order
+from diloco_node.trust.view import round_state
 
 
 def record(peer: str, round_: int, digest: str) -> NodeRecord:
