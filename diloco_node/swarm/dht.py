@@ -43,7 +43,7 @@ class SwarmSettings:
     max_payload_bytes: int  # the most one encoded vector may take (the codec's bound; NoLoCo sends two)
     group_size: int | None = None  # NoLoCo: at most this many per group; None: one group for everyone
     identity: Path | None = None  # libp2p key file (identity.py); None: a new peer id each start
-    gate: Gate | None = None  # who is admitted (admission.py); None: an open run
+    gate: Gate | None = None  # who is admitted (trust/admission.py); None: an open run
     # groups of at least this many exchange by butterfly (butterfly.py), smaller ones by all-gather;
     # None: always all-gather. Fingerprinted config decides it, so every member of a group agrees.
     butterfly_from: int | None = None

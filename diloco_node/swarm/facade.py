@@ -9,7 +9,7 @@
 
 Every peer we deal with is checked in our own handlers: a group member, a fetcher or a state server
 counts only with a verified record of this run (records.py), which in a permissioned run also
-carries a valid admission (admission.py).
+carries a valid admission (trust/admission.py).
 """
 
 from __future__ import annotations

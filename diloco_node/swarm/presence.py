@@ -85,7 +85,7 @@ class Presence:
                  isolation: Isolation, signed_by: RSASignatureValidator, gate: Gate, client: bool = False,
                  anchors: Collection[str] = ()):
         """`client`: we accept no inbound connection (reachability.py), and our record says so;
-        `anchors`: the peer ids the operator named with `--peers` (proofs.py)."""
+        `anchors`: the peer ids the operator named with `--peers` (trust/proofs.py)."""
         self._dht, self.peer_id, self.run_id = dht, peer_id, run_id
         self.proofs, self.anchors = proofs.Proofs(peer_id), frozenset(anchors) - {peer_id}
         self.isolation = isolation  # fed by the heartbeat
@@ -146,7 +146,7 @@ class Presence:
                                                exchanged_round=max(round_, self._record.exchanged_round))
 
     def vouch(self, peer: str, round_: int | None = None) -> None:
-        """`peer` took our state: the barrier waits for it in its first round (proofs.py), and it
+        """`peer` took our state: the barrier waits for it in its first round (trust/proofs.py), and it
         may fetch the payloads of rounds we had in flight from our group, which serves them only to
         members and to those a member vouches for. `round_`: the round of the state it took, its
         first (our record's by default)."""
@@ -168,7 +168,7 @@ class Presence:
             return peer in self._served_in
 
     def prove(self, round_: int, peers: Collection[str]) -> None:
-        """`peers`' checked contributions went into the mean we applied in `round_` (proofs.py); our
+        """`peers`' checked contributions went into the mean we applied in `round_` (trust/proofs.py); our
         record lists our proven peers from the next store on (a joiner anchored on us counts them)."""
         if self.proofs.prove(round_, peers):
             with self._record_lock:
@@ -285,7 +285,7 @@ class Presence:
         phase of `round_`.
 
         Only proven peers are waited for up to `timeout` (of NoLoCo's drawn group: the trusted
-        ones, proofs.trusted); a newcomer (proofs.py) for at most NEWCOMER_GRACE of it once they
+        ones, proofs.trusted); a newcomer (trust/proofs.py) for at most NEWCOMER_GRACE of it once they
         are ready, as anyone can take our state under a fresh identity and never become ready; any
         other drawn partner for STRANGER_GRACE of it, as anyone can publish a record that is drawn.
 
@@ -317,7 +317,7 @@ class Presence:
                 for word, peers in (("newcomer", newcomers - pending), ("unproven partner", strangers - pending)):
                     if unready := sorted(p for p in peers if others[p].ready_round < round_):
                         logger.info("round=%d not waiting longer for %s %s", round_, word, ", ".join(unready))
-                        if word == "newcomer":  # no other newcomer is waited for a while (proofs.py)
+                        if word == "newcomer":  # no other newcomer is waited for a while (trust/proofs.py)
                             self.proofs.late_newcomers(round_, unready)
                 return state
             if counted_ready_at is None and (newcomers or strangers) and \

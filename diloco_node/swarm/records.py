@@ -30,7 +30,6 @@ from typing import Any
 
 import pydantic.v1 as pydantic  # hivemind's SchemaValidator speaks pydantic v1
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
@@ -45,7 +44,7 @@ from diloco_node.fingerprint import fingerprint_of
 from diloco_node.lru import trim_oldest
 from diloco_node.swarm import bounded
 from diloco_node.trust import admission
-from diloco_node.trust.peer_ids import peer_id_of_public_key
+from diloco_node.trust.peer_ids import peer_id_of_ssh_key
 from diloco_node.trust.records import NodeRecord, NodeValue, Token, parse_record
 
 logger = logging.getLogger(__name__)
@@ -120,13 +119,7 @@ def bound_peer_id(subkey: bytes) -> str | None:
     """The peer id of the libp2p key that signed a record stored under `subkey` (the DHT checked
     the signature on store), None when the subkey holds no RSA key."""
     keys = RSASignatureValidator._PUBLIC_KEY_RE.findall(subkey)
-    if len(keys) != 1:
-        return None
-    try:
-        key = serialization.load_ssh_public_key(keys[0])
-    except (ValueError, TypeError):
-        return None
-    return peer_id_of_public_key(key) if isinstance(key, rsa.RSAPublicKey) else None
+    return peer_id_of_ssh_key(keys[0]) if len(keys) == 1 else None
 
 
 def records_key(run_id: str) -> str:

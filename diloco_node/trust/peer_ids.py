@@ -27,6 +27,16 @@ def peer_id_of_public_key(key: rsa.RSAPublicKey) -> str:
     return _base58(_SHA256_MULTIHASH + hashlib.sha256(encoded).digest())
 
 
+def peer_id_of_ssh_key(text: bytes) -> str | None:
+    """The peer id of the RSA public key in OpenSSH text (as a record's subkey carries it,
+    swarm/records.py's `bound_peer_id`); None when the text holds no RSA key."""
+    try:
+        key = serialization.load_ssh_public_key(text)
+    except (ValueError, TypeError):
+        return None
+    return peer_id_of_public_key(key) if isinstance(key, rsa.RSAPublicKey) else None
+
+
 def _varint(value: int) -> bytes:
     out = bytearray()
     while True:
