@@ -28,7 +28,7 @@ from diloco_node.outer.noloco import NoLoCoOptimizer
 from diloco_node.outer.state import MAX_SHARED_VECTORS, OuterState
 from diloco_node.outer.update import OuterUpdate, UpdateContext
 from diloco_node.swarm import Swarm, SwarmSettings
-from diloco_node.swarm.statesync import CATCH_UP_ROUNDS, MAX_SERVES, CatchUp
+from diloco_node.swarm.statesync import MAX_SERVES, CatchUp
 from diloco_node.telemetry.events import Events
 from diloco_node.telemetry.meter import Telemetry
 from diloco_node.telemetry.planning import Planner
@@ -37,6 +37,7 @@ from diloco_node.telemetry.server import StatusServer, announced_hosts
 from diloco_node.telemetry.wire import WireMeter
 from diloco_node.train.model import build_model
 from diloco_node.trust.admission import Gate
+from diloco_node.trust.state import CATCH_UP_ROUNDS
 
 
 @dataclass

@@ -6,7 +6,7 @@ that a property-based test can drive each with adversarial input (tests/hostile/
 nothing a peer sends may raise out of a handler (docs/architecture.md §9).
 
 The state protocol's messages are parsed in statesync.py (parse_request, parse_header,
-metadata_refusal); the payload answer's metadata in exchange.py (`_parse_meta`).
+trust/state.py's metadata_refusal); the payload answer's metadata in exchange.py (`_parse_meta`).
 """
 
 from __future__ import annotations

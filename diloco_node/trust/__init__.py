@@ -8,6 +8,7 @@ the transport asks it, and acts on its answers.
 - records.py: the presence record's schema, and what the counted records decide together
 - proofs.py: proven peers, anchors and newcomers: whose records count
 - seals.py: owner seals on averaged butterfly parts
+- state.py: whose state to take: servers in order, their metadata, the rounds they may name
 - view.py: the run as we believe it: who decides the barrier, "behind" and the state; whom we
   wait for and whom we matchmake with (RunView)
 - work.py: whether a payload's declared tokens are believed (DeclaredWork)

@@ -31,10 +31,8 @@ from diloco_node.swarm.records import RunValidator
 from diloco_node.swarm.statesync import (
     Admission,
     StateRefused,
-    metadata_refusal,
     parse_header,
     parse_request,
-    servers_in_order,
 )
 from diloco_node.swarm.streams import parse_json
 from diloco_node.trust import records as trust_records
@@ -42,6 +40,7 @@ from diloco_node.trust.admission import Claims, Gate, sign
 from diloco_node.trust.peer_ids import peer_id_of_public_key
 from diloco_node.trust.records import NodeRecord
 from diloco_node.trust.seals import Sealer, sealed_by
+from diloco_node.trust.state import metadata_refusal, servers_in_order
 
 CASES_PER_HANDLER = int(os.environ.get("FUZZ_CASES", "10000"))
 BATCH = 10  # cases per Hypothesis example: its own overhead per example is larger than a parse

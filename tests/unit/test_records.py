@@ -16,9 +16,10 @@ from diloco_node.swarm.groups import random_groups
 from diloco_node.swarm.matchmaking import Matchmaker
 from diloco_node.swarm.presence import Presence
 from diloco_node.swarm.records import config_difference
-from diloco_node.swarm.statesync import agreement, servers_in_order
+from diloco_node.swarm.statesync import agreement
 from diloco_node.trust.admission import Claims, Gate, sign
 from diloco_node.trust.records import NodeRecord, canonical_digest, reference_state, tie_order
+from diloco_node.trust.state import servers_in_order
 from diloco_node.trust.view import round_state
 
 
@@ -381,7 +382,8 @@ def test_a_state_the_run_moved_past_while_it_downloaded_is_caught_up_to_the_runs
     import torch
 
     from diloco_node.replica.layout import digest
-    from diloco_node.swarm.statesync import CATCH_UP_ROUNDS, catch_up_target, caught_up
+    from diloco_node.swarm.statesync import caught_up
+    from diloco_node.trust.state import CATCH_UP_ROUNDS, catch_up_target
 
     def mean(r: int) -> torch.Tensor:
         return torch.full((4,), float(r))
