@@ -11,10 +11,8 @@ therefore stop together, whatever their speed.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping
-
-from diloco_node.lru import LRUSet, trim_oldest
+from collections import deque
+from collections.abc import Iterable
 
 # An inner phase that would start with less than this share of T left runs to the grid point after:
 # a blocking exchange ending just before a grid point would otherwise leave a round of a few steps
@@ -30,14 +28,7 @@ STEP_WINDOW = 4
 # a peer not ready a round after it is frozen or gone and must not hold the others (§13).
 BARRIER_SHARE = 1.0
 BARRIER_FLOOR = 2.0
-# A payload may declare up to this many times the tokens its sender's own records say it trains in a
-# round before we doubt it: an owner who stops using their machine makes it honestly faster from one
-# round to the next, by as much as the 4× between a busy and an idle consumer GPU (§13, "Declared tokens").
-CLAIM_SLACK = 4.0
-# ... and never more than this many times what our own round trained, which we measured ourselves: a
-# peer's records are its own word (a liar whose records said 1e15 was never doubted). Far above any
-# honest spread of one run's machines (a GPU beside a CPU node), far below a lie that matters.
-PEER_SPEEDUP = 64.0
+
 
 
 def deadline(now: float, seconds: float) -> float:
@@ -91,49 +82,3 @@ class StepClock:
         tried: a node's first step measures its speed."""
         estimate = self.estimate()
         return now < end if estimate is None else now + estimate <= end
-
-
-class Claims:
-    """Declared tokens judged against what each peer's own published records say a round of it
-    trains (§13, "Declared tokens"): the most they have shown us, since a node its owner stops using
-    speeds up honestly (a slowed or frozen round's record shows little), and against our own round
-    (PEER_SPEEDUP), which no peer writes. Bounded: the MAX_PEERS peers seen last are remembered (the
-    round loop shows it only the peers of its groups; 1,025 fresh ids wiped the whole table)."""
-
-    MAX_PEERS = 1024
-
-    def __init__(self) -> None:
-        # peer → the most tokens a round of it trains, by its records; peers we doubted in the log already
-        self.most: OrderedDict[str, float] = OrderedDict()
-        self.said = LRUSet(self.MAX_PEERS)
-
-    def saw(self, allowances: Mapping[str, object]) -> None:
-        """Take in what each peer's latest record says a round of it trains (tokens; None: unknown)."""
-        for peer, tokens in allowances.items():
-            if isinstance(tokens, (int, float)) and math.isfinite(tokens) and tokens > self.most.get(peer, 0.0):
-                self.most[peer] = float(tokens)
-            if peer in self.most:
-                self.most.move_to_end(peer)
-        trim_oldest(self.most, self.MAX_PEERS)
-
-    def doubted(self, declared: Mapping[str, float], own: float | None = None) -> dict[str, float]:
-        """Those of `declared` (peer → the tokens its payload declared) beyond CLAIM_SLACK × the most
-        its records have shown, or beyond PEER_SPEEDUP × `own` (the tokens of our own round), each
-        with the bound it broke. A peer whose records show nothing yet (its first round) is judged
-        by our round only. The mean is not changed by this (members read records at different
-        moments, so a bound from them would split φ; the token cap at the group's median bounds the
-        mean): the round loop leaves a doubted peer unproven and says so once."""
-        doubted = {}
-        for peer, tokens in declared.items():
-            bounds = [CLAIM_SLACK * self.most[peer]] if self.most.get(peer, 0.0) > 0 else []
-            bounds += [PEER_SPEEDUP * own] if own else []
-            if bounds and tokens > min(bounds):
-                doubted[peer] = min(bounds)
-        return doubted
-
-    def first_doubt(self, peer: str) -> bool:
-        """Whether `peer`'s claims are doubted for the first time (a liar repeats itself every round)."""
-        if peer in self.said:
-            return False
-        self.said.add(peer)
-        return True

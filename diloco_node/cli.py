@@ -243,13 +243,13 @@ def keygen(path: Path) -> None:
 
     Example: diloco-node keygen owner.key
     """
-    from diloco_node.admission import generate_owner_key
+    from diloco_node.trust.admission import generate_owner_key
 
     click.echo(generate_owner_key(path))  # or AdmissionError
 
 
 def _signed(owner_key: Path, kind: str, run_id: str, peer_id: str, expires: str = "never") -> str:
-    from diloco_node.admission import Claims, check_peer_id, load_owner_key, parse_expiry, sign
+    from diloco_node.trust.admission import Claims, check_peer_id, load_owner_key, parse_expiry, sign
 
     claims = Claims(kind, run_id, check_peer_id(peer_id), parse_expiry(expires) if kind == "admit" else None)
     return sign(load_owner_key(owner_key), claims)  # or AdmissionError
@@ -292,8 +292,8 @@ def revoke(owner_key: Path, run_id: str, peers: tuple[str, ...], peer_id: str) -
         except ValueError as exc:
             fail(str(exc))
     setup_logging("WARNING")
-    from diloco_node.admission import load_owner_key
     from diloco_node.swarm import publish_revocation
+    from diloco_node.trust.admission import load_owner_key
 
     publish_revocation(list(peers), run_id, token, load_owner_key(owner_key).public_key())  # or SwarmError
     click.echo(f"revoked {peer_id} in run {run_id}")

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from diloco_node import manifest
-from diloco_node.admission import Gate
 from diloco_node.budget import barrier_timeout
 from diloco_node.checkpoint import CheckpointStore
 from diloco_node.codec import Codec, CodecConfig, codec_config_of, make_codec, max_payload_bytes
@@ -30,7 +29,7 @@ from diloco_node.outer.noloco import NoLoCoOptimizer
 from diloco_node.outer.state import MAX_SHARED_VECTORS, OuterState
 from diloco_node.outer.update import OuterUpdate, UpdateContext
 from diloco_node.swarm import Swarm, SwarmSettings
-from diloco_node.swarm.statesync import CATCH_UP_ROUNDS, MAX_SERVES, CatchUp
+from diloco_node.swarm.statesync import MAX_SERVES, CatchUp
 from diloco_node.telemetry.events import Events
 from diloco_node.telemetry.meter import Telemetry
 from diloco_node.telemetry.planning import Planner
@@ -38,6 +37,8 @@ from diloco_node.telemetry.rounds import RoundReporter
 from diloco_node.telemetry.server import StatusServer, announced_hosts
 from diloco_node.telemetry.wire import WireMeter
 from diloco_node.train.model import build_model
+from diloco_node.trust.admission import Gate
+from diloco_node.trust.state import CATCH_UP_ROUNDS
 
 
 @dataclass

@@ -225,7 +225,7 @@ class NodeConfig(BaseModel):
                           "created when missing; '' = identity.key in --checkpoint-dir (a new id each start "
                           "when checkpoints are off)")
 
-    # --- permissioned runs (admission.py) ---
+    # --- permissioned runs (trust/admission.py) ---
     run_owner: str = Field("", description="the run owner's public key (from `diloco-node keygen`): only peers it "
                            "admitted take part ('' = an open run)")
     admission: str = Field("", description="this node's admission for a --run-owner run: the token from "

@@ -12,7 +12,6 @@ as ssh refuses one.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 import tempfile
@@ -71,7 +70,7 @@ def peer_id(path: Path) -> str:
 
 def load(path: Path) -> rsa.RSAPrivateKey:
     """The private key at `path` (checked as `peer_id` checks it): it also signs our DHT records,
-    which binds them to our peer id (swarm/records.py)."""
+    which binds them to our peer id (trust/peer_ids.py)."""
     peer_id(path)
     der = crypto_pb2.PrivateKey.FromString(path.read_bytes()).data
     key = serialization.load_der_private_key(der, password=None)
@@ -83,14 +82,6 @@ def ephemeral() -> Path:
     """A fresh key in a private temporary directory, for a node without a persistent identity: we
     still hold the key our peer id comes from. The caller removes it once p2pd has read it."""
     return Path(tempfile.mkdtemp(prefix="diloco-identity-")) / "identity.key"
-
-
-def peer_id_of_public_key(key: rsa.RSAPublicKey) -> str:
-    """The libp2p peer id of an RSA public key: the multihash of its protobuf encoding (for any
-    key as long as ours, libp2p hashes rather than inlines it)."""
-    spki = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.KeyType.RSA, data=spki).SerializeToString()
-    return str(PeerID(bytes([0x12, 0x20]) + hashlib.sha256(encoded).digest()).to_base58())
 
 
 def _peer_id_of(data: bytes, path: Path) -> str:

@@ -1,8 +1,8 @@
 """Tables a peer can grow, bounded by forgetting their least recently used entries.
 
 Records, streams and claims name peer ids, and peer ids are free: every per-peer table keeps its
-most recent entries only (docs/architecture.md §9). One leaf module, so that the root's pure
-modules (budget.py) and swarm/ share it without importing hivemind.
+most recent entries only (docs/architecture.md §9). One leaf module, so that trust/ (its
+declared work, trust/work.py) and swarm/ share it without importing hivemind.
 """
 
 from __future__ import annotations

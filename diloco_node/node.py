@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 
-from diloco_node.budget import Claims, StepClock, deadline, warmup_pace
+from diloco_node.budget import StepClock, deadline, warmup_pace
 from diloco_node.compose import Parts
 from diloco_node.export import export_info
 from diloco_node.outer.fragments import Drift, codec_state
@@ -26,6 +26,7 @@ from diloco_node.swarm.spread import RoundClock
 from diloco_node.telemetry.rounds import RoundTiming
 from diloco_node.train.data import METER as DATA_METER
 from diloco_node.train.fit import FitError
+from diloco_node.trust.work import DeclaredWork
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class Node:
         self.step_clock = StepClock()  # --round-seconds: our recent step times (budget.py)
         # θ between rounds: reloaded from φ every round, or per fragment (docs/architecture.md §15)
         self.drift = Drift(parts.runs)
-        self.claims = Claims()  # peers' declared tokens against their own published throughput (budget.py)
+        self.claims = DeclaredWork()  # peers' declared tokens against their own published throughput (trust/work.py)
         # fragments under an overlapping sync: each round's payload is served across the next round's
         # inner phase, not in one burst (docs/architecture.md §15); blocking would wait for it instead
         self.round_clock = RoundClock(self.cfg.round_budget, self.cfg.round_timeout) \
@@ -121,7 +122,7 @@ class Node:
                 self.announce(ready=False)
             self.swarm.share_state()
             return
-        if report.result is not None:  # whose checked work went into the mean we applied (swarm/proofs.py)
+        if report.result is not None:  # whose checked work went into the mean we applied (trust/proofs.py)
             credible = self._credible(report.result, tokens)
             self.swarm.prove(self.state.round, credible)
             self._keep_pace(report.result, credible, len(losses))
@@ -150,29 +151,15 @@ class Node:
             self.replica.advance_schedule(paced)
 
     def _credible(self, result: AverageResult, own_tokens: float) -> list[str]:
-        """The round's group less the peers whose payloads declared more tokens than their own records
-        say a round of them trains (budget.Claims): under --round-seconds their tokens per compute
-        second times T, under a fixed H their last round's tokens (H, batch and sequence length are
-        each node's own), or more than PEER_SPEEDUP × `own_tokens`, what our round trained. A doubted
-        peer's work still made the mean, as on every member, but does not prove it (swarm/proofs.py;
-        docs/architecture.md §13, "Declared tokens")."""
-        if not result.declared:  # alone, held, or a butterfly member (its part's owner capped the tokens)
-            return list(result.group)
-        seconds = self.cfg.round_budget
-        allowances = {}
-        for peer, stats in self.swarm.peer_stats().items():
-            if peer not in result.group:  # records are free: only our group's are remembered
-                continue
-            rate, tokens = stats.get("last_round_tokens_per_second"), stats.get("last_round_tokens")
-            allowances[peer] = (rate * seconds if isinstance(rate, (int, float)) else None) if seconds else tokens
-        self.claims.saw(allowances)
+        """The round's group less the peers whose declared tokens we doubt (trust/work.py), each
+        doubt said once."""
         declared = dict(result.declared)
-        doubted = self.claims.doubted(declared, own_tokens)
+        credible, doubted = self.claims.credible(result.group, declared, self.swarm.peer_stats(),
+                                                 self.cfg.round_budget, own_tokens)
         for peer, bound in doubted.items():
-            if self.claims.first_doubt(peer):
-                logger.warning("round=%d peer=%s declared %.0f tokens, more than its own records allow a round "
-                               "(%.0f): not counted as proven", self.state.round, peer, declared[peer], bound)
-        return [peer for peer in result.group if peer not in doubted]
+            logger.warning("round=%d peer=%s declared %.0f tokens, more than its own records allow a round "
+                           "(%.0f): not counted as proven", self.state.round, peer, declared[peer], bound)
+        return credible
 
     def _inner_phase(self) -> list[float] | None:
         """θ ← φ, then H inner steps, or under --round-seconds as many as fit before the round's

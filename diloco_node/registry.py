@@ -101,4 +101,4 @@ DATA_IDENTITY: Declared[Callable[[Any], Mapping[str, str]]] = Declared("data ide
 # ValueError with a one-line reason when a string is not a well-formed multiaddr
 MULTIADDR_CHECK: Declared[Callable[[str], object]] = Declared("multiaddr check", "diloco_node.swarm.addresses")
 # AdmissionError (a ValueError) when a string is not a run owner's public key
-PUBLIC_KEY_CHECK: Declared[Callable[[str], object]] = Declared("public key check", "diloco_node.admission")
+PUBLIC_KEY_CHECK: Declared[Callable[[str], object]] = Declared("public key check", "diloco_node.trust.admission")

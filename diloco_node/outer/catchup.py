@@ -26,7 +26,7 @@ SharedState = tuple[dict[str, Any], list[torch.Tensor]]  # metadata; φ and mome
 
 
 def catch_up(ctx: UpdateContext, server: str, shared: SharedState, settled: int, round_: int) -> SharedState | None:
-    """`shared` (from `server`, its metadata checked by statesync.metadata_refusal) with the mean of
+    """`shared` (from `server`, its metadata checked by trust/state.py's metadata_refusal) with the mean of
     each round before `settled` that it lacks applied: the state `server` serves at `round_`, whose
     rounds from `settled` on are in flight (the joiner inherits them as from any state). None when
     a mean cannot be had: its group's payloads are gone, or the state is not of our model's size."""

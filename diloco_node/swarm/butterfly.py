@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -47,8 +48,8 @@ from diloco_node.swarm.messages import (
     parse_report,
     told_list,
 )
-from diloco_node.swarm.seals import Seal, Sealer, parse_seal, sealed_by, statement
 from diloco_node.swarm.streams import HEADER_LEN, PEER_FAILURES, Streams, StreamService, receive, send
+from diloco_node.trust.seals import Seal, Sealer, parse_seal, sealed_by, sealed_versions, statement
 
 logger = logging.getLogger(__name__)
 
@@ -296,18 +297,12 @@ class Butterfly(StreamService):
                 await asyncio.wait_for(rnd.answered.wait(), left)
         agreed, unsealed = [], set()
         for index, owner in enumerate(owning):
-            # hash → the members other than the owner that hold that sealed version: an owner's own
-            # word would let it show a part to some members only
-            versions: dict[str, list[str]] = {}
-            if ourselves != owner and (mine := ours[index]) is not None:
-                versions[mine.hash] = [ourselves]
-            for peer, told in sorted(rnd.told.items()):
-                if peer == owner or (entry := told[index]) is None:
-                    continue
-                if sealed_by(owner, self._statement(round_, rnd, index, entry.hash), entry.seal):
-                    versions.setdefault(entry.hash, []).append(peer)
-                else:
-                    unsealed.add(peer)
+            # hash → the members other than the owner that hold that sealed version (trust/seals.py)
+            told = [(peer, entry.hash, entry.seal) for peer, entries in sorted(rnd.told.items())
+                    if (entry := entries[index]) is not None]
+            versions, untrue = sealed_versions(owner, ourselves, None if (mine := ours[index]) is None else mine.hash,
+                                               told, functools.partial(self._statement, round_, rnd, index))
+            unsealed |= untrue
             if len(versions) == 1:
                 (want, holders), = versions.items()
                 if (mine := ours[index]) is not None:

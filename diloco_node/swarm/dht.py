@@ -15,11 +15,11 @@ from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 
 from diloco_node import identity
-from diloco_node.admission import Gate
 from diloco_node.errors import NodeError
 from diloco_node.swarm import records
 from diloco_node.swarm.reachability import detect
-from diloco_node.swarm.seals import Sealer
+from diloco_node.trust.admission import Gate
+from diloco_node.trust.seals import Sealer
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class SwarmSettings:
     max_payload_bytes: int  # the most one encoded vector may take (the codec's bound; NoLoCo sends two)
     group_size: int | None = None  # NoLoCo: at most this many per group; None: one group for everyone
     identity: Path | None = None  # libp2p key file (identity.py); None: a new peer id each start
-    gate: Gate | None = None  # who is admitted (admission.py); None: an open run
+    gate: Gate | None = None  # who is admitted (trust/admission.py); None: an open run
     # groups of at least this many exchange by butterfly (butterfly.py), smaller ones by all-gather;
     # None: always all-gather. Fingerprinted config decides it, so every member of a group agrees.
     butterfly_from: int | None = None

@@ -28,9 +28,9 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from diloco_node.rates import format_rate
 from diloco_node.swarm.messages import MAX_DECLARED, parse_payload_request, peer_ids
 from diloco_node.swarm.spread import Spread, pace_for, send_paced
-from diloco_node.swarm.statesync import CATCH_UP_ROUNDS
 from diloco_node.swarm.streams import HEADER_LEN, PEER_FAILURES, Streams, StreamService, parse_json, receive, send
 from diloco_node.swarm.throttle import TokenBucket
+from diloco_node.trust.state import CATCH_UP_ROUNDS
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@
 
 Every peer we deal with is checked in our own handlers: a group member, a fetcher or a state server
 counts only with a verified record of this run (records.py), which in a permissioned run also
-carries a valid admission (admission.py).
+carries a valid admission (trust/admission.py).
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from typing import Any
 import torch
 from hivemind.utils import get_dht_time
 
-from diloco_node.admission import Gate
 from diloco_node.round import Gathered, Outcome, PartSource, held
-from diloco_node.swarm import bounded, proofs, records
+from diloco_node.swarm import bounded
 from diloco_node.swarm.butterfly import Butterfly
 from diloco_node.swarm.contacts import Contacts
 from diloco_node.swarm.dht import SwarmSettings, is_client, start_dht
@@ -47,6 +46,9 @@ from diloco_node.swarm.streams import Streams
 from diloco_node.swarm.throttle import Throttle
 from diloco_node.swarm.transfer import Transfer
 from diloco_node.swarm.watchdog import Watchdog
+from diloco_node.trust import proofs
+from diloco_node.trust.admission import Gate
+from diloco_node.trust.records import NodeRecord
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +182,7 @@ class Swarm:
 
     def prove(self, round_: int, peers: Collection[str]) -> None:
         """`peers`' contributions passed our checks and went into the mean we applied in `round_`
-        (the AverageResult's group): they are proven peers (swarm/proofs.py)."""
+        (the AverageResult's group): they are proven peers (trust/proofs.py)."""
         self._presence.prove(round_, peers)
 
     def _may_fetch_payload(self, peer: str, round_: int, token: str, group: tuple[str, ...] | None) -> str | None:
@@ -228,28 +230,17 @@ class Swarm:
                 logger.info("round=%d drawn alone; matchmaking under the spare key with %s", round_, ", ".join(among))
         else:
             outcome = self._presence.wait_for_round(round_, timeout, stop, among=among)
-        if among and not spare and outcome in (Outcome.TOGETHER, Outcome.TIMEOUT):
-            # NoLoCo: a drawn partner we have no proof for and that is not ready was not waited
-            # for, and is not matchmade for either (swarm/proofs.py); with none left, the trusted
-            # peers forged records left partnerless as well are met under the spare key
-            drawn = among
-            among = self._presence.drawn_partners(round_, drawn)
-            if drawn and not among:
-                among = self._presence.spare_partners(round_, self._matchmaker.drawn_groups(round_))
-                spare = bool(among)
-                if spare:
-                    logger.info("round=%d drawn partners all dropped; matchmaking once more with %s",
-                                round_, ", ".join(among))
-            outcome = outcome if among else Outcome.ALONE
-        # no counted peer about (before any proof: no anchor), nor (strangers) a newcomer
-        unproven = among is None and outcome in (Outcome.TOGETHER, Outcome.TIMEOUT) and \
-            self._presence.strangers_only(round_, newcomers=False)
-        strangers = unproven and self._presence.strangers_only(round_)
-        if strangers and not self._presence.proofs.may_matchmake_strangers(round_):
-            # the last matchmakings with only unproven peers about found nobody (swarm/proofs.py)
+        # whom to matchmake with: trust/view.py decides (NoLoCo's kept and spare partners, rounds
+        # with strangers only), the transport acts and says so
+        partners = self._presence.view().partners(round_, outcome, among, spare,
+                                                  lambda: self._matchmaker.drawn_groups(round_), self._presence.proofs)
+        outcome, among, spare = partners.outcome, partners.among, partners.spare
+        if partners.respared:
+            logger.info("round=%d drawn partners all dropped; matchmaking once more with %s",
+                        round_, ", ".join(among or ()))
+        if partners.skipped:  # the last matchmakings with only unproven peers about found nobody (trust/proofs.py)
             logger.info("round=%d not matchmaking: no peer about is proven or new, and the last "
                         "matchmaking with them found nobody", round_)
-            outcome = Outcome.ALONE
         if outcome == Outcome.ALONE and held(1, self.min_group_size):
             self._mark_held_before(round_)
             return self._held(round_, 1)
@@ -264,8 +255,8 @@ class Swarm:
             return self._held(round_, candidates)
         if on_ready is not None:
             on_ready()
-        others, fetched = self._matchmaker.group_for(round_, contributing, spare, strangers)
-        if unproven and not others:
+        others, fetched = self._matchmaker.group_for(round_, contributing, spare, partners.strangers)
+        if partners.unproven and not others:
             skip = self._presence.proofs.strangers_missed(round_)
             logger.info("round=%d matchmaking with unproven peers only found nobody; the next %d such "
                         "rounds go alone", round_, skip)
@@ -279,7 +270,7 @@ class Swarm:
         It is marked exchanged only once we pass the next round's barrier: a held round ends the
         moment the barrier lets us through, so a peer that had announced itself ready could still be
         on its way into this barrier, and would read our mark as the run having gone on without it
-        (presence.moved_on) and re-sync for nothing. Its φ is ours, since nobody stepped."""
+        (trust/view.py's moved_on) and re-sync for nothing. Its φ is ours, since nobody stepped."""
         with self._held_lock:
             self._held_rounds = {r for r in self._held_rounds if r >= round_ - 2} | {round_}
         logger.info("round=%d held: a group of %d is below --min-group-size %d, so no outer step",
@@ -311,7 +302,7 @@ class Swarm:
 
     def _shared_state(self, peer: str, metadata: dict[str, Any]) -> None:
         """A joiner we served is vouched for: the barrier waits for it in its first round
-        (swarm/proofs.py), and one handed rounds in flight fetches those rounds' payloads from our group."""
+        (trust/proofs.py), and one handed rounds in flight fetches those rounds' payloads from our group."""
         self._presence.vouch(peer, metadata["round"])
 
     def download_state(self, timeout: float, stop: threading.Event, check_digest: bool,
@@ -323,9 +314,9 @@ class Swarm:
         or `stop` was set."""
         self._presence.read_revocations()  # a revoked server is not asked, even before our first heartbeat
 
-        def others() -> dict[str, records.NodeRecord]:
+        def others() -> dict[str, NodeRecord]:
             # a client cannot be dialled: it serves no state, and its announcements are not asked
-            # for; only the records that decide (swarm/proofs.py), in a fresh run our anchors,
+            # for; only the records that decide (trust/proofs.py), in a fresh run our anchors,
             # choose the state and serve it: free identities announcing a state of their own
             # cannot outvote proven peers
             return {p: r for p, r in self._presence.state_peers().items() if not r.client}

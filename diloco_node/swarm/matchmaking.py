@@ -111,7 +111,7 @@ class Matchmaker:
         """The other members of our group for `round_` (none: we average alone), and any payloads
         already fetched from them; a NoLoCo pair that missed each other tries once more. `spare`:
         NoLoCo, under the round's spare key (groups.SPARE_KEY) rather than our drawn group's.
-        `strangers`: no peer about is proven or new (presence.strangers_only)."""
+        `strangers`: no peer about is proven or new (trust/view.py: Partners.strangers)."""
         others, fetched = self._find_group(round_, contributing, spare, strangers)
         if not others and contributing and not spare and self._drawn_group_failed_too(round_):
             logger.info("round=%d matchmaking failed for our whole drawn group; trying once more", round_)
@@ -142,7 +142,7 @@ class Matchmaker:
         """The other members of our group for `round_`, and any payloads already fetched from them.
         With only `strangers` about, a matchmaking that found nobody looks for no group that
         counted us in: a peer that could have is one whose record also claims it may still fetch
-        (a copy of an honest record does), and unproven peers decide nothing (swarm/proofs.py)."""
+        (a copy of an honest record does), and unproven peers decide nothing (trust/proofs.py)."""
         group, formed = self._form_group(round_, spare)
         others = [peer for peer in group if peer != self.peer_id]
         if others or not contributing or (strangers and not formed):  # nobody fetches from a node that offered nothing

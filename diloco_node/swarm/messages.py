@@ -6,7 +6,7 @@ that a property-based test can drive each with adversarial input (tests/hostile/
 nothing a peer sends may raise out of a handler (docs/architecture.md §9).
 
 The state protocol's messages are parsed in statesync.py (parse_request, parse_header,
-metadata_refusal); the payload answer's metadata in exchange.py (`_parse_meta`).
+trust/state.py's metadata_refusal); the payload answer's metadata in exchange.py (`_parse_meta`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from diloco_node.swarm.seals import Seal, parse_seal
 from diloco_node.swarm.streams import parse_json
+from diloco_node.trust.seals import Seal, parse_seal
 
-MAX_ROUND = 1 << 40  # records.MAX_ROUND: no run gets near
+MAX_ROUND = 1 << 40  # trust/records.py's MAX_ROUND: no run gets near
 MAX_GROUP = 256  # members named in a group: far above any group a run forms
 MAX_PEER_ID_CHARS = 64  # libp2p's base58 ids are 46 or 52 characters
 MAX_TOKEN_CHARS = 1024  # admission.MAX_TOKEN_CHARS

@@ -1,6 +1,8 @@
 """Presence: who is in the run and how far each node has got, kept fresh by a heartbeat.
 
-Also the round barrier built on it, and the refusal of peers whose config differs from ours.
+Also the round barrier built on it, and the refusal of peers whose config differs from ours. Whose
+records decide, whom the barrier waits for and whom we matchmake with is trust/'s (trust/view.py's
+RunView, over our proofs): presence reads the records, asks, and waits, logs and acts.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ from typing import Any
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 
-from diloco_node.admission import Gate
 from diloco_node.errors import NodeError
 from diloco_node.lru import LRUSet
 from diloco_node.round import Outcome
-from diloco_node.swarm import bounded, proofs, records
+from diloco_node.swarm import bounded, records
 from diloco_node.swarm.isolation import Isolation
-from diloco_node.swarm.records import NodeRecord
+from diloco_node.trust import proofs
+from diloco_node.trust.admission import Gate
+from diloco_node.trust.records import MAX_VOUCHED, NodeRecord
+from diloco_node.trust.view import RunView, round_state
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +46,7 @@ REFUSALS_SHOWN = 4  # peers newly refused for their config, named one line each 
 # to 1 s: a peer that arrives at once is seen at once, and a long wait costs a read a second, not three.
 FIRST_POLL_SECONDS = 0.3
 MAX_POLL_SECONDS = 1.0
-# How long the barrier waits for a newcomer (a peer that took a proven peer's state, swarm/proofs.py)
+# How long the barrier waits for a newcomer (a peer that took a proven peer's state, trust/proofs.py)
 # once the proven peers are ready, as a share of the round timeout: a joiner starts its first round
 # a state download later than they did (seconds for a small model, more for a large one, whose
 # runs set a longer round timeout); a forged identity that downloaded our state and never becomes
@@ -50,7 +54,7 @@ MAX_POLL_SECONDS = 1.0
 # next PROOF_ROUNDS rounds unless it is proven (proofs.Proofs.newcomers: one grace for all fresh identities).
 NEWCOMER_GRACE = 0.5
 # How long a NoLoCo node waits for a drawn partner it has no proof for (neither counted nor endorsed
-# by a counted peer, nor a newcomer: swarm/proofs.py), as a share of the round timeout, once its
+# by a counted peer, nor a newcomer: trust/proofs.py), as a share of the round timeout, once its
 # trusted partners are ready: a forged record drawn into our group costs this much, not the round
 # timeout; an honest partner we never met that is later than this misses the round with us.
 STRANGER_GRACE = 0.1
@@ -72,32 +76,6 @@ def polls() -> Iterator[float]:
         poll = min(1.5 * poll, MAX_POLL_SECONDS)
 
 
-def round_state(others: Collection[NodeRecord], round_: int, counted: Collection[str] | None = None,
-                newcomers: Collection[str] = ()) -> Outcome:
-    """Where `others` stand on `round_`: behind (most of the counted ones already exchanged it, so
-    the run went on without us), alone (none is left), together (all the counted ones and the
-    `newcomers` finished their inner phase of it) or waiting.
-
-    `counted`: the peers whose records decide (proofs.counted; None: all). Any peer can publish
-    records claiming a far-ahead round, which would make us drop our work and re-sync, or one that
-    never becomes ready, which would hold the barrier for the round timeout: only proven peers
-    decide and are waited for (and newcomers, once, see proofs.py). Unproven peers that are ready
-    still take part in the round's matchmaking."""
-    if moved_on(proofs.deciding(others, counted), round_):
-        return Outcome.BEHIND
-    if not others:
-        return Outcome.ALONE
-    waited = [r for r in others if counted is None or r.peer_id in counted or r.peer_id in newcomers]
-    if all(r.ready_round >= round_ for r in waited):
-        return Outcome.TOGETHER
-    return Outcome.WAITING
-
-
-def moved_on(others: Collection[NodeRecord], round_: int) -> bool:
-    """Whether more than half of `others` have exchanged `round_`."""
-    return 2 * sum(r.exchanged_round >= round_ for r in others) > len(others)
-
-
 class IncompatibleRun(NodeError, RuntimeError):
     """The run already has nodes with another config; raised before we take part in anything."""
 
@@ -107,7 +85,7 @@ class Presence:
                  isolation: Isolation, signed_by: RSASignatureValidator, gate: Gate, client: bool = False,
                  anchors: Collection[str] = ()):
         """`client`: we accept no inbound connection (reachability.py), and our record says so;
-        `anchors`: the peer ids the operator named with `--peers` (proofs.py)."""
+        `anchors`: the peer ids the operator named with `--peers` (trust/proofs.py)."""
         self._dht, self.peer_id, self.run_id = dht, peer_id, run_id
         self.proofs, self.anchors = proofs.Proofs(peer_id), frozenset(anchors) - {peer_id}
         self.isolation = isolation  # fed by the heartbeat
@@ -168,18 +146,18 @@ class Presence:
                                                exchanged_round=max(round_, self._record.exchanged_round))
 
     def vouch(self, peer: str, round_: int | None = None) -> None:
-        """`peer` took our state: the barrier waits for it in its first round (proofs.py), and it
+        """`peer` took our state: the barrier waits for it in its first round (trust/proofs.py), and it
         may fetch the payloads of rounds we had in flight from our group, which serves them only to
         members and to those a member vouches for. `round_`: the round of the state it took, its
         first (our record's by default)."""
         with self._record_lock:
             self._served_in.pop(peer, None)
             self._served_in[peer] = self._record.round if round_ is None else round_
-            while len(self._served_in) > records.MAX_VOUCHED:
+            while len(self._served_in) > MAX_VOUCHED:
                 del self._served_in[next(iter(self._served_in))]
             if self._record.vouched[-1:] == (peer,):
                 return  # said already: a peer asking again costs us no store
-            vouched = [p for p in self._record.vouched if p != peer][-(records.MAX_VOUCHED - 1):] + [peer]
+            vouched = [p for p in self._record.vouched if p != peer][-(MAX_VOUCHED - 1):] + [peer]
             self._record = dataclasses.replace(self._record, vouched=tuple(vouched))
             self._publish()
 
@@ -190,31 +168,31 @@ class Presence:
             return peer in self._served_in
 
     def prove(self, round_: int, peers: Collection[str]) -> None:
-        """`peers`' checked contributions went into the mean we applied in `round_` (proofs.py); our
+        """`peers`' checked contributions went into the mean we applied in `round_` (trust/proofs.py); our
         record lists our proven peers from the next store on (a joiner anchored on us counts them)."""
         if self.proofs.prove(round_, peers):
             with self._record_lock:
                 self._record = dataclasses.replace(self._record, proven=tuple(sorted(self.proofs.proven())))
 
     def deciding_peers(self, refresh: bool = False) -> dict[str, NodeRecord]:
-        """The live records that decide: those of counted peers (all before any proof), ourselves excluded."""
-        found = self.compatible_peers(refresh=refresh)
-        who = proofs.counted(self.proofs.proven(), self.anchors, found)
-        return {p: r for p, r in found.items() if p != self.peer_id and (who is None or p in who)}
+        """The live records that decide (trust/view.py: RunView.deciding), ourselves excluded."""
+        return self.view(refresh).deciding()
 
     def state_peers(self) -> dict[str, NodeRecord]:
-        """The live records that choose and serve the state we download (proofs.state_sources:
-        the deciding ones, or in a fresh run our anchors), read now, ourselves excluded."""
-        found = self.compatible_peers(refresh=True)
-        who = proofs.state_sources(self.proofs.proven(), self.anchors, found)
-        return {p: r for p, r in found.items() if p != self.peer_id and (who is None or p in who)}
+        """The live records that choose and serve the state we download (RunView.state_sources),
+        read now, ourselves excluded."""
+        return self.view(refresh=True).state_sources()
 
     def unanchored(self) -> bool:
-        """Whether the records choosing our state are every record (proofs.state_sources: no proof
-        of ours, no `--peers` naming a node of the run) while other nodes are about."""
-        found = self.compatible_peers(refresh=True)
-        return any(p != self.peer_id for p in found) and \
-            proofs.state_sources(self.proofs.proven(), self.anchors, found) is None
+        """Whether the records choosing our state are every record while other nodes are about
+        (RunView.unanchored), read now."""
+        return self.view(refresh=True).unanchored()
+
+    def view(self, refresh: bool = False) -> RunView:
+        """The run as we believe it (trust/view.py): the live records of our config (read now with
+        `refresh`, else as of the last read) with our proofs and anchors."""
+        found = self.compatible_peers(refresh=refresh)
+        return RunView(self.peer_id, self.proofs.proven(), self.anchors, found)
 
     def known(self, peer: str, refresh: bool = False) -> NodeRecord | None:
         """`peer`'s record when it is a verified, admitted node of this run with our config (live,
@@ -263,7 +241,7 @@ class Presence:
                 for fingerprint, theirs in published.items()}
 
     def publish_stats(self, **stats: Any) -> None:
-        """Stats for the swarm table (see records.NodeStats); they go out with the next announcement."""
+        """Stats for the swarm table (see trust/records.py's NodeStats); they go out with the next announcement."""
         self._stats = {**self._stats, **stats}
 
     def compatible_peers(self, refresh: bool = False) -> dict[str, NodeRecord]:
@@ -279,9 +257,7 @@ class Presence:
 
     def present(self) -> int:
         """How many nodes --min-peers sees (ourselves included): see `wait_for_peers`."""
-        found = self.compatible_peers(refresh=True)
-        who = proofs.counted(self.proofs.proven(), self.anchors, found)
-        return len(found) if who is None else 1 + len(who.intersection(found) - {self.peer_id})
+        return self.view(refresh=True).present()
 
     def departed_after(self, round_: int) -> list[str]:
         """Compatible nodes that left (within RECORD_TTL) after exchanging `round_` (as of the last
@@ -309,7 +285,7 @@ class Presence:
         phase of `round_`.
 
         Only proven peers are waited for up to `timeout` (of NoLoCo's drawn group: the trusted
-        ones, proofs.trusted); a newcomer (proofs.py) for at most NEWCOMER_GRACE of it once they
+        ones, proofs.trusted); a newcomer (trust/proofs.py) for at most NEWCOMER_GRACE of it once they
         are ready, as anyone can take our state under a fresh identity and never become ready; any
         other drawn partner for STRANGER_GRACE of it, as anyone can publish a record that is drawn.
 
@@ -323,7 +299,7 @@ class Presence:
         counted_ready_at: float | None = None  # when every counted peer was ready, the others aside
         while True:
             others = self._others(among)
-            counted, newcomers, strangers = self._waited_for(others, round_, among)
+            counted, newcomers, strangers = self.view().waited_for(others, round_, among, self.proofs)
             # once the counted peers are ready, each of the others is waited for its grace only
             late = 0.0 if counted_ready_at is None else time.monotonic() - counted_ready_at
             pending = {*(newcomers if late <= NEWCOMER_GRACE * timeout else ()),
@@ -341,7 +317,7 @@ class Presence:
                 for word, peers in (("newcomer", newcomers - pending), ("unproven partner", strangers - pending)):
                     if unready := sorted(p for p in peers if others[p].ready_round < round_):
                         logger.info("round=%d not waiting longer for %s %s", round_, word, ", ".join(unready))
-                        if word == "newcomer":  # no other newcomer is waited for a while (proofs.py)
+                        if word == "newcomer":  # no other newcomer is waited for a while (trust/proofs.py)
                             self.proofs.late_newcomers(round_, unready)
                 return state
             if counted_ready_at is None and (newcomers or strangers) and \
@@ -368,64 +344,26 @@ class Presence:
         return self.proofs.newcomers(unseen, round_) if unseen else set()
 
     def round_state(self, round_: int, among: Collection[str] | None = None) -> Outcome:
-        """Where the others (of `among`, when given) stand on `round_` right now; see `round_state`."""
+        """Where the others (of `among`, when given) stand on `round_` right now; see trust/view.py's `round_state`."""
         others = self._others(among)
-        counted, newcomers, strangers = self._waited_for(others, round_, among)
+        counted, newcomers, strangers = self.view().waited_for(others, round_, among, self.proofs)
         return round_state(others.values(), round_, counted, newcomers | strangers)
 
     def strangers_only(self, round_: int, newcomers: bool = True) -> bool:
         """Whether none of the other live records is of a peer worth a matchmaking window in
-        `round_`: counted (before any proof: an anchor that is a node of the run, proofs.known) or,
-        with `newcomers`, a newcomer in its first round. A record that copies an honest one is
-        ready whenever it is and never matchmakes: with only such records about, matchmakings are
-        spaced out (proofs.Proofs.may_matchmake_strangers)."""
-        found = self.compatible_peers()
-        expected = proofs.known(self.proofs.proven(), self.anchors, found) | \
-            (self.proofs.granted(round_) if newcomers else set())
-        return not any(p in expected for p in found if p != self.peer_id)
+        `round_` (RunView.strangers_only), with `newcomers`, the newcomers granted their first
+        round, counting as worth one."""
+        return self.view().strangers_only(self.proofs.granted(round_) if newcomers else set())
 
     def drawn_partners(self, round_: int, among: Collection[str]) -> list[str]:
         """Those of NoLoCo's drawn partners `among` worth matchmaking with once the barrier is
-        passed: the trusted ones (proofs.trusted; all before any proof), and the others that are
-        ready for `round_`. A forged record drawn with us is thus never matchmade for. A partner
-        whose record already trains a later round is not either: it averaged `round_` without us
-        (NoLoCo marks no exchanged round), and matchmaking for it would only wait out its timeout,
-        twice (seen when two nodes' views of the records differed and so did their draws)."""
-        found = self.compatible_peers()
-        trusted = proofs.trusted(self.proofs.proven(), self.anchors, found)
-        return [p for p in among if not (p in found and found[p].round > round_)
-                and (trusted is None or p in trusted or (p in found and found[p].ready_round >= round_))]
+        passed (RunView.drawn_partners)."""
+        return self.view().drawn_partners(round_, among)
 
     def spare_partners(self, round_: int, groups: list[list[str]]) -> list[str]:
         """NoLoCo: whom we matchmake with once more, under the round's spare key, when every drawn
-        partner of ours was dropped (`drawn_partners` kept none): the peers we trust
-        (proofs.trusted) that are at `round_` and, as we see the run, were drawn only with peers
-        that are neither trusted by us nor ready, so they will have dropped theirs too. Forged
-        records dilute the draws (an honest partner with probability (h − 1)/(h + k − 1)); here
-        the honest nodes they left partnerless find each other (docs/architecture.md §9). Empty
-        before any proof (a drawn group then counts whole, nobody is dropped) and when no such
-        peer exists. A trusted odd one out of the draw (a group of one) is one too: it looks for
-        spare partners itself (`odd_spare_partners`)."""
-        found = self.compatible_peers()
-        trusted = proofs.trusted(self.proofs.proven(), self.anchors, found)
-        if trusted is None:
-            return []
-
-        def kept(peer: str) -> bool:  # what drawn_partners keeps, as far as we can see it
-            record = found.get(peer)
-            return record is not None and record.round <= round_ and \
-                (peer in trusted or record.ready_round >= round_)
-
-        spare = []
-        for group in groups:
-            if self.peer_id in group:
-                continue
-            for peer in group:
-                record = found.get(peer)
-                if peer in trusted and record is not None and record.round == round_ and \
-                        not any(kept(other) for other in group if other != peer):
-                    spare.append(peer)
-        return spare
+        partner of ours was dropped (RunView.spare_partners)."""
+        return self.view().spare_partners(round_, groups)
 
     def odd_spare_partners(self, round_: int, groups: list[list[str]], timeout: float,
                            stop: threading.Event) -> list[str]:
@@ -444,38 +382,13 @@ class Presence:
             self.recent_peers()  # the partners' records, fresh (at most one read per 2 s)
         return spare
 
-    def _waited_for(self, others: dict[str, NodeRecord], round_: int,
-                    among: Collection[str] | None) -> tuple[set[str] | None, set[str], set[str]]:
-        """Whose records decide and are waited for up to the timeout (proofs.counted; NoLoCo's drawn
-        group `among`: those of it proofs.trusted); the newcomers waited for in `round_` for
-        NEWCOMER_GRACE: unproven peers that took the state of a counted peer or ours (its record
-        vouches for them) and are at `round_`, each in one round only (proofs.Proofs.newcomers);
-        and the strangers, NoLoCo's other drawn partners, waited for STRANGER_GRACE."""
-        found = self.compatible_peers()
-        vouchers = proofs.counted(self.proofs.proven(), self.anchors, found)
-        # before any proof, those our anchors or we served: every record is waited for then, but a
-        # newcomer's first round is still one worth matchmaking for (strangers_only)
-        vouched = proofs.vouched_by(found, (vouchers or proofs.known((), self.anchors, found)) | {self.peer_id})
-        candidates = [p for p in vouched if p in others and (vouchers is None or p not in vouchers)
-                      and (others[p].round == round_ or others[p].ready_round >= round_)]
-        newcomers = self.proofs.newcomers(candidates, round_)
-        if vouchers is None:  # before any proof every record counts, a drawn group whole (proofs.py)
-            return (None if among is None else set(among)), set(), set()
-        counted = vouchers if among is None else \
-            set(among) & (vouchers | proofs.endorsed(vouchers, found))  # proofs.trusted
-        newcomers -= counted
-        strangers = set() if among is None else {p for p in others if p not in counted and p not in newcomers}
-        return counted, newcomers, strangers
-
     def _others(self, among: Collection[str] | None) -> dict[str, NodeRecord]:
         return {p: r for p, r in self._fetch().items()
                 if p != self.peer_id and r.fingerprint == self.fingerprint and (among is None or p in among)}
 
     def all_past(self, round_: int) -> bool:
-        """Whether every other live node that decides (proofs.py) has already exchanged `round_`
-        (so we are behind them)."""
-        others = self.deciding_peers(refresh=True).values()
-        return bool(others) and all(r.exchanged_round >= round_ for r in others)
+        """Whether every other live node that decides has already exchanged `round_` (RunView.all_past), read now."""
+        return self.view(refresh=True).all_past(round_)
 
     def isolated(self) -> bool:
         """Cut off from every peer (swarm/isolation.py), as of our last look at the run's records
@@ -485,9 +398,8 @@ class Presence:
         return self.isolation.cut_off([p for p in self.compatible_peers() if p != self.peer_id])
 
     def ahead_of(self, round_: int) -> bool:
-        """Whether most other live nodes of the run that decide (proofs.py) have already exchanged
-        `round_` (we are behind)."""
-        return moved_on(list(self.deciding_peers(refresh=True).values()), round_)
+        """Whether most other live nodes that decide have already exchanged `round_` (RunView.ahead_of), read now."""
+        return self.view(refresh=True).ahead_of(round_)
 
     def served_diverged(self, among: Collection[str]) -> bool:
         """Whether the state we serve, as our record last announced it, differs from the one most
@@ -497,18 +409,9 @@ class Presence:
         return self.diverged(ours.served_round, ours.served_digest, among, served=True)
 
     def diverged(self, round_: int, digest: str, among: Collection[str], served: bool = False) -> bool:
-        """Whether our φ differs from the canonical φ for the start of `round_` of `among`, the
-        group we averaged that round with (ourselves included); `served`: whether the state we
-        serve, settled up to `round_`, differs from the one the group serves (overlapped modes).
-
-        φ can split when an exchange fails on one side only (one node got the other's payload,
-        the other did not); the nodes holding a non-canonical φ re-sync. Only the group's records
-        count: records of peers that averaged nothing with us, which anyone can publish in any
-        number, cannot outvote the group and make us drop our φ.
-        """
-        group = [r for p, r in self.compatible_peers().items() if p in among]
-        canonical = records.canonical_digest(group, round_, served)
-        return canonical is not None and digest != canonical
+        """Whether our φ (`served`: the state we serve) differs from the canonical one of `among`,
+        the group we averaged `round_` with (RunView.diverged)."""
+        return self.view().diverged(round_, digest, among, served)
 
     def leave(self) -> None:
         if not self._heartbeat.is_alive():

@@ -1,12 +1,13 @@
-"""Presence records: who is in the run, with which config, how far each node has got, and its stats.
+"""Presence records in the DHT: storing ours, reading the run's (the record's schema and what the
+records decide together are trust/records.py's; whose records count, trust/proofs.py's).
 
 Every node keeps one record under the DHT key `<run_id>_nodes`, refreshed by a heartbeat so that a
 crashed node's record expires on its own. The subkey carries the public key of the node's libp2p
 identity, so hivemind's RSASignatureValidator signs the record with the key the peer id is derived
 from: nobody else can overwrite it, and a record counts only when that key hashes to the peer id it
-claims (anyone can make keys, but not someone else's). The same pydantic schema is enforced by the
-DHT on store (SchemaValidator) and by us on read, so a peer that writes nonsense is ignored and
-cannot break the barrier or the dashboard.
+claims (anyone can make keys, but not someone else's: trust/peer_ids.py). The same pydantic schema
+(trust/records.py) is enforced by the DHT on store (SchemaValidator) and by us on read, so a peer
+that writes nonsense is ignored and cannot break the barrier or the dashboard.
 
 A permissioned run's revocations live under `<run_id>_revoked`, one subkey per owner-signed token
 (the subkey, not the value: a value can be replaced by anyone storing a later one, a subkey cannot
@@ -22,16 +23,13 @@ another config on a fingerprint.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Collection
 from typing import Any
 
 import pydantic.v1 as pydantic  # hivemind's SchemaValidator speaks pydantic v1
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
@@ -42,27 +40,18 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from diloco_node import admission
 from diloco_node.fingerprint import fingerprint_of
-from diloco_node.identity import peer_id_of_public_key
 from diloco_node.lru import trim_oldest
 from diloco_node.swarm import bounded
+from diloco_node.trust import admission
+from diloco_node.trust.peer_ids import peer_id_of_ssh_key
+from diloco_node.trust.records import NodeRecord, NodeValue, Token, parse_record
 
 logger = logging.getLogger(__name__)
 
 CONFIG_TTL = 3600.0  # seconds a published config stays; nodes store theirs again every half of it
 RECORD_TTL = 25.0  # seconds; a node silent for this long is treated as gone (presence.REFRESH_SECONDS)
 REVOCATION_TTL = 365 * 86400.0  # a revocation stays for as long as any admission is likely to
-MAX_VOUCHED = 8
-MAX_PROVEN = 16  # peers a record lists as proven by its node (swarm/proofs.py)
-MAX_ROUND = 1 << 40  # no run gets near; a larger round is a lie that would overflow what we publish
-Token = pydantic.constr(strict=True, max_length=1024)
-NodeCount = pydantic.conint(strict=True, ge=0, le=1 << 62)
-Seconds = pydantic.confloat(strict=True, ge=0, le=1e12)
-ByteRate = pydantic.confloat(strict=True, ge=0, le=1e13)  # bytes/s: 80 Tbit/s is no link of today
-PeerIdText = pydantic.constr(strict=True, max_length=64)  # libp2p's base58 ids are 46 or 52 characters
-Hash = pydantic.constr(strict=True, max_length=64)  # our digests and fingerprints are 16 hex digits
-Round = pydantic.conint(strict=True, ge=-1, le=MAX_ROUND)
 # The most bytes one record's value may take (after its signature is stripped): a node's record is
 # ~0.6 KB (~3 KB with an admission, 8 vouched and 16 proven peers; the caps and link rates of the stats
 # add ~130 B, their largest stats are 555 B of msgpack), a config ~2 KB; a 3 MB digest was stored before
@@ -70,52 +59,6 @@ Round = pydantic.conint(strict=True, ge=-1, le=MAX_ROUND)
 MAX_NODE_RECORD_BYTES = 4096
 MAX_CONFIG_BYTES = 32768
 MAX_REVOCATION_BYTES = 16
-
-
-class NodeStats(pydantic.BaseModel):
-    """What the swarm table shows about a node; published with its presence every heartbeat."""
-
-    label: pydantic.constr(strict=True, max_length=64) = ""  # type: ignore[valid-type]
-    rounds: NodeCount = 0  # type: ignore[valid-type]
-    bytes_sent: NodeCount = 0  # type: ignore[valid-type]
-    bytes_received: NodeCount = 0  # type: ignore[valid-type]
-    last_round_bytes_sent: NodeCount = 0  # type: ignore[valid-type]
-    last_round_bytes_received: NodeCount = 0  # type: ignore[valid-type]
-    wire_bytes_sent: NodeCount | None = None  # type: ignore[valid-type]  # None: the node can't measure its wire
-    wire_bytes_received: NodeCount | None = None  # type: ignore[valid-type]
-    last_exchange_seconds: Seconds = 0.0  # type: ignore[valid-type]
-    utilization: pydantic.confloat(strict=True, ge=0, le=1) | None = None  # type: ignore[valid-type]
-    time: Seconds = 0.0  # type: ignore[valid-type]  # unix time of the last update
-    # what its last round trained (--round-seconds: it differs per node, docs/architecture.md §13)
-    last_round_inner_steps: NodeCount = 0  # type: ignore[valid-type]
-    last_round_tokens: pydantic.confloat(strict=True, ge=0, le=1e15) = 0.0  # type: ignore[valid-type]
-    last_round_tokens_per_second: pydantic.confloat(strict=True, ge=0, le=1e15) = 0.0  # type: ignore[valid-type]
-    # its caps (0: none) and its link's mean rates over its last round (None: unmeasured), bytes/s
-    upload_limit_bytes_per_second: ByteRate = 0.0  # type: ignore[valid-type]
-    download_limit_bytes_per_second: ByteRate = 0.0  # type: ignore[valid-type]
-    egress_bytes_per_second: ByteRate | None = None  # type: ignore[valid-type]
-    ingress_bytes_per_second: ByteRate | None = None  # type: ignore[valid-type]
-    last_round_weight: pydantic.confloat(strict=True, ge=0, le=1) = 0.0  # type: ignore[valid-type]  # its share of the mean
-
-    class Config:
-        extra = pydantic.Extra.forbid
-
-
-class NodeValue(pydantic.BaseModel):
-    peer_id: PeerIdText  # type: ignore[valid-type]
-    fingerprint: Hash  # type: ignore[valid-type]
-    round: Round  # type: ignore[valid-type]
-    ready_round: Round  # type: ignore[valid-type]
-    exchanged_round: Round  # type: ignore[valid-type]
-    digest: Hash  # type: ignore[valid-type]
-    served_round: Round = -1  # type: ignore[valid-type]
-    served_digest: Hash = ""  # type: ignore[valid-type]
-    left: pydantic.StrictBool = False
-    stats: NodeStats = NodeStats()
-    admission: Token = ""  # type: ignore[valid-type]  # permissioned runs: the owner's token for this peer
-    vouched: pydantic.conlist(PeerIdText, max_items=MAX_VOUCHED) = []  # type: ignore[valid-type]
-    client: pydantic.StrictBool = False
-    proven: pydantic.conlist(PeerIdText, max_items=MAX_PROVEN) = []  # type: ignore[valid-type]
 
 
 class RunRecords(pydantic.BaseModel):
@@ -176,65 +119,7 @@ def bound_peer_id(subkey: bytes) -> str | None:
     """The peer id of the libp2p key that signed a record stored under `subkey` (the DHT checked
     the signature on store), None when the subkey holds no RSA key."""
     keys = RSASignatureValidator._PUBLIC_KEY_RE.findall(subkey)
-    if len(keys) != 1:
-        return None
-    try:
-        key = serialization.load_ssh_public_key(keys[0])
-    except (ValueError, TypeError):
-        return None
-    return peer_id_of_public_key(key) if isinstance(key, rsa.RSAPublicKey) else None
-
-
-@dataclass(frozen=True)
-class NodeRecord:
-    peer_id: str
-    fingerprint: str
-    round: int  # the round the node is training or averaging
-    ready_round: int  # the last round whose inner phase it finished (-1: none yet)
-    digest: str  # hash of the node's φ at the start of `round`
-    stats: dict[str, Any] = field(default_factory=dict)
-    exchanged_round: int = -1  # the last round whose exchange this node completed
-    admission: str = ""
-    vouched: tuple[str, ...] = ()  # joiners we handed rounds in flight: they may fetch those rounds' payloads
-    # the state the node serves to joiners (OuterState.served): the first round whose mean it
-    # lacks and the digest of φ and the momentum as sent; equal on nodes that applied the same means
-    served_round: int = -1
-    served_digest: str = ""
-    client: bool = False  # accepts no inbound connection (reachability.py): owns no part, serves nothing
-    proven: tuple[str, ...] = ()  # peers whose checked work this node used recently (swarm/proofs.py)
-
-    def may_still_fetch(self, round_: int) -> bool:
-        """Whether this node may still fetch a payload of `round_`: it has neither completed that
-        round's exchange nor gone past the round after it (an overlapped exchange of round r runs
-        during round r + 1). A group member whose fetch failed moves on without it."""
-        return self.exchanged_round < round_ and self.round <= round_ + 1
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"peer_id": self.peer_id, "fingerprint": self.fingerprint, "round": self.round,
-                "ready_round": self.ready_round, "exchanged_round": self.exchanged_round,
-                "digest": self.digest, "served_round": self.served_round, "served_digest": self.served_digest,
-                "left": False,
-                # every field spelled out: the DHT's SchemaValidator refuses values that need defaults filled in
-                "stats": NodeStats(**self.stats).dict(), "admission": self.admission,
-                "vouched": list(self.vouched), "client": self.client, "proven": list(self.proven)}
-
-    @classmethod
-    def from_wire(cls, value: Any, left: bool = False) -> NodeRecord | None:
-        """A live node's record (a departed node's, with `left`), or None for anything else."""
-        parsed = _parse(value)
-        return parsed[0] if parsed is not None and parsed[1] == left else None
-
-
-def _parse(value: Any) -> tuple[NodeRecord, bool] | None:
-    """A record on the wire → the record and whether its node left; None when malformed."""
-    try:
-        parsed = NodeValue.parse_obj(value)
-    except (pydantic.ValidationError, TypeError):
-        return None
-    return NodeRecord(parsed.peer_id, parsed.fingerprint, parsed.round, parsed.ready_round,
-                      parsed.digest, parsed.stats.dict(), parsed.exchanged_round, parsed.admission,
-                      tuple(parsed.vouched), parsed.served_round, parsed.served_digest, parsed.client,
-                      tuple(parsed.proven)), parsed.left
+    return peer_id_of_ssh_key(keys[0]) if len(keys) == 1 else None
 
 
 def records_key(run_id: str) -> str:
@@ -328,7 +213,7 @@ def fetch(dht: DHT, run_id: str) -> tuple[dict[str, NodeRecord], dict[str, NodeR
     live: dict[str, NodeRecord] = {}
     departed: dict[str, NodeRecord] = {}
     for subkey, item in items:
-        parsed = _parse(item.value)
+        parsed = parse_record(item.value)
         # signed (the DHT checked) by the libp2p key of the peer the record claims to be
         if parsed is not None and _signer(subkey) == parsed[0].peer_id:
             (departed if parsed[1] else live)[parsed[0].peer_id] = parsed[0]
@@ -349,58 +234,6 @@ def _signer(subkey: bytes) -> str | None:
     signer = _SIGNERS[subkey] = bound_peer_id(subkey)
     trim_oldest(_SIGNERS, _SIGNERS_KEPT)
     return signer
-
-
-def canonical_digest(nodes: Iterable[NodeRecord], round_: int, served: bool = False) -> str | None:
-    """The φ digest more nodes at the start of `round_` hold than any other (`served`: the digest of
-    the state most nodes serve with `round_` as its settled round); None when none is held. A tie
-    goes to the digest of the holder that comes first in the round's draw (`tie_order`).
-
-    Every node evaluates this on the same records, so all reach the same verdict, and one side of
-    an even split (a pair that split) re-syncs from the other: left to nobody, a split pair stayed
-    split for good and no joiner could find a state two servers agree on. The tie-break by peer id
-    went to whoever generated the smaller key (an attacker, in a pair), and one by the digests to
-    whoever ground its φ; the round's draw gives any key about half the ties, and what a winner can
-    make the other install is bounded by outer/reach.py (docs/architecture.md §9).
-    """
-    holders: dict[str, list[str]] = {}
-    for record in nodes:
-        at, digest = (record.served_round, record.served_digest) if served else (record.round, record.digest)
-        if at == round_ and digest:
-            holders.setdefault(digest, []).append(record.peer_id)
-    if not holders:
-        return None
-    most = max(len(peers) for peers in holders.values())
-    tied = {digest: peers for digest, peers in holders.items() if len(peers) == most}
-    return min(tied, key=lambda digest: min(tie_order(round_, peer) for peer in tied[digest]))
-
-
-def tie_order(round_: int, peer: str) -> bytes:
-    """Where `peer` comes in `round_`'s draw: a hash of both, so no key comes first in every round
-    (each comes first in about half of them against another), and every node draws alike."""
-    return hashlib.sha256(f"{round_}:{peer}".encode()).digest()
-
-
-def reference_state(nodes: Iterable[NodeRecord]) -> tuple[int, str] | None:
-    """The served state (settled round, digest) most of `nodes` announce: the one a joiner takes,
-    so that one peer's claim alone cannot choose it (`nodes`: the records that decide, see
-    swarm/proofs.py, so that free identities cannot outvote proven peers). None when two or more
-    nodes serve and no state has more announcers than every other and at least two of them: then
-    nothing tells an honest server from a lying one (a tie never goes to the later round, which
-    anyone can claim)."""
-    counts: dict[tuple[int, str], int] = {}
-    for record in nodes:
-        if record.served_digest:
-            state = (record.served_round, record.served_digest)
-            counts[state] = counts.get(state, 0) + 1
-    if not counts:
-        return None
-    ranked = sorted(counts.values(), reverse=True)
-    if len(counts) == 1 and ranked[0] == 1:
-        return next(iter(counts))  # the only node serving
-    if ranked[0] < 2 or (len(ranked) > 1 and ranked[1] == ranked[0]):
-        return None
-    return max(counts, key=lambda state: counts[state])
 
 
 # The fingerprint's keys that --model sets: a preset's shape (train/presets.py) and, for a Hugging Face

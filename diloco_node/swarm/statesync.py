@@ -3,7 +3,7 @@
 Over our own libp2p stream handler rather than hivemind's load_state_from_peers, which takes the
 state from whichever peer claims the highest priority in an unsigned DHT key that anyone can
 write, serves anyone who asks, and checks neither size nor content. Here the downloader picks
-among the run's verified records (swarm/records.py), the server serves only admitted peers, the
+among the run's verified records (whose, and in which order: trust/state.py), the server serves only admitted peers, the
 transfer is bounded in bytes (known from the model's size) and in time (an inactivity timeout and
 a least rate), and the result is checked by `accept` (φ's digest against the round's records, in
 runs whose φ is the same on every node); a failure is logged and the next peer is tried.
@@ -19,7 +19,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +28,10 @@ import torch
 from diloco_node.errors import NodeError
 from diloco_node.rates import format_rate
 from diloco_node.replica.layout import digest
-from diloco_node.swarm.records import NodeRecord, reference_state
 from diloco_node.swarm.streams import HEADER_LEN, Limits, Streams, StreamService, parse_json, receive, send
 from diloco_node.telemetry.progress import Progress
+from diloco_node.trust.records import NodeRecord, reference_state
+from diloco_node.trust.state import announced_states, catch_up_target, metadata_refusal, servers_in_order
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +56,9 @@ STATE_RETRY_SECONDS = 1.0  # between state downloads that found no peer sharing
 # a few rounds, for nodes one round apart to meet
 AGREEMENT_WAIT_SECONDS = 30.0
 AGREEMENT_POLLS, AGREEMENT_POLL_SECONDS = 10, 0.5  # reading the records again after a download
-# A state the run has moved past while it downloaded (rounds shorter than the download) is caught up
-# on from the means of the rounds since (docs/architecture.md §14) when it is at most this many
-# rounds behind (payload servers keep their offers about that long, swarm/exchange.py), in at most
-# this many passes (the run goes on while the means are fetched; each pass fetches fewer rounds)
-CATCH_UP_ROUNDS = 10
+# A state the run has moved past while it downloaded is caught up on in at most this many passes
+# (the run goes on while the means are fetched; each pass fetches fewer rounds; how far behind a
+# state may be: trust/state.py's CATCH_UP_ROUNDS)
 CATCH_UP_PASSES = 4
 
 SharedState = tuple[dict[str, Any], list[torch.Tensor]]  # metadata, flat fp32 vectors (φ first)
@@ -79,11 +78,6 @@ MAX_SERVES = 2  # state transfers served at once, each holding at most one snaps
 SNAPSHOT_REUSE_SECONDS = 5.0  # a serve under way lends its snapshot to requests this recent
 # one state request per peer at a time, and a few a second: a joiner asks each server once per retry
 STATE_LIMITS = Limits(per_peer=1, total=16, rate=1.0, burst=4.0)
-# How far a served round may lead the records: a record lags its node by the rounds it ran between
-# announcing and our read (a solo node of a test runs several a second), a lie of 10^30 does not
-MAX_ROUNDS_AHEAD = 16
-MAX_ROUND = 1 << 40  # no run gets near; anything beyond is a lie that would break our own records
-MAX_ROUNDS_IN_FLIGHT = 8  # above what any server holds (outer/state.py checks the exact bound)
 MAX_METADATA_DEPTH = 3  # the header {"metadata": {"in_flight": [...]}}
 
 @dataclass
@@ -150,45 +144,9 @@ def least_rate(announced: float | None, own_cap: float) -> float:
     return min(LEAST_RATE, max(STATE_LEAST_RATE, min(caps))) if caps else LEAST_RATE
 
 
-def lower_median(rounds: Sequence[int]) -> int:
-    ordered = sorted(rounds)
-    return ordered[(len(ordered) - 1) // 2]
-
-
-def metadata_refusal(metadata: Any, server: str, others: dict[str, NodeRecord]) -> str | None:
-    """Why a state's metadata (outside φ's digest) is not taken from `server`, checked against the
-    run's records `others`; None when it may be. The server must name itself (the joiner completes
-    the rounds in flight from the group of the server named), and its round and rounds in flight
-    must be ones the records show: no more than MAX_ROUNDS_AHEAD past the furthest record of the
-    other nodes (the server's own, when it is alone: its own record cannot vouch for it otherwise)."""
-    if not isinstance(metadata, dict):
-        return "malformed metadata"
-    if metadata.get("server") != server:
-        return f"it names another server ({str(metadata.get('server'))[:60]!r})"
-    round_, in_flight = metadata.get("round"), metadata.get("in_flight", [])
-    if isinstance(round_, bool) or not isinstance(round_, int) or not 0 <= round_ <= MAX_ROUND:
-        return f"malformed round {str(round_)[:20]!r}"
-    if not (isinstance(in_flight, list) and len(in_flight) <= MAX_ROUNDS_IN_FLIGHT
-            and all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < round_ for r in in_flight)):
-        return "malformed rounds in flight"
-    if not isinstance(metadata.get("has_momentum", False), bool):
-        return "malformed momentum flag"
-    if server not in others:
-        return "it has no record in the run"
-    shown = max((r.round for p, r in others.items() if p != server), default=others[server].round)
-    if round_ > shown + MAX_ROUNDS_AHEAD:
-        return f"its round {round_} is far ahead of the run's records (round {shown})"
-    return None
-
-
 class DisputedState(NodeError, RuntimeError):
     """A joiner with no root of trust (no proof, no `--peers` naming a node of the run) found the
     run's records announcing different states: nothing tells the run's from a forged one."""
-
-
-def announced_states(others: Iterable[NodeRecord]) -> set[tuple[int, str]]:
-    """The distinct (settled round, digest) states `others` announce serving."""
-    return {(r.served_round, r.served_digest) for r in others if r.served_digest}
 
 
 def await_one_state(peers: Callable[[], dict[str, NodeRecord]], wait: float, stop: threading.Event) -> int:
@@ -357,21 +315,6 @@ class StateService(StreamService):
         return metadata, list(flat.split(self._numel))
 
 
-def servers_in_order(others: dict[str, NodeRecord], reference: tuple[int, str] | None) -> list[str]:
-    """Whom to ask for the run's state, in order: the nodes serving the state most of the run
-    announces, then the others, furthest round first; a record further ahead than
-    MAX_ROUNDS_AHEAD past what most nodes announce comes last (anyone can announce a huge round
-    to be asked first)."""
-    shown = lower_median([r.round for r in others.values()]) if others else 0
-
-    def order(peer: str) -> tuple[bool, bool, int, str]:
-        record = others[peer]
-        ahead = record.round > shown + MAX_ROUNDS_AHEAD
-        return (record.served_round, record.served_digest) != reference, ahead, -min(record.round, shown), peer
-
-    return sorted(others, key=order)
-
-
 def settled_state(shared: SharedState) -> tuple[int, str] | None:
     """What a downloaded state's server announces for it: the first round whose mean it lacks and
     the digest of all it sends, φ and the momentum (outer/state.Served); None when malformed."""
@@ -410,17 +353,6 @@ def agreement(shared: SharedState, peers: Callable[[], dict[str, NodeRecord]], s
     wanted = "no state two nodes agree on" if reference is None else \
         f"settled round {reference[0]}, digest {reference[1]}"
     return f"its state (settled round {got[0]}, digest {got[1]}) is not the run's ({wanted})"
-
-
-def catch_up_target(got: tuple[int, str], reference: tuple[int, str] | None, server: NodeRecord | None) -> int | None:
-    """The settled round to catch a downloaded state up to, from `got` (its settled round and
-    digest): the run's (`reference`, what the records agree on) when the state is 1 …
-    CATCH_UP_ROUNDS rounds older and its server (`server`, its record) announces the run's state
-    itself, so that the rounds between are ones it averaged and their groups are its to name. None
-    when it is not to be caught up: current, newer, too far behind, or the run agrees on nothing."""
-    if reference is None or server is None or (server.served_round, server.served_digest) != reference:
-        return None
-    return reference[0] if 0 < reference[0] - got[0] <= CATCH_UP_ROUNDS else None
 
 
 def agreed_records(peers: Callable[[], dict[str, NodeRecord]],

@@ -112,7 +112,7 @@ class RoundReporter:
         return record
 
     def peer_stats(self, record: RoundRecord) -> dict[str, Any]:
-        """What our presence record publishes after `record`'s round (records.NodeStats' fields)."""
+        """What our presence record publishes after `record`'s round (trust/records.py's NodeStats fields)."""
         seconds = record.round_seconds
         def mean_rate(moved: int | None) -> float | None:  # the link's bytes/s over the round, all traffic
             return round(moved / seconds, 1) if moved is not None and seconds > 0 else None

@@ -265,7 +265,7 @@ def owner(numel: int, me: str, namespace: str, key: rsa.RSAPrivateKey):
     from diloco_node.codec import CodecConfig, make_codec  # the formats only: no node code runs here
     from diloco_node.round import part_bounds
     from diloco_node.swarm.butterfly import digest
-    from diloco_node.swarm.seals import Sealer, statement
+    from diloco_node.trust.seals import Sealer, statement
 
     sealer = Sealer(key)
 

@@ -21,8 +21,8 @@ from diloco_node.outer.averaging import Averaging
 from diloco_node.round import Gathered, Outcome, PartIn, Reduced, Reducer
 from diloco_node.swarm.butterfly import Butterfly, digest
 from diloco_node.swarm.messages import Told
-from diloco_node.swarm.seals import statement
 from diloco_node.swarm.streams import Streams
+from diloco_node.trust.seals import statement
 from tests.hostile.test_deviation import MEMORY_SLACK, MOMENTUM, OUTER_LR, ROUNDS, peak_memory, twin_run
 from tests.integration.conftest import NodeFactory
 from tests.integration.test_butterfly import NUMEL, run_round

@@ -74,7 +74,7 @@ def forging_process(peer: str, mode: str) -> Iterator[subprocess.Popen[str]]:
 @contextlib.contextmanager
 def bootstrap_only(peer: str) -> Iterator[str]:
     """A plain hivemind DHT peer joined to `peer`'s DHT, no node of the run; its multiaddr. A joiner
-    naming it with --peer has no anchor (swarm/proofs.py): every record counts for the state it
+    naming it with --peer has no anchor (trust/proofs.py): every record counts for the state it
     takes, as for a joiner bootstrapped from a public DHT peer (the known limit of §9)."""
     dht = DHT(initial_peers=[peer], host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     try:

@@ -23,23 +23,24 @@ from hivemind.dht.validation import DHTRecord
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diloco_node.admission import Claims, Gate, sign
 from diloco_node.codec import CodecConfig, CodecError, make_codec, wire
-from diloco_node.identity import peer_id_of_public_key
 from diloco_node.outer import verify
 from diloco_node.swarm import messages, records
 from diloco_node.swarm.exchange import _parse_meta
-from diloco_node.swarm.records import NodeRecord, RunValidator
-from diloco_node.swarm.seals import Sealer, sealed_by
+from diloco_node.swarm.records import RunValidator
 from diloco_node.swarm.statesync import (
     Admission,
     StateRefused,
-    metadata_refusal,
     parse_header,
     parse_request,
-    servers_in_order,
 )
 from diloco_node.swarm.streams import parse_json
+from diloco_node.trust import records as trust_records
+from diloco_node.trust.admission import Claims, Gate, sign
+from diloco_node.trust.peer_ids import peer_id_of_public_key
+from diloco_node.trust.records import NodeRecord
+from diloco_node.trust.seals import Sealer, sealed_by
+from diloco_node.trust.state import metadata_refusal, servers_in_order
 
 CASES_PER_HANDLER = int(os.environ.get("FUZZ_CASES", "10000"))
 BATCH = 10  # cases per Hypothesis example: its own overhead per example is larger than a parse
@@ -279,7 +280,7 @@ def test_state_metadata(rng: random.Random) -> None:
     server = rng.choice([PEER, OTHER])
     why = metadata_refusal(metadata, server, others)
     if why is None:  # taken: the round is one our own records can publish
-        assert isinstance(metadata["round"], int) and 0 <= metadata["round"] <= records.MAX_ROUND
+        assert isinstance(metadata["round"], int) and 0 <= metadata["round"] <= trust_records.MAX_ROUND
         assert metadata["server"] == server
     assert sorted(servers_in_order(others, None)) == sorted(others)
 
@@ -294,7 +295,7 @@ def test_node_records(rng: random.Random) -> None:
         value["stats"] = message(rng, GOOD_RECORD["stats"])
     record = NodeRecord.from_wire(value, left=rng.random() < 0.1)
     if record is not None:
-        assert -1 <= record.round <= records.MAX_ROUND and len(record.digest) <= 64
+        assert -1 <= record.round <= trust_records.MAX_ROUND and len(record.digest) <= 64
 
 
 OWNER = Ed25519PrivateKey.generate()

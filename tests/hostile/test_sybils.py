@@ -3,7 +3,7 @@ mode `sybils`) publishes 3 or 10 validly signed records beside two honest nodes.
 honest round but never becomes ready (it used to hold every barrier for the round timeout),
 claims a far-ahead exchanged round (it used to make honest nodes re-sync every round), and
 announces a state shifted by 1 that one of them serves (a joiner used to download it: most
-records announced it). Only proven peers decide (swarm/proofs.py)."""
+records announced it). Only proven peers decide (trust/proofs.py)."""
 
 from __future__ import annotations
 

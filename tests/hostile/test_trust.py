@@ -74,14 +74,14 @@ def test_a_joiner_takes_the_runs_state_past_a_hostile_state_server(spawn: NodeFa
     that state + 1, or drips it; its peer id sorts first, so it is asked first. Under eager the
     honest φ holds its own Δ early: what nodes serve and announce is the settled copy. The run is
     fresh (nobody proved anyone): a joiner whose --peer names `a` takes a's state only and never
-    asks the forger (`anchored`, swarm/proofs.state_sources); one bootstrapped from a DHT peer that
+    asks the forger (`anchored`, trust/proofs.state_sources); one bootstrapped from a DHT peer that
     is no node of the run counts every record, asks the forger first and refuses its state. And
     `a`'s rounds keep their length once it has a proof: a forged copy of its record used to cost
     ~41 s a round (a matchmaking that found nobody waited 25 s for a group that might have counted
     us in, as long as the copy said it might still fetch). Before any proof (anchored: a runs
     beside the copy until it skips a matchmaking) the copy costs one matchmaking window in vain,
     and after it only one round in 4, then in 8, matchmakes with unproven peers only (every round
-    did, ~18-20 s each; swarm/proofs.py, docs/architecture.md §9)."""
+    did, ~18-20 s each; trust/proofs.py, docs/architecture.md §9)."""
     options = ("--inner-steps", "5", "--run-id", "hostile", "--sync", sync)
     a = spawn("a", *options, checkpoint=False)
     a.wait_for_round(1)

@@ -21,8 +21,8 @@ from diloco_node.outer.averaging import Averaging
 from diloco_node.round import Reduced, Reducer
 from diloco_node.swarm import butterfly as butterfly_module
 from diloco_node.swarm.butterfly import Butterfly
-from diloco_node.swarm.seals import Sealer
 from diloco_node.swarm.streams import Streams
+from diloco_node.trust.seals import Sealer
 
 pytestmark = pytest.mark.integration
 

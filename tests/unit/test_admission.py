@@ -7,7 +7,7 @@ import stat
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from diloco_node.admission import (
+from diloco_node.trust.admission import (
     AdmissionError,
     Claims,
     Gate,

@@ -3,7 +3,8 @@
 Every .py under diloco_node/ is parsed with `ast` (no import runs): `import x`, `from x import y`
 and relative imports, at any depth (inside functions, under `if TYPE_CHECKING:`), each mapped to
 the top-level area it reaches (diloco_node.outer.aggregate → outer, diloco_node.config → config).
-A rule names the areas it applies to and the areas they must not reach; a failure names the file,
+A rule names the areas it applies to and the areas they must not reach (and the third-party
+packages, when it names any: trust/ reaches neither hivemind nor torch); a failure names the file,
 the line and the import. The checker is a plain function, tested on a small tree of its own, so a
 rule that passes here passes because the code keeps it, not because the checker sees nothing.
 """
@@ -42,10 +43,15 @@ class Rule:
     sources: frozenset[str]  # the areas the rule applies to
     forbidden: frozenset[str] = frozenset()  # areas they must not reach
     allowed: frozenset[str] | None = None  # when set: the only areas they may reach (besides their own)
+    external: frozenset[str] = frozenset()  # third-party packages they must not import
 
     def breaks(self, edge: Import) -> bool:
         source, target = area(edge.source), area(edge.target)
-        if source not in self.sources or target is None or target in self.sources:
+        if source not in self.sources:
+            return False
+        if target is None:
+            return edge.target.split(".")[0] in self.external
+        if target in self.sources:
             return False
         if self.allowed is not None:
             return target not in self.allowed
@@ -53,13 +59,17 @@ class Rule:
 
 
 def rule(name: str, sources: Iterable[str], forbidden: Iterable[str] = (),
-         allowed: Iterable[str] | None = None) -> Rule:
-    return Rule(name, frozenset(sources), frozenset(forbidden), None if allowed is None else frozenset(allowed))
+         allowed: Iterable[str] | None = None, external: Iterable[str] = ()) -> Rule:
+    return Rule(name, frozenset(sources), frozenset(forbidden), None if allowed is None else frozenset(allowed),
+                frozenset(external))
 
 
 # docs/architecture.md §8. config (and registry.py, which packages fill and config reads) is a leaf:
-# it may reach only the other leaves, which import nothing of the package but errors.py.
+# it may reach only the other leaves, which import nothing of the package but errors.py. trust/
+# (whom to believe) reads the round's types, the config, the leaves and lru.py, and no transport,
+# math or wire: neither swarm/, outer/ nor codec/, neither hivemind nor torch.
 LEAVES = ("errors", "fingerprint", "rates", "registry")
+TRUST_READS = ("round", "config", "lru", *LEAVES)
 RULES = (
     rule("outer ↛ swarm", ["outer"], ["swarm"]),
     rule("swarm ↛ codec, outer", ["swarm"], ["codec", "outer"]),
@@ -69,6 +79,8 @@ RULES = (
     rule("config ↛ domain", ["config", "registry"], allowed=LEAVES),
     rule("leaves ↛ domain", ["errors", "fingerprint", "rates"], allowed=["errors"]),
     rule("round ↛ domain", ["round"], allowed=["errors"]),
+    rule("trust ↛ swarm, outer, codec, hivemind, torch", ["trust"], allowed=TRUST_READS,
+         external=["hivemind", "torch"]),
 )
 
 
@@ -171,6 +183,8 @@ BAD_IMPORTS = {
     "config ↛ domain": ("config.py", "from diloco_node.errors import NodeError\nfrom diloco_node import identity\n", 2),
     "leaves ↛ domain": ("fingerprint.py", "import json\nfrom .codec import CODECS\n", 2),
     "round ↛ domain": ("round.py", "import torch\nfrom diloco_node.swarm.dht import SwarmSettings\n", 2),
+    "trust ↛ swarm, outer, codec, hivemind, torch": ("trust/proofs.py", "from diloco_node.round import Outcome\n"
+                                                    "from ..swarm.records import fetch\n", 2),
 }
 
 
@@ -205,11 +219,25 @@ def test_checker_resolves_relative_nested_and_package_imports(tmp_path: Path) ->
         f"{PACKAGE}/swarm/presence.py:1: from diloco_node import errors, codec"]
 
 
+@pytest.mark.parametrize("package", ["hivemind", "torch"])
+def test_the_trust_rule_names_a_third_party_package(tmp_path: Path, package: str) -> None:
+    """trust/ reaches no transport or math library, however it is imported."""
+    root = _tree(tmp_path, {
+        f"{PACKAGE}/trust/__init__.py": "",
+        f"{PACKAGE}/trust/seals.py": f"import cryptography\nfrom {package}.utils import x\n\ndef f():\n"
+                                     f"    import {package}\n",
+    })
+    trust_rule = next(r for r in RULES if r.sources == {"trust"})
+    assert [edge.line for edge in violations(root, trust_rule)] == [2, 5]
+
+
 def test_checker_allows_what_rules_allow(tmp_path: Path) -> None:
     root = _tree(tmp_path, {
         f"{PACKAGE}/config.py": "from diloco_node.errors import NodeError\nfrom . import registry, fingerprint\n",
         f"{PACKAGE}/outer/blocking.py": "from diloco_node.round import Gathered\nfrom .update import X\n",
         f"{PACKAGE}/swarm/facade.py": "from diloco_node.round import Transport\nimport hivemind\n",
+        f"{PACKAGE}/trust/proofs.py": "import cryptography\nfrom diloco_node.round import Outcome\n"
+                                      "from diloco_node import config, lru\n",
     })
     assert all(not violations(root, checked) for checked in RULES)
 

@@ -300,41 +300,6 @@ def test_each_member_sees_the_tokens_each_payload_declared() -> None:
     assert result.declared == (("b", 50.0), ("c", 1e30))  # as declared, before the cap; ours is not judged
 
 
-def test_claims_are_judged_by_the_most_a_peers_records_showed_and_said_once() -> None:
-    from diloco_node.budget import CLAIM_SLACK, Claims
-
-    claims = Claims()
-    # what each record says a round trains: rate × T under --round-seconds, its last round's tokens under H
-    claims.saw({"woken": 6_000.0, "liar": 300.0, "odd": float("nan"), "none": None, "new": 0.0})
-    claims.saw({"woken": 30.0, "liar": 300.0})  # a frozen round's record: the most seen stays
-    declared = {"woken": 20_000.0, "liar": 20_000.0, "honest": 300.0, "odd": 1e9, "none": 1e9, "new": 1e9,
-                "unknown": 1e9}
-    # woken: 3.3× its most, an owner who stopped using the machine; liar: 67×; no record yet: not judged
-    assert claims.doubted(declared) == {"liar": CLAIM_SLACK * 300}
-    assert claims.doubted({"liar": CLAIM_SLACK * 300}) == {}  # at the bound is honest
-    assert claims.first_doubt("liar") and not claims.first_doubt("liar")
-    for n in range(Claims.MAX_PEERS + 5):  # bounded memory whatever the number of peer ids
-        claims.saw({f"p{n}": 1.0, "liar": 300.0})  # the liar is seen in every group, as a member is
-        claims.first_doubt(f"p{n}")
-    assert len(claims.most) <= Claims.MAX_PEERS and len(claims.said) <= Claims.MAX_PEERS
-    # a flood of fresh ids forgets the least recent, not everything (1,025 of them wiped the table)
-    assert claims.doubted({"liar": 20_000.0}) == {"liar": CLAIM_SLACK * 300}
-
-
-def test_a_claim_far_beyond_our_own_round_is_doubted_whatever_the_claimants_records_say() -> None:
-    """A liar whose own records said 1e15 tokens a round was never doubted: our own round, which no
-    peer writes, bounds every claim at PEER_SPEEDUP times it."""
-    from diloco_node.budget import PEER_SPEEDUP, Claims
-
-    claims = Claims()
-    claims.saw({"liar": 1e15, "fast": 40_000.0})
-    own = 1_000.0
-    declared = {"liar": 1e15, "fast": 40_000.0, "fresh": 1e9}
-    assert claims.doubted(declared, own) == {"liar": PEER_SPEEDUP * own, "fresh": PEER_SPEEDUP * own}
-    assert claims.doubted(declared) == {}  # without our round: the records alone, as before
-    assert claims.doubted({"fast": 40_000.0}, own=0.0) == {}  # no round of ours to compare (no payload)
-
-
 # --- warmup at the fastest member's pace ---------------------------------------------------------
 
 TOKENS_PER_STEP = 16 * 128

@@ -408,7 +408,7 @@ def test_a_self_declared_client_cannot_switch_an_open_run_to_butterfly() -> None
 
 def test_importing_config_loads_no_domain_module() -> None:
     """config.py imports no domain module: the packages' values are read through registry.py on first use."""
-    heavy = ("torch", "hivemind", "cryptography", "diloco_node.admission", "diloco_node.codec", "diloco_node.replica",
+    heavy = ("torch", "hivemind", "cryptography", "diloco_node.trust", "diloco_node.codec", "diloco_node.replica",
              "diloco_node.swarm", "diloco_node.train", "diloco_node.outer", "diloco_node.telemetry",
              "diloco_node.node")
     code = ("import sys; import diloco_node.config; "

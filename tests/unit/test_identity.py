@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from hivemind.p2p import P2P
 
-from diloco_node.identity import IdentityError, create, peer_id
+from diloco_node.identity import IdentityError, create, load, peer_id
+from diloco_node.trust.peer_ids import peer_id_of_public_key
 
 
 def test_a_created_key_keeps_its_peer_id_and_is_never_overwritten(tmp_path: Path) -> None:
@@ -19,6 +20,16 @@ def test_a_created_key_keeps_its_peer_id_and_is_never_overwritten(tmp_path: Path
     assert create(path) == first == peer_id(path)
     assert path.read_bytes() == content
     assert create(tmp_path / "other.key") != first
+
+
+def test_the_peer_id_of_a_public_key_is_the_one_hivemind_gives(tmp_path: Path) -> None:
+    """trust/peer_ids.py derives peer ids without hivemind: the same ids as libp2p's, for our keys
+    and for hivemind's."""
+    ours, theirs = tmp_path / "ours.key", tmp_path / "theirs.key"
+    create(ours)
+    P2P.generate_identity(str(theirs))
+    for path in (ours, theirs):
+        assert peer_id_of_public_key(load(path).public_key()) == peer_id(path)
 
 
 def test_a_key_written_by_hivemind_is_read_too(tmp_path: Path) -> None:

@@ -15,19 +15,20 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import get_dht_time
 
-from diloco_node.admission import Claims, sign
 from diloco_node.swarm import messages, records
 from diloco_node.swarm.reachability import DialBack, _host
-from diloco_node.swarm.records import NodeRecord, RunValidator
+from diloco_node.swarm.records import RunValidator
 from diloco_node.swarm.statesync import (
     Admission,
     StateRefused,
-    metadata_refusal,
     parse_header,
     parse_request,
-    servers_in_order,
 )
 from diloco_node.swarm.streams import Limits, LRUSet, StreamLimits, parse_json
+from diloco_node.trust import records as trust_records
+from diloco_node.trust.admission import Claims, sign
+from diloco_node.trust.records import NodeRecord
+from diloco_node.trust.state import metadata_refusal, servers_in_order
 
 PEER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 OTHER = "QmaCpDMGvV2BGHeYERUEnRQAwe3N8SzbUtfsmvsqQLuvuJ"
@@ -227,9 +228,8 @@ def test_dial_back_answers_an_asker_behind_a_nat_without_dialling_other_hosts() 
 
 
 def test_record_round_and_message_round_bounds_agree() -> None:
-    # one bound for a round everywhere: records, state metadata, handler messages
-    from diloco_node.swarm import statesync
-    assert records.MAX_ROUND == statesync.MAX_ROUND == messages.MAX_ROUND
+    # one bound for a round everywhere: records and state metadata (trust/state.py reads the records'), handler messages
+    assert trust_records.MAX_ROUND == messages.MAX_ROUND
 
 
 def test_a_capped_transfer_lowers_the_least_rate_a_download_keeps_but_not_without_bound():

@@ -1,4 +1,4 @@
-"""Free identities decide nothing (swarm/proofs.py): with 3 to 10 forged records beside two honest
+"""Free identities decide nothing (trust/proofs.py): with 3 to 10 forged records beside two honest
 nodes, the barrier, "behind" and the state a joiner takes follow proven peers only."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import pytest
 
 from diloco_node.round import Outcome
 from diloco_node.swarm import presence as presence_module
-from diloco_node.swarm import proofs, records
-from diloco_node.swarm.presence import round_state
-from diloco_node.swarm.proofs import PROOF_ROUNDS, Proofs, anchor_ids, counted
-from diloco_node.swarm.records import MAX_PROVEN, NodeRecord, reference_state
+from diloco_node.swarm import records
+from diloco_node.trust import proofs
+from diloco_node.trust.proofs import PROOF_ROUNDS, Proofs, anchor_ids, counted
+from diloco_node.trust.records import MAX_PROVEN, NodeRecord, reference_state
+from diloco_node.trust.view import round_state
 from tests.unit.test_records import presence_seeing
 
 ROUND = 7
@@ -449,3 +450,37 @@ def test_the_barrier_waits_for_the_record_of_a_joiner_we_just_served(monkeypatch
     started = time.monotonic()
     assert presence.wait_for_round(ROUND + 1, timeout=2, stop=threading.Event()) == Outcome.TOGETHER
     assert 1.0 <= time.monotonic() - started < 3.0
+
+
+@pytest.mark.parametrize("sybils", [3, 10])
+def test_whom_a_round_matchmakes_with_is_one_typed_decision(sybils: int) -> None:
+    """RunView.partners (trust/view.py): the gather acts on it. NoLoCo keeps the trusted drawn
+    partners and the ready ones; with all dropped, a trusted peer left partnerless is met under
+    the spare key; DiLoCo with strangers only matchmakes until such a matchmaking found nobody."""
+    from diloco_node.trust.view import Partners, RunView
+
+    records_ = {r.peer_id: r for r in [honest("us"), honest("b"), honest("c"), *forged(sybils)]}
+    memory = Proofs("us")
+    memory.prove(ROUND - 1, ["b", "c"])
+    view = RunView("us", memory.proven(), frozenset(), records_)
+    groups = [["us", "sybil0"], ["b", "sybil1"], ["c"]]
+    asked: list[int] = []
+
+    def drawn() -> list[list[str]]:
+        asked.append(1)
+        return groups
+
+    kept = view.partners(ROUND, Outcome.TOGETHER, ["b", "sybil2"], False, drawn, memory)
+    assert kept == Partners(Outcome.TOGETHER, ("b",)) and not asked, "no draw read when a partner is kept"
+    spare = view.partners(ROUND, Outcome.TIMEOUT, ["sybil0"], False, drawn, memory)
+    assert spare == Partners(Outcome.TIMEOUT, ("b", "c"), spare=True, respared=True)
+    assert view.partners(ROUND, Outcome.BEHIND, ["sybil0"], False, drawn, memory).outcome == Outcome.BEHIND
+    assert view.partners(ROUND, Outcome.TOGETHER, None, False, drawn, memory) == Partners(Outcome.TOGETHER, None)
+
+    stranger = Proofs("us")  # proved nobody, no anchor: every record is a stranger
+    alone = RunView("us", stranger.proven(), frozenset(), records_)
+    assert alone.partners(ROUND, Outcome.TOGETHER, None, False, drawn, stranger) == \
+        Partners(Outcome.TOGETHER, None, unproven=True, strangers=True)
+    stranger.strangers_missed(ROUND)
+    assert alone.partners(ROUND + 1, Outcome.TOGETHER, None, False, drawn, stranger) == \
+        Partners(Outcome.ALONE, None, unproven=True, strangers=True, skipped=True)

@@ -189,7 +189,7 @@ def test_unmeasured_wire_publishes_none_and_leaves_the_event_without_wire_keys()
 
 
 def test_presence_stats_are_the_fields_the_swarm_validates() -> None:
-    from diloco_node.swarm.records import NodeStats  # the swarm's schema of what we publish
+    from diloco_node.trust.records import NodeStats  # the record's schema of what we publish
 
     assert set(PEER_STATS_FIELDS) == set(NodeStats.__fields__)
 

@@ -11,13 +11,16 @@ import pytest
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from diloco_node import identity
-from diloco_node.admission import Claims, Gate, sign
 from diloco_node.swarm import records, statesync
 from diloco_node.swarm.groups import random_groups
 from diloco_node.swarm.matchmaking import Matchmaker
-from diloco_node.swarm.presence import Presence, round_state
-from diloco_node.swarm.records import NodeRecord, canonical_digest, config_difference, reference_state, tie_order
-from diloco_node.swarm.statesync import agreement, servers_in_order
+from diloco_node.swarm.presence import Presence
+from diloco_node.swarm.records import config_difference
+from diloco_node.swarm.statesync import agreement
+from diloco_node.trust.admission import Claims, Gate, sign
+from diloco_node.trust.records import NodeRecord, canonical_digest, reference_state, tie_order
+from diloco_node.trust.state import servers_in_order
+from diloco_node.trust.view import round_state
 
 
 def record(peer: str, round_: int, digest: str) -> NodeRecord:
@@ -379,7 +382,8 @@ def test_a_state_the_run_moved_past_while_it_downloaded_is_caught_up_to_the_runs
     import torch
 
     from diloco_node.replica.layout import digest
-    from diloco_node.swarm.statesync import CATCH_UP_ROUNDS, catch_up_target, caught_up
+    from diloco_node.swarm.statesync import caught_up
+    from diloco_node.trust.state import CATCH_UP_ROUNDS, catch_up_target
 
     def mean(r: int) -> torch.Tensor:
         return torch.full((4,), float(r))
@@ -534,8 +538,8 @@ def test_a_flood_of_records_costs_a_bounded_read_and_the_runs_nodes_are_still_re
     monkeypatch.setattr(records, "bound_peer_id", lambda subkey: subkey.decode().removeprefix("key:"))
     monkeypatch.setattr(records, "_SIGNERS", records.OrderedDict())
     parsed: list[object] = []
-    real_parse = records._parse
-    monkeypatch.setattr(records, "_parse", lambda value: parsed.append(value) or real_parse(value))
+    real_parse = records.parse_record
+    monkeypatch.setattr(records, "parse_record", lambda value: parsed.append(value) or real_parse(value))
     stored: dict[object, object] = {}
 
     def wire(peer: str, expiration: float, left: bool = False) -> ValueWithExpiration:

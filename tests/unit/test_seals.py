@@ -1,4 +1,4 @@
-"""Owner seals on butterfly parts (swarm/seals.py): only the owner's key, over the very statement,
+"""Owner seals on butterfly parts (trust/seals.py): only the owner's key, over the very statement,
 makes a seal that checks."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diloco_node.identity import peer_id_of_public_key
-from diloco_node.swarm.seals import Seal, Sealer, parse_seal, sealed_by, statement
+from diloco_node.trust.peer_ids import peer_id_of_public_key
+from diloco_node.trust.seals import Seal, Sealer, parse_seal, sealed_by, sealed_versions, statement
 
 KEYS = [rsa.generate_private_key(public_exponent=65537, key_size=2048) for _ in range(2)]
 OWNER, OTHER = (peer_id_of_public_key(key.public_key()) for key in KEYS)
@@ -31,6 +31,22 @@ def test_a_seal_checks_for_its_owner_and_statement_only() -> None:
                     statement("other", 7, 1, [OTHER, OWNER], "ab" * 32),  # another run
                     statement("run_fp", 7, 1, [OTHER, OWNER], "cd" * 32)):  # other bytes
         assert not sealed_by(OWNER, changed, seal)
+
+
+def test_the_versions_of_a_part_are_the_hashes_its_owner_sealed_held_by_other_members() -> None:
+    """What butterfly's comparison counts: sealed hashes held by members other than the owner (ours
+    first), the owner's own word never, and the members that told an unsealed hash."""
+    def signed(part_hash: str) -> bytes:
+        return statement("run_fp", 7, 1, [OTHER, OWNER], part_hash)
+
+    sealer = Sealer(KEYS[0])
+    one, two = "ab" * 32, "cd" * 32
+    told = [("m1", one, sealer.seal(signed(one))), (OWNER, two, sealer.seal(signed(two))),
+            ("m2", two, Sealer(KEYS[1]).seal(signed(two))), ("m3", one, sealer.seal(signed(one)))]
+    assert sealed_versions(OWNER, "us", one, told, signed) == ({one: ["us", "m1", "m3"]}, {"m2"})
+    assert sealed_versions(OWNER, OWNER, one, told, signed) == ({one: ["m1", "m3"]}, {"m2"})  # the owner's word
+    split = [*told, ("m4", two, sealer.seal(signed(two)))]  # the owner sealed two versions
+    assert sealed_versions(OWNER, "us", None, split, signed) == ({one: ["m1", "m3"], two: ["m4"]}, {"m2"})
 
 
 def test_a_seal_made_with_another_key_does_not_check_even_naming_the_owners_key() -> None:

@@ -49,7 +49,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Collection, Iterable, Mapping
 
-from diloco_node.swarm.records import MAX_PROVEN, NodeRecord
+from diloco_node.trust.records import MAX_PROVEN, NodeRecord
 
 PROOF_ROUNDS = 8  # a peer stays proven this many of our rounds after its last checked contribution
 MAX_NEWCOMERS = 256  # newcomers remembered as already waited for (oldest forgotten first)

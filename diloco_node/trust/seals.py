@@ -12,7 +12,7 @@ import base64
 import binascii
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
-from diloco_node.identity import peer_id_of_public_key
+from diloco_node.trust.peer_ids import peer_id_of_public_key
 
 MAX_SIGNATURE_CHARS = 700  # base64 of an RSA signature up to 4096 bits (ours: 2048 bits, 344 chars)
 MAX_KEY_CHARS = 800  # OpenSSH text of an RSA public key up to 4096 bits (ours: 2048 bits, 372 chars)
@@ -92,6 +92,28 @@ def sealed_by(owner: str, signed: bytes, seal: Seal) -> bool:
     except (InvalidSignature, Exception):  # a wrong length or any other refusal of a peer's bytes
         return False
     return True
+
+
+def sealed_versions(owner: str, ourselves: str, mine: str | None, told: Iterable[tuple[str, str, Seal]],
+                    signed: Callable[[str], bytes]) -> tuple[dict[str, list[str]], set[str]]:
+    """The versions of `owner`'s averaged part that members other than the owner hold: each hash
+    validly sealed by the owner (`signed`: the statement of a hash) with its holders, ourselves
+    first when we hold it (`mine`, checked as we took it); and the members that told (`told`:
+    member, hash, seal) a hash the owner did not seal. An owner's own word counts for nothing: it
+    would let it show a part to some members only. One version: the part is agreed; two or more:
+    the two seals prove the owner sent different bytes (docs/architecture.md §9, "Butterfly")."""
+    versions: dict[str, list[str]] = {}
+    if ourselves != owner and mine is not None:
+        versions[mine] = [ourselves]
+    unsealed = set()
+    for peer, part_hash, seal in told:
+        if peer == owner:
+            continue
+        if sealed_by(owner, signed(part_hash), seal):
+            versions.setdefault(part_hash, []).append(peer)
+        else:
+            unsealed.add(peer)
+    return versions, unsealed
 
 
 def parse_seal(value: Any) -> Seal | None:
