@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
@@ -29,10 +30,11 @@ def peer_id_of_public_key(key: rsa.RSAPublicKey) -> str:
 
 def peer_id_of_ssh_key(text: bytes) -> str | None:
     """The peer id of the RSA public key in OpenSSH text (as a record's subkey carries it,
-    swarm/records.py's `bound_peer_id`); None when the text holds no RSA key."""
+    swarm/records.py's `bound_peer_id`); None when the text holds no RSA key — also for a key type
+    cryptography does not know (`ssh-foo …` raises UnsupportedAlgorithm, which a peer can write)."""
     try:
         key = serialization.load_ssh_public_key(text)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, UnsupportedAlgorithm):
         return None
     return peer_id_of_public_key(key) if isinstance(key, rsa.RSAPublicKey) else None
 

@@ -291,6 +291,9 @@ def test_a_record_counts_only_under_the_key_of_the_peer_it_claims_to_be(tmp_path
     signed_by = records.signer(identity.load(tmp_path / "a.key"))
     assert records.bound_peer_id(records.owned_subkey(ours, signed_by)) == ours
     assert records.bound_peer_id(b"no key here") is None
+    # a key text of a type cryptography does not know, or of another algorithm: no peer, not a crash
+    for text in (b"ssh-foo AAAAB3NzaC1yc2E=", b"ecdsa-sha2-nistp999 AAAA", b"ssh-dss AAAAB3NzaC1kc3M="):
+        assert records.bound_peer_id(b"[owner:" + text + b"]") is None
 
     class FakeDHT:  # what hivemind's get returns once the DHT has checked the signatures
         def get(self, key, latest, return_future):  # type: ignore[no-untyped-def]
