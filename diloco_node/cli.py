@@ -158,9 +158,19 @@ def _config_of_run(ctx: click.Context, config_file: str | None, values: dict[str
     else:
         build_config({"peer": peers}, "options")  # a malformed --peer: its own one line, before any network
         setup_logging(log_level)  # the check imported hivemind: its log is quieted before the fetch talks
-        from diloco_node.swarm.manifests import fetch
+        from diloco_node.swarm.manifests import ManifestUnavailable, fetch
 
-        taken, source = fetch(peers, given.get("run_id"))  # or ManifestUnavailable
+        try:
+            taken, source = fetch(peers, given.get("run_id"))
+        except ManifestUnavailable as exc:
+            # A user who named the run set it up themselves: no peer (an older node, a hostile one)
+            # stops them from joining with their own options, which the swarm's fingerprint check
+            # still holds to the run's. Without a run id there is nothing to join with.
+            if "run_id" not in given:
+                raise
+            logging.getLogger("diloco_node.cli").warning("%s; joining run %s with the options given", exc,
+                                                         given["run_id"])
+            return resolve_config(ctx, config_file, values)
     if checkpoint_dir:
         directory = Path(checkpoint_dir) / taken.run_id
     else:  # no checkpoints: the run's files live as long as the process

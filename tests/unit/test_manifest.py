@@ -295,3 +295,31 @@ def test_join_takes_the_copy_beside_the_checkpoint_offline(hf_run: tuple[NodeCon
     # naming neither a peer nor a run starts a run of one's own: the earlier run's copy is not taken
     done = CliRunner().invoke(main, ["join", "--checkpoint-dir", str(tmp_path / "ck")])
     assert done.exit_code == 0 and "took run" not in done.stdout and started[-1].run_id == "diloco-default"
+
+
+def test_a_peer_without_a_manifest_stops_only_a_joiner_that_did_not_name_its_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An older or hostile --peer that serves no manifest: a joiner that named its run (--run-id, its
+    own options) joins with them (the swarm's fingerprint check still holds); one with --peer alone
+    has nothing to join with and exits 2 in one line."""
+    from click.testing import CliRunner
+
+    from diloco_node.cli import main
+    from diloco_node.swarm.manifests import ManifestUnavailable
+
+    started: list[NodeConfig] = []
+    monkeypatch.setattr("diloco_node.runner.run_node", lambda cfg: started.append(cfg) or 0)
+
+    def unavailable(addresses: list[str], wanted: str | None) -> None:
+        raise ManifestUnavailable(f"no run manifest taken from {addresses[0]}: it serves no manifest")
+
+    monkeypatch.setattr("diloco_node.swarm.manifests.fetch", unavailable)
+    peer = "/ip4/127.0.0.1/tcp/9/p2p/QmeSev1BKG3Kmiv7T6PYYCy2aFZguvEDGo54MbRj2gtUNd"
+    common = ["--peer", peer, "--checkpoint-dir", str(tmp_path / "ck")]
+    done = CliRunner().invoke(main, ["join", *common, "--run-id", "mine", "--compression", "int4"])
+    assert done.exit_code == 0, done.output
+    assert started[0].run_id == "mine" and started[0].compression == "int4" and "took run" not in done.stdout
+    assert not (tmp_path / "ck" / "mine" / manifest.MANIFEST_NAME).exists()  # nothing taken, nothing written
+    done = CliRunner().invoke(main, ["join", *common])
+    assert done.exit_code == 2 and len(started) == 1
+    assert done.stderr == f"diloco-node: error: no run manifest taken from {peer}: it serves no manifest\n"
