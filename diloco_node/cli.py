@@ -66,13 +66,16 @@ def node_options(func: Callable[..., Any]) -> Callable[..., Any]:
                         help="TOML file with any of these options as keys")(func)
 
 
+def explicit_values(ctx: click.Context, values: dict[str, Any]) -> dict[str, Any]:
+    """The options set by flag or environment variable (click already applied flag > env), by field name."""
+    return {name: list(value) if isinstance(value, tuple) else value for name, value in values.items()
+            if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+            and value not in (None, ())}
+
+
 def resolve_config(ctx: click.Context, config_file: str | None, values: dict[str, Any]) -> NodeConfig:
-    """Flags and env vars (click already applied flag > env) override the file; the file overrides defaults."""
-    explicit = {name: value for name, value in values.items()
-                if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
-                and value not in (None, ())}
-    explicit = {k: list(v) if isinstance(v, tuple) else v for k, v in explicit.items()}
-    return load_config(config_file, explicit)  # or ConfigError
+    """Flags and env vars override the file; the file overrides defaults."""
+    return load_config(config_file, explicit_values(ctx, values))  # or ConfigError
 
 
 def setup_logging(level: str) -> None:
@@ -128,11 +131,8 @@ def given_values(ctx: click.Context, config_file: str | None, values: dict[str, 
     """The options the user set (flags and env over the file), by field name; defaults left out."""
     from diloco_node.config import read_toml
 
-    explicit = {name: value for name, value in values.items()
-                if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
-                and value not in (None, ())}
     given = read_toml(config_file) if config_file else {}
-    given.update({k: list(v) if isinstance(v, tuple) else v for k, v in explicit.items()})
+    given.update(explicit_values(ctx, values))
     return given
 
 
