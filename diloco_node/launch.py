@@ -47,6 +47,12 @@ class LaunchTimeout(LaunchError, TimeoutError):
     """The time given ran out while the node was still running."""
 
 
+def clean_environment() -> dict[str, str]:
+    """This process's environment without DILOCO_* variables: only the flags given to a node started
+    here count (a DILOCO_PEER of the caller's shell would otherwise change every such node)."""
+    return {key: value for key, value in os.environ.items() if not key.startswith("DILOCO_")}
+
+
 @dataclass
 class NodeProcess:
     """A `diloco-node join` process and what it reported so far.
@@ -91,10 +97,7 @@ class NodeProcess:
         return self.wrap(command) if self.wrap is not None else command
 
     def environment(self) -> dict[str, str]:
-        # Only the flags given here count: a DILOCO_* variable of the caller's shell (say the
-        # DILOCO_PEER of a real node's setup) would otherwise change every node started here.
-        env = dict(self.env) if self.env is not None else \
-            {key: value for key, value in os.environ.items() if not key.startswith("DILOCO_")}
+        env = dict(self.env) if self.env is not None else clean_environment()
         env["PYTHONUNBUFFERED"] = "1"  # each line as it is written, not when a buffer fills
         return env
 

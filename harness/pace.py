@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diloco_node.launch import clean_environment
+
 VARIABLE = "HARNESS_STEP_SECONDS"
 BOOT = Path(__file__).resolve().parent / "pace_boot"
 ROOT = Path(__file__).resolve().parent.parent  # so that the boot's `import harness` finds this package
@@ -84,10 +86,9 @@ def install_from_environment(environ: Mapping[str, str] = os.environ) -> Pace | 
 
 
 def paced_environment(step_seconds: float, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """A node's environment whose inner steps take `step_seconds` each: `base` (default: this process's
-    without DILOCO_* variables, as NodeProcess does) with the boot directory and the pace."""
-    env = dict(base) if base is not None else \
-        {key: value for key, value in os.environ.items() if not key.startswith("DILOCO_")}
+    """A node's environment whose inner steps take `step_seconds` each: `base` (default: NodeProcess's
+    own, launch.clean_environment) with the boot directory and the pace."""
+    env = dict(base) if base is not None else clean_environment()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(BOOT), str(ROOT), env.get("PYTHONPATH"))))
     env[VARIABLE] = f"{step_seconds:.6f}"
     return env
