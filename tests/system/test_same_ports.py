@@ -35,13 +35,25 @@ def holders(node: NodeProcess, inode: str) -> list[int]:
     assert node.process
     found = []
     for pid in [node.process.pid, *descendants(node.process.pid)]:
-        try:
-            links = [os.readlink(entry) for entry in Path(f"/proc/{pid}/fd").iterdir()]
-        except OSError:
-            continue
-        if f"socket:[{inode}]" in links:
+        if f"socket:[{inode}]" in open_files(pid):
             found.append(pid)
     return found
+
+
+def open_files(pid: int) -> set[str]:
+    """What each of the process's descriptors points at. A running node opens and closes files all
+    the time: a descriptor gone between the listing and its readlink is skipped, not the process."""
+    try:
+        entries = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:  # the process has ended
+        return set()
+    links = set()
+    for entry in entries:
+        try:
+            links.add(os.readlink(entry))
+        except OSError:
+            continue
+    return links
 
 
 def test_sighup_stops_and_a_restart_binds_the_same_ports(spawn: NodeFactory, tmp_path: Path) -> None:
