@@ -150,6 +150,9 @@ class AverageResult:
     # member sees its part's owner's report only): the round loop checks them against the
     # throughput each one's record shows (budget.overclaimed)
     declared: tuple[tuple[str, float], ...] = ()
+    # the share of the group's declared work the token cap and the clip took away (outer/aggregate.py,
+    # removed_share): what the trust bounds cost honest peers in this round
+    weight_removed: float = 0.0
 
 
 @dataclass(frozen=True)

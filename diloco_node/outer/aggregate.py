@@ -84,6 +84,7 @@ class Aggregate:
     clipped: tuple[str, ...]  # scaled down, or counted at the token cap
     rejected: tuple[str, ...]  # non-finite values or no tokens: left out
     reference_norm: float  # what clipping measured against (NoLoCo bounds φ's pull with it)
+    removed: float = 0.0  # the share of the group's declared work the caps and the clip took away (removed_share)
 
 
 def aggregate(contributions: list[Contribution], method: str = "clip", max_tokens: float | None = None,
@@ -102,9 +103,11 @@ def aggregate(contributions: list[Contribution], method: str = "clip", max_token
         logger.warning("rejected contribution from peer=%s: non-finite values or tokens, or no tokens", peer)
     if not finite:
         raise ValueError("no usable contribution")
+    declared = [c.tokens for c in finite]
     finite, capped = _cap_tokens(finite, max_tokens)
     norms = torch.stack([c.pseudo_gradient.norm() if c.norm is None else torch.tensor(c.norm) for c in finite])
     reference = _reference_norm(norms)
+    removed = removed_share(declared, [float(n) for n in norms], method, max_tokens, weighting)
     weights = weights_of([c.tokens for c in finite], weighting)
     scaled: list[str] = []
     if method == "mean":
@@ -122,7 +125,26 @@ def aggregate(contributions: list[Contribution], method: str = "clip", max_token
             mean = _weighted(vectors, weights)
     clipped = tuple(sorted(set(capped) | set(scaled)))
     return Aggregate(mean, tuple(c.peer_id for c in finite), tuple(c.tokens for c in finite), tuple(weights),
-                     clipped, rejected, float(reference))
+                     clipped, rejected, float(reference), removed)
+
+
+def removed_share(declared: list[float], norms: list[float], method: str = "clip", max_tokens: float | None = None,
+                  weighting: str = "tokens") -> float:
+    """How much of a group's work the token cap and the norm clip took away, from what the members
+    declared (tokens > 0, the whole Δs' norms) alone, so every member of a butterfly computes it from
+    an owner's report alike: Σ max(0, w_m·n_m − w'_m·n'_m) / Σ w_m·n_m, with w the shares the declared
+    tokens would have had, w' those the capped tokens got, n the norms and n' the clipped ones. 0 in an
+    honest group of equal work; a pair of Δs 2:1 in norm loses 1/3 (the pair clips to the shorter)."""
+    counted_cap = token_cap(declared, max_tokens)
+    intended = weights_of(declared, weighting)
+    applied = weights_of([min(tokens, counted_cap) for tokens in declared], weighting)
+    limit = clip_multiple(len(norms)) * reference_norm(norms) if method != "mean" and len(norms) > 1 else math.inf
+    work = [w * n for w, n in zip(intended, norms, strict=True)]
+    total = sum(work)
+    if not total > 0:
+        return 0.0
+    kept = [w * min(n, limit) for w, n in zip(applied, norms, strict=True)]
+    return sum(max(0.0, before - after) for before, after in zip(work, kept, strict=True)) / total
 
 
 def weights_of(counted: list[float], weighting: str = "tokens") -> list[float]:

@@ -13,7 +13,14 @@ from typing import Any
 import torch
 
 from diloco_node.codec import Codec, CodecError, split_first
-from diloco_node.outer.aggregate import PHI_RADIUS_MULTIPLE, Contribution, aggregate, bounded_phi_mean, weights_of
+from diloco_node.outer.aggregate import (
+    PHI_RADIUS_MULTIPLE,
+    Contribution,
+    aggregate,
+    bounded_phi_mean,
+    removed_share,
+    weights_of,
+)
 from diloco_node.outer.verify import Declared, declaration_fault, verified_parts
 from diloco_node.round import AverageResult, Gathered, Outcome, Own, PartIn, PartSource, part_bounds
 
@@ -187,7 +194,8 @@ class Averaging:
         return AverageResult(result.used, result.mean, share, codec_seconds, gathered.transfer_seconds,
                              gathered.received_bytes, mean_phi, tuple(sorted(clipped)),
                              tuple(sorted(set(result.rejected) | set(undecodable))),
-                             tuple((peer, tokens) for peer, (_, tokens) in sorted(gathered.payloads.items())))
+                             tuple((peer, tokens) for peer, (_, tokens) in sorted(gathered.payloads.items())),
+                             weight_removed=result.removed)
 
     def _butterfly_mean(self, own: Own, gathered: Gathered) -> AverageResult:
         """The mean from the averaged parts; clipped and rejected peers are those of the part we
@@ -202,7 +210,18 @@ class Averaging:
         codec_seconds = own.codec_seconds + time.perf_counter() - started
         return AverageResult(tuple(used), mean, share, codec_seconds, gathered.transfer_seconds,
                              gathered.received_bytes, clipped=_names(report, "clipped") if held else (),
-                             rejected=_names(report, "rejected") if held else ())
+                             rejected=_names(report, "rejected") if held else (),
+                             weight_removed=self._removed(report))
+
+    def _removed(self, report: dict[str, Any]) -> float:
+        """What the caps and the clip took from a verified part's group (outer/verify.py checked its
+        declarations): the same for every part, since both act on whole Δs."""
+        declared = report.get("declared")
+        if not isinstance(declared, dict) or not declared:
+            return 0.0
+        values = [declared[peer] for peer in sorted(declared)]
+        tokens, norms = [float(d[1]) for d in values], [float(d[0]) for d in values]
+        return removed_share(tokens, norms, self.aggregator, self.max_tokens, self.weighting)
 
 
 def _names(report: dict[str, Any], key: str) -> tuple[str, ...]:

@@ -124,11 +124,17 @@ class RoundRecord:
     # dashboard's timeline of when each fragment moved
     fragment: int = 0
     moved_at: float | None = None
-    # last (newest): our share of the mean this round's outer step applied (our counted tokens over the
+    # last (newer still): our share of the mean this round's outer step applied (our counted tokens over the
     # group's, after the caps: docs/architecture.md §13); 0 when nothing of ours went in
     last_round_weight: float = field(default=0.0, metadata=_shows(
         "last_round_weight", peer="last_round_weight",
         metric=("gauge", "diloco_last_round_weight", "our share of the mean applied in the last round")))
+    # last (newest): the share of the group's declared work our aggregator's token cap and norm clip took
+    # away this round (outer/aggregate.py, removed_share): what the trust bounds cost honest peers
+    weight_removed: float = field(default=0.0, metadata=_shows(
+        "last_round_weight_removed", peer="last_round_weight_removed",
+        metric=("gauge", "diloco_last_round_weight_removed",
+                "share of the group's declared work the token cap and the clip took away in the last round")))
     # NoLoCo (gossip) runs: the event carries `group` and `consensus_distance`, the log line ends with them
     gossip: bool = field(default=False, repr=False)
 
@@ -168,7 +174,8 @@ class RoundRecord:
                 f"utilization={self.utilization:.3f} transfer={self.transfer_bytes or 0}/"
                 f"{self.transfer_seconds or 0.0:.3f}s digest={self.digest} "
                 f"inner_steps={self.last_round_inner_steps} tokens={self.last_round_tokens:.0f}"
-                f"{' skipped' if self.skipped else ''}")
+                f"{' skipped' if self.skipped else ''}"
+                f"{f' weight_removed={self.weight_removed:.3f}' if self.weight_removed > 0 else ''}")
         if self.gossip:  # NoLoCo: how far φ was from the group's, and who the group was
             distance = self.consensus_distance
             line += (f" consensus_distance={'-' if distance is None else f'{distance:.3e}'}"

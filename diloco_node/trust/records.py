@@ -54,6 +54,8 @@ class NodeStats(pydantic.BaseModel):
     egress_bytes_per_second: ByteRate | None = None  # type: ignore[valid-type]
     ingress_bytes_per_second: ByteRate | None = None  # type: ignore[valid-type]
     last_round_weight: pydantic.confloat(strict=True, ge=0, le=1) = 0.0  # type: ignore[valid-type]  # its share of the mean
+    # what its aggregator's token cap and clip took from its last round's group (outer/aggregate.py)
+    last_round_weight_removed: pydantic.confloat(strict=True, ge=0, le=1) = 0.0  # type: ignore[valid-type]
 
     class Config:
         extra = pydantic.Extra.forbid

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from diloco_node.outer import aggregate as aggregate_module
-from diloco_node.outer.aggregate import Contribution, aggregate, bounded_phi_mean, reference_norm, token_cap
+from diloco_node.outer.aggregate import (
+    Contribution,
+    aggregate,
+    bounded_phi_mean,
+    reference_norm,
+    removed_share,
+    token_cap,
+)
 
 
 def c(peer: str, tokens: float, *values: float) -> Contribution:
@@ -195,3 +202,33 @@ def test_the_old_four_times_bounds_fail_the_same_measure(monkeypatch: pytest.Mon
     monkeypatch.setattr(aggregate_module, "NORM_CLIP_MULTIPLE", 4.0)
     monkeypatch.setattr(aggregate_module, "TOKEN_CAP_MULTIPLE", 4.0)
     assert worst_case_cosine(3) < 0 and worst_case_cosine(8) < 0.5
+
+
+def test_an_honest_group_of_equal_work_loses_nothing() -> None:
+    group = [Contribution(p, 100.0, torch.full((4,), 1.0)) for p in "abcd"]
+    assert aggregate(group).removed == 0.0
+
+
+def test_a_pair_2_to_1_in_norm_loses_a_third_of_its_work() -> None:
+    # the longer Δ (norm 2) is clipped to the shorter (1): of 0.5·2 + 0.5·1 = 1.5, 0.5 is gone
+    pair = [Contribution("a", 10.0, torch.tensor([2.0, 0.0])), Contribution("b", 10.0, torch.tensor([0.0, 1.0]))]
+    assert aggregate(pair).removed == pytest.approx(1 / 3)
+    assert aggregate(pair, "mean").removed == 0.0  # no clip: nothing removed
+
+
+def test_the_token_cap_removes_the_fast_nodes_share_beyond_the_median() -> None:
+    # four equal Δs, one node declared 4x the tokens: its intended share 4/7, counted 1/4
+    group = [Contribution(p, t, torch.ones(3)) for p, t in zip("abcd", (100.0, 100.0, 100.0, 400.0), strict=True)]
+    assert aggregate(group, "mean").removed == pytest.approx(4 / 7 - 1 / 4)
+    assert removed_share([100.0, 100.0, 100.0, 400.0], [1.0] * 4, "mean") == pytest.approx(4 / 7 - 1 / 4)
+
+
+def test_removed_share_from_declarations_equals_the_aggregates() -> None:
+    # a butterfly member computes it from an owner's report of declared tokens and whole norms
+    torch.manual_seed(0)
+    group = [Contribution(p, t, torch.randn(16) * s)
+             for p, t, s in zip("abcde", (50.0, 80.0, 120.0, 300.0, 90.0), (1.0, 0.5, 3.0, 1.2, 0.9), strict=True)]
+    for method in ("clip", "mean", "centered-clip"):
+        expected = removed_share([c.tokens for c in group], [float(c.pseudo_gradient.norm()) for c in group], method)
+        assert aggregate(group, method).removed == pytest.approx(expected)
+        assert 0 < expected < 1

@@ -105,6 +105,23 @@ def test_a_huge_contribution_is_clipped_per_part_as_its_whole_would_be() -> None
                           rtol=1e-5, atol=1e-6)
 
 
+def test_every_member_reports_the_work_the_bounds_removed_as_the_allgather_mean_does() -> None:
+    # a fast member (4x the tokens, a longer Δ): the cap and the clip take the same share in both
+    deltas, tokens = honest(), {"a": 1.0, "b": 1.0, "c": 1.0, "d": 4.0}
+    deltas["d"] = deltas["d"] * 3
+    members, owns, parts = reduce_all("none", deltas, tokens)
+    group = tuple(sorted(members))
+    removed = {member: members[member].mean(owns[member], Gathered(
+        Outcome.TOGETHER, 0, reduced=Reduced(group, len(group), parts, group.index(member)))).weight_removed
+        for member in group}
+    codec = make_codec(CodecConfig(name="none"))
+    averaging = Averaging(codec, 1000, "a")
+    payloads = {p: (codec.encode(deltas[p]), tokens[p]) for p in deltas if p != "a"}
+    allgather = averaging.mean(averaging.encode(0, deltas["a"], tokens["a"]), Gathered(Outcome.TOGETHER, 0, payloads))
+    assert len(set(removed.values())) == 1 and 0.5 < allgather.weight_removed < 1
+    assert removed["a"] == pytest.approx(allgather.weight_removed, rel=1e-5)
+
+
 def test_a_part_longer_than_its_declared_norm_is_left_out() -> None:
     deltas, tokens = honest(), dict.fromkeys(PEERS, 1.0)
     deltas["d"] = deltas["d"] * 1e6

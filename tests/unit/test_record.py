@@ -62,7 +62,7 @@ def test_event_round_trips_through_json_and_from_event(record: RoundRecord) -> N
 def test_event_keeps_todays_keys_and_leaves_out_what_was_never_there() -> None:
     tail = ("digest", "peak_memory_bytes", "outcome", "data_wait_seconds", "last_round_inner_steps",
             "last_round_tokens", "last_round_tokens_per_second", "skipped", "fragment", "moved_at",
-            "last_round_weight")
+            "last_round_weight", "weight_removed")
     assert tuple(sample().event()) == EVENT_KEYS + tail
     measured = sample(wire_sent=10, wire_received=20, wire_sent_total=100, wire_received_total=200).event()
     assert tuple(measured) == EVENT_KEYS[:9] + WIRE_FIELDS + EVENT_KEYS[9:] + tail
@@ -121,7 +121,7 @@ class FakeWire:
 def _report(gossip: bool) -> RoundReport:
     own = Own(payload=b"x" * 500, decoded=None, tokens=1.0, codec_seconds=0.01)
     result = AverageResult(group=("me", "b"), mean=torch.zeros(1), own_share=0.5, codec_seconds=0.0234567,
-                           transfer_seconds=0.13912, received_bytes=480, clipped=("b",))
+                           transfer_seconds=0.13912, received_bytes=480, clipped=("b",), weight_removed=0.25)
     return RoundReport(Outcome.TOGETHER, own, result, consensus_distance=0.0012 if gossip else None)
 
 
@@ -168,7 +168,8 @@ def test_reporter_feeds_status_history_peer_stats_and_swarm_table(gossip: bool) 
                      # our caps, and the link's mean rates over the round (no wire bytes moved since round 3)
                      "upload_limit_bytes_per_second": 250_000.0, "download_limit_bytes_per_second": 0.0,
                      "egress_bytes_per_second": 0.0, "ingress_bytes_per_second": 0.0,
-                     "last_round_weight": 0.5}  # our share of the mean we applied
+                     "last_round_weight": 0.5,  # our share of the mean we applied
+                     "last_round_weight_removed": 0.25}  # what our caps and clip took from the group
     reporter.swarm_table({"me": stats, "b": {"label": "other"}}, "me", [77])
     rows = {row["peer_id"]: row for row in telemetry.peers()}
     assert rows["me"]["is_self"] and rows["me"]["rounds"] == 4 and rows["me"]["bandwidth_bps"] == 8 * 3000 / 1.5

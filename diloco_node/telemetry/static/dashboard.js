@@ -350,6 +350,8 @@ function renderPeers(peers) {
          { numeric: true, column: "tokens_per_second", value: p.last_round_tokens_per_second });
     cell(row, percent(p.last_round_weight),
          { numeric: true, column: "weight", value: p.last_round_weight });
+    cell(row, percent(p.last_round_weight_removed),
+         { numeric: true, column: "removed", value: p.last_round_weight_removed });
     noteThroughput(p);
     const bounded = (p.clipped || 0) + (p.rejected || 0);
     cell(row, bounded ? `${show(p.clipped)} / ${show(p.rejected)}` : "–", {
