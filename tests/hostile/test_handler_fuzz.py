@@ -11,7 +11,9 @@ import json
 import math
 import os
 import random
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,8 +25,11 @@ from hivemind.dht.validation import DHTRecord
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from diloco_node import manifest
 from diloco_node.codec import CodecConfig, CodecError, make_codec, wire
+from diloco_node.config import NodeConfig
 from diloco_node.outer import verify
+from diloco_node.swarm import manifests as manifest_wire
 from diloco_node.swarm import messages, records
 from diloco_node.swarm.exchange import _parse_meta
 from diloco_node.swarm.records import RunValidator
@@ -359,3 +364,37 @@ def test_codec_header_parameters(rng: random.Random) -> None:
     except CodecError:
         return
     assert (numbers[1], numbers[2]) == (64, 0) and decoded.shape == (NUMEL,)
+
+
+# The run manifest a joiner fetches from its --peer (diloco_node/manifest.py, swarm/manifests.py): the
+# server's header, then the manifest itself, seeded from a real one (a Llama config and a tokenizer)
+# with keys replaced at the top and inside its sections; what `parse` accepts goes on to `take`.
+MANIFEST = manifest.build(NodeConfig(run_id="fuzz", model="llama-2m", sync="blocking", compression="int8"), 1_705_600)
+MANIFEST_JSON = json.loads(MANIFEST.encode())
+
+
+@fuzzed
+def test_manifest_headers(rng: random.Random) -> None:
+    data = encoded(rng, message(rng, {"run_id": "fuzz", "size": 1000}))
+    try:
+        run_id, size = manifest_wire.parse_header(data, rng.choice([None, "fuzz"]))
+    except manifest.ManifestError:
+        return
+    assert isinstance(run_id, str) and 0 < size <= manifest.MAX_MANIFEST_BYTES
+
+
+@fuzzed
+def test_manifests(rng: random.Random) -> None:
+    fields = message(rng, MANIFEST_JSON)
+    if isinstance(fields, dict) and rng.random() < 0.5:
+        section = rng.choice([key for key, value in MANIFEST_JSON.items() if isinstance(value, dict)])
+        fields[section] = message(rng, MANIFEST_JSON[section])
+    try:
+        taken = manifest.parse(encoded(rng, fields))
+    except manifest.ManifestError:
+        return
+    with tempfile.TemporaryDirectory() as directory:
+        try:
+            manifest.take(taken, {}, Path(directory))
+        except (manifest.ManifestError, manifest.ManifestConflict):
+            pass
