@@ -47,9 +47,10 @@ import torch
 from diloco_node.codec import CODECS, codec_config_of, make_codec
 from diloco_node.config import FEEDBACK_OUTER, NodeConfig
 from diloco_node.outer.diloco import pseudo_gradient
-from diloco_node.train.data import ByteDataset, load_corpus
+from diloco_node.train.bytedata import ByteDataset
 from diloco_node.train.inner import InnerTrainer
 from diloco_node.train.model import build_model
+from diloco_node.train.sources import load_corpus
 from harness.bench import RESULTS_DIR, StartupStalled, inner_config, machine_info, pair, pyplot, run_pair
 from harness.nodes import BLOCKING_FLAGS, WORLD
 

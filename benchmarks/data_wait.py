@@ -5,7 +5,7 @@
 
 For each case a one-process replica (replica/single.py, exactly what `join` runs) trains `--steps`
 inner steps on batch positions 0, 1, 2, ... as the round loop asks for them, and the data's meter
-(train/data.py, DataMeter: the same figure a node logs as `data batches=… waits=…`) counts every
+(train/prefetch.py, DataMeter: the same figure a node logs as `data batches=… waits=…`) counts every
 time the training thread asked for a batch and found the prefetch queue empty (`waits`, and the
 seconds it then blocked, `wait_s`, after the first step). The first batch's wait is reported apart
 (`first batch s`): by default the prefetch is started first at the data position and an eval runs, as
@@ -34,7 +34,11 @@ import torch
 from diloco_node.config import build_config
 from diloco_node.replica import settings_of
 from diloco_node.replica.single import SingleReplica
-from diloco_node.train import data as D
+from diloco_node.train.data import NodeData
+from diloco_node.train.prefetch import METER
+from diloco_node.train.prepare import train_tokenizer_from, write_shards
+from diloco_node.train.shares import TokenDataset
+from diloco_node.train.tokens import Source
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "examples" / "tiny-stories.jsonl"
@@ -45,22 +49,22 @@ def measure(label: str, values: dict[str, object], steps: int, stream: str | Non
     cfg = build_config({**values, "threads": 1, "checkpoint_dir": ""})
     replica = SingleReplica(settings_of(cfg))
     if stream is not None:  # what an hf: source reads, from a local file: documents tokenized in the prefetch
-        replica.dataset = D.NodeData(D.TokenDataset(
-            D.Source([], replica.dataset.dataset.source.eval, stream=lambda: datasets.load_dataset(
+        replica.dataset = NodeData(TokenDataset(
+            Source([], replica.dataset.dataset.source.eval, stream=lambda: datasets.load_dataset(
                 "json", data_files=stream, split="train", streaming=True), skip=0),
             cfg.seq_len, replica.dataset.dataset.tokenizer, "stream"))
     replica.load([p.detach().clone() for p in replica.model.parameters()])
-    D.METER.reset()  # this case's figures only
+    METER.reset()  # this case's figures only
     if prepared:  # as start-up does once it knows the data position, then its eval at join
         replica.prepare_data(7, 0)
         replica.evaluate()
     started = time.perf_counter()
     replica.train_step(7, 0)
-    first_s, first_waits = D.METER.waited(), D.METER.waits
+    first_s, first_waits = METER.waited(), METER.waits
     for position in range(1, steps):
         replica.train_step(7, position)
     seconds = time.perf_counter() - started
-    meter = D.METER
+    meter = METER
     # the producer alone: how fast the prefetch makes batches when nothing else runs
     data = replica.dataset
     produced = time.perf_counter()
@@ -83,8 +87,8 @@ def main() -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = Path(tmp) / "tok"
-        D.train_tokenizer_from(str(SAMPLE), 2048, tokenizer)
-        D.write_shards(str(SAMPLE), str(tokenizer), Path(tmp) / "shards")
+        train_tokenizer_from(str(SAMPLE), 2048, tokenizer)
+        write_shards(str(SAMPLE), str(tokenizer), Path(tmp) / "shards")
         llama = {"model": str(ROOT / "configs" / "llama-2m.json"), "tokenizer": str(tokenizer), "seq_len": 128,
                  "batch_size": 16}
         cases = [("tiny GPT, bytes, embedded corpus", {}),

@@ -55,7 +55,7 @@ TARGET_M = 4  # the DDP row whose loss is the target
 
 
 def peers(workers: int, seed: int) -> list[str]:
-    """The simulated workers' peer ids: their data streams (train/data.data_stream_seed) and order."""
+    """The simulated workers' peer ids: their data streams (train/shares.data_stream_seed) and order."""
     return [f"sim-{seed}-{index}" for index in range(workers)]
 
 

@@ -326,7 +326,7 @@ def tokenizer_train(data: str | None, vocab_size: int, text_column: str, out: Pa
 
     Example: diloco-node tokenizer train --data examples/tiny-stories.jsonl --vocab-size 2048 my-tokenizer
     """
-    from diloco_node.train.data import train_tokenizer_from
+    from diloco_node.train.prepare import train_tokenizer_from
 
     trained = train_tokenizer_from(data, vocab_size, out, text_column)  # or DataError, TokenizerError
     click.echo(f"wrote {trained.name}: vocabulary {trained.vocab_size}, digest {trained.digest}")
@@ -347,7 +347,7 @@ def tokenize(data: str | None, tokenizer_spec: str | None, text_column: str, max
     Example: diloco-node tokenize --data examples/tiny-stories.jsonl --tokenizer my-tokenizer tokens/
     """
     from diloco_node.telemetry.progress import meter
-    from diloco_node.train.data import write_shards
+    from diloco_node.train.prepare import write_shards
 
     # minutes on a large dataset: a bar on a terminal, else a line every few seconds (on stderr, as
     # a bar is: stdout keeps the one result line)

@@ -24,8 +24,8 @@ from diloco_node.round import AverageResult, Outcome, RoundReport
 from diloco_node.swarm import HelperTimeout, Swarm
 from diloco_node.swarm.spread import RoundClock
 from diloco_node.telemetry.rounds import RoundTiming
-from diloco_node.train.data import METER as DATA_METER
 from diloco_node.train.fit import FitError
+from diloco_node.train.prefetch import METER as DATA_METER
 from diloco_node.trust.work import DeclaredWork
 
 logger = logging.getLogger(__name__)

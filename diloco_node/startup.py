@@ -24,7 +24,7 @@ from diloco_node.outer.fragments import Drift, load_codec_state
 from diloco_node.outer.state import OuterState
 from diloco_node.outer.sync import Applied
 from diloco_node.replica import Replica, make_replica, settings_of
-from diloco_node.train.data import data_stream_seed
+from diloco_node.train.shares import data_stream_seed
 from diloco_node.trust.admission import AdmissionError, Gate, load_token, parse_public_key
 
 logger = logging.getLogger(__name__)

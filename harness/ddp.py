@@ -29,9 +29,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from diloco_node.config import NodeConfig
-from diloco_node.train.data import ByteDataset, load_corpus, open_data
+from diloco_node.train.bytedata import ByteDataset
+from diloco_node.train.data import open_data
 from diloco_node.train.inner import InnerTrainer, evaluate
 from diloco_node.train.model import build_model, count_parameters, logits_of
+from diloco_node.train.sources import load_corpus
 from harness import wire
 from harness.bench import free_port, inner_config
 from harness.islands import Islands

@@ -41,7 +41,7 @@ from diloco_node.replica.layout import flatten
 from diloco_node.replica.single import SingleReplica
 from diloco_node.round import Gathered, Outcome, PartSource, RoundReport
 from diloco_node.swarm.groups import random_groups
-from diloco_node.train.data import data_stream_seed
+from diloco_node.train.shares import data_stream_seed
 
 
 class Room:

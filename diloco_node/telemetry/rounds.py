@@ -25,7 +25,7 @@ from diloco_node.telemetry.wire import WireMeter
 class RoundTiming:
     compute: float  # seconds of inner steps
     wait: float  # seconds from the end of the inner phase until the outer step (barrier + exchange)
-    data_wait: float = 0.0  # of `compute`: seconds the inner steps waited for their batches (train/data.py)
+    data_wait: float = 0.0  # of `compute`: seconds the inner steps waited for their batches (train/prefetch.py)
     moved_at: float | None = None  # unix time the outer step was done (the dashboard's fragment timeline)
 
 

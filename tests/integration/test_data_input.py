@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco_node.train.data import train_tokenizer_from, write_shards
+from diloco_node.train.prepare import train_tokenizer_from, write_shards
 from harness.corpus import parquet_files
 from tests.integration.test_bad_input import Processes, assert_bad_input, join, nodes  # noqa: F401
 

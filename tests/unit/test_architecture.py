@@ -178,7 +178,7 @@ BAD_IMPORTS = {
     "swarm ↛ codec, outer": ("swarm/member.py", "import torch\nfrom ..codec import max_payload_bytes\n", 2),
     "telemetry ↛ swarm, outer": ("telemetry/rounds.py", "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
                                  "    from diloco_node.outer.update import RoundReport\n", 4),
-    "train ↛ swarm": ("train/data.py", "def f():\n    import diloco_node.swarm.records as r\n    return r\n", 2),
+    "train ↛ swarm": ("train/shares.py", "def f():\n    import diloco_node.swarm.records as r\n    return r\n", 2),
     "codec ↛ swarm": ("codec/wire.py", "from ..swarm import streams\n", 1),
     "config ↛ domain": ("config.py", "from diloco_node.errors import NodeError\nfrom diloco_node import identity\n", 2),
     "leaves ↛ domain": ("fingerprint.py", "import json\nfrom .codec import CODECS\n", 2),

@@ -10,9 +10,10 @@ import torch
 import zstandard
 
 from diloco_node.codec import CODECS, FEEDBACK, CodecConfig, CodecError, make_codec, max_payload_bytes, wire
-from diloco_node.train.data import ByteDataset, embedded_corpus
+from diloco_node.train.bytedata import ByteDataset
 from diloco_node.train.inner import InnerConfig, InnerTrainer
 from diloco_node.train.model import build_model
+from diloco_node.train.sources import embedded_corpus
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco_node.train.data import ByteDataset, DataError, embedded_corpus, load_corpus
+from diloco_node.train.bytedata import ByteDataset
+from diloco_node.train.sources import DataError, embedded_corpus, load_corpus
 
 TEXT = ("Lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 100).encode()
 

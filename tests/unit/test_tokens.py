@@ -23,7 +23,12 @@ from diloco_node.config import ConfigError, build_config
 from diloco_node.swarm.records import config_difference
 from diloco_node.train import data as D
 from diloco_node.train import shards
+from diloco_node.train.prefetch import DataMeter, Prefetcher
+from diloco_node.train.prepare import write_shards
+from diloco_node.train.shares import TokenDataset
+from diloco_node.train.sources import HUB_TIMEOUT, DataError, documents, parse_hub
 from diloco_node.train.tokenizer import TokenizerError, load_tokenizer, train_tokenizer
+from diloco_node.train.tokens import EVAL_FRACTION, Source, digest_of, pack, read_source
 
 WORDS = ("the quick brown fox jumps over a lazy dog while river stones hum under grey clouds "
          "and seven small birds count their feathers beside an old wooden bridge").split()
@@ -80,12 +85,12 @@ def test_unusable_tokenizer(tmp_path: Path, content: str | None, words: str) -> 
 
 def test_parquet_documents_are_packed_with_end_of_text(corpus: dict[str, Path]) -> None:
     tokenizer = load_tokenizer(str(corpus["tok"]))
-    source = D.read_source(str(corpus["parquet"]), tokenizer)
+    source = read_source(str(corpus["parquet"]), tokenizer)
     docs = pq.read_table(corpus["parquet"]).column("text").to_pylist()
     expected = np.concatenate([np.array([*ids, tokenizer.eot_id]) for ids in tokenizer.encode_batch(docs)])
     packed = np.concatenate(source.train + source.eval)
     assert np.array_equal(packed, expected)
-    assert sum(len(a) for a in source.eval) == len(expected) - int(len(expected) * (1 - D.EVAL_FRACTION))
+    assert sum(len(a) for a in source.eval) == len(expected) - int(len(expected) * (1 - EVAL_FRACTION))
 
 
 def test_jsonl_text_and_directory_sources(tmp_path: Path) -> None:
@@ -95,30 +100,30 @@ def test_jsonl_text_and_directory_sources(tmp_path: Path) -> None:
     (tmp_path / "t").mkdir()
     for index, doc in enumerate(docs):
         (tmp_path / "t" / f"{index:03d}.txt").write_text(doc)
-    assert list(D.documents(str(tmp_path / "j" / "a.jsonl"))) == docs
-    assert list(D.documents(str(tmp_path / "j"))) == docs
-    assert list(D.documents(str(tmp_path / "t"))) == docs
+    assert list(documents(str(tmp_path / "j" / "a.jsonl"))) == docs
+    assert list(documents(str(tmp_path / "j"))) == docs
+    assert list(documents(str(tmp_path / "t"))) == docs
 
 
 def test_a_dataset_without_the_text_column(corpus: dict[str, Path]) -> None:
-    with pytest.raises(D.DataError, match="no text column 'text' \\(columns: body"):
-        D.read_source(str(corpus["notext"]), load_tokenizer(None))
+    with pytest.raises(DataError, match="no text column 'text' \\(columns: body"):
+        read_source(str(corpus["notext"]), load_tokenizer(None))
 
 
 def test_a_text_column_that_is_not_text_and_mixed_formats(tmp_path: Path) -> None:
     pq.write_table(pa.table({"text": list(range(100))}), tmp_path / "numbers.parquet")
-    with pytest.raises(D.DataError, match="column 'text' holds int, not text"):
-        D.read_source(str(tmp_path / "numbers.parquet"), load_tokenizer(None))
+    with pytest.raises(DataError, match="column 'text' holds int, not text"):
+        read_source(str(tmp_path / "numbers.parquet"), load_tokenizer(None))
     (tmp_path / "more.jsonl").write_text('{"text": "x"}\n')
-    with pytest.raises(D.DataError, match="mixes json, parquet files"):
-        D.read_source(str(tmp_path), load_tokenizer(None))
+    with pytest.raises(DataError, match="mixes json, parquet files"):
+        read_source(str(tmp_path), load_tokenizer(None))
 
 
 def test_corrupt_parquet_is_one_line(tmp_path: Path) -> None:
     path = tmp_path / "broken.parquet"
     path.write_bytes(b"PAR1 not really parquet")
-    with pytest.raises(D.DataError, match="broken.parquet") as info:
-        D.read_source(str(path), load_tokenizer(None))
+    with pytest.raises(DataError, match="broken.parquet") as info:
+        read_source(str(path), load_tokenizer(None))
     assert "\n" not in str(info.value)
 
 
@@ -135,7 +140,7 @@ def test_eval_split_is_the_same_for_every_node_and_disjoint_from_train(corpus: d
 # --- the node's order: every window once per epoch, resumable -------------------------------------
 
 
-def window_ids(dataset: D.TokenDataset, batch: tuple[torch.Tensor, torch.Tensor]) -> list[int]:
+def window_ids(dataset: TokenDataset, batch: tuple[torch.Tensor, torch.Tensor]) -> list[int]:
     """Which train windows a batch holds (window i starts at token i * seq_len of the train split)."""
     train = torch.from_numpy(np.concatenate(dataset.source.train).astype(np.int64))
     ids = []
@@ -206,8 +211,8 @@ def test_a_resumed_node_goes_on_where_it_stopped(corpus: dict[str, Path]) -> Non
 
 def test_the_prefetch_follows_jumps_and_counts_waits(corpus: dict[str, Path]) -> None:
     data = D.open_data(str(corpus["parquet"]), str(corpus["tok"]), 64)
-    meter = D.DataMeter()
-    data.prefetch = D.Prefetcher(data.dataset.batches, meter)
+    meter = DataMeter()
+    data.prefetch = Prefetcher(data.dataset.batches, meter)
     expected = data.dataset.batch(4, 9, 7)
     got = data.train_batch(4, 9, 7)  # a start at 7 (a resume): one cold start
     assert torch.equal(got[0], expected[0])
@@ -225,30 +230,30 @@ def test_reading_and_tokenizing_run_off_the_calling_thread(corpus: dict[str, Pat
     """open_data returns while the source is still being read; the read runs on its own thread, and the
     fingerprint's digest and the replica's batches wait for that one read (and get its DataError)."""
     release, threads = threading.Event(), []
-    real = D.read_source
+    real = read_source
 
-    def slow_read(*args: Any) -> D.Source:
+    def slow_read(*args: Any) -> Source:
         threads.append(threading.current_thread().name)
         assert release.wait(30)
         return real(*args)
 
-    monkeypatch.setattr(D, "read_source", slow_read)
+    monkeypatch.setattr(D, "read_source", slow_read)  # the name data.py's reads call
     D._source.cache_clear()
     spec, tok = str(corpus["parquet"]), str(corpus["tok"])
     data = D.open_data(spec, tok, 64)  # returns with the read blocked: it is not on this thread
     assert threads == ["data-read"]
     data.prepare(4, 3, 0)  # the prefetch starts before the read is done: its thread waits for it
     release.set()
-    meter = data.prefetch.meter = D.DataMeter()
+    meter = data.prefetch.meter = DataMeter()
     x, _ = data.train_batch(4, 3, 0)
     assert torch.equal(x, data.dataset.batch(4, 3, 0)[0]) and meter.cold_starts == 0  # no restart: prepared
     assert D._source(spec, tok, "text") is data.dataset.source and threads == ["data-read"]  # one read, shared
     data.prefetch.close()
     D._source.cache_clear()
     bad = D.open_data(str(corpus["notext"]), tok, 64)
-    with pytest.raises(D.DataError, match="no text column 'text'"):
+    with pytest.raises(DataError, match="no text column 'text'"):
         bad.eval_batches(4)
-    with pytest.raises(D.DataError, match="no text column 'text'"):
+    with pytest.raises(DataError, match="no text column 'text'"):
         bad.train_batch(4, 3, 0)
     D._source.cache_clear()
 
@@ -258,9 +263,9 @@ def test_a_producer_failure_reaches_the_training_thread() -> None:
         yield torch.zeros(1), torch.zeros(1)
         raise OSError("disk gone")
 
-    prefetch = D.Prefetcher(failing, D.DataMeter())
+    prefetch = Prefetcher(failing, DataMeter())
     prefetch.get(1, 0, 0)
-    with pytest.raises(D.DataError, match="disk gone"):
+    with pytest.raises(DataError, match="disk gone"):
         prefetch.get(1, 0, 1)
 
 
@@ -270,18 +275,18 @@ def test_a_producer_failure_reaches_the_training_thread() -> None:
 def test_tokenize_writes_llmc_shards_the_node_reads_back(corpus: dict[str, Path], tmp_path: Path) -> None:
     tokenizer = load_tokenizer(str(corpus["tok"]))
     tallied: list[int] = []  # tokenize's progress: every document tokenized, once (telemetry/progress.py)
-    paths, train, held = D.write_shards(str(corpus["parquet"]), str(corpus["tok"]), tmp_path / "out",
+    paths, train, held = write_shards(str(corpus["parquet"]), str(corpus["tok"]), tmp_path / "out",
                                         shard_tokens=4000, tally=tallied.append)
-    source = D.read_source(str(corpus["parquet"]), tokenizer)
+    source = read_source(str(corpus["parquet"]), tokenizer)
     assert train == sum(len(a) for a in source.train) and held == sum(len(a) for a in source.eval)
     assert sum(tallied) == train + held and len(tallied) > 1
     assert len(paths) == 1 + -(-train // 4000)
     header = np.fromfile(paths[-1], dtype="<i4", count=256)
     assert (header[0], header[1]) == (20240520, 1)  # llm.c's GPT-2 layout: uint16 tokens
-    again = D.read_source(str(tmp_path / "out"), tokenizer)  # *_val_* is the eval split
+    again = read_source(str(tmp_path / "out"), tokenizer)  # *_val_* is the eval split
     assert np.array_equal(np.concatenate(again.train), np.concatenate(source.train))
     assert np.array_equal(np.concatenate(again.eval), np.concatenate(source.eval))
-    assert D.digest_of(again.eval) == D.digest_of(source.eval)
+    assert digest_of(again.eval) == digest_of(source.eval)
 
 
 def test_nanogpt_and_llama3_layouts(tmp_path: Path) -> None:
@@ -313,14 +318,14 @@ def test_damaged_shards_are_refused_naming_the_file(tmp_path: Path, damage: str,
     else:
         path.write_bytes(b"")
     with pytest.raises(shards.ShardError, match=words) as info:
-        D.read_source(str(tmp_path), load_tokenizer(None))
+        read_source(str(tmp_path), load_tokenizer(None))
     assert str(path) in str(info.value)
 
 
 def test_shard_ids_beyond_the_vocabulary(tmp_path: Path) -> None:
     shards.write_shard(tmp_path / "x_train_000000.bin", np.full(500, 300), 320)
     with pytest.raises(shards.ShardError, match="token id 300, beyond the tokenizer's vocabulary of 256"):
-        D.read_source(str(tmp_path), load_tokenizer(None))
+        read_source(str(tmp_path), load_tokenizer(None))
 
 
 # --- hub datasets ---------------------------------------------------------------------------------
@@ -330,23 +335,23 @@ def test_hub_offline_is_one_line_at_once(monkeypatch: pytest.MonkeyPatch) -> Non
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(D.DataError, match="hub dataset and the hub is switched off"):
-        D.read_source("hf:HuggingFaceFW/fineweb-edu:sample-10BT", load_tokenizer(None))
+    with pytest.raises(DataError, match="hub dataset and the hub is switched off"):
+        read_source("hf:HuggingFaceFW/fineweb-edu:sample-10BT", load_tokenizer(None))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(proxy, raising=False)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
     started = time.monotonic()
-    with pytest.raises(D.DataError, match="cannot be reached") as info:
-        D.read_source("hf:HuggingFaceFW/fineweb-edu", load_tokenizer(None))
-    assert time.monotonic() - started < D.HUB_TIMEOUT + 1
+    with pytest.raises(DataError, match="cannot be reached") as info:
+        read_source("hf:HuggingFaceFW/fineweb-edu", load_tokenizer(None))
+    assert time.monotonic() - started < HUB_TIMEOUT + 1
     assert "local files" in str(info.value)
 
 
 @pytest.mark.parametrize("spec", ["hf:", "hf:a:b:c:d", "hf:a::train"])
 def test_malformed_hub_names(spec: str) -> None:
-    with pytest.raises(D.DataError, match="is not hf:NAME"):
-        D.parse_hub(spec)
+    with pytest.raises(DataError, match="is not hf:NAME"):
+        parse_hub(spec)
 
 
 def test_a_stream_is_read_in_the_nodes_order_and_resumes(corpus: dict[str, Path]) -> None:
@@ -357,9 +362,9 @@ def test_a_stream_is_read_in_the_nodes_order_and_resumes(corpus: dict[str, Path]
         return datasets.load_dataset("parquet", data_files=str(corpus["parquet"]), split="train", streaming=True)
 
     tokenizer = load_tokenizer(str(corpus["tok"]))
-    held = [np.concatenate(list(D._pack(tokenizer, pq.read_table(corpus["parquet"]).column("text")
+    held = [np.concatenate(list(pack(tokenizer, pq.read_table(corpus["parquet"]).column("text")
                                         .to_pylist()[:20])))]
-    dataset = D.TokenDataset(D.Source([], held, stream=load, skip=20), 32, tokenizer, "stream")
+    dataset = TokenDataset(Source([], held, stream=load, skip=20), 32, tokenizer, "stream")
     straight = dataset.batches(4, 3, 0)
     first = [next(straight) for _ in range(6)]
     later = dataset.batches(4, 3, 4)  # a resume at position 4 reads and drops what came before
@@ -387,7 +392,7 @@ def test_the_fingerprint_names_the_tokenizer_and_the_eval_data(corpus: dict[str,
     theirs = build_config({**base, "tokenizer": str(corpus["other"])})
     fields = ours.fingerprint_fields()
     assert fields["tokenizer"] == load_tokenizer(str(corpus["tok"])).digest
-    assert fields["eval_data"] == D.digest_of(D.read_source(str(corpus["parquet"]),
+    assert fields["eval_data"] == digest_of(read_source(str(corpus["parquet"]),
                                                              load_tokenizer(str(corpus["tok"]))).eval)
     assert ours.fingerprint() != theirs.fingerprint()
     difference = config_difference(fields, theirs.fingerprint_fields())
