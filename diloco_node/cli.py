@@ -240,7 +240,7 @@ def make_identity(path: Path) -> None:
 
     Example: diloco-node identity checkpoints/identity.key
     """
-    from diloco_node.identity import create
+    from diloco_node.swarm.identity import create
 
     click.echo(create(path))  # or IdentityError
 
