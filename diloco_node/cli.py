@@ -122,7 +122,7 @@ def join(ctx: click.Context, config_file: str | None, log_level: str, **values: 
     # after the config: checking a --peer imports hivemind, whose import sets its own log handler up
     setup_logging(log_level)
     cfg.fingerprint()  # reads the tokenizer and the data once: a bad one ends here, before anything is made
-    from diloco_node.runner import run_node  # heavy imports (torch, hivemind) only once input is valid
+    from diloco_node.daemon.runner import run_node  # heavy imports (torch, hivemind) only once input is valid
 
     sys.exit(run_node(cfg))
 

@@ -89,7 +89,7 @@ def _stop_nodes(nodes: list[NodeProcess]) -> list[int]:
     """Ctrl-C: each node stops at its next safe point; a second Ctrl-C stops them at once.
 
     The nodes get SIGTERM, not SIGINT: hivemind's averager ignores SIGINT in the node's process
-    while it starts (lifecycle.py), and a node stopped then would never see it."""
+    while it starts (daemon/lifecycle.py), and a node stopped then would never see it."""
     for attempt in range(2):
         for node in nodes:
             if node.running():

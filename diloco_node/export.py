@@ -144,10 +144,10 @@ def export(checkpoint_dir: str, run_id: str, out: str) -> Path:
         path = path.parent / LEGACY_NAME
     if not path.is_file():
         raise ExportError(f"no checkpoint of run '{run_id}' in '{checkpoint_dir}' (looked for {path})")
-    from diloco_node import checkpoint
+    from diloco_node.daemon import checkpoint
 
     assert (checkpoint.CHECKPOINT_NAME, checkpoint.LEGACY_NAME) == (CHECKPOINT_NAME, LEGACY_NAME)
-    from diloco_node.checkpoint import CheckpointError, check_node_state, read_checkpoint
+    from diloco_node.daemon.checkpoint import CheckpointError, check_node_state, read_checkpoint
 
     try:
         state = read_checkpoint(path)

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from diloco_node.checkpoint import CheckpointStore
 from diloco_node.config import NodeConfig
+from diloco_node.daemon.checkpoint import CheckpointStore
 from diloco_node.launch import LaunchTimeout, NodeProcess
 from diloco_node.train.inner import InnerConfig
 from harness import wire

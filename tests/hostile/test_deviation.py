@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco_node.checkpoint import read_checkpoint
+from diloco_node.daemon.checkpoint import read_checkpoint
 from diloco_node.launch import NodeProcess
 from diloco_node.outer.aggregate import NORM_CLIP_MULTIPLE, TOKEN_CAP_MULTIPLE
 from diloco_node.swarm.identity import create

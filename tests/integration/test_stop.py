@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from diloco_node.checkpoint import read_checkpoint
+from diloco_node.daemon.checkpoint import read_checkpoint
 from diloco_node.launch import alive, descendants
 from tests.integration.conftest import NodeFactory
 

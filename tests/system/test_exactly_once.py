@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco_node.checkpoint import read_checkpoint
+from diloco_node.daemon.checkpoint import read_checkpoint
 from diloco_node.launch import NodeProcess
 from tests.integration.conftest import NodeFactory
 

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from diloco_node.checkpoint import CheckpointError, CheckpointStore, check_fits, check_node_state, installing
 from diloco_node.codec import Codec
-from diloco_node.compose import attach_swarm
+from diloco_node.daemon.checkpoint import CheckpointError, CheckpointStore, check_fits, check_node_state, installing
+from diloco_node.daemon.compose import attach_swarm
+from diloco_node.daemon.lifecycle import exit_later
+from diloco_node.daemon.node import Node
 from diloco_node.forks import isolate_forked_children
-from diloco_node.lifecycle import exit_later
-from diloco_node.node import Node
 from diloco_node.outer.fragments import Drift, load_codec_state
 from diloco_node.outer.state import OuterState
 from diloco_node.outer.sync import Applied

@@ -1,4 +1,4 @@
-"""How the node's process stops: the signals users send, and the helper processes hivemind forks.
+"""How the node's process stops: the signals users send, and the last resort when start-up is stuck.
 
 - The first SIGINT (Ctrl-C), SIGTERM (`kill`, `docker stop`, systemd) or SIGHUP (the terminal
   or ssh session closed, `kill -HUP`) asks the node to stop at the next safe point: it settles
