@@ -371,7 +371,7 @@ def export_model(checkpoint_dir: str, run_id: str, out: Path) -> None:
 
     Example: diloco-node export --checkpoint-dir checkpoints --run-id demo my-model/
     """
-    from diloco_node.export import export
+    from diloco_node.commands.export import export
 
     click.echo(f"wrote {export(checkpoint_dir, run_id, str(out))}")  # or ExportError
 
@@ -386,7 +386,7 @@ def demo(nodes: int, rounds: int, inner_steps: int, model: str) -> None:
 
     Example: diloco-node demo --nodes 2
     """
-    from diloco_node.demo import run_demo
+    from diloco_node.commands.demo import run_demo
 
     sys.exit(run_demo(nodes=nodes, rounds=rounds, inner_steps=inner_steps, model=model))
 
@@ -402,7 +402,7 @@ def _fetch_json(base_url: str, path: str) -> dict[str, Any]:
         with urllib.request.urlopen(url, timeout=5) as response:
             body = json.loads(response.read())
     except urllib.error.HTTPError as exc:
-        from diloco_node.status_view import shown  # the reason phrase is the server's text: escaped
+        from diloco_node.commands.status_view import shown  # the reason phrase is the server's text: escaped
 
         fail(f"{url} answered HTTP {exc.code} {shown(exc.reason)}")
     except urllib.error.URLError as exc:
@@ -426,7 +426,7 @@ def status(url: str) -> None:
     import time
     import urllib.parse
 
-    from diloco_node.status_view import render
+    from diloco_node.commands.status_view import render
 
     if "://" not in url:  # HOST:PORT, as the node's --status takes it
         url = "http://" + url

@@ -261,7 +261,7 @@ OPTIONAL_KEYS: dict[str, Callable[[Any], bool]] = {
 
 def export_info(cfg: NodeConfig) -> dict[str, str]:
     """What `diloco-node export` needs to know of a run, saved in each checkpoint under "export" (plain
-    strings: the JSON manifest); export.py reads it back."""
+    strings: the JSON manifest); commands/export.py reads it back."""
     from diloco_node.train.hf import HFSpec
     from diloco_node.train.model import resolve_model
 

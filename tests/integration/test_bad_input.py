@@ -1,6 +1,6 @@
 """Bad input to the real `diloco-node join`: exit code 2, one `diloco-node: error:` line, no traceback.
 
-The real CLI runs in a subprocess (diloco_node/launch.py, which also asks for the node's events on
+The real CLI runs in a subprocess (diloco_node/commands/launch.py, which also asks for the node's events on
 stdout). `--log-level ERROR` keeps INFO lines off stderr so that the error line is the only one there.
 
 A bad value of an option is refused while the flags become a NodeConfig, before anything is logged
@@ -29,7 +29,7 @@ import torch
 from click.testing import CliRunner
 
 from diloco_node.cli import main
-from diloco_node.launch import NodeProcess
+from diloco_node.commands.launch import NodeProcess
 
 pytestmark = pytest.mark.integration
 

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
+from diloco_node.commands.export import ExportError, export
 from diloco_node.config import ConfigError, build_config
 from diloco_node.daemon.checkpoint import CheckpointStore, export_info
-from diloco_node.export import ExportError, export
 from diloco_node.replica import ReplicaSettings
 from diloco_node.replica.layout import digest
 from diloco_node.replica.single import SingleReplica

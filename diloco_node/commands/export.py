@@ -1,7 +1,7 @@
 """`diloco-node export`: a run's φ as a Hugging Face model directory.
 
-The checkpoint names its model (`checkpoint.export_info`, saved with every checkpoint): a Hugging Face model
-by its full config.json, a built-in GPT preset by name, which maps onto transformers' GPT-2 (the
+The checkpoint names its model (`export_info` in daemon/checkpoint.py, saved with every checkpoint):
+a Hugging Face model by its full config.json, a built-in GPT preset by name, which maps onto transformers' GPT-2 (the
 same pre-LayerNorm blocks, exact GELU, learned positions, tied head; GPT-2's Conv1D stores each
 linear weight transposed). φ is the canonical layout, i.e. the model's own `named_parameters`, so
 a Hugging Face model is written by its own `save_pretrained` (config.json, model.safetensors).
