@@ -18,7 +18,7 @@ import datetime as dt
 import time
 from pathlib import Path
 
-from diloco_node.launch import NodeProcess
+from diloco_node.commands.launch import NodeProcess
 from harness.bench import RESULTS_DIR, machine_info, unwind_on_sigterm, work_dir, write_results
 from harness.islands import Islands, require_netns
 from harness.nodes import WORLD, node_args, start_node, stop

@@ -64,7 +64,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diloco_node.launch import LaunchError, NodeProcess
+from diloco_node.commands.launch import LaunchError, NodeProcess
 from harness.bench import (
     RESULTS_DIR,
     machine_info,

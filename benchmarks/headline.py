@@ -46,8 +46,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from diloco_node.commands.launch import LaunchError
 from diloco_node.config import NodeConfig
-from diloco_node.launch import LaunchError
 from harness.bench import (
     RESULTS_DIR,
     machine_info,

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diloco_node.launch import NodeProcess
+from diloco_node.commands.launch import NodeProcess
 from diloco_node.outer.aggregate import WEIGHTINGS
 from harness.bench import RESULTS_DIR, machine_info, work_dir, write_results
 from harness.nodes import FAST, start_node, stop

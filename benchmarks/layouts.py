@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diloco_node.launch import NodeProcess, read_events
+from diloco_node.commands.launch import NodeProcess, read_events
 from harness.bench import RESULTS_DIR, machine_info
 from harness.nodes import BLOCKING_FLAGS, start_node
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diloco_node.launch import NodeProcess
+from diloco_node.commands.launch import NodeProcess
 from harness.bench import RESULTS_DIR, machine_info, work_dir, write_results
 from harness.nodes import FAST
 

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diloco_node.launch import read_events
+from diloco_node.commands.launch import read_events
 from diloco_node.swarm.groups import random_groups
 from harness.bench import RESULTS_DIR, StartupStalled, machine_info, pyplot, run_swarm
 from harness.nodes import BLOCKING_FLAGS

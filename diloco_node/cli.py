@@ -122,7 +122,7 @@ def join(ctx: click.Context, config_file: str | None, log_level: str, **values: 
     # after the config: checking a --peer imports hivemind, whose import sets its own log handler up
     setup_logging(log_level)
     cfg.fingerprint()  # reads the tokenizer and the data once: a bad one ends here, before anything is made
-    from diloco_node.runner import run_node  # heavy imports (torch, hivemind) only once input is valid
+    from diloco_node.daemon.runner import run_node  # heavy imports (torch, hivemind) only once input is valid
 
     sys.exit(run_node(cfg))
 
@@ -240,7 +240,7 @@ def make_identity(path: Path) -> None:
 
     Example: diloco-node identity checkpoints/identity.key
     """
-    from diloco_node.identity import create
+    from diloco_node.swarm.identity import create
 
     click.echo(create(path))  # or IdentityError
 
@@ -371,7 +371,7 @@ def export_model(checkpoint_dir: str, run_id: str, out: Path) -> None:
 
     Example: diloco-node export --checkpoint-dir checkpoints --run-id demo my-model/
     """
-    from diloco_node.export import export
+    from diloco_node.commands.export import export
 
     click.echo(f"wrote {export(checkpoint_dir, run_id, str(out))}")  # or ExportError
 
@@ -386,7 +386,7 @@ def demo(nodes: int, rounds: int, inner_steps: int, model: str) -> None:
 
     Example: diloco-node demo --nodes 2
     """
-    from diloco_node.demo import run_demo
+    from diloco_node.commands.demo import run_demo
 
     sys.exit(run_demo(nodes=nodes, rounds=rounds, inner_steps=inner_steps, model=model))
 
@@ -402,7 +402,7 @@ def _fetch_json(base_url: str, path: str) -> dict[str, Any]:
         with urllib.request.urlopen(url, timeout=5) as response:
             body = json.loads(response.read())
     except urllib.error.HTTPError as exc:
-        from diloco_node.status_view import shown  # the reason phrase is the server's text: escaped
+        from diloco_node.commands.status_view import shown  # the reason phrase is the server's text: escaped
 
         fail(f"{url} answered HTTP {exc.code} {shown(exc.reason)}")
     except urllib.error.URLError as exc:
@@ -426,7 +426,7 @@ def status(url: str) -> None:
     import time
     import urllib.parse
 
-    from diloco_node.status_view import render
+    from diloco_node.commands.status_view import render
 
     if "://" not in url:  # HOST:PORT, as the node's --status takes it
         url = "http://" + url

@@ -1,6 +1,6 @@
 """The test and benchmark harness: what tests/ and benchmarks/ share, outside the node's package.
 
-- nodes.py: real `diloco-node join` nodes through the one launcher (diloco_node/launch.py), their
+- nodes.py: real `diloco-node join` nodes through the one launcher (diloco_node/commands/launch.py), their
   flags, swarms of them on loopback, and what their events say;
 - islands.py: a wide-area network on one machine (network namespaces, rate-limited links) and nodes
   inside it;

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from diloco_node.checkpoint import CheckpointStore
+from diloco_node.commands.launch import LaunchTimeout, NodeProcess
 from diloco_node.config import NodeConfig
-from diloco_node.launch import LaunchTimeout, NodeProcess
+from diloco_node.daemon.checkpoint import CheckpointStore
 from diloco_node.train.inner import InnerConfig
 from harness import wire
 from harness.islands import Islands

@@ -23,7 +23,7 @@ Addresses are 10.231.<run>.<N+1>/24 with <run> derived from the pid; they exist 
 namespaces (no route from the host), so traffic never leaves the machine. IPv6 is switched off inside
 the islands so that router/neighbour solicitations do not add noise to the byte counters.
 
-``IslandNode`` is a real `diloco-node join` inside an island (diloco_node/launch.py's NodeProcess,
+``IslandNode`` is a real `diloco-node join` inside an island (diloco_node/commands/launch.py's NodeProcess,
 its command line wrapped by ``Island.command``), ``node_options`` its fast flags on the island's
 address. Byte counters are read through harness/wire.py.
 
@@ -50,7 +50,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from diloco_node.launch import NodeProcess
+from diloco_node.commands.launch import NodeProcess
 from harness import wire
 from harness.nodes import FAST
 

@@ -1,5 +1,5 @@
 """Real `diloco-node join` nodes for the tests and the benchmarks, through the one launcher
-(diloco_node/launch.py's NodeProcess): their flags, swarms of them on loopback, and what their events
+(diloco_node/commands/launch.py's NodeProcess): their flags, swarms of them on loopback, and what their events
 say once they have finished.
 
 Everything is read from the nodes' own JSON events (`launch.parse_event`); warnings are log lines.
@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from diloco_node.launch import NodeProcess
+from diloco_node.commands.launch import NodeProcess
 from diloco_node.telemetry.record import RoundRecord, SettledRecord
 from harness.pace import paced_environment, reports
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diloco_node.launch import clean_environment
+from diloco_node.commands.launch import clean_environment
 
 VARIABLE = "HARNESS_STEP_SECONDS"
 BOOT = Path(__file__).resolve().parent / "pace_boot"

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from diloco_node.compose import build, make_fragments
 from diloco_node.config import NodeConfig
+from diloco_node.daemon.compose import build, make_fragments
 from diloco_node.outer.factory import make_update
 from diloco_node.outer.fragments import Drift
 from diloco_node.outer.update import UpdateContext

@@ -92,7 +92,7 @@ class Fragments:
     """The run's P fragments; round r exchanges and steps fragment r mod P."""
 
     def __init__(self, numels: Sequence[int], runs: Sequence[range], averagings: Sequence[Averaging]):
-        """`runs`: split(numels, P), cut once at start-up (compose.py) and shared with `Drift`."""
+        """`runs`: split(numels, P), cut once at start-up (daemon/compose.py) and shared with `Drift`."""
         bounds = [0]
         for numel in numels:
             bounds.append(bounds[-1] + numel)
@@ -113,7 +113,7 @@ class Fragments:
 
 
 class Drift:
-    """θ between rounds (node.py, docs/architecture.md §15). With one fragment θ ← φ every round and
+    """θ between rounds (daemon/node.py, docs/architecture.md §15). With one fragment θ ← φ every round and
     Δ = φ − θ, as always. With P, θ is kept across rounds: at the start of a round only the fragment
     the last round ended is reloaded from φ (all of θ after a start, a resume or a re-sync), and Δ is
     taken against `origin`, the φ each fragment last started from. Overlapped modes move φ of a

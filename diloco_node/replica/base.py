@@ -45,7 +45,7 @@ class ReplicaSettings:
     parallel: str  # none | fsdp | pipeline
     devices: tuple[str, ...]  # one per local rank
     threads: int  # torch threads per rank (0: torch's default)
-    init: str = "random"  # random | pretrained: how φ starts (compose.py); a replica's own θ always comes from φ
+    init: str = "random"  # random | pretrained: how φ starts (daemon/compose.py); a replica's own θ always comes from φ
     compile: bool = False  # torch.compile the model's forward
     micro_batch_size: int = 0  # sequences per forward/backward per rank (0: the rank's whole batch)
     micro_batch_auto: bool = False  # find the largest micro-batch that fits (train/fit.py); parallel none only

@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from diloco_node.lifecycle import become_helper
+from diloco_node.forks import become_helper
 from diloco_node.replica.ranks import join_group, make_compute, settings_from_env
 
 

@@ -14,9 +14,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 
-from diloco_node import identity
 from diloco_node.errors import NodeError
-from diloco_node.swarm import records
+from diloco_node.swarm import identity, records
 from diloco_node.swarm.reachability import detect
 from diloco_node.trust.admission import Gate
 from diloco_node.trust.seals import Sealer
@@ -42,7 +41,7 @@ class SwarmSettings:
     round_timeout: float
     max_payload_bytes: int  # the most one encoded vector may take (the codec's bound; NoLoCo sends two)
     group_size: int | None = None  # NoLoCo: at most this many per group; None: one group for everyone
-    identity: Path | None = None  # libp2p key file (identity.py); None: a new peer id each start
+    identity: Path | None = None  # libp2p key file (swarm/identity.py); None: a new peer id each start
     gate: Gate | None = None  # who is admitted (trust/admission.py); None: an open run
     # groups of at least this many exchange by butterfly (butterfly.py), smaller ones by all-gather;
     # None: always all-gather. Fingerprinted config decides it, so every member of a group agrees.

@@ -153,7 +153,7 @@ class Swarm:
     @staticmethod
     def clock() -> float:
         """The swarm's clock (hivemind's DHT time, by which every record expires): round deadlines
-        under --round-seconds are points of it (budget.py)."""
+        under --round-seconds are points of it (daemon/budget.py)."""
         return float(get_dht_time())
 
     def peer_count(self) -> int:

@@ -26,7 +26,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from diloco_node.errors import NodeError
-from diloco_node.lifecycle import close_in_helpers
+from diloco_node.forks import close_in_helpers
 from diloco_node.telemetry import metrics
 from diloco_node.telemetry.meter import Telemetry
 
@@ -196,7 +196,7 @@ class StatusServer:
     async def _bind(self) -> int:
         await self._runner.setup()
         self._socket = listening_socket(self._host, self._requested_port)
-        close_in_helpers(self._socket.fileno())  # hivemind forks its helpers after this (lifecycle.py)
+        close_in_helpers(self._socket.fileno())  # hivemind forks its helpers after this (forks.py)
         await web.SockSite(self._runner, self._socket).start()
         return int(self._socket.getsockname()[1])  # the real port when 0 asked for a free one
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco_node.launch import NodeProcess
+from diloco_node.commands.launch import NodeProcess
 from harness.nodes import FAST
 
 pytestmark = pytest.mark.integration

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco_node.launch import NodeProcess
+from diloco_node.commands.launch import NodeProcess
 from tests.integration import conftest as integration
 from tests.integration.conftest import NodeFactory
 from tests.integration.test_butterfly import trio  # noqa: F401  (a fixture: three butterfly peers in this process)

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from diloco_node.codec import CodecConfig, make_codec
-from diloco_node.identity import create
 from diloco_node.outer.averaging import Averaging
 from diloco_node.round import Gathered, Outcome, PartIn, Reduced, Reducer
 from diloco_node.swarm.butterfly import Butterfly, digest
+from diloco_node.swarm.identity import create
 from diloco_node.swarm.messages import Told
 from diloco_node.swarm.streams import Streams
 from diloco_node.trust.seals import statement

@@ -34,10 +34,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco_node.checkpoint import read_checkpoint
-from diloco_node.identity import create
-from diloco_node.launch import NodeProcess
+from diloco_node.commands.launch import NodeProcess
+from diloco_node.daemon.checkpoint import read_checkpoint
 from diloco_node.outer.aggregate import NORM_CLIP_MULTIPLE, TOKEN_CAP_MULTIPLE
+from diloco_node.swarm.identity import create
 from tests.hostile.test_forged_records import forging_process
 from tests.integration.conftest import NodeFactory
 from tests.integration.test_swarm import assert_same_digests

@@ -1,6 +1,6 @@
 """Bad input to the real `diloco-node join`: exit code 2, one `diloco-node: error:` line, no traceback.
 
-The real CLI runs in a subprocess (diloco_node/launch.py, which also asks for the node's events on
+The real CLI runs in a subprocess (diloco_node/commands/launch.py, which also asks for the node's events on
 stdout). `--log-level ERROR` keeps INFO lines off stderr so that the error line is the only one there.
 
 A bad value of an option is refused while the flags become a NodeConfig, before anything is logged
@@ -29,7 +29,7 @@ import torch
 from click.testing import CliRunner
 
 from diloco_node.cli import main
-from diloco_node.launch import NodeProcess
+from diloco_node.commands.launch import NodeProcess
 
 pytestmark = pytest.mark.integration
 
@@ -96,7 +96,7 @@ def in_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Callable[...,
         print("diloco-node: the bad input was accepted and a node would start", file=sys.stderr)
         return 3
 
-    monkeypatch.setattr("diloco_node.runner.run_node", started)
+    monkeypatch.setattr("diloco_node.daemon.runner.run_node", started)
     monkeypatch.chdir(tmp_path)  # relative defaults (checkpoints/<run_id>) land here, not in the repo
 
     return lambda *args: main_in_process("join", *LOCAL, *QUIET, *args)
@@ -258,7 +258,7 @@ def test_checkpoint_dir_locked_by_another_node(nodes: Processes, tmp_path: Path)
     store = directory / "locked-run"  # a node keeps its checkpoints in <checkpoint_dir>/<run_id>/
     store.mkdir(parents=True)
     with open(store / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what a running node holds (checkpoint.py)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what a running node holds (daemon/checkpoint.py)
         result = join(nodes, "--checkpoint-dir", str(directory), "--run-id", "locked-run")
         line = assert_bad_input(result, str(store), "in use")
     assert "another node" in line
@@ -267,7 +267,7 @@ def test_checkpoint_dir_locked_by_another_node(nodes: Processes, tmp_path: Path)
 
 def test_damaged_checkpoint_is_refused_and_kept(nodes: Processes, tmp_path: Path) -> None:
     """A checkpoint whose tensors file was altered: one line, exit 2, the files left as they were."""
-    from diloco_node.checkpoint import CheckpointStore
+    from diloco_node.daemon.checkpoint import CheckpointStore
 
     store_dir = tmp_path / "ckpt" / "damaged-run"
     store = CheckpointStore(store_dir)

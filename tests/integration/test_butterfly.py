@@ -15,11 +15,11 @@ import pytest
 import torch
 from hivemind import DHT
 
-from diloco_node import identity
 from diloco_node.codec import CodecConfig, make_codec
 from diloco_node.outer.averaging import Averaging
 from diloco_node.round import Reduced, Reducer
 from diloco_node.swarm import butterfly as butterfly_module
+from diloco_node.swarm import identity
 from diloco_node.swarm.butterfly import Butterfly
 from diloco_node.swarm.streams import Streams
 from diloco_node.trust.seals import Sealer

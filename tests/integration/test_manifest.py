@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco_node.launch import NodeProcess
+from diloco_node.commands.launch import NodeProcess
 from diloco_node.manifest import MANIFEST_NAME, read_local
 from diloco_node.train.tokenizer import train_tokenizer
 from tests.integration.conftest import NodeFactory

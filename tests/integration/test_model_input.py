@@ -35,7 +35,7 @@ def test_join_refuses_a_model_it_cannot_build(tmp_path: Path, config: dict[str, 
     (tmp_path / "model").mkdir()
     if config is not None:
         (tmp_path / "model" / "config.json").write_text(json.dumps(config))
-    monkeypatch.setattr("diloco_node.runner.run_node", lambda _cfg: 3)
+    monkeypatch.setattr("diloco_node.daemon.runner.run_node", lambda _cfg: 3)
     monkeypatch.chdir(tmp_path)
     done = CliRunner().invoke(main, ["join", "--model", "model", "--checkpoint-dir", "ckpt", "--log-level", "ERROR"],
                               env={"HF_HUB_OFFLINE": "1"})

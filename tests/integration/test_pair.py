@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from diloco_node.launch import NodeProcess
+from diloco_node.commands.launch import NodeProcess
 from tests.integration.conftest import NodeFactory
 from tests.integration.test_swarm import assert_same_digests
 

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from diloco_node.checkpoint import read_checkpoint
-from diloco_node.launch import alive, descendants
+from diloco_node.commands.launch import alive, descendants
+from diloco_node.daemon.checkpoint import read_checkpoint
 from tests.integration.conftest import NodeFactory
 
 pytestmark = pytest.mark.integration

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from diloco_node.launch import NodeProcess
+from diloco_node.commands.launch import NodeProcess
 from tests.integration.conftest import NodeFactory
 
 pytestmark = pytest.mark.integration

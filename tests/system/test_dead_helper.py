@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from diloco_node.launch import NodeProcess, alive, descendants
+from diloco_node.commands.launch import NodeProcess, alive, descendants
 from diloco_node.procs import parent, program
 from harness.bench import free_port
 from harness.nodes import fast_on

@@ -1,6 +1,6 @@
 """`diloco-node demo` stopped at any moment, by Ctrl-C (SIGINT to its process group, as a terminal
 sends it) or SIGTERM, leaves no process behind: its nodes run in sessions of their own, so the
-demo must pass the stop on to each (diloco_node/demo.py). Every process of the demo's tree is
+demo must pass the stop on to each (diloco_node/commands/demo.py). Every process of the demo's tree is
 tracked from start to exit, since an orphan is no longer the demo's descendant once it exits.
 The stop mid-run is in test_demo_stop_mid_run.py (each file stays under a minute).
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco_node.launch import alive, descendants
+from diloco_node.commands.launch import alive, descendants
 from diloco_node.procs import program
 
 pytestmark = pytest.mark.integration

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco_node.checkpoint import read_checkpoint
-from diloco_node.launch import NodeProcess
+from diloco_node.commands.launch import NodeProcess
+from diloco_node.daemon.checkpoint import read_checkpoint
 from tests.integration.conftest import NodeFactory
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco_node.launch import alive, descendants
+from diloco_node.commands.launch import alive, descendants
 from tests.integration.conftest import NodeFactory
 
 pytestmark = pytest.mark.integration

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco_node.checkpoint import CheckpointStore
+from diloco_node.daemon.checkpoint import CheckpointStore
 from tests.integration.conftest import NodeFactory
 
 pytestmark = pytest.mark.integration

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco_node.launch import NodeProcess, descendants
+from diloco_node.commands.launch import NodeProcess, descendants
 from harness.bench import free_port
 from harness.nodes import STOP_BOUND, fast_on
 from tests.integration.conftest import NodeFactory

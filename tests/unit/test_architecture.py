@@ -3,8 +3,9 @@
 Every .py under diloco_node/ is parsed with `ast` (no import runs): `import x`, `from x import y`
 and relative imports, at any depth (inside functions, under `if TYPE_CHECKING:`), each mapped to
 the top-level area it reaches (diloco_node.outer.aggregate → outer, diloco_node.config → config).
-A rule names the areas it applies to and the areas they must not reach (and the third-party
-packages, when it names any: trust/ reaches neither hivemind nor torch); a failure names the file,
+A rule names the areas it applies to (or, for the rooms' rule, the areas it spares: every other
+area, one added later included) and the areas they must not reach (and the third-party packages,
+when it names any: trust/ reaches neither hivemind nor torch); a failure names the file,
 the line and the import. The checker is a plain function, tested on a small tree of its own, so a
 rule that passes here passes because the code keeps it, not because the checker sees nothing.
 """
@@ -44,14 +45,18 @@ class Rule:
     forbidden: frozenset[str] = frozenset()  # areas they must not reach
     allowed: frozenset[str] | None = None  # when set: the only areas they may reach (besides their own)
     external: frozenset[str] = frozenset()  # third-party packages they must not import
+    others: bool = False  # when set: the rule applies to every area but `sources`
+
+    def applies_to(self, source: str | None) -> bool:
+        return source is not None and (source in self.sources) != self.others
 
     def breaks(self, edge: Import) -> bool:
         source, target = area(edge.source), area(edge.target)
-        if source not in self.sources:
+        if not self.applies_to(source):
             return False
         if target is None:
             return edge.target.split(".")[0] in self.external
-        if target in self.sources:
+        if target == source or (not self.others and target in self.sources):
             return False
         if self.allowed is not None:
             return target not in self.allowed
@@ -59,17 +64,22 @@ class Rule:
 
 
 def rule(name: str, sources: Iterable[str], forbidden: Iterable[str] = (),
-         allowed: Iterable[str] | None = None, external: Iterable[str] = ()) -> Rule:
+         allowed: Iterable[str] | None = None, external: Iterable[str] = (), others: bool = False) -> Rule:
     return Rule(name, frozenset(sources), frozenset(forbidden), None if allowed is None else frozenset(allowed),
-                frozenset(external))
+                frozenset(external), others)
 
 
 # docs/architecture.md §8. config (and registry.py, which packages fill and config reads) is a leaf:
 # it may reach only the other leaves, which import nothing of the package but errors.py. trust/
 # (whom to believe) reads the round's types, the config, the leaves and lru.py, and no transport,
-# math or wire: neither swarm/, outer/ nor codec/, neither hivemind nor torch.
+# math or wire: neither swarm/, outer/ nor codec/, neither hivemind nor torch. daemon/ (the node's
+# process) composes every room and commands/ (the command line's commands) may use it; no room
+# below them imports either, and the node's process imports no command. The root's shared modules
+# (lru.py, procs.py, forks.py) stay below every room that imports them; manifest.py, which the CLI,
+# the composition root and swarm/manifests.py share, reads only the config, the leaves and train/.
 LEAVES = ("errors", "fingerprint", "rates", "registry")
 TRUST_READS = ("round", "config", "lru", *LEAVES)
+ENTRY = ("cli", "__main__")  # the entry points: they may import every room
 RULES = (
     rule("outer ↛ swarm", ["outer"], ["swarm"]),
     rule("swarm ↛ codec, outer", ["swarm"], ["codec", "outer"]),
@@ -81,6 +91,10 @@ RULES = (
     rule("round ↛ domain", ["round"], allowed=["errors"]),
     rule("trust ↛ swarm, outer, codec, hivemind, torch", ["trust"], allowed=TRUST_READS,
          external=["hivemind", "torch"]),
+    rule("rooms ↛ daemon, commands", [*ENTRY, "daemon", "commands"], ["daemon", "commands"], others=True),
+    rule("daemon ↛ commands", ["daemon"], ["commands"]),
+    rule("shared leaves ↛ domain", ["lru", "procs", "forks"], allowed=["errors"]),
+    rule("manifest ↛ domain but train", ["manifest"], allowed=["config", "train", *LEAVES]),
 )
 
 
@@ -121,7 +135,7 @@ def imports_of(path: Path, root: Path) -> Iterator[Import]:
             base = _resolve(node, module, is_package)
             for alias in node.names:
                 # `from pkg import sub` reaches pkg.sub: the area is decided by the longer name
-                # whenever the base is the package itself (`from diloco_node import identity`)
+                # whenever the base is the package itself (`from diloco_node import manifest`)
                 target = f"{base}.{alias.name}" if base == PACKAGE and alias.name != "*" else base
                 yield Import(relative, node.lineno, module, target, text or "")
 
@@ -160,6 +174,8 @@ def test_the_checker_sees_the_package() -> None:
     assert any(area(e.source) not in ("outer", None) and area(e.target) == "outer" for e in edges)
     assert any(area(e.source) == "swarm" and e.target.split(".")[0] == "hivemind" for e in edges)
     assert any(area(e.source) == "outer" and e.target == "torch" for e in edges)
+    assert any(area(e.source) == "cli" and area(e.target) == "daemon" for e in edges)
+    assert any(area(e.source) == "commands" and area(e.target) == "daemon" for e in edges)
 
 
 # --- the checker itself, on a tree made for it ----------------------------------------------
@@ -180,11 +196,18 @@ BAD_IMPORTS = {
                                  "    from diloco_node.outer.update import RoundReport\n", 4),
     "train ↛ swarm": ("train/shares.py", "def f():\n    import diloco_node.swarm.records as r\n    return r\n", 2),
     "codec ↛ swarm": ("codec/wire.py", "from ..swarm import streams\n", 1),
-    "config ↛ domain": ("config.py", "from diloco_node.errors import NodeError\nfrom diloco_node import identity\n", 2),
+    "config ↛ domain": ("config.py", "from diloco_node.errors import NodeError\nfrom diloco_node import manifest\n", 2),
     "leaves ↛ domain": ("fingerprint.py", "import json\nfrom .codec import CODECS\n", 2),
     "round ↛ domain": ("round.py", "import torch\nfrom diloco_node.swarm.dht import SwarmSettings\n", 2),
     "trust ↛ swarm, outer, codec, hivemind, torch": ("trust/proofs.py", "from diloco_node.round import Outcome\n"
                                                     "from ..swarm.records import fetch\n", 2),
+    "rooms ↛ daemon, commands": ("telemetry/server.py", "from diloco_node.forks import close_in_helpers\n"
+                                 "from diloco_node.daemon.lifecycle import StopSignals\n", 2),
+    "daemon ↛ commands": ("daemon/node.py", "from diloco_node.daemon.checkpoint import export_info\n"
+                          "from diloco_node.commands.export import export\n", 2),
+    "shared leaves ↛ domain": ("forks.py", "import os\nfrom diloco_node.telemetry.server import StatusServer\n", 2),
+    "manifest ↛ domain but train": ("manifest.py", "from diloco_node.config import NodeConfig\n"
+                                    "from diloco_node.swarm.manifests import fetch\n", 2),
 }
 
 
@@ -238,8 +261,24 @@ def test_checker_allows_what_rules_allow(tmp_path: Path) -> None:
         f"{PACKAGE}/swarm/facade.py": "from diloco_node.round import Transport\nimport hivemind\n",
         f"{PACKAGE}/trust/proofs.py": "import cryptography\nfrom diloco_node.round import Outcome\n"
                                       "from diloco_node import config, lru\n",
+        f"{PACKAGE}/cli.py": "from diloco_node.daemon.runner import run_node\nfrom diloco_node.commands import demo\n",
+        f"{PACKAGE}/commands/export.py": "from diloco_node.daemon.checkpoint import read_checkpoint\n",
+        f"{PACKAGE}/daemon/compose.py": "from diloco_node import manifest\nfrom diloco_node.swarm import Swarm\n"
+                                        "from .lifecycle import StopSignals\n",
+        f"{PACKAGE}/swarm/manifests.py": "from diloco_node.manifest import Manifest\n",
+        f"{PACKAGE}/telemetry/server.py": "from diloco_node.forks import close_in_helpers\n",
+        f"{PACKAGE}/manifest.py": "from diloco_node.config import NodeConfig\n"
+                                  "from diloco_node.train import tokenizer\n",
     })
     assert all(not violations(root, checked) for checked in RULES)
+
+
+def test_the_rooms_rule_covers_an_area_added_later(tmp_path: Path) -> None:
+    """The rule names the areas it spares, not those it binds: a new area is bound from the start."""
+    root = _tree(tmp_path, {f"{PACKAGE}/newroom/__init__.py": "from diloco_node.commands.launch import NodeProcess\n"})
+    rooms_rule = next(r for r in RULES if r.others)
+    assert [str(edge) for edge in violations(root, rooms_rule)] == [
+        f"{PACKAGE}/newroom/__init__.py:1: from diloco_node.commands.launch import NodeProcess"]
 
 
 # --- the doc and its cites --------------------------------------------------------------------

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from diloco_node.budget import BARRIER_FLOOR, MIN_SHARE, StepClock, barrier_timeout, deadline, warmup_pace
 from diloco_node.config import build_config
+from diloco_node.daemon.budget import BARRIER_FLOOR, MIN_SHARE, StepClock, barrier_timeout, deadline, warmup_pace
 from diloco_node.round import Outcome
 from diloco_node.train.inner import InnerConfig, budget_lr_at, lr_at
 from tests.unit.test_config import _error
@@ -150,7 +150,7 @@ def test_trainer_uses_the_budget_schedule_once_given_the_run_progress() -> None:
 
 
 def test_a_round_without_steps_offers_nothing_and_takes_the_others_mean() -> None:
-    """tokens 0 (node.py: no step fitted): no payload, so no peer counts a zero Δ, and the mean is the
+    """tokens 0 (daemon/node.py: no step fitted): no payload, so no peer counts a zero Δ, and the mean is the
     others' alone, exactly as theirs (what keeps φ equal in a blocking group)."""
     import torch
 
@@ -198,7 +198,7 @@ def test_with_fragments_a_round_lasts_t_over_p_and_any_number_of_fragments_is_ac
 
 @pytest.mark.parametrize("exchange", [0.3, 1.8])  # within 3T/(4P), and longer (a round of 2T/P then)
 def test_fragments_move_one_at_a_time_each_every_t_on_the_grid(exchange: float) -> None:
-    """The inner phases of consecutive rounds end on the grid of T/P (node.py asks `deadline` with
+    """The inner phases of consecutive rounds end on the grid of T/P (daemon/node.py asks `deadline` with
     `round_budget`), so P consecutive rounds, one exchange of each fragment, take T when the
     exchange fits, and a fragment's exchanges are P rounds apart: one fragment moves at a time."""
     cfg = build_config({"round_seconds": 6, "fragments": 3})

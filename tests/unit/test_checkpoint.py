@@ -1,4 +1,4 @@
-"""Checkpoints (checkpoint.py): tensors in safetensors, the rest in a JSON manifest written last;
+"""Checkpoints (daemon/checkpoint.py): tensors in safetensors, the rest in a JSON manifest written last;
 bit-exact round trips, a resumed replica continuing exactly, damaged files refused in one line."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diloco_node.checkpoint import CheckpointError, CheckpointStore, read_checkpoint
+from diloco_node.daemon.checkpoint import CheckpointError, CheckpointStore, read_checkpoint
 from diloco_node.replica import ReplicaSettings, make_replica
 from diloco_node.train.model import build_model
 
@@ -164,7 +164,7 @@ def resume_from(directory: Path) -> None:
     """startup.resume against a φ of node_state()'s shapes: the node's own path through the checks."""
     from types import SimpleNamespace
 
-    from diloco_node.startup import resume
+    from diloco_node.daemon.startup import resume
 
     phi = [torch.zeros(2, 3), torch.zeros(6)]
     outer = SimpleNamespace(phi=phi, round=0, install=lambda round_, params, momentum: [

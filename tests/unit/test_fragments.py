@@ -15,9 +15,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from diloco_node.checkpoint import CheckpointStore
 from diloco_node.codec import CodecConfig, make_codec
 from diloco_node.config import NodeConfig
+from diloco_node.daemon.checkpoint import CheckpointStore
 from diloco_node.outer.blocking import BlockingUpdate
 from diloco_node.outer.diloco import OuterOptimizer, pseudo_gradient
 from diloco_node.outer.fragments import Drift, Fragments, codec_state, load_codec_state, split
@@ -297,7 +297,7 @@ def _train(theta: list[torch.Tensor], round_: int) -> list[torch.Tensor]:
 
 
 def _round(drift: Drift, phi: list[torch.Tensor], round_: int, runs: list[range]) -> torch.Tensor:
-    """One round of node.py with P fragments: start, inner phase, Δ, the fragment's step on φ, ended."""
+    """One round of daemon/node.py with P fragments: start, inner phase, Δ, the fragment's step on φ, ended."""
     theta = _train([t.clone() for t in drift.start(phi)], round_)
     delta = drift.delta(phi, theta)
     for index in runs[round_ % len(runs)]:  # a stand-in outer step of the round's fragment only

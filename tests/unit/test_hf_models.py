@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from diloco_node.checkpoint import CheckpointStore
+from diloco_node.commands.export import ExportError, export
 from diloco_node.config import ConfigError, build_config
-from diloco_node.export import ExportError, export, export_info
+from diloco_node.daemon.checkpoint import CheckpointStore, export_info
 from diloco_node.replica import ReplicaSettings
 from diloco_node.replica.layout import digest
 from diloco_node.replica.single import SingleReplica
@@ -132,7 +132,7 @@ def test_pretrained_loads_the_directorys_safetensors(tmp_path: Path) -> None:
 
 
 def _trained_checkpoint(tmp_path: Path, model: str, **cfg: Any) -> tuple[SingleReplica, Path]:
-    """A replica after a few steps, and a checkpoint directory holding its θ as φ (as node.py saves it)."""
+    """A replica after a few steps, and a checkpoint directory holding its θ as φ (as daemon/node.py saves it)."""
     replica = SingleReplica(settings(model))
     replica.load([p.detach().clone() for p in build_model(model, 0).parameters()])
     for position in range(3):

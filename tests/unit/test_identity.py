@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from hivemind.p2p import P2P
 
-from diloco_node.identity import IdentityError, create, load, peer_id
+from diloco_node.swarm.identity import IdentityError, create, load, peer_id
 from diloco_node.trust.peer_ids import peer_id_of_public_key
 
 

@@ -271,7 +271,7 @@ def test_join_takes_the_copy_beside_the_checkpoint_offline(hf_run: tuple[NodeCon
     _, m = hf_run
     manifest.write_local(m, manifest.local_path(str(tmp_path / "ck"), m.run_id))
     started: list[NodeConfig] = []
-    monkeypatch.setattr("diloco_node.runner.run_node", lambda cfg: started.append(cfg) or 0)
+    monkeypatch.setattr("diloco_node.daemon.runner.run_node", lambda cfg: started.append(cfg) or 0)
 
     def fetched(*_: object) -> None:
         raise AssertionError("the network was asked")
@@ -308,7 +308,7 @@ def test_a_peer_without_a_manifest_stops_only_a_joiner_that_did_not_name_its_run
     from diloco_node.swarm.manifests import ManifestUnavailable
 
     started: list[NodeConfig] = []
-    monkeypatch.setattr("diloco_node.runner.run_node", lambda cfg: started.append(cfg) or 0)
+    monkeypatch.setattr("diloco_node.daemon.runner.run_node", lambda cfg: started.append(cfg) or 0)
 
     def unavailable(addresses: list[str], wanted: str | None) -> None:
         raise ManifestUnavailable(f"no run manifest taken from {addresses[0]}: it serves no manifest")

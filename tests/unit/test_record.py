@@ -214,7 +214,7 @@ def test_the_dashboard_reads_only_declared_fields() -> None:
 
 
 def test_the_status_view_reads_only_declared_fields() -> None:
-    source = (PACKAGE / "status_view.py").read_text()
+    source = (PACKAGE / "commands/status_view.py").read_text()
     status = set(re.findall(r"status\.get\([\"']([a-z_]+)[\"']\)", source))
     assert status and status <= set(STATUS_FIELDS), status - set(STATUS_FIELDS)
     peers = set(re.findall(r"peer\.get\([\"']([a-z_]+)[\"']\)", source))

@@ -10,8 +10,7 @@ from types import SimpleNamespace
 import pytest
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
-from diloco_node import identity
-from diloco_node.swarm import records, statesync
+from diloco_node.swarm import identity, records, statesync
 from diloco_node.swarm.groups import random_groups
 from diloco_node.swarm.matchmaking import Matchmaker
 from diloco_node.swarm.presence import Presence

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from diloco_node import status_view
 from diloco_node.cli import main
+from diloco_node.commands import status_view
 from diloco_node.telemetry.server import StatusServer
 from tests.unit.test_server import filled_telemetry, peer_row
 

@@ -12,7 +12,7 @@ import time
 
 STUCK = """
 import ctypes, sys
-from diloco_node import lifecycle
+from diloco_node.daemon import lifecycle
 lifecycle.STARTUP_STOP_GRACE = 1.0
 signals = lifecycle.StopSignals()
 signals.install()

@@ -14,16 +14,17 @@ from typing import Any
 
 import torch
 
-from diloco_node import identity
-from diloco_node.checkpoint import CheckpointError, CheckpointStore, check_fits, check_node_state, installing
 from diloco_node.codec import Codec
-from diloco_node.compose import attach_swarm
-from diloco_node.lifecycle import exit_later, isolate_forked_children
-from diloco_node.node import Node
+from diloco_node.daemon.checkpoint import CheckpointError, CheckpointStore, check_fits, check_node_state, installing
+from diloco_node.daemon.compose import attach_swarm
+from diloco_node.daemon.lifecycle import exit_later
+from diloco_node.daemon.node import Node
+from diloco_node.forks import isolate_forked_children
 from diloco_node.outer.fragments import Drift, load_codec_state
 from diloco_node.outer.state import OuterState
 from diloco_node.outer.sync import Applied
 from diloco_node.replica import Replica, make_replica, settings_of
+from diloco_node.swarm import identity
 from diloco_node.train.shares import data_stream_seed
 from diloco_node.trust.admission import AdmissionError, Gate, load_token, parse_public_key
 

@@ -1,7 +1,7 @@
 """`diloco-node export`: a run's φ as a Hugging Face model directory.
 
-The checkpoint names its model (`export_info`, saved with every checkpoint): a Hugging Face model
-by its full config.json, a built-in GPT preset by name, which maps onto transformers' GPT-2 (the
+The checkpoint names its model (`export_info` in daemon/checkpoint.py, saved with every checkpoint):
+a Hugging Face model by its full config.json, a built-in GPT preset by name, which maps onto transformers' GPT-2 (the
 same pre-LayerNorm blocks, exact GELU, learned positions, tied head; GPT-2's Conv1D stores each
 linear weight transposed). φ is the canonical layout, i.e. the model's own `named_parameters`, so
 a Hugging Face model is written by its own `save_pretrained` (config.json, model.safetensors).
@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
-    from diloco_node.config import NodeConfig
     from diloco_node.train.model import GPTConfig
 
 CHECKPOINT_NAME = "node.json"  # checkpoint.CHECKPOINT_NAME (not imported: it would load torch first)
@@ -36,21 +35,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 class ExportError(NodeError, ValueError):
     """A checkpoint that cannot be exported, or an output directory in the way; one line."""
-
-
-def export_info(cfg: NodeConfig) -> dict[str, str]:
-    """What `export` needs to know of a run, saved in each checkpoint (plain strings: the JSON manifest)."""
-    from diloco_node.train.hf import HFSpec
-    from diloco_node.train.model import resolve_model
-
-    spec = resolve_model(cfg.model)
-    tokenizer = getattr(cfg, "tokenizer", None) or ""
-    if tokenizer:
-        from diloco_node.train.tokenizer import tokenizer_file
-
-        tokenizer = str(tokenizer_file(tokenizer).resolve())
-    return {"model": cfg.model, "config": spec.config_json if isinstance(spec, HFSpec) else "",
-            "tokenizer": tokenizer}
 
 
 def gpt2_config(cfg: GPTConfig) -> PretrainedConfig:
@@ -160,10 +144,10 @@ def export(checkpoint_dir: str, run_id: str, out: str) -> Path:
         path = path.parent / LEGACY_NAME
     if not path.is_file():
         raise ExportError(f"no checkpoint of run '{run_id}' in '{checkpoint_dir}' (looked for {path})")
-    from diloco_node import checkpoint
+    from diloco_node.daemon import checkpoint
 
     assert (checkpoint.CHECKPOINT_NAME, checkpoint.LEGACY_NAME) == (CHECKPOINT_NAME, LEGACY_NAME)
-    from diloco_node.checkpoint import CheckpointError, check_node_state, read_checkpoint
+    from diloco_node.daemon.checkpoint import CheckpointError, check_node_state, read_checkpoint
 
     try:
         state = read_checkpoint(path)

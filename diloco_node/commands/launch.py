@@ -257,7 +257,7 @@ class NodeProcess:
         return code
 
     def stacks(self) -> str:
-        """The last log lines and every thread's stack (SIGUSR1, see lifecycle.py), for a failure report."""
+        """The last log lines and every thread's stack (SIGUSR1, see daemon/lifecycle.py), for a failure report."""
         assert self.process
         count = len(self.stderr_lines)
         self.process.send_signal(signal.SIGUSR1)

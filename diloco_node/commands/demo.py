@@ -1,6 +1,6 @@
 """`diloco-node demo`: a real local swarm of `diloco-node join` processes, a progress bar, a summary.
 
-The demo drives the same CLI a volunteer uses (through diloco_node/launch.py); it only reads what the
+The demo drives the same CLI a volunteer uses (through diloco_node/commands/launch.py); it only reads what the
 nodes print (their addresses, and their JSON events: joined, each round, settled), so what it
 reports is what the nodes did.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from diloco_node.launch import NodeProcess
+from diloco_node.commands.launch import NodeProcess
 
 FP32_BYTES = 4
 
@@ -89,7 +89,7 @@ def _stop_nodes(nodes: list[NodeProcess]) -> list[int]:
     """Ctrl-C: each node stops at its next safe point; a second Ctrl-C stops them at once.
 
     The nodes get SIGTERM, not SIGINT: hivemind's averager ignores SIGINT in the node's process
-    while it starts (lifecycle.py), and a node stopped then would never see it."""
+    while it starts (daemon/lifecycle.py), and a node stopped then would never see it."""
     for attempt in range(2):
         for node in nodes:
             if node.running():

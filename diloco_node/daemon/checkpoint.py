@@ -31,11 +31,14 @@ import stat
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
 from diloco_node.errors import NodeError
+
+if TYPE_CHECKING:
+    from diloco_node.config import NodeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -254,6 +257,22 @@ OPTIONAL_KEYS: dict[str, Callable[[Any], bool]] = {
     "export": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()),
     "drift": lambda v: True,  # Drift.restore checks it against φ and starts θ afresh when it does not fit
 }
+
+
+def export_info(cfg: NodeConfig) -> dict[str, str]:
+    """What `diloco-node export` needs to know of a run, saved in each checkpoint under "export" (plain
+    strings: the JSON manifest); commands/export.py reads it back."""
+    from diloco_node.train.hf import HFSpec
+    from diloco_node.train.model import resolve_model
+
+    spec = resolve_model(cfg.model)
+    tokenizer = getattr(cfg, "tokenizer", None) or ""
+    if tokenizer:
+        from diloco_node.train.tokenizer import tokenizer_file
+
+        tokenizer = str(tokenizer_file(tokenizer).resolve())
+    return {"model": cfg.model, "config": spec.config_json if isinstance(spec, HFSpec) else "",
+            "tokenizer": tokenizer}
 
 
 def check_node_state(state: dict[str, Any], path: Path | str, keys: Sequence[str] | None = None) -> None:

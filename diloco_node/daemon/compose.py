@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from diloco_node import manifest
-from diloco_node.budget import barrier_timeout
-from diloco_node.checkpoint import CheckpointStore
 from diloco_node.codec import Codec, CodecConfig, codec_config_of, make_codec, max_payload_bytes
 from diloco_node.config import ConfigError, NodeConfig
-from diloco_node.lifecycle import StopSignals
+from diloco_node.daemon.budget import barrier_timeout
+from diloco_node.daemon.checkpoint import CheckpointStore
+from diloco_node.daemon.lifecycle import StopSignals
 from diloco_node.outer.averaging import Averaging
 from diloco_node.outer.catchup import catch_up
 from diloco_node.outer.diloco import OuterOptimizer

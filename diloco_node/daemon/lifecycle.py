@@ -1,4 +1,4 @@
-"""How the node's process stops: the signals users send, and the helper processes hivemind forks.
+"""How the node's process stops: the signals users send, and the last resort when start-up is stuck.
 
 - The first SIGINT (Ctrl-C), SIGTERM (`kill`, `docker stop`, systemd) or SIGHUP (the terminal
   or ssh session closed, `kill -HUP`) asks the node to stop at the next safe point: it settles
@@ -9,10 +9,8 @@
   survives even that.
 - hivemind forks helper processes (DHT, averager) that then start p2pd. A fork inherits the
   node's Python signal handlers; a forked helper that ran them would "stop at the next safe point"
-  of a node it is not, and live on. So every forked child resets them, moves to a process group of
-  its own (Ctrl-C in a terminal signals the whole foreground group: p2pd would die under the
-  node's feet before it could leave the swarm), and is killed by the kernel when the node dies,
-  whatever kills it.
+  of a node it is not, and live on. What every helper does first instead is forks.py's (a root
+  leaf: the status server and the local ranks need it too).
 
 SIGUSR1 prints every thread's stack to stderr (faulthandler) and the node goes on: what to send a
 node that seems stuck before stopping it, and what the tests send one that does not exit in time.
@@ -23,7 +21,6 @@ called again once the swarm has started; `StopSignals.install` is idempotent for
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import logging
 import os
@@ -31,10 +28,10 @@ import signal
 import threading
 from types import FrameType
 
+from diloco_node.forks import STOP_SIGNALS
+
 logger = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_PR_SET_PDEATHSIG = 1
 
 
 # How long a stop that arrives during start-up may take. Start-up runs C code that never returns to
@@ -100,50 +97,3 @@ def exit_later(seconds: float, code: int, line: str) -> None:
     timer = threading.Timer(seconds, end)
     timer.daemon = True
     timer.start()
-
-
-_closed_in_helpers: set[int] = set()  # the node's listening sockets (the status server's)
-
-
-def close_in_helpers(fd: int, close: bool = True) -> None:
-    """Have every helper forked from now on close `fd` at once (close=False: no longer). A fork
-    keeps every descriptor (only exec drops Python's non-inheritable ones): a helper holding the
-    status server's listening socket would keep the port taken after the node exits."""
-    if close:
-        _closed_in_helpers.add(fd)
-    else:
-        _closed_in_helpers.discard(fd)
-
-
-def become_helper() -> None:
-    """What a helper process of the node does first: close the node's listening sockets, ignore
-    Ctrl-C, own process group, die with the node."""
-    for fd in _closed_in_helpers:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    for signum in STOP_SIGNALS:
-        # SIGINT ignored: the node stops its helpers itself; SIGTERM, SIGHUP default: `kill` still works.
-        signal.signal(signum, signal.SIG_IGN if signum == signal.SIGINT else signal.SIG_DFL)
-    signal.set_wakeup_fd(-1)  # the node's stop guard reads that pipe, not a helper's signals
-    try:
-        os.setpgid(0, 0)
-    except OSError:  # already a group leader (cannot happen after fork, but never fail a fork)
-        pass
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: p2pd's idle timeout ends orphans instead
-        pass
-
-
-_hooked = False
-
-
-def isolate_forked_children() -> None:
-    """Apply `become_helper` to every later os.fork of this process (subprocess's spawn is
-    not a Python-level fork and is not affected)."""
-    global _hooked
-    if not _hooked:
-        os.register_at_fork(after_in_child=become_helper)
-        _hooked = True

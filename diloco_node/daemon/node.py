@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 
-from diloco_node.budget import StepClock, deadline, warmup_pace
-from diloco_node.compose import Parts
-from diloco_node.export import export_info
+from diloco_node.daemon.budget import StepClock, deadline, warmup_pace
+from diloco_node.daemon.checkpoint import export_info
+from diloco_node.daemon.compose import Parts
 from diloco_node.outer.fragments import Drift, codec_state
 from diloco_node.replica import Replica, ReplicaError
 from diloco_node.replica.layout import flatten

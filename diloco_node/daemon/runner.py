@@ -5,11 +5,11 @@ from __future__ import annotations
 import click
 import torch
 
-from diloco_node.compose import build
 from diloco_node.config import NodeConfig
+from diloco_node.daemon.compose import build
+from diloco_node.daemon.node import Node
+from diloco_node.daemon.startup import start
 from diloco_node.errors import NodeError
-from diloco_node.node import Node
-from diloco_node.startup import start
 
 
 def say(line: str) -> None:
