@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class CodecSpec:
-    """One codec, whole. A new codec is one spec here and one transform in payload.py."""
+    """One codec, whole. A new codec is one spec here and its kernel in payload.KERNELS (and a new
+    parameter a field of CodecConfig and of config.NodeConfig, and a row in docs/configuration.md)."""
 
     name: str  # --compression's value
     wire_id: int  # the header's codec byte (wire.py): fixed for good, a payload names its codec by it
@@ -158,6 +159,10 @@ class CodecConfig:
         return round(1000 * self.sign_keep)
 
 
+# every CodecConfig field a NodeConfig field of the same name sets, with its default
+_DEFAULTS = {slot.name: slot.default for slot in fields(CodecConfig) if slot.name not in ("name", "zstd")}
+
+
 class Codec(Protocol):
     name: str
 
@@ -184,10 +189,8 @@ def make_codec(cfg: CodecConfig) -> Codec:
 
 def codec_config_of(cfg: NodeConfig) -> CodecConfig:
     """The codec a node's config asks for."""
-    return CodecConfig(name=cfg.compression, block_size=cfg.block_size, topk_chunk=cfg.topk_chunk,
-                       topk_k=cfg.topk_k, topk_bits=cfg.topk_bits, sign_block=cfg.sign_block,
-                       sign_keep=cfg.sign_keep, ef_decay=cfg.ef_decay, zstd_level=cfg.zstd_level,
-                       zstd={"auto": None, "on": True, "off": False}[cfg.zstd])
+    return CodecConfig(name=cfg.compression, zstd={"auto": None, "on": True, "off": False}[cfg.zstd],
+                       **{key: getattr(cfg, key) for key in _DEFAULTS})
 
 
 def _check(cfg: NodeConfig) -> None:
@@ -196,6 +199,5 @@ def _check(cfg: NodeConfig) -> None:
 
 # What config.py checks --compression and the codec parameters against (registry.py).
 registry.CODECS.declare(SPECS)
-registry.CODEC_DEFAULTS.declare({slot.name: slot.default for slot in fields(CodecConfig)
-                                 if slot.name not in ("name", "zstd")})
+registry.CODEC_DEFAULTS.declare(_DEFAULTS)
 registry.CODEC_CHECK.declare(_check)
