@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from diloco_node.codec import CODECS, codec_config_of, make_codec
+from diloco_node.codec import CODECS, FEEDBACK, SPECS, codec_config_of, make_codec
 from diloco_node.config import FEEDBACK_OUTER, NodeConfig
 from diloco_node.outer.diloco import pseudo_gradient
 from diloco_node.train.bytedata import ByteDataset
@@ -263,9 +263,9 @@ def gap_reason(res: dict[str, Any], payload: dict[str, Any], max_bpp: float) -> 
     mid, trend, stalled = gap_trend(res, base)
     curve = (f"{trend}: {mid:+.1f} % at round {res['rounds'] // 2}, {gap:+.1f} % at the end"
              + (f"; no better since round {stalled}" if stalled is not None else ""))
-    if name not in ("topk", "sign"):
+    if not SPECS[name].feedback:
         return (f"quantization error (rel. L2 error {err:.3f} per round trip) is not fed back; error "
-                "feedback as topk and sign have, or a smaller --block-size, would reduce it")
+                f"feedback as {' and '.join(FEEDBACK)} have, or a smaller --block-size, would reduce it")
     if cfg.outer_momentum > 0:
         return (f"error feedback (β = {cfg.ef_decay:g}) under outer Nesterov momentum {cfg.outer_momentum:g}: "
                 "the residual sends each value late, and momentum then keeps pushing what was already sent, so φ "
@@ -367,9 +367,9 @@ def notes(payload: dict[str, Any]) -> str:
         f" for every codec (from the logs). Codec options: block {cfg.block_size}, top-k {cfg.topk_k} of "
         f"{cfg.topk_chunk} ({cfg.topk_bits}-bit values), sign: the {cfg.sign_keep:g} of {cfg.sign_block}-value blocks "
         f"of largest norm, zstd `{cfg.zstd}` (level {cfg.zstd_level}). Outer step: Nesterov, lr {cfg.outer_lr:g}, "
-        f"momentum {cfg.outer_momentum:g}; topk and sign take error feedback in place of momentum where these are "
-        f"unset: momentum {FEEDBACK_OUTER['outer_momentum']:g}, lr {FEEDBACK_OUTER['outer_lr']:g}, error-feedback "
-        f"β = {FEEDBACK_OUTER['ef_decay']:g}.",
+        f"momentum {cfg.outer_momentum:g}; {' and '.join(FEEDBACK)} take error feedback in place of momentum where "
+        f"these are unset: momentum {FEEDBACK_OUTER['outer_momentum']:g}, lr {FEEDBACK_OUTER['outer_lr']:g}, "
+        f"error-feedback β = {FEEDBACK_OUTER['ef_decay']:g}.",
         "payload B/param/round: the encoded pseudo-gradient with its wire header, the median round over both "
         "nodes. sent B/param/round: that plus the exchange's request and length framing, i.e. (Σ sent − Σ payload) "
         "/ exchanges of the joining node, which serves no state (median "

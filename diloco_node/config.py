@@ -54,6 +54,7 @@ SYNC_MOMENTUM = {"blocking": DILOCO_MOMENTUM, "delayed": DELAYED_MOMENTUM, "eage
 # loss vs none: Nesterov 0.9 on top of error feedback +8.0 %; momentum 0 with outer lr 1 +2.7 %,
 # 1.4 +0.3 %, 1.7 −0.3 %, 2 −0.5 % (β = 0.95; β = 0.9 and 1 within 0.2 % of it).
 FEEDBACK_OUTER = {"outer_momentum": 0.0, "outer_lr": 2.0, "ef_decay": 0.95}
+FEEDBACK_CODECS = "<error-feedback codecs>"  # in a description: describe() names them (registry.CODECS)
 
 
 class ConfigError(NodeError, ValueError):
@@ -66,7 +67,7 @@ def _codec_default(key: str) -> Callable[[], Any]:
 
 
 def _keeps_residual(compression: Any) -> bool:
-    """Whether a codec, by name, drops values and keeps an error-feedback residual (topk, sign)."""
+    """Whether a codec, by name, drops values and keeps an error-feedback residual (its spec's `feedback`)."""
     return isinstance(compression, str) and compression in CODECS.names() and CODECS[compression].feedback
 
 
@@ -146,10 +147,10 @@ class NodeConfig(BaseModel):
 
     # --- outer optimizer (Nesterov SGD on pseudo-gradients) ---
     outer_lr: float = Field(0.7, gt=0, description=f"outer learning rate (unset: 0.7; {FEEDBACK_OUTER['outer_lr']:g} "
-                            "with an error-feedback codec, topk or sign)")
+                            f"with an error-feedback codec, {FEEDBACK_CODECS})")
     outer_momentum: float = Field(DILOCO_MOMENTUM, ge=0, lt=1, description=(
         f"outer Nesterov momentum (unset: {DILOCO_MOMENTUM} blocking, {EAGER_MOMENTUM} eager, "
-        f"{DELAYED_MOMENTUM} delayed, 0 with topk or sign; see docs/configuration.md, sync modes)"))
+        f"{DELAYED_MOMENTUM} delayed, 0 with {FEEDBACK_CODECS}; see docs/configuration.md, sync modes)"))
     sync: str = Field("eager", pattern=r"^(blocking|delayed|eager)$",
                       description="when the exchange runs: blocking, delayed or eager (overlaps the next round); "
                       "unset, eager for diloco and blocking for noloco")
@@ -195,20 +196,20 @@ class NodeConfig(BaseModel):
                                        "(default: α)")
 
     # --- pseudo-gradient compression (docs/architecture.md §3, codecs) ---
-    # the codec parameters' defaults are the codec's own (codec/codecs.py, CodecConfig)
+    # the codec parameters' defaults are the codecs' own (codec/codecs.py, CodecSpec), and so are the
+    # codecs each one tunes, which --help names before its description (describe)
     compression: str = Field("none", description="pseudo-gradient codec")  # the codecs follow in --help
-    block_size: int = Field(default_factory=_codec_default("block_size"), gt=0,
-                            description="int8/int4: values per scale")
-    topk_chunk: int = Field(default_factory=_codec_default("topk_chunk"), gt=0, description="topk: values per chunk")
-    topk_k: int = Field(default_factory=_codec_default("topk_k"), gt=0, description="topk: values kept per chunk")
+    block_size: int = Field(default_factory=_codec_default("block_size"), gt=0, description="values per scale")
+    topk_chunk: int = Field(default_factory=_codec_default("topk_chunk"), gt=0, description="values per chunk")
+    topk_k: int = Field(default_factory=_codec_default("topk_k"), gt=0, description="values kept per chunk")
     topk_bits: int = Field(default_factory=_codec_default("topk_bits"),
-                           description="topk: bits per kept value: 8, 4, 2 or 1")
+                           description="bits per kept value: 8, 4, 2 or 1")
     sign_block: int = Field(default_factory=_codec_default("sign_block"), gt=0,
-                            description="sign: values per scale (a multiple of 8)")
+                            description="values per scale (a multiple of 8)")
     sign_keep: float = Field(default_factory=_codec_default("sign_keep"), gt=0, le=1,
-                             description="sign: share of blocks sent per round (the largest)")
+                             description="share of blocks sent per round (the largest)")
     ef_decay: float = Field(default_factory=_codec_default("ef_decay"), ge=0, le=1,
-                            description="topk, sign: error-feedback decay β "
+                            description="error-feedback decay β "
                             f"(unset: {FEEDBACK_OUTER['ef_decay']:g} with diloco, else 1)")
     zstd: str = Field("auto", pattern=r"^(auto|on|off)$",
                       description="zstd as the last stage: auto (where it pays), on, off")
@@ -559,10 +560,15 @@ CHOICES: dict[str, Registry[Any]] = {"model": MODEL_PRESETS, "compression": CODE
 
 
 def describe(name: str) -> str:
-    """The help text of field `name`: its description, with the values it may take where a registry lists them."""
-    field = NodeConfig.model_fields[name]
+    """The help text of field `name`: its description, with the values it may take where a registry lists them,
+    after the codecs it tunes where it is a codec's parameter, and with the error-feedback codecs named."""
+    text = str(NodeConfig.model_fields[name].description)
+    if FEEDBACK_CODECS in text:
+        text = text.replace(FEEDBACK_CODECS, " or ".join(c for c in CODECS.names() if CODECS[c].feedback))
+    if tuned := [codec for codec in CODECS.names() if name in CODECS[codec].knobs]:
+        text = f"{'/'.join(tuned)}: {text}"
     known = CHOICES.get(name)
-    return f"{field.description}: {', '.join(known.names())}" if known else str(field.description)
+    return f"{text}: {', '.join(known.names())}" if known else text
 
 
 def read_toml(path: str) -> dict[str, Any]:

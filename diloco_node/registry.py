@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 T = TypeVar("T")
@@ -76,13 +75,17 @@ class ModelShape(Protocol):
     def layout_refusal(self, parallel: str) -> str | None: ...
 
 
-@dataclass(frozen=True)
-class CodecTraits:
-    """What the config needs to know of one codec (codec/codecs.py declares one per codec)."""
+class CodecTraits(Protocol):
+    """What the config reads of a codec (codec/codecs.py's CodecSpec, one per codec)."""
 
-    feedback: bool = False  # drops values and keeps an error-feedback residual (topk, sign)
-    params: tuple[str, ...] = ()  # the config keys a peer needs to decode its payloads
-    blocks: str | None = None  # the config key of the block size a butterfly part is cut on
+    @property
+    def feedback(self) -> bool: ...  # drops values and keeps an error-feedback residual
+    @property
+    def params(self) -> Mapping[str, Any]: ...  # the config keys a peer needs to decode its payloads: defaults
+    @property
+    def blocks(self) -> str | None: ...  # the config key of the block size a butterfly part is cut on
+    @property
+    def knobs(self) -> tuple[str, ...]: ...  # the config keys that tune it (--help names it beside them)
 
 
 MODEL_PRESETS: Registry[ModelShape] = Registry("model preset", "diloco_node.train.presets")

@@ -3,8 +3,9 @@
     magic "DLCP" | version u8 | codec u8 | dtype u8 | flags u8 | numel u64 |
     param_a u32 | param_b u32 | body length u64 | raw length u64 | crc32 u32 | body
 
-All little-endian (so are the bodies: every supported host is). `param_a`/`param_b` are the codec
-parameters a receiver needs (block size; top-k chunk and k; 0 where unused). The body is the raw
+All little-endian (so are the bodies: every supported host is). `codec` is the codec's wire id,
+`dtype` what its values are, and `param_a`/`param_b` the codec parameters a receiver needs (block
+size; top-k chunk and k; 0 where unused): each codec's are in its spec (codecs.py). The body is the raw
 codec output, or its zstd frame when flag ZSTD is set; the checksum covers every header field
 before it and the body as sent, so a flipped header bit (an unused parameter included) cannot
 decode into something else.
@@ -34,9 +35,8 @@ MAGIC = b"DLCP"
 VERSION = 2
 HEADER = struct.Struct("<4sBBBBQIIQQI")
 
-CODEC_IDS = {"none": 0, "fp16": 1, "bf16": 2, "int8": 3, "int4": 4, "topk": 5, "sign": 6}
 DTYPE_FP32, DTYPE_FP16, DTYPE_BF16, DTYPE_INT8, DTYPE_INT4, DTYPE_INT2, DTYPE_INT1 = 0, 1, 2, 3, 4, 5, 6
-DTYPE_BITS = {8: DTYPE_INT8, 4: DTYPE_INT4, 2: DTYPE_INT2, 1: DTYPE_INT1}  # top-k's values
+DTYPE_BITS = {8: DTYPE_INT8, 4: DTYPE_INT4, 2: DTYPE_INT2, 1: DTYPE_INT1}  # values whose bits a parameter sets (top-k)
 FLAG_ZSTD = 1
 KNOWN_FLAGS = FLAG_ZSTD
 MAX_CHUNK = 1 << 16  # top-k offsets are at most uint16

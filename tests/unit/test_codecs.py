@@ -9,7 +9,7 @@ import pytest
 import torch
 import zstandard
 
-from diloco_node.codec import CODECS, FEEDBACK, CodecConfig, CodecError, make_codec, max_payload_bytes, wire
+from diloco_node.codec import CODECS, FEEDBACK, SPECS, CodecConfig, CodecError, make_codec, max_payload_bytes, wire
 from diloco_node.train.bytedata import ByteDataset
 from diloco_node.train.inner import InnerConfig, InnerTrainer
 from diloco_node.train.model import build_model
@@ -157,6 +157,33 @@ def test_topk_gap_coded_offsets_buy_more_entries_per_byte(pseudo_gradient: torch
 def test_topk_default_sits_in_the_target_band(pseudo_gradient: torch.Tensor) -> None:
     payload = make_codec(CodecConfig(name="topk")).encode(pseudo_gradient)
     assert 0.03 <= len(payload) / pseudo_gradient.numel() <= 0.1
+
+
+# --- the specs (codecs.py) ------------------------------------------------------------------------
+
+# Wire format version 2 as shipped: a codec's ids and header parameters never change with its spec
+# (a renumbered codec would read as another codec's payload to a peer of the same protocol).
+WIRE_V2 = {"none": (0, 0, 0, 0), "fp16": (1, 1, 0, 0), "bf16": (2, 2, 0, 0), "int8": (3, 3, 32, 0),
+           "int4": (4, 4, 32, 0), "topk": (5, 5, 64, 4), "sign": (6, 6, 64, 500)}
+
+
+def test_every_codec_keeps_its_wire_ids_and_header_parameters() -> None:
+    assert tuple(WIRE_V2) == CODECS
+    for name, fields in WIRE_V2.items():
+        cfg = CodecConfig(name=name, block_size=32, topk_chunk=64, topk_k=4, topk_bits=2, sign_block=64, sign_keep=0.5)
+        header = wire.read_header(make_codec(cfg).encode(heavy_tailed(1000)))
+        assert (header.codec, header.dtype, header.param_a, header.param_b) == fields, name
+
+
+def test_each_specs_parameters_and_defaults_are_the_configs() -> None:
+    from diloco_node.config import NodeConfig
+
+    for spec in SPECS.values():
+        assert spec.feedback == (spec.name in FEEDBACK) != spec.dense
+        for key in spec.knobs:
+            field = NodeConfig.model_fields[key]
+            assert key not in spec.params or field.get_default(call_default_factory=True) == spec.params[key], key
+        assert spec.blocks is None or spec.blocks in spec.params
 
 
 # --- error feedback ------------------------------------------------------------------------------

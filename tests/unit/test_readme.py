@@ -23,6 +23,15 @@ def test_every_config_key_has_a_row_in_the_configuration_table() -> None:
         assert f"| `{key}` | `{flag}` |" in CONFIGURATION, f"docs/configuration.md's table lacks {key}"
 
 
+def test_every_codec_has_its_row_in_the_compression_table() -> None:
+    """docs/configuration.md describes each codec with its spec's line (codec/codecs.py), at its defaults."""
+    from diloco_node.codec import SPECS
+
+    for spec in SPECS.values():
+        row = f"| `{spec.name}` | {spec.description.replace('|', chr(92) + '|')} |"
+        assert row in CONFIGURATION, f"docs/configuration.md's compression table lacks {row}"
+
+
 def test_status_fields_are_the_documented_ones() -> None:
     from diloco_node.telemetry.meter import STATUS_FIELDS
 
