@@ -220,9 +220,19 @@ def _refuse_constant(name: str) -> Any:
 def _text(value: Any, what: str, limit: int = SHORT_TEXT, optional: bool = False) -> Any:
     if value is None and optional:
         return None
-    if not isinstance(value, str) or len(value) > limit:
+    if not isinstance(value, str) or len(value) > limit or not _encodes(value):
         raise ManifestError(f"malformed manifest: {what} is not a text of at most {limit} characters")
     return value
+
+
+def _encodes(text: str) -> bool:
+    """Whether `text` is UTF-8 text: JSON's \\ud800 escapes load as lone surrogates, which neither
+    a digest, nor the manifest's own bytes, nor a written file can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _hex(value: Any, pattern: re.Pattern[str], what: str, optional: bool = False) -> Any:

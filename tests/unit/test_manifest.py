@@ -156,6 +156,16 @@ def test_malformed_and_oversized_input_is_one_line(data: bytes, match: str) -> N
     assert "\n" not in str(caught.value)
 
 
+def test_a_lone_surrogate_in_any_text_is_refused(hf_run: tuple[NodeConfig, Manifest]) -> None:
+    """JSON's \\udc80 loads as a lone surrogate that no digest or file can encode: refused by parse
+    (a tokenizer text holding one raised UnicodeEncodeError out of it, a model name out of encode)."""
+    for path in (("model", "name"), ("data", "source"), ("settings", "sync"), ("tokenizer", "text")):
+        raw = hf_run[1].to_json()
+        raw[path[0]][path[1]] = "\udc80"
+        with pytest.raises(ManifestError, match="is not a text of at most"):
+            parse(json.dumps(raw).encode())
+
+
 def test_another_protocol_names_the_fix(hf_run: tuple[NodeConfig, Manifest]) -> None:
     raw = hf_run[1].to_json()
     raw["protocol"] = 4
