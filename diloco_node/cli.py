@@ -157,11 +157,16 @@ def _config_of_run(ctx: click.Context, config_file: str | None, values: dict[str
         taken, source = manifest.read_local(local), str(local)
     else:
         build_config({"peer": peers}, "options")  # a malformed --peer: its own one line, before any network
+        owner = str(given.get("run_owner") or "")
+        if owner:  # a permissioned run: only a manifest this key signed is taken; a malformed key is one line here
+            from diloco_node.trust.admission import parse_public_key
+
+            parse_public_key(owner)  # or AdmissionError
         setup_logging(log_level)  # the check imported hivemind: its log is quieted before the fetch talks
         from diloco_node.swarm.manifests import ManifestUnavailable, fetch
 
         try:
-            taken, source = fetch(peers, given.get("run_id"))
+            taken, source = fetch(peers, given.get("run_id"), owner)
         except ManifestUnavailable as exc:
             # A user who named the run set it up themselves: no peer (an older node, a hostile one)
             # stops them from joining with their own options, which the swarm's fingerprint check
@@ -192,29 +197,64 @@ def run() -> None:
     """A run's manifest: its settings, model, tokenizer and data, as its nodes serve it."""
 
 
+def _manifest_at(address: str, run_id: str | None) -> Any:
+    """The manifest a node serves at ADDRESS (a peer multiaddr), or a run.json (with the run.sig beside
+    it), as it is: its signature, if any, not checked."""
+    from diloco_node import manifest
+
+    if Path(address).is_file():
+        return manifest.read_local(Path(address))
+    from diloco_node.config import build_config
+
+    build_config({"peer": [address]}, "the address")  # or one line saying what is wrong with it
+    setup_logging("WARNING")
+    from diloco_node.swarm.manifests import fetch
+
+    return fetch([address], run_id, signed=False)[0]  # or ManifestUnavailable
+
+
 @run.command("show")
 @click.option("--run-id", default=None, help="the run to show (default: the one the node serves)")
 @click.option("--json", "as_json", is_flag=True, help="the manifest itself, as JSON")
 @click.argument("address")
 def run_show(run_id: str | None, as_json: bool, address: str) -> None:
     """Print the manifest of the run a node serves, from its ADDRESS (a peer multiaddr, as given to
-    --peer) or a run.json a joiner wrote beside its checkpoint, without joining.
+    --peer) or a run.json a joiner wrote beside its checkpoint, without joining; for a permissioned
+    run, whether its owner signed it.
 
     Example: diloco-node run show /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
     """
-    from diloco_node import manifest
-
-    if Path(address).is_file():
-        taken = manifest.read_local(Path(address))
-    else:
-        from diloco_node.config import build_config
-
-        build_config({"peer": [address]}, "the address")  # or one line saying what is wrong with it
-        setup_logging("WARNING")
-        from diloco_node.swarm.manifests import fetch
-
-        taken, _ = fetch([address], run_id)  # or ManifestUnavailable
+    taken = _manifest_at(address, run_id)
     click.echo(json.dumps(taken.to_json(), indent=1, sort_keys=True) if as_json else taken.show())
+
+
+@run.command("sign")
+@click.option("--owner-key", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="the run owner's key (from keygen)")
+@click.option("--run-id", default=None, help="the run to sign (default: the one the node serves)")
+@click.option("--checkpoint-dir", default="checkpoints", show_default=True,
+              help="write run.json and run.sig under DIR/<run id>/ (the --checkpoint-dir of a node to serve them)")
+@click.argument("address")
+def run_sign(owner_key: Path, run_id: str | None, checkpoint_dir: str, address: str) -> None:
+    """Sign a permissioned run's manifest with the owner's key: read it from a node's ADDRESS (as
+    given to --peer) or a run.json, check that it names this key as its --run-owner, and write it
+    with the signature (run.json, run.sig) under DIR/<run id>/. A node whose --checkpoint-dir is DIR
+    serves the signature beside the manifest (a running one from its next answer on), and so does
+    every joiner that took it; joiners of the run take only a manifest its owner signed.
+
+    Example: diloco-node run sign --owner-key owner.key /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
+    """
+    from diloco_node import manifest
+    from diloco_node.trust.admission import load_owner_key
+
+    if not checkpoint_dir:
+        fail("--checkpoint-dir: give the directory of the node that is to serve the signed manifest")
+    key = load_owner_key(owner_key)  # or AdmissionError, before any network
+    signed = manifest.sign(_manifest_at(address, run_id), key)  # or ManifestError: an open run, another owner
+    path = manifest.local_path(checkpoint_dir, signed.run_id)
+    manifest.write_local(signed, path)
+    click.echo(f"signed run {signed.run_id}'s manifest {signed.digest} (fingerprint {signed.fingerprint}): "
+               f"{path}, {manifest.signature_path(path)}")
 
 
 @main.command("config")

@@ -16,23 +16,39 @@ from it has that very fingerprint, so a manifest whose contents do not give its 
 refused. A peer's manifest is hostile input: `parse` bounds its size, nesting and every field,
 and refuses anything else with one line (ManifestError).
 
+A permissioned run's manifest is signed by the run owner (`sign`; `diloco-node run sign`): a
+detached Ed25519 signature with the owner's key (trust/admission.py) over `SIGNING_CONTEXT` and
+the manifest's canonical bytes (`encode`), kept beside the copy on disk (`run.sig`) and served
+beside the manifest. A joiner that knows the run's owner (`--run-owner`, else the owner the
+manifest names) takes only a manifest that owner signed (`check_signed`); an open run's manifest
+is taken as its `--peer` serves it. The signature is no part of the manifest's bytes: its digest
+and the fingerprint stay what they were.
+
 Torch- and hivemind-free at import: `diloco-node join`'s refusals stay cheap (tests/unit/test_cli_imports.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import logging
 import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from diloco_node.config import ConfigError, NodeConfig, build_config, model_shape
 from diloco_node.errors import NodeError
 from diloco_node.fingerprint import PROTOCOL
+from diloco_node.trust.admission import MAX_SIGNATURE_CHARS, public_key_text, sign_bytes, signature_refusal
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+logger = logging.getLogger(__name__)
 
 FORMAT = 1
 # A manifest holds a tokenizer.json inline (GPT-2's is 1.4 MB, Llama 3's 9 MB) and a config.json (a few KB)
@@ -40,6 +56,10 @@ MAX_MANIFEST_BYTES = 16 << 20
 MAX_TEXT_BYTES = 12 << 20  # one file's text
 MAX_DEPTH = 4  # {"settings": {...}} nests 2 deep; {"model": {...}} too
 MANIFEST_NAME = "run.json"  # beside the checkpoint: checkpoint_dir/<run_id>/run.json
+SIGNATURE_NAME = "run.sig"  # the run owner's signature of run.json, beside it
+# what the owner signs: this line, then the manifest's canonical bytes (an admission token signs a
+# JSON object: neither can pass for the other)
+SIGNING_CONTEXT = b"dn1.manifest\n"
 FILES_DIR = "run-files"  # the model's config.json and the tokenizer, as the manifest holds them
 HEX64 = re.compile(r"[0-9a-f]{64}")
 HEX16 = re.compile(r"[0-9a-f]{16}")
@@ -87,6 +107,9 @@ class Manifest:
     tokenizer_digest: str | None
     data: str | None  # the run's --data: None (the embedded corpus), hf:NAME… or a local path (its first node's)
     eval_digest: str | None  # the held-out split's digest, when --data is given
+    # the run owner's detached signature, as it came (a peer's header, run.sig): checked by
+    # `check_signed` / `signature_state`; no part of the manifest's bytes, its digest or equality
+    signature: str | None = dataclasses.field(default=None, compare=False)
 
     @property
     def data_kind(self) -> str:
@@ -107,6 +130,25 @@ class Manifest:
         return json.dumps(self.to_json(), sort_keys=True, ensure_ascii=False).encode("utf-8")
 
     @property
+    def owner(self) -> str:
+        """The run owner's public key the manifest names ('': an open run)."""
+        owner = self.settings.get("run_owner")
+        return owner if isinstance(owner, str) else ""
+
+    def signed_bytes(self) -> bytes:
+        """What the run owner signs: `SIGNING_CONTEXT` and the canonical bytes."""
+        return SIGNING_CONTEXT + self.encode()
+
+    def signature_state(self) -> str | None:
+        """Whether the owner the manifest names signed it, in words; None for an open run."""
+        if not self.owner:
+            return None
+        if self.signature is None:
+            return "not signed by the run owner"
+        why = signature_refusal(self.owner, self.signed_bytes(), self.signature)
+        return "signed by the run owner" if why is None else f"its signature {why}"
+
+    @property
     def digest(self) -> str:
         """16 hex digits of the manifest's own SHA-256: what `run show` names it by."""
         return hashlib.sha256(self.encode()).hexdigest()[:16]
@@ -118,9 +160,10 @@ class Manifest:
         tokenizer = "bytes" if self.tokenizer is None else f"tokenizer.json {self.tokenizer_digest[:12]}"  # type: ignore[index]
         data = {"embedded": "the embedded corpus", "hub": str(self.data),
                 "local": f"local {self.data} (eval {str(self.eval_digest)[:12]})"}[self.data_kind]
+        signed = ", signed by the run owner" if self.signature_state() == "signed by the run owner" else ""
         return (f"took run {self.run_id}: model {self.model_label} ({parameters_shown or self.parameters:,} "
                 f"parameters), tokenizer {tokenizer}, codec {s['compression']}, sync {s['sync']}, {rounds}, "
-                f"data {data} (fingerprint {self.fingerprint})")
+                f"data {data} (fingerprint {self.fingerprint}{signed})")
 
     @property
     def model_label(self) -> str:
@@ -140,6 +183,11 @@ class Manifest:
                  {"embedded": "data the embedded corpus", "hub": f"data {self.data} (a hub dataset, streamed)",
                   "local": f"data local files '{self.data}' (a joiner passes --data PATH to a copy; held-out "
                            f"split digest {self.eval_digest})"}[self.data_kind]]
+        state = self.signature_state()
+        if state is not None:
+            lines.append(f"permissioned: run owner {self.owner}, manifest {state}"
+                         + (" (joiners refuse it until the owner runs `diloco-node run sign`)"
+                            if state != "signed by the run owner" else ""))
         lines += [f"{key} = {json.dumps(self.settings[key])}" for key in (*SCHEDULE, *CHECKED) if key in self.settings]
         return "\n".join(lines)
 
@@ -193,6 +241,85 @@ def _model_name(model: str) -> str:
     return (path.parent.name if path.name == "config.json" else path.name) or model
 
 
+# --- the run owner's signature (permissioned runs) ---------------------------------------------
+
+
+def sign(manifest: Manifest, key: Ed25519PrivateKey) -> Manifest:
+    """`manifest` with the run owner's signature; ManifestError when `key` is not the owner it names
+    (an open run has none: its joiners take their --peer's manifest)."""
+    owner = public_key_text(key.public_key())
+    if not manifest.owner:
+        raise ManifestError(f"run {manifest.run_id} is an open run (no --run-owner): its joiners take their "
+                            "--peer's manifest, there is nothing to sign")
+    if manifest.owner != owner:
+        raise ManifestError(f"run {manifest.run_id}'s owner is {manifest.owner}, not this key's {owner}")
+    return dataclasses.replace(manifest, signature=sign_bytes(key, manifest.signed_bytes()))
+
+
+def check_signed(manifest: Manifest, owner: str = "") -> Manifest:
+    """The peer's `manifest` as a joiner takes it: in a permissioned run only when the run owner
+    signed it, the owner being the one the joiner was given (`owner`, its --run-owner) or, when it
+    was given none, the one the manifest names; an open run's (no owner given or named) as it is,
+    less any signature. ManifestError, one line, otherwise."""
+    named = manifest.owner
+    if owner and named != owner:
+        raise ManifestError(f"its manifest is of {'an open run' if not named else 'a run of another owner'}, "
+                            f"not of --run-owner {owner[:12]}…")
+    key = owner or named
+    if not key:
+        return dataclasses.replace(manifest, signature=None)
+    if manifest.signature is None:
+        raise ManifestError("its manifest is not signed by the run owner (the owner signs it once: "
+                            "diloco-node run sign)")
+    why = signature_refusal(key, manifest.signed_bytes(), manifest.signature)
+    if why is not None:
+        raise ManifestError(f"its manifest's signature {why}")
+    return manifest
+
+
+def check_signature_text(value: Any) -> str | None:
+    """A signature as a peer or a file gives it, bounded; None for none. ManifestError when it is
+    no text of at most MAX_SIGNATURE_CHARS characters (whether it verifies is `check_signed`'s)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_SIGNATURE_CHARS:
+        raise ManifestError(f"malformed signature: not a text of at most {MAX_SIGNATURE_CHARS} characters")
+    return value
+
+
+class ServedSignature:
+    """The run owner's signature a node serves beside its manifest: `run.sig` beside its
+    checkpoint, read again whenever the file changes (a node started before the owner signed serves
+    the signature from the moment `diloco-node run sign` wrote it), and served only when it is the
+    owner's signature of the very manifest served. None in an open run, or with no valid file."""
+
+    def __init__(self, manifest: Manifest, owner: str, path: Path | None):
+        self._owner, self._path = owner, path
+        self._signed = manifest.signed_bytes() if owner and path is not None else b""
+        self._seen: tuple[int, int] | None = None
+        self._signature: str | None = None
+
+    def __call__(self) -> str | None:
+        if not self._owner or self._path is None:
+            return None
+        try:
+            stat = self._path.stat()
+        except OSError:
+            self._seen, self._signature = None, None
+            return None
+        seen = (stat.st_mtime_ns, stat.st_size)
+        if seen != self._seen:
+            self._seen, self._signature = seen, None
+            text = read_signature(self._path)
+            why = "is malformed" if text is None else signature_refusal(self._owner, self._signed, text)
+            if why is None:
+                self._signature = text
+            else:
+                logger.warning("not serving the run owner's signature in %s: it %s (of another manifest? "
+                               "sign this node's again: diloco-node run sign)", self._path, why)
+        return self._signature
+
+
 # --- parsing (what a peer sent, or our own copy on disk) --------------------------------------
 
 
@@ -220,9 +347,19 @@ def _refuse_constant(name: str) -> Any:
 def _text(value: Any, what: str, limit: int = SHORT_TEXT, optional: bool = False) -> Any:
     if value is None and optional:
         return None
-    if not isinstance(value, str) or len(value) > limit:
+    if not isinstance(value, str) or len(value) > limit or not _encodes(value):
         raise ManifestError(f"malformed manifest: {what} is not a text of at most {limit} characters")
     return value
+
+
+def _encodes(text: str) -> bool:
+    """Whether `text` is UTF-8 text: JSON's \\ud800 escapes load as lone surrogates, which neither
+    a digest, nor the manifest's own bytes, nor a written file can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _hex(value: Any, pattern: re.Pattern[str], what: str, optional: bool = False) -> Any:
@@ -440,23 +577,52 @@ def find_local(checkpoint_dir: str, run_id: str | None) -> Path | None:
     return found[0] if len(found) == 1 else None
 
 
+def signature_path(path: Path) -> Path:
+    """Where the run owner's signature of the manifest at `path` lies: beside it."""
+    return path.with_name(SIGNATURE_NAME)
+
+
+def read_signature(path: Path) -> str | None:
+    """The signature text in the file at `path` (a regular file, bounded); None when there is none
+    or it is not one."""
+    try:
+        if not path.is_file():
+            return None
+        with path.open("rb") as file:
+            data = file.read(MAX_SIGNATURE_CHARS + 2)
+        return check_signature_text(data.decode("ascii").strip())
+    except (OSError, ValueError):  # ManifestError and UnicodeDecodeError are ValueErrors
+        return None
+
+
 def read_local(path: Path) -> Manifest:
+    """The manifest at `path`, with the signature beside it (`run.sig`) when there is one."""
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise ManifestError(f"run manifest '{path}' cannot be read: {exc.strerror}") from None
     try:
-        return parse(data)
+        manifest = parse(data)
     except ManifestError as exc:
         raise ManifestError(f"run manifest '{path}': {exc}") from None
+    return dataclasses.replace(manifest, signature=read_signature(signature_path(path)))
 
 
 def write_local(manifest: Manifest, path: Path) -> None:
-    """Atomically: a restart reads either the previous copy or this one."""
+    """Atomically, and its signature beside it (a stale one removed): a restart reads either the
+    previous copy or this one."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(manifest.encode())
-        os.replace(tmp, path)
+        _write_atomically(path, manifest.encode())
+        if manifest.signature is not None:
+            _write_atomically(signature_path(path), manifest.signature.encode("ascii") + b"\n")
+        else:
+            signature_path(path).unlink(missing_ok=True)
     except OSError as exc:
         raise ManifestError(f"cannot write the run's manifest to '{path}': {exc.strerror}") from None
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)

@@ -113,6 +113,9 @@ def build(cfg: NodeConfig) -> Parts:
 def attach_swarm(parts: Parts, shared_state: Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]) -> Swarm:
     """Join the swarm and wire the outer update to it: outer/ drives the swarm as its round.Transport."""
     cfg, gossip = parts.cfg, parts.cfg.algorithm == "noloco"
+    served = manifest.served(cfg, parts.state.numel)
+    signature_file = manifest.signature_path(manifest.local_path(cfg.checkpoint_dir, cfg.run_id)) \
+        if cfg.checkpoint_dir else None
     settings = SwarmSettings(
         run_id=cfg.run_id, fingerprint=cfg.fingerprint(), config=cfg.fingerprint_fields(),
         initial_peers=cfg.peer, listen=cfg.listen, announce=cfg.announce, matchmaking_time=cfg.matchmaking_time,
@@ -123,7 +126,7 @@ def attach_swarm(parts: Parts, shared_state: Callable[[], tuple[dict[str, Any], 
         butterfly_from=cfg.butterfly_from, butterfly_possible=cfg.butterfly_possible, reachability=cfg.reachability,
         min_group_size=cfg.min_group_size, upload_limit=cfg.upload_rate, download_limit=cfg.download_rate,
         barrier_timeout=barrier_timeout(cfg.round_budget, cfg.round_timeout) if cfg.round_budget else None,
-        manifest=manifest.served(cfg, parts.state.numel))
+        manifest=served, manifest_signature=manifest.ServedSignature(served, cfg.run_owner, signature_file))
     swarm = parts.swarm = Swarm(settings, parts.state.numel, shared_state, MAX_SHARED_VECTORS)
     # our streams' rates per peer, live in /api/status and /metrics (docs/architecture.md §14, "Shown")
     parts.telemetry.refresh_with(lambda: parts.telemetry.update(**swarm.peer_rates()))

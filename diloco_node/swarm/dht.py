@@ -55,6 +55,8 @@ class SwarmSettings:
     upload_limit: float = 0.0  # bytes/s every stream of ours sends at most together; 0: no cap (throttle.py)
     download_limit: float = 0.0  # bytes/s they receive at most together; 0: no cap
     manifest: Any = None  # the run's manifest.Manifest, served to whoever asks (swarm/manifests.py); None: none
+    # the run owner's signature of it, when there is one to serve (manifest.ServedSignature); None: the manifest's own
+    manifest_signature: Any = None
 
 
 def start_dht(settings: SwarmSettings) -> tuple[DHT, RSASignatureValidator, Sealer]:

@@ -93,7 +93,8 @@ class Swarm:
             self._butterfly.attach()
         self._dial_back = DialBack(self._streams, namespace)
         self._dial_back.attach()
-        self._manifest = ManifestService(self._streams, settings.manifest) if settings.manifest else None
+        self._manifest = ManifestService(self._streams, settings.manifest, settings.manifest_signature) \
+            if settings.manifest else None
         if self._manifest is not None:
             self._manifest.attach()
         self._transfer = Transfer(settings, self.peer_id, self.client, numel, self._presence, self._streams,

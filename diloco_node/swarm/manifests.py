@@ -7,31 +7,42 @@ no run id yet can ask; the answer says which run the node serves. The manifest i
 settings, the model's config, the tokenizer): an open run's joiner needs it before anything else,
 and a permissioned run admits peers, not readers of its settings.
 
-Wire: request {"run_id": ID or ""} → header {"run_id": the node's, "size": N (0: not that run)} →
-the manifest's N bytes, each message length-prefixed (streams.send). Everything a peer sends is
-bounded before it is read and parsed by manifest.parse: one line, never a traceback.
+Wire: request {"run_id": ID or ""} → header {"run_id": the node's, "size": N (0: not that run),
+and in a permissioned run whose owner signed the manifest "signature": the owner's detached
+signature (manifest.sign, at most 128 characters)} → the manifest's N bytes, each message
+length-prefixed (streams.send). Everything a peer sends is bounded before it is read and parsed by
+manifest.parse: one line, never a traceback. A joiner takes a permissioned run's manifest only with
+a valid signature by the run's owner (manifest.check_signed); an older joiner ignores the field.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from hivemind.p2p import P2P, PeerID
 
 from diloco_node.errors import NodeError
-from diloco_node.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError, parse
+from diloco_node.manifest import (
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    ManifestError,
+    check_signature_text,
+    check_signed,
+    parse,
+)
 from diloco_node.swarm.streams import PEER_FAILURES, Limits, Streams, StreamService, parse_json, receive, send
 
 logger = logging.getLogger(__name__)
 
 HANDLER = "diloco_manifest_v1"  # one name for every run: a joiner may not know the run id
 MAX_REQUEST_BYTES = 256
-MAX_HEADER_BYTES = 512
+MAX_HEADER_BYTES = 512  # a run id of 64 characters and a signature of 128 fit well within it
 READ_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 30.0  # starting our own p2p daemon and reaching the peer
 # a few asks per peer: joiners ask once, `run show` once
@@ -43,11 +54,14 @@ class ManifestUnavailable(NodeError, RuntimeError):
 
 
 class ManifestService(StreamService):
-    """Serves `manifest` (its bytes, encoded once) to every peer that asks."""
+    """Serves `manifest` (its bytes, encoded once) to every peer that asks, with the run owner's
+    signature `signature()` gives when it gives one (manifest.ServedSignature: the node's run.sig,
+    read again when it changes); without `signature`, the manifest's own, if any."""
 
-    def __init__(self, streams: Streams, manifest: Manifest):
+    def __init__(self, streams: Streams, manifest: Manifest, signature: Callable[[], str | None] | None = None):
         super().__init__(streams, HANDLER, MANIFEST_LIMITS)
         self._run_id, self._data = manifest.run_id, manifest.encode()
+        self._signature = signature if signature is not None else lambda: manifest.signature
 
     async def _serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(info.peer_id)
@@ -57,7 +71,10 @@ class ManifestService(StreamService):
             if not isinstance(wanted, str):
                 raise ValueError("malformed request")
             ours = wanted in ("", self._run_id)
-            await send(writer, json.dumps({"run_id": self._run_id, "size": len(self._data) if ours else 0}).encode())
+            header: dict[str, Any] = {"run_id": self._run_id, "size": len(self._data) if ours else 0}
+            if ours and (signature := self._signature()) is not None:
+                header["signature"] = signature
+            await send(writer, json.dumps(header).encode())
             if ours:
                 await send(writer, self._data)
         except PEER_FAILURES as exc:
@@ -67,9 +84,14 @@ class ManifestService(StreamService):
             writer.close()
 
 
-def parse_header(data: bytes, wanted: str | None) -> tuple[str, int]:
-    """A server's header → (the run it serves, the manifest's size); ManifestError for anything else,
-    and when it serves another run than `wanted`."""
+class Header(NamedTuple):
+    run_id: str  # the run the server serves
+    size: int  # its manifest's bytes
+    signature: str | None  # the run owner's signature of it, as sent (bounded; checked by check_signed)
+
+
+def parse_header(data: bytes, wanted: str | None) -> Header:
+    """A server's header; ManifestError for anything else, and when it serves another run than `wanted`."""
     try:
         header = parse_json(data, max_depth=1)
     except ValueError:
@@ -80,7 +102,11 @@ def parse_header(data: bytes, wanted: str | None) -> tuple[str, int]:
         raise ManifestError("malformed answer")
     if size == 0:
         raise ManifestError(f"it serves run {run_id[:64]!r}, not {wanted!r}")
-    return run_id, size
+    try:
+        signature = check_signature_text(header.get("signature"))
+    except ManifestError as exc:
+        raise ManifestError(f"malformed answer ({exc})") from None
+    return Header(run_id, size, signature)
 
 
 async def _ask(p2p: P2P, peer: str, wanted: str | None) -> Manifest:
@@ -88,13 +114,13 @@ async def _ask(p2p: P2P, peer: str, wanted: str | None) -> Manifest:
                                                READ_TIMEOUT)
     try:
         await send(writer, json.dumps({"run_id": wanted or ""}).encode())
-        run_id, _ = parse_header(await receive(reader, MAX_HEADER_BYTES, READ_TIMEOUT), wanted)
+        header = parse_header(await receive(reader, MAX_HEADER_BYTES, READ_TIMEOUT), wanted)
         manifest = parse(await receive(reader, MAX_MANIFEST_BYTES, READ_TIMEOUT))
     finally:
         writer.close()
-    if manifest.run_id != run_id or (wanted and manifest.run_id != wanted):
-        raise ManifestError(f"its manifest is of run {manifest.run_id!r}, not {wanted or run_id!r}")
-    return manifest
+    if manifest.run_id != header.run_id or (wanted and manifest.run_id != wanted):
+        raise ManifestError(f"its manifest is of run {manifest.run_id!r}, not {wanted or header.run_id!r}")
+    return dataclasses.replace(manifest, signature=header.signature)
 
 
 async def _fetch_one(address: str, wanted: str | None) -> Manifest:
@@ -124,14 +150,17 @@ def _reason(exc: BaseException) -> str:
     return f"cannot reach it ({text[:120]})"
 
 
-def fetch(addresses: Sequence[str], wanted: str | None) -> tuple[Manifest, str]:
+def fetch(addresses: Sequence[str], wanted: str | None, owner: str = "", signed: bool = True) -> tuple[Manifest, str]:
     """The run's manifest from the first of `addresses` that serves one we take, and that address;
-    ManifestUnavailable naming each address's reason otherwise. `wanted`: the run id, when known."""
+    ManifestUnavailable naming each address's reason otherwise. `wanted`: the run id, when known.
+    `signed`: take a permissioned run's manifest only when its owner signed it (`owner`: the
+    joiner's --run-owner, '' for the one the manifest names; manifest.check_signed); without it (`run
+    show`, `run sign`), as it came, its signature unchecked."""
     reasons = []
     for address in addresses:
         try:
-            return asyncio.run(asyncio.wait_for(_fetch_one(address, wanted), CONNECT_TIMEOUT + 3 * READ_TIMEOUT)), \
-                address
+            manifest = asyncio.run(asyncio.wait_for(_fetch_one(address, wanted), CONNECT_TIMEOUT + 3 * READ_TIMEOUT))
+            return (check_signed(manifest, owner) if signed else manifest), address
         except (ManifestError, *PEER_FAILURES, OSError, RuntimeError) as exc:
             reasons.append(f"{address}: {_reason(exc)}")
             logger.debug("manifest from %s not taken", address, exc_info=True)

@@ -8,6 +8,11 @@ run and one peer id and is published in the run's DHT, where every node reads it
 A token carries its kind, so a revocation can never pass for an admission.
 
 Token: `dn1.<base64url JSON claims>.<base64url signature over the JSON bytes>`.
+
+The owner also signs the run's manifest (`diloco-node run sign`, manifest.py): a detached signature,
+base64url like a token's, over a context line and the manifest's canonical bytes (`sign_bytes`,
+`signature_refusal`). A token's signed bytes are a JSON object and a manifest's start with that
+context, so neither can pass for the other.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -32,6 +37,8 @@ from diloco_node.errors import NodeError
 
 TOKEN_PREFIX = "dn1"
 MAX_TOKEN_CHARS = 1024
+MAX_SIGNATURE_CHARS = 128  # a detached signature, base64url: an Ed25519 one is 86 characters
+_BASE64URL = re.compile(r"[A-Za-z0-9_-]+")
 _DURATION = re.compile(r"^(\d+)([smhdw])$")
 _PEER_ID = re.compile(r"^(Qm[1-9A-HJ-NP-Za-km-z]{44}|12D3KooW[1-9A-HJ-NP-Za-km-z]{44})$")  # libp2p's base58 ids
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -77,13 +84,18 @@ def public_key_text(key: Ed25519PublicKey) -> str:
 
 
 def parse_public_key(text: str) -> Ed25519PublicKey:
+    """An owner's public key (base64url of an Ed25519 key's 32 bytes); AdmissionError for any other
+    text, a key of another type included (a manifest's --run-owner is a peer's text: cryptography's
+    UnsupportedAlgorithm is a refusal like the rest, never raised)."""
     try:
         raw = _unb64(text)
         if len(raw) != 32:
             raise ValueError
         return Ed25519PublicKey.from_public_bytes(raw)
-    except ValueError:
-        raise AdmissionError(f"'{text}' is not a run owner's public key (as printed by `diloco-node keygen`)") \
+    except (ValueError, TypeError, UnsupportedAlgorithm):
+        shown = ascii(text)[1:-1] if isinstance(text, str) else repr(text)  # one line, whatever it holds
+        shown = shown if len(shown) <= 60 else f"{shown[:57]}..."
+        raise AdmissionError(f"'{shown}' is not a run owner's public key (as printed by `diloco-node keygen`)") \
             from None
 
 
@@ -130,6 +142,32 @@ def read(token: str, owner: Ed25519PublicKey, run_id: str, kind: str) -> Claims:
     if not isinstance(claims.peer_id, str):
         raise AdmissionError("names no peer id")
     return claims
+
+
+def sign_bytes(owner: Ed25519PrivateKey, data: bytes) -> str:
+    """A detached signature of `data` with the owner's key, base64url (as a token carries its own)."""
+    return _b64(owner.sign(data))
+
+
+def signature_refusal(owner: str, data: bytes, signature: object) -> str | None:
+    """Why `signature` is not the signature of `data` by the owner whose public key is `owner`
+    (`--run-owner`'s text); None when it is. Both may be a peer's: a malformed signature, a key of
+    an unknown type or shape, and anything cryptography raises are refusals, never exceptions."""
+    if not isinstance(signature, str) or not 0 < len(signature) <= MAX_SIGNATURE_CHARS \
+            or not _BASE64URL.fullmatch(signature):
+        return "is malformed"
+    try:
+        key = parse_public_key(owner)
+    except Exception as exc:  # AdmissionError; whatever else a peer's text makes cryptography raise
+        return f"cannot be checked: {exc}" if isinstance(exc, AdmissionError) else "cannot be checked"
+    try:
+        raw = _unb64(signature)
+        if _b64(raw) != signature:  # one text per signature: no spare bits set in its last character
+            return "is malformed"
+        key.verify(raw, data)
+    except Exception:  # InvalidSignature, a wrong length, or any other refusal of a peer's bytes
+        return "is not the run owner's"
+    return None
 
 
 def check_peer_id(text: str) -> str:

@@ -156,6 +156,16 @@ def test_malformed_and_oversized_input_is_one_line(data: bytes, match: str) -> N
     assert "\n" not in str(caught.value)
 
 
+def test_a_lone_surrogate_in_any_text_is_refused(hf_run: tuple[NodeConfig, Manifest]) -> None:
+    """JSON's \\udc80 loads as a lone surrogate that no digest or file can encode: refused by parse
+    (a tokenizer text holding one raised UnicodeEncodeError out of it, a model name out of encode)."""
+    for path in (("model", "name"), ("data", "source"), ("settings", "sync"), ("tokenizer", "text")):
+        raw = hf_run[1].to_json()
+        raw[path[0]][path[1]] = "\udc80"
+        with pytest.raises(ManifestError, match="is not a text of at most"):
+            parse(json.dumps(raw).encode())
+
+
 def test_another_protocol_names_the_fix(hf_run: tuple[NodeConfig, Manifest]) -> None:
     raw = hf_run[1].to_json()
     raw["protocol"] = 4
@@ -253,10 +263,11 @@ def test_a_damaged_valid_manifest_only_ever_raises_manifest_error(cut: int, junk
 @given(data=st.one_of(st.binary(max_size=600), JSON_VALUES.map(lambda v: json.dumps(v).encode())))
 def test_a_server_header_only_ever_raises_manifest_error(data: bytes) -> None:
     try:
-        run_id, size = parse_header(data, None)
+        run_id, size, signature = parse_header(data, None)
     except ManifestError:
         return
     assert isinstance(run_id, str) and 0 < size <= manifest.MAX_MANIFEST_BYTES
+    assert signature is None or (isinstance(signature, str) and len(signature) <= manifest.MAX_SIGNATURE_CHARS)
 
 
 # --- the CLI: a restart takes its run from the copy on disk, with no network --------------------
@@ -310,7 +321,7 @@ def test_a_peer_without_a_manifest_stops_only_a_joiner_that_did_not_name_its_run
     started: list[NodeConfig] = []
     monkeypatch.setattr("diloco_node.daemon.runner.run_node", lambda cfg: started.append(cfg) or 0)
 
-    def unavailable(addresses: list[str], wanted: str | None) -> None:
+    def unavailable(addresses: list[str], wanted: str | None, *_: object) -> None:
         raise ManifestUnavailable(f"no run manifest taken from {addresses[0]}: it serves no manifest")
 
     monkeypatch.setattr("diloco_node.swarm.manifests.fetch", unavailable)

@@ -63,6 +63,32 @@ def test_served_and_taken_whole_with_or_without_a_run_id(node: tuple[Streams, st
         service.detach()
 
 
+def test_a_permissioned_runs_manifest_is_taken_only_with_its_owners_signature(node: tuple[Streams, str]) -> None:
+    """Served beside the manifest in the header; served once the owner's signature is there (a
+    node's run.sig, read again on each ask: `signature`), and `run show` takes either as it is."""
+    from tests.unit.test_manifest_signed import KEY, OWNER, SIGNED, UNSIGNED
+
+    streams, address = node
+    signature: list[str | None] = [None]
+    service = ManifestService(streams, UNSIGNED, lambda: signature[0])
+    service.attach()
+    try:
+        assert refusal(address) == "its manifest is not signed by the run owner (the owner signs it once: " \
+                                   "diloco-node run sign)"
+        with pytest.raises(ManifestUnavailable, match="its manifest is not signed by the run owner"):
+            fetch([address], None, OWNER)
+        assert fetch([address], None, signed=False)[0].signature is None  # `run show`, `run sign`
+        signature[0] = manifest.sign(manifest.build(NodeConfig(run_id="perm", run_owner=OWNER, admission="dn1.a.b",
+                                                                identity="id.key", inner_steps=7), 1234),
+                                     KEY).signature  # the owner's, of another manifest
+        assert refusal(address) == "its manifest's signature is not the run owner's"
+        signature[0] = SIGNED.signature
+        taken, _ = fetch([address], "perm", OWNER)
+        assert taken == SIGNED and taken.signature == SIGNED.signature
+    finally:
+        service.detach()
+
+
 async def _read_request(reader: asyncio.StreamReader) -> None:
     await receive(reader, 256, 5)
 
@@ -73,6 +99,9 @@ async def _read_request(reader: asyncio.StreamReader) -> None:
     ([b"\xff" * 40], "malformed answer"),
     ([b'{"run_id": "wire", "size": 5}', b"{bad}"], "malformed manifest: not JSON"),
     ([b'{"run_id": "wire", "size": 2}', b"[]"], "malformed manifest: not a JSON object"),
+    ([b'{"run_id": "wire", "size": 2, "signature": 7}', b"{}"], "malformed answer (malformed signature"),
+    ([b'{"run_id": "wire", "size": 2, "signature": "' + b"A" * 400 + b'"}', b"{}"], "malformed answer (malformed"),
+    ([b'{"run_id": "wire", "size": 2, "signature": "' + b"A" * 600 + b'"}', b"{}"], "its answer is too large"),
 ])
 def test_hostile_servers_are_one_line(node: tuple[Streams, str], answer: list[bytes | None], reason: str) -> None:
     streams, address = node
