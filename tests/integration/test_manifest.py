@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from diloco_node.commands.launch import NodeProcess
-from diloco_node.manifest import MANIFEST_NAME, read_local
+from diloco_node.config import NodeConfig
+from diloco_node.manifest import MANIFEST_NAME, build, read_local, write_local
 from diloco_node.train.tokenizer import train_tokenizer
+from harness.bench import free_port
 from tests.integration.conftest import NodeFactory
 
 pytestmark = pytest.mark.integration
@@ -80,9 +82,19 @@ def test_join_with_only_peer_takes_the_run(spawn: NodeFactory, tmp_path: Path) -
         b.kill()
     a.stop("sigterm", within=60)
 
-    # the joiner's restart knows its run from the copy beside its checkpoint: no manifest from the
-    # network (its peer is gone, so joining the swarm fails after that, in one line)
-    restart, seconds = cli("join", "--peer", address, *NODE_LEVEL, "--checkpoint-dir", str(checkpoints),
+
+def test_a_restart_knows_its_run_from_the_copy_beside_its_checkpoint(tmp_path: Path) -> None:
+    """No manifest from the network: the joiner's peer is gone (joining the swarm then fails, in one
+    line), yet it names its run from the copy it wrote when it took it. A test of its own, two at a
+    time beside the one above (each waits on nodes more than it computes)."""
+    tokenizer = tmp_path / "tok"
+    train_tokenizer(iter(["every node of a run cuts text into the same ids"] * 60), 300, tokenizer)
+    cfg = NodeConfig(run_id=RUN, model="llama-2m", tokenizer=str(tokenizer), inner_steps=5, seq_len=32, batch_size=4,
+                     compression="int8", sync="blocking")
+    checkpoints = tmp_path / "b"
+    write_local(build(cfg, 1_705_600), checkpoints / RUN / MANIFEST_NAME)
+    gone = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    restart, seconds = cli("join", "--peer", gone, *NODE_LEVEL, "--checkpoint-dir", str(checkpoints),
                            cwd=tmp_path, timeout=240)
     assert f"took run {RUN}: " in restart.stdout and f"from {checkpoints / RUN / MANIFEST_NAME}" in restart.stdout
     assert restart.returncode == 2 and "cannot reach any peer" in restart.stderr, restart.stderr[-2000:]

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from diloco_node.cli import main
-from diloco_node.launch import NodeProcess
+from diloco_node.commands.launch import NodeProcess
 from diloco_node.manifest import MANIFEST_NAME, SIGNATURE_NAME, read_local
 from tests.integration.conftest import NodeFactory
 

@@ -322,7 +322,7 @@ def _join_taking(m: Manifest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *
     """`join --peer PEER` of a permissioned run (its identity, its admission, `extra`) through the real
     fetch, its peer serving `m` (what `_fetch_one` got from the network)."""
     started: list[NodeConfig] = []
-    monkeypatch.setattr("diloco_node.runner.run_node", lambda cfg: started.append(cfg) or 0)
+    monkeypatch.setattr("diloco_node.daemon.runner.run_node", lambda cfg: started.append(cfg) or 0)
 
     async def from_the_peer(*_: object) -> Manifest:
         return m
@@ -383,7 +383,7 @@ def test_a_malformed_run_owner_is_one_line_before_any_network(tmp_path: Path, mo
 
 def test_an_open_runs_joiner_is_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     started: list[NodeConfig] = []
-    monkeypatch.setattr("diloco_node.runner.run_node", lambda cfg: started.append(cfg) or 0)
+    monkeypatch.setattr("diloco_node.daemon.runner.run_node", lambda cfg: started.append(cfg) or 0)
 
     async def from_the_peer(*_: object) -> Manifest:
         return dataclasses.replace(OPEN, signature="whatever a peer sends")
