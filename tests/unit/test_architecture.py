@@ -94,7 +94,7 @@ RULES = (
     rule("rooms ↛ daemon, commands", [*ENTRY, "daemon", "commands"], ["daemon", "commands"], others=True),
     rule("daemon ↛ commands", ["daemon"], ["commands"]),
     rule("shared leaves ↛ domain", ["lru", "procs", "forks"], allowed=["errors"]),
-    rule("manifest ↛ domain but train", ["manifest"], allowed=["config", "train", *LEAVES]),
+    rule("manifest ↛ domain but train, trust", ["manifest"], allowed=["config", "train", "trust", *LEAVES]),
 )
 
 
@@ -206,7 +206,7 @@ BAD_IMPORTS = {
     "daemon ↛ commands": ("daemon/node.py", "from diloco_node.daemon.checkpoint import export_info\n"
                           "from diloco_node.commands.export import export\n", 2),
     "shared leaves ↛ domain": ("forks.py", "import os\nfrom diloco_node.telemetry.server import StatusServer\n", 2),
-    "manifest ↛ domain but train": ("manifest.py", "from diloco_node.config import NodeConfig\n"
+    "manifest ↛ domain but train, trust": ("manifest.py", "from diloco_node.config import NodeConfig\n"
                                     "from diloco_node.swarm.manifests import fetch\n", 2),
 }
 
