@@ -41,7 +41,7 @@ from diloco_node.swarm.statesync import (
 )
 from diloco_node.swarm.streams import parse_json
 from diloco_node.trust import records as trust_records
-from diloco_node.trust.admission import Claims, Gate, sign
+from diloco_node.trust.admission import MAX_SIGNATURE_CHARS, Claims, Gate, sign
 from diloco_node.trust.peer_ids import peer_id_of_public_key
 from diloco_node.trust.records import NodeRecord
 from diloco_node.trust.seals import Sealer, sealed_by
@@ -375,12 +375,14 @@ MANIFEST_JSON = json.loads(MANIFEST.encode())
 
 @fuzzed
 def test_manifest_headers(rng: random.Random) -> None:
-    data = encoded(rng, message(rng, {"run_id": "fuzz", "size": 1000}))
+    data = encoded(rng, message(rng, {"run_id": "fuzz", "size": 1000, "signature": "A" * 86}))
     try:
-        run_id, size = manifest_wire.parse_header(data, rng.choice([None, "fuzz"]))
+        header = manifest_wire.parse_header(data, rng.choice([None, "fuzz"]))
     except manifest.ManifestError:
         return
-    assert isinstance(run_id, str) and 0 < size <= manifest.MAX_MANIFEST_BYTES
+    assert isinstance(header.run_id, str) and 0 < header.size <= manifest.MAX_MANIFEST_BYTES
+    assert header.signature is None or (isinstance(header.signature, str)
+                                        and len(header.signature) <= MAX_SIGNATURE_CHARS)
 
 
 @fuzzed
