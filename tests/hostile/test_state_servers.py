@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -80,6 +81,7 @@ NUMEL = 8 << 20  # 32 MiB of φ: the copies stand far above the interpreter's no
 JOINERS = 4
 
 
+@pytest.mark.timeout(420)  # downloads retried for 180 s (plus one in flight) on a loaded machine
 def test_four_joiners_downloading_at_once_hold_at_most_a_few_copies_of_the_state(tmp_path: Path) -> None:
     script = tmp_path / "server.py"
     script.write_text(SERVER)
@@ -102,24 +104,29 @@ def test_four_joiners_downloading_at_once_hold_at_most_a_few_copies_of_the_state
                    for _ in range(JOINERS)]
         streams = [Streams(dht) for dht in joiners]
         got: list[torch.Tensor] = []
+        refusals: list[str] = []  # why a download was refused, for the message should one never end
+        until = time.monotonic() + 180
 
         def download(host: Streams) -> None:
             client = StateService(host, "memory", NUMEL, 2, lambda peer: None, lambda peer, token: None)
-            while True:  # a busy server says it is not sharing now: asked again, as joiners do
+            # a busy server says it is not sharing now, and on a loaded machine a transfer may fail
+            # or time out: asked again, as joiners do (what is measured is the server's memory)
+            while time.monotonic() < until:
                 try:
-                    _, vectors = host.run(client.download(address.rsplit("/", 1)[-1], 60), 90)
+                    _, vectors = host.run(client.download(address.rsplit("/", 1)[-1], 90), 100)
                     got.append(vectors[1])
                     return
                 except StateRefused as exc:
-                    assert str(exc) == NOT_SHARING or "transfer failed" in str(exc), exc
+                    if str(exc) != NOT_SHARING:
+                        refusals.append(str(exc))
                     threading.Event().wait(0.5)
 
         threads = [threading.Thread(target=download, args=(host,)) for host in streams]
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join(240)
-        assert len(got) == JOINERS and all(bool((v == 1).all()) for v in got)
+            thread.join(max(until - time.monotonic(), 0) + 100)
+        assert len(got) == JOINERS and all(bool((v == 1).all()) for v in got), refusals
         _, peak = memory()
         state = 2 * NUMEL * 4
         print(f"serving node: base {base / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB, "

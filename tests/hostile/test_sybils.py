@@ -50,8 +50,11 @@ def test_forged_identities_neither_resync_nor_stall_nor_poison_a_joiner(spawn: N
         assert_same_digests([a, b, joiner], range(first + 1, first + 3))
         synced = joiner.events_of("synced")
         assert synced, "the joiner downloaded the run's state"
-        for event in synced:  # every state it took is one the honest nodes held, never the forged one
-            assert event["digest"] == a.wait_for_round(event["round"]).digest, joiner.log_text()[-3000:]
+        for event in synced:  # every state it took is one an honest node held, never the forged one
+            # (a and b may hold different states for a while when the joiner's arrival split a
+            # round on a loaded machine: it then takes one of theirs, unchecked, after a wait)
+            honest = {node.wait_for_round(event["round"]).digest for node in (a, b)}
+            assert event["digest"] in honest, joiner.log_text()[-3000:]
         assert all(node.rounds[r].group_size == 3 for node in (a, b, joiner) for r in range(first + 1, first + 3))
         assert a.status().get("peers") == 3 + count, "the forged records should still be there"
         for node, start in zip((a, b), since, strict=True):
