@@ -91,11 +91,12 @@ class Node:
         if self.stop_requested.is_set():
             return
         started = time.monotonic()
-        losses = self._inner_phase()
+        late = self._deadline_passed()
+        losses = self._inner_phase(train=not late)
         if losses is None or self._cut_off("after its inner phase"):
             return  # a stop mid-round: the checkpoint keeps the round's start
         computed = time.monotonic()
-        if not losses:  # --round-seconds: not one step fits before the deadline (docs/architecture.md §13)
+        if not losses and not late:  # --round-seconds: not one step fits before the deadline (§13)
             estimate = self.step_clock.estimate() or 0.0
             logger.warning("round=%d skipped: one inner step (%.1fs) does not fit before the round's deadline; "
                            "taking the others' mean, trying again next round", self.state.round, estimate)
@@ -161,9 +162,22 @@ class Node:
                            "(%.0f): not counted as proven", self.state.round, peer, declared[peer], bound)
         return credible
 
-    def _inner_phase(self) -> list[float] | None:
+    def _deadline_passed(self) -> bool:
+        """Under --round-seconds, whether the run has already ended its inner phase of our round: a
+        joiner whose state arrived between a deadline and the others' exchange starts the round
+        the run just ended. Trained to the next deadline, its exchange would come a round late,
+        with nobody left to matchmake with; with nothing trained it is in the group at once and
+        takes the mean (docs/architecture.md §13). Only peers that decide count (trust/view.py)."""
+        if not self.cfg.round_seconds or not self.swarm.past_inner_phase(self.state.round):
+            return False
+        logger.info("round=%d the run's inner phase of this round is over: taking the group's mean "
+                    "without training", self.state.round)
+        return True
+
+    def _inner_phase(self, train: bool = True) -> list[float] | None:
         """θ ← φ, then H inner steps, or under --round-seconds as many as fit before the round's
-        deadline on the swarm's clock (none: the round is skipped); None when a stop came first."""
+        deadline on the swarm's clock (none: the round is skipped; none either unless `train`);
+        None when a stop came first."""
         assert self.replica is not None
         with self.state.lock:
             self.replica.load(self.drift.start(self.state.phi))
@@ -173,7 +187,7 @@ class Node:
         end = deadline(self.swarm.clock(), seconds) if seconds else 0.0
         if seconds:  # the schedule decays with the run's rounds, not our steps (docs/architecture.md §13)
             self.replica.set_progress(self.state.round / self.cfg.max_outer_steps if self.cfg.max_outer_steps else 0.0)
-        while self._one_more(len(losses), end):
+        while train and self._one_more(len(losses), end):
             if self.stop_requested.is_set():
                 return None
             started = time.monotonic()

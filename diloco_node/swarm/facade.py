@@ -151,6 +151,10 @@ class Swarm:
     def all_past(self, round_: int) -> bool:
         return self._presence.all_past(round_)
 
+    def past_inner_phase(self, round_: int) -> bool:
+        """Whether most other live nodes have ended their inner phase of `round_` (its deadline passed)."""
+        return self._presence.past_inner_phase(round_)
+
     @staticmethod
     def clock() -> float:
         """The swarm's clock (hivemind's DHT time, by which every record expires): round deadlines

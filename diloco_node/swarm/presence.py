@@ -401,6 +401,11 @@ class Presence:
         """Whether most other live nodes that decide have already exchanged `round_` (RunView.ahead_of), read now."""
         return self.view(refresh=True).ahead_of(round_)
 
+    def past_inner_phase(self, round_: int) -> bool:
+        """Whether most other live nodes that decide have ended their inner phase of `round_`
+        (RunView.past_inner_phase), read now."""
+        return self.view(refresh=True).past_inner_phase(round_)
+
     def served_diverged(self, among: Collection[str]) -> bool:
         """Whether the state we serve, as our record last announced it, differs from the one most
         of `among` serve settled up to the same round (overlapped modes; see `diverged`)."""

@@ -98,6 +98,12 @@ class RunView:
         """Whether most other live nodes that decide have already exchanged `round_` (we are behind)."""
         return moved_on(list(self.deciding().values()), round_)
 
+    def past_inner_phase(self, round_: int) -> bool:
+        """Whether most other live nodes that decide have already ended their inner phase of `round_`
+        (announced ready for it): under --round-seconds its deadline has passed for the run."""
+        others = list(self.deciding().values())
+        return 2 * sum(r.ready_round >= round_ for r in others) > len(others)
+
     def waited_for(self, others: dict[str, NodeRecord], round_: int, among: Collection[str] | None,
                    memory: proofs.Proofs) -> tuple[set[str] | None, set[str], set[str]]:
         """Whose records decide and are waited for up to the timeout (proofs.counted; NoLoCo's drawn

@@ -484,3 +484,15 @@ def test_whom_a_round_matchmakes_with_is_one_typed_decision(sybils: int) -> None
     stranger.strangers_missed(ROUND)
     assert alone.partners(ROUND + 1, Outcome.TOGETHER, None, False, drawn, stranger) == \
         Partners(Outcome.ALONE, None, unproven=True, strangers=True, skipped=True)
+
+
+def test_only_proven_peers_say_that_a_round_s_inner_phase_is_over(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Under --round-seconds a node trains nothing in a round whose inner phase the run has ended
+    (daemon/node.py): forged records claiming every round ready must not make it skip its work."""
+    ahead = [dataclasses.replace(record, ready_round=10**6) for record in forged(10)]
+    presence = presence_seeing(monkeypatch, [honest("b", ready=False), *ahead])
+    presence.prove(ROUND - 1, ["b"])
+    assert not presence.past_inner_phase(ROUND), "the proven peer is still in its inner phase"
+    presence = presence_seeing(monkeypatch, [honest("b", ready=True), *ahead])
+    presence.prove(ROUND - 1, ["b"])
+    assert presence.past_inner_phase(ROUND) and not presence.past_inner_phase(ROUND + 1)
