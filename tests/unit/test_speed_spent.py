@@ -270,3 +270,28 @@ def test_piece_bounds_the_sequences_of_one_forward() -> None:
     seen.clear()
     trainer.train_step(x, x)  # one batch, micro-batch 0: all at once, as before
     assert seen == [12]
+
+
+# --- the learning simulator's speeds -----------------------------------------------------------
+
+
+def test_the_simulator_spends_a_workers_speed_on_steps_or_on_batch() -> None:
+    from harness.simulator import worker_config
+
+    cfg = NodeConfig(inner_steps=10)
+    assert (worker_config(cfg, 4, "steps")[0].inner_steps, worker_config(cfg, 4, "steps")[1]) == (40, 1)
+    assert (worker_config(cfg, 4, "batch")[0].inner_steps, worker_config(cfg, 4, "batch")[1]) == (10, 4)
+    with pytest.raises(ValueError, match="steps or batch"):
+        worker_config(cfg, 2, "tokens")
+
+
+def test_simulated_batch_workers_declare_their_batches_and_keep_one_phi() -> None:
+    """Two workers, 2× and 1×, H = 2 under blocking: the curve counts the fast worker's tokens (2 steps
+    of 2 batches a round) and both hold the same φ after every round."""
+    from harness.simulator import simulate
+
+    cfg = NodeConfig(model="tiny", seq_len=32, batch_size=4, eval_batches=1, inner_steps=2, sync="blocking",
+                     threads=1, warmup_steps=2, run_id="speeds")
+    curve = simulate(cfg, ["fast", "slow"], 2, speeds=(2, 1), spent="batch")
+    assert [tokens for tokens, _ in curve.points] == [0, 2 * 2 * 4 * 32, 2 * 2 * 2 * 4 * 32]  # the fast worker's
+    assert all(len(set(digests)) == 1 for digests in curve.digests)
