@@ -4,7 +4,9 @@ Three nodes at speeds 1×, 2× and 4× (the harness pauses the slower ones' proc
 0.2 s: harness/throttle.py) train the tiny model for --seconds of wall-clock per variant:
 
 - fixed-H blocking / fixed-H eager: --inner-steps H (every node H steps per round);
-- budget blocking / budget eager: --round-seconds T (every node the steps that fit before the deadline).
+- budget blocking / budget eager: --round-seconds T (every node the steps that fit before the deadline);
+- batch blocking / batch eager (not run unless named in --variants): --round-seconds T --speed-spent
+  batch --inner-steps --batch-h (every node H steps, a faster one more batches per step; §13).
 
 Per node: compute utilization in steady state (Σ compute / Σ (compute + wait) over the rounds after
 the first, from the round records; a paused step counts as compute, as a slow GPU's step would),
@@ -36,6 +38,8 @@ SPEEDS = (4, 2, 1)  # node1 the fastest: the others start by dialling it
 # a budget variant's third word is its --weighting (docs/architecture.md §13): the default's choice
 VARIANTS = ("fixed-H blocking", "fixed-H eager", "budget blocking", "budget eager",
             "budget eager sqrt-tokens", "budget eager equal")
+# the time budget with speed spent on batch (--speed-spent batch, docs/architecture.md §13); the same words
+BATCH_VARIANTS = ("batch blocking", "batch eager")
 
 
 def flags(variant: str, args: argparse.Namespace, run_id: str) -> list[str]:
@@ -44,6 +48,8 @@ def flags(variant: str, args: argparse.Namespace, run_id: str) -> list[str]:
     sync, weighting = words[1], (words[2:] or ["tokens"])[0]
     length = (["--inner-steps", str(args.h)] if variant.startswith("fixed")
               else ["--round-seconds", str(args.round_seconds)])
+    if variant.startswith("batch"):
+        length += ["--speed-spent", "batch", "--inner-steps", str(args.batch_h)]
     return [*common, "--sync", sync, *length, "--weighting", weighting, "--run-id", run_id,
             "--min-peers", str(len(SPEEDS)),
             "--max-outer-steps", "100000", "--checkpoint-dir", "", "--matchmaking-time", "1"]
@@ -185,7 +191,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=90.0, help="wall-clock of training per variant")
     parser.add_argument("--round-seconds", type=float, default=6.0, help="T of the budget variants")
     parser.add_argument("--h", type=int, default=20, help="H of the fixed variants")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="',' separated; '' for none")
+    parser.add_argument("--batch-h", type=int, default=10,
+                        help="H of the batch variants: steps of one batch the slowest node fits in T")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"',' separated; '' for none (also: {', '.join(BATCH_VARIANTS)})")
     parser.add_argument("--weightings", default=",".join(WEIGHTINGS),
                         help="--weighting values compared at equal wall-clock (',' separated; '' for none)")
     parser.add_argument("--weighting-rounds", type=int, default=12, help="R of the weighting comparison")
@@ -203,6 +212,7 @@ def main() -> None:
             print(json.dumps(weighting[-1]), flush=True)
     payload = {"benchmark": NAME, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                "args": {"seconds": args.seconds, "round_seconds": args.round_seconds, "h": args.h,
+                        "batch_h": args.batch_h,
                         "weighting_rounds": args.weighting_rounds, "weighting_h": args.weighting_h},
                "machine": machine_info(), "results": results, "weighting": weighting}
     text = report(payload)

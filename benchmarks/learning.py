@@ -18,7 +18,13 @@ Rows (`--rows`, ';'-separated):
 - `M:H:key=value,...`: M simulated nodes, H inner steps, the NodeConfig fields given (e.g.
   `4:30:sync=blocking,compression=none,outer_lr=0.7,outer_momentum=0.9`); they train up to
   --max-token-factor x the budget per worker. `schedule=F` (not a NodeConfig field): the inner
-  cosine spans F x the budget (default 1: DDP's, so that the two decay alike).
+  cosine spans F x the budget (default 1: DDP's, so that the two decay alike). `speeds=4/2/1/1`
+  (not a NodeConfig field): the workers' speeds over the slowest's, spent as `spent=steps` (s·H steps
+  a round) or `spent=batch` (H steps of s batches), at equal wall-clock: rounds; tokens per worker are
+  then the first (fastest) worker's (harness/simulator.py; docs/architecture.md §13):
+
+    .venv/bin/python benchmarks/learning.py run --rows "4:10:sync=blocking,speeds=4/2/1/1,spent=steps;\
+        4:10:sync=blocking,speeds=4/2/1/1,spent=batch" --seeds 0
 
 Every (row, seed) is one job; jobs run --jobs at a time, each in a process of its own on one thread,
 and each finished job is appended to --log (a row already there for that seed is not run again), so
@@ -73,10 +79,16 @@ def parse_row(text: str) -> dict[str, Any]:
         key, _, value = pair.partition("=")
         options[key.strip()] = json.loads(value) if value.replace(".", "", 1).lstrip("-").isdigit() else value
     schedule = float(options.pop("schedule", 1.0))
+    speeds = tuple(int(s) for s in str(options.pop("speeds", "")).split("/") if s)
+    spent = str(options.pop("spent", "steps"))
+    if speeds and len(speeds) != workers or spent not in ("steps", "batch"):
+        raise SystemExit(f"learning: row {text!r}: speeds needs one speed per worker, spent steps or batch")
     NodeConfig.model_validate({**options, "inner_steps": h})  # a wrong key or value fails before any job runs
     text_options = " ".join(f"{k}={v}" for k, v in sorted(options.items()))
     text_options += f" cosine {schedule:g}x" if schedule != 1.0 else ""
+    text_options += f" speeds {'/'.join(map(str, speeds))} spent on {spent}" if speeds else ""
     return {"kind": "diloco", "workers": workers, "h": h, "options": options, "schedule": schedule,
+            **({"speeds": list(speeds), "spent": spent} if speeds else {}),
             "label": f"M={workers} H={h} {text_options}".strip()}
 
 
@@ -117,12 +129,15 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         curve = data_parallel(config(row, seed, data, batch), peers(1, seed), steps, args["eval_every"],
                               on_eval=lambda _, c: c.points[-1][0] >= budget_tokens and reached(c, target))
     else:
-        rounds = math.ceil(args["max_token_factor"] * args["steps"] / row["h"])
+        # the batches the first worker trains a round (with speeds: the fastest's, s·H either way)
+        per_round = row["h"] * (row.get("speeds") or [1])[0]
+        rounds = math.ceil(args["max_token_factor"] * args["steps"] / per_round)
         # the schedule's length is H x max_outer_steps (replica.settings_of); the rounds past it train at its floor
         cfg = config(row, seed, data, batch, inner_steps=row["h"],
-                     max_outer_steps=max(1, round(row["schedule"] * args["steps"] / row["h"])))
+                     max_outer_steps=max(1, round(row["schedule"] * args["steps"] / per_round)))
         curve = simulate(cfg, peers(row["workers"], seed), rounds,
-                         on_round=lambda tokens, c: tokens >= budget_tokens and reached(c, target))
+                         on_round=lambda tokens, c: tokens >= budget_tokens and reached(c, target),
+                         speeds=tuple(row.get("speeds", ())), spent=row.get("spent", "steps"))
     return {"key": key_of(row, seed, args), "row": row, "seed": seed, "curve": curve.as_json(),
             "seconds": time.monotonic() - started, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 

@@ -140,6 +140,11 @@ class NodeConfig(BaseModel):
                                         "round ends on a deadline of the swarm's clock every T seconds and each "
                                         "node trains as many inner steps as fit; with --fragments P a round lasts T/P "
                                         "(docs/architecture.md §13)")
+    speed_spent: str = Field("steps", pattern=r"^(steps|batch)$",
+                             description="under --round-seconds, what a faster node spends its speed on: steps "
+                             "(as many inner steps as fit before the deadline) or batch (every node --inner-steps "
+                             "H steps, a faster node accumulating more batches of --batch-size into each; "
+                             "docs/architecture.md §13)")
     inner_lr: float = Field(4e-4, gt=0, description="peak inner learning rate")
     warmup_steps: int = Field(50, ge=0, description="inner linear warmup steps")
     weight_decay: float = Field(0.1, ge=0, description="inner AdamW weight decay")
@@ -335,15 +340,29 @@ class NodeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_round_length(self) -> NodeConfig:
-        """A round is H steps or T seconds, never both (docs/architecture.md §13)."""
+        """A round is H steps or T seconds, never both, but under speed_spent batch, where it is H steps
+        of a batch sized to end by T (docs/architecture.md §13)."""
         if self.round_seconds is None:
+            if self.speed_spent == "batch":
+                raise ValueError("speed_spent batch needs --round-seconds T: the deadline each node sizes its "
+                                 "batch to")
             return self
         if not (math.isfinite(self.round_seconds) and self.round_seconds > 0):
             raise ValueError(f"round_seconds must be a number of seconds > 0, not {self.round_seconds}")
-        if "inner_steps" in self.model_fields_set:
+        if "inner_steps" in self.model_fields_set and self.speed_spent == "steps":
             raise ValueError("give --round-seconds (a round of T seconds) or --inner-steps (a round of H steps), "
-                             "not both")
+                             "not both (or --speed-spent batch: H steps whose batch fits T)")
+        if self.speed_spent == "batch" and self.parallel == "pipeline":
+            # the pipeline's schedule runs one batch per step; accumulating several is not built there
+            raise ValueError("speed_spent batch is not available with parallel pipeline (use none or fsdp)")
         return self
+
+    @property
+    def steps_agreed(self) -> bool:
+        """Whether every node runs the same H inner steps a round, so that the learning-rate schedule is
+        indexed by steps (a fixed H, or --speed-spent batch); False under --round-seconds with speed
+        spent on steps, where the decay follows the run's rounds (docs/architecture.md §13)."""
+        return self.round_seconds is None or self.speed_spent == "batch"
 
     @model_validator(mode="after")
     def _noloco_is_blocking(self) -> NodeConfig:
@@ -357,7 +376,7 @@ class NodeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _fragments_have_steps(self) -> NodeConfig:
-        if self.round_seconds is None and self.fragments > self.inner_steps:  # by time: rounds of T/P seconds
+        if self.steps_agreed and self.fragments > self.inner_steps:  # by time alone: rounds of T/P seconds
             raise ValueError(f"fragments {self.fragments} is more than inner_steps {self.inner_steps}: each round "
                              "runs H/P inner steps, so some rounds would train nothing")
         return self
@@ -524,6 +543,9 @@ class NodeConfig(BaseModel):
             **({"min_group_size": self.min_group_size} if self.min_group_size != 2 else {}),
             # every member must end its rounds on the same deadlines (docs/architecture.md §13)
             **({"round_seconds": self.round_seconds} if self.round_seconds is not None else {}),
+            # every member must run the same H, so that every Δ covers the same point of the schedule (§13)
+            **({"speed_spent": self.speed_spent, "inner_steps": self.inner_steps}
+               if self.speed_spent != "steps" else {}),
             # which fragment a round exchanges, and how long its payload is (docs/architecture.md §15)
             **({"fragments": self.fragments} if self.fragments != 1 else {}),
             **({"run_owner": self.run_owner} if self.run_owner else {}),

@@ -71,11 +71,14 @@ SHORT_TEXT = 200  # most characters of a name, a data source, a setting's text
 CHECKED = ("init", "text_column", "algorithm", "sync", "outer_lr", "outer_momentum", "eager_proxy", "group_size",
            "noloco_alpha", "noloco_beta", "noloco_gamma", "compression", "block_size", "topk_chunk", "topk_k",
            "topk_bits", "sign_block", "sign_keep", "ef_decay", "aggregator", "max_tokens_per_round", "weighting",
-           "min_group_size", "round_seconds", "fragments", "run_owner", "exchange")
+           "min_group_size", "round_seconds", "speed_spent", "fragments", "run_owner", "exchange")
 # The run's schedule: not in the fingerprint (nodes of a run may differ), so a joiner takes the
 # run's unless it gives its own (a slower node may run fewer steps per round).
 SCHEDULE = ("inner_steps", "seq_len", "batch_size", "eval_batches", "inner_lr", "warmup_steps", "weight_decay",
             "grad_clip", "seed", "matchmaking_time", "round_timeout")
+# Run-level options a manifest leaves out at their default, so that a run that does not use them serves
+# the manifest it served before they existed (and older nodes can read it)
+OMITTED_AT = {"speed_spent": "steps"}
 RUN_LEVEL = ("run_id", "model", "tokenizer", "data", *CHECKED)  # what `take` checks the user's values against
 
 
@@ -157,6 +160,8 @@ class Manifest:
         """The one line a joiner prints of what it took."""
         s = self.settings
         rounds = f"T={s['round_seconds']:g}s" if s.get("round_seconds") is not None else f"H={s['inner_steps']}"
+        if s.get("speed_spent") == "batch":  # H steps whose batch each node sizes to T (§13)
+            rounds += f", H={s['inner_steps']} by batch"
         tokenizer = "bytes" if self.tokenizer is None else f"tokenizer.json {self.tokenizer_digest[:12]}"  # type: ignore[index]
         data = {"embedded": "the embedded corpus", "hub": str(self.data),
                 "local": f"local {self.data} (eval {str(self.eval_digest)[:12]})"}[self.data_kind]
@@ -206,7 +211,10 @@ def build(cfg: NodeConfig, parameters: int) -> Manifest:
 
         tokenizer_text = tokenizer_file(cfg.tokenizer).read_text(encoding="utf-8")
     settings = {key: getattr(cfg, key) for key in (*SCHEDULE, *CHECKED)}
-    if cfg.round_seconds is not None:
+    for key, default in OMITTED_AT.items():
+        if settings[key] == default:
+            del settings[key]
+    if cfg.round_seconds is not None and cfg.speed_spent == "steps":
         del settings["inner_steps"]  # a round is T seconds: H is not the run's
     return Manifest(run_id=cfg.run_id, protocol=PROTOCOL, fingerprint=cfg.fingerprint(), settings=settings,
                     model=_model_name(cfg.model),
@@ -506,9 +514,12 @@ def take(manifest: Manifest, given: dict[str, Any], directory: Path) -> NodeConf
     files are written under `directory`."""
     if "run_id" in given and given["run_id"] != manifest.run_id:
         raise conflict("run_id", manifest.run_id, given["run_id"])
-    for key in CHECKED:
-        if key in given and key in manifest.settings and not _same(key, given[key], manifest.settings[key]):
-            raise conflict(key, manifest.settings[key], given[key])
+    # under speed_spent batch every node runs the run's H (it is in the fingerprint, §13)
+    agreed = ("inner_steps",) if manifest.settings.get("speed_spent") == "batch" else ()
+    run_settings = {**OMITTED_AT, **manifest.settings}
+    for key in (*CHECKED, *agreed):
+        if key in given and key in run_settings and not _same(key, given[key], run_settings[key]):
+            raise conflict(key, run_settings[key], given[key])
     if manifest.data_kind == "local" and not given.get("data"):
         raise ManifestConflict(f"run {manifest.run_id} trains on local files ('{_shown(manifest.data)}'): pass "
                                f"--data PATH to a copy of them (held-out split digest {manifest.eval_digest})")
@@ -521,7 +532,7 @@ def take(manifest: Manifest, given: dict[str, Any], directory: Path) -> NodeConf
     values.update({key: value for key, value in given.items() if key not in ("model", "tokenizer")})
     if "model" in given or "tokenizer" in given:
         _check_model_and_tokenizer(manifest, given, values)
-    if "round_seconds" in values and values.get("round_seconds") is not None:
+    if values.get("round_seconds") is not None and values.get("speed_spent", "steps") == "steps":
         values.pop("inner_steps", None)
     try:
         cfg = build_config(values, f"run {manifest.run_id}'s manifest")

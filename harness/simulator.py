@@ -15,6 +15,12 @@ worker of a group gets every other member's payload of a round once all of them 
 phases one after another on one thread, then finish the round each on a thread of its own, since a
 blocking `gather` waits for the others' offers.
 
+Nodes of different speeds (`simulate(speeds=…, spent=…)`, docs/architecture.md §13): a worker s× as
+fast as the slowest spends its speed as `--speed-spent` would, at equal wall-clock (rounds): `steps`,
+s·H inner steps a round (its cosine over its own steps, its warmup by its own steps: the node's
+progress-indexed decay and warmup at the fastest's pace are not reproduced), or `batch`, H steps of s
+batches each (the replica's own accumulation, the fixed-H schedule the node uses under batch).
+
 `ddp` and `alone` train the same model, data streams and schedule through the same replica class:
 DDP steps one replica on the concatenation of the M workers' batches of each position (the mean of M
 equal-size batch means is the mean over their union, so this is gradient averaging every step).
@@ -132,8 +138,9 @@ class MemoryTransport:
 class Worker:
     """One simulated node: its parts as compose.build makes them, its replica, and its round."""
 
-    def __init__(self, cfg: NodeConfig, peer_id: str, room: Room, phi: list[torch.Tensor]):
+    def __init__(self, cfg: NodeConfig, peer_id: str, room: Room, phi: list[torch.Tensor], batches: int = 1):
         self.cfg, self.peer_id = cfg, peer_id
+        self.batches = batches  # batches per inner step: a faster worker's under --speed-spent batch
         self.parts = build(cfg)
         self.state = self.parts.state
         with torch.no_grad():  # the run's φ, as a joiner downloads it from the node that started the run
@@ -150,20 +157,24 @@ class Worker:
         self.replica.prepare_data(self.stream_seed, self.position)
 
     def inner_phase(self) -> list[float]:
-        """θ ← φ, then this round's inner steps (node.Node._inner_phase with a fixed H)."""
+        """θ ← φ, then this round's inner steps (node.Node._inner_phase with a fixed H), each of
+        `batches` batches."""
         with self.state.lock:
             self.replica.load(self.drift.start(self.state.phi))
         losses = []
         for _ in range(self.cfg.round_inner_steps(self.state.round)):
-            losses.append(self.replica.train_step(self.stream_seed, self.position))
-            self.position += 1
+            losses.append(self.replica.train_step(self.stream_seed, self.position, self.batches))
+            self.position += self.batches
         return losses
+
+    def tokens(self, losses: list[float]) -> float:
+        """What a round of `losses` inner steps trained: steps × batches × batch × seq_len."""
+        return float(len(losses) * self.batches * self.cfg.batch_size * self.cfg.seq_len)
 
     def finish_round(self, losses: list[float]) -> RoundReport:
         """Δ = φ − θ, then the outer update (node.Node.run_round after the inner phase)."""
         delta = flatten(self.drift.delta(self.state.phi, self.replica.theta() or []))
-        tokens = float(len(losses) * self.cfg.batch_size * self.cfg.seq_len)
-        report = self.update.finish_round(self.state.round, delta, tokens)
+        report = self.update.finish_round(self.state.round, delta, self.tokens(losses))
         self.drift.ended(self.state.round - 1 if report.stepped else self.state.round)
         return report
 
@@ -192,15 +203,19 @@ class Curve:
 
 
 def simulate(cfg: NodeConfig, peers: list[str], rounds: int, evaluate: bool = True,
-             on_round: Callable[[int, Curve], bool] | None = None) -> Curve:
+             on_round: Callable[[int, Curve], bool] | None = None, speeds: tuple[int, ...] = (),
+             spent: str = "steps") -> Curve:
     """`rounds` rounds of len(peers) workers on `cfg` (each worker's seed: cfg.seed; its data stream
     from its peer id, as a node's). Stops early when `on_round` returns True. φ starts as a node
-    with `cfg` builds it."""
+    with `cfg` builds it. `speeds`: each worker's speed over the slowest's, spent on steps or on
+    batch (the module's docstring); the curve's tokens are the first worker's."""
     torch.set_num_threads(max(1, cfg.threads))
     cfg = cfg.model_copy(update={"checkpoint_dir": ""})  # a simulated worker keeps no checkpoint
     room = Room(peers, cfg.run_id, cfg.group_size if cfg.algorithm == "noloco" else None)
     phi = build(cfg).state.phi
-    workers = [Worker(cfg, peer, room, phi) for peer in peers]
+    configs = [worker_config(cfg, speed, spent) for speed in speeds or (1,) * len(peers)]
+    workers = [Worker(own, peer, room, phi, batches)
+               for peer, (own, batches) in zip(peers, configs, strict=True)]
     curve, started = Curve(label=""), time.monotonic()
     try:
         if evaluate:
@@ -209,7 +224,7 @@ def simulate(cfg: NodeConfig, peers: list[str], rounds: int, evaluate: bool = Tr
         tokens = 0
         for _ in range(rounds):
             losses = [worker.inner_phase() for worker in workers]
-            tokens += len(losses[0]) * cfg.batch_size * cfg.seq_len
+            tokens += int(workers[0].tokens(losses[0]))
             _finish_together(workers, losses)
             curve.digests.append([worker.state.digest() for worker in workers])
             if evaluate:
@@ -224,6 +239,16 @@ def simulate(cfg: NodeConfig, peers: list[str], rounds: int, evaluate: bool = Tr
             worker.close()
     curve.seconds = time.monotonic() - started
     return curve
+
+
+def worker_config(cfg: NodeConfig, speed: int, spent: str) -> tuple[NodeConfig, int]:
+    """A worker `speed`× as fast as the slowest: its config and batches per step, its speed spent
+    on `spent`: s·H steps of one batch, or H steps of s batches."""
+    if spent not in ("steps", "batch"):
+        raise ValueError(f"speed is spent on steps or batch, not {spent}")
+    if spent == "batch" or speed == 1:
+        return cfg, speed
+    return cfg.model_copy(update={"inner_steps": cfg.inner_steps * speed}), 1
 
 
 def _evaluate_all(workers: list[Worker], digests: list[str]) -> list[float]:

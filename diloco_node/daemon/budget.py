@@ -1,5 +1,6 @@
 """Rounds by time budget (`--round-seconds T`, docs/architecture.md §13): when a round's inner phase
-ends, and when a node should not start another step.
+ends, when a node should not start another step, and under `--speed-spent batch` how many batches
+each of its H steps accumulates.
 
 The deadlines are the points k·T of the swarm's clock (hivemind's DHT time, the Unix time every
 node's records already expire by), so every node computes the same ones without a message: no
@@ -13,6 +14,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable
+
+from diloco_node.trust.work import PEER_SPEEDUP
 
 # An inner phase that would start with less than this share of T left runs to the grid point after:
 # a blocking exchange ending just before a grid point would otherwise leave a round of a few steps
@@ -28,8 +31,11 @@ STEP_WINDOW = 4
 # a peer not ready a round after it is frozen or gone and must not hold the others (§13).
 BARRIER_SHARE = 1.0
 BARRIER_FLOOR = 2.0
-
-
+# Under --speed-spent batch one step accumulates at most this many batches: a peer that declares more
+# than PEER_SPEEDUP times our round's tokens is doubted (trust/work.py), so an honest node 64× faster
+# than the slowest stops there; and a step timed absurdly short (a clock's hiccup) cannot make the
+# next step a whole round long.
+MAX_ACCUMULATION = int(PEER_SPEEDUP)
 
 def deadline(now: float, seconds: float) -> float:
     """The end of the inner phase that starts at `now` on the swarm's clock: the first point k·T
@@ -58,9 +64,25 @@ def warmup_pace(step: int, own_steps: int, others_tokens: Iterable[float], token
     return max(step, min(warmup_steps, step - own_steps + int(fastest // tokens_per_step)))
 
 
+def accumulation(left: float, steps: int, batch_seconds: float | None, most: int = MAX_ACCUMULATION) -> int:
+    """k, the batches the next inner step accumulates under --speed-spent batch: the most that lets
+    `steps` more steps of k batches each end within `left` seconds, one batch taking `batch_seconds`
+    (None: not measured yet), between 1 and `most`:
+
+        k = max(1, min(most, ⌊left / (steps · batch_seconds)⌋))
+
+    Sized again before every step from the time and steps left, so a node whose speed changes within
+    a round adapts at its next step, and the time a floor leaves is taken by the last steps. k = 1
+    may still not fit: next_batches then ends the round early."""
+    if batch_seconds is None or not batch_seconds > 0 or steps < 1:
+        return 1  # nothing measured: one batch measures our speed
+    return max(1, min(most, math.floor(left / (steps * batch_seconds))))
+
+
 class StepClock:
-    """Durations of this node's recent inner steps, and whether one more fits before a deadline.
-    Used by the round loop's thread only."""
+    """Durations of this node's recent inner steps (under --speed-spent batch: per batch, a step's
+    seconds over its batches), and whether one more fits before a deadline. Used by the round loop's
+    thread only."""
 
     def __init__(self, window: int = STEP_WINDOW):
         self.recent: deque[float] = deque(maxlen=window)
@@ -82,3 +104,14 @@ class StepClock:
         tried: a node's first step measures its speed."""
         estimate = self.estimate()
         return now < end if estimate is None else now + estimate <= end
+
+
+def next_batches(now: float, end: float, done: int, steps: int, clock: StepClock) -> int:
+    """Under --speed-spent batch: the batches the next of the round's `steps` inner steps accumulates,
+    `done` of them taken (accumulation), with `clock` timing one batch; 0 when the round's inner phase
+    is over: its H steps are done, or not even a step of one batch is expected to end by `end` (a node
+    too slow for H steps of one batch trains fewer steps, as under --speed-spent steps; none: the
+    round is skipped)."""
+    if done >= steps or not clock.fits(now, end):
+        return 0
+    return accumulation(end - now, steps - done, clock.estimate())

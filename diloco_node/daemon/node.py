@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 
-from diloco_node.daemon.budget import StepClock, deadline, warmup_pace
+from diloco_node.daemon.budget import StepClock, deadline, next_batches, warmup_pace
 from diloco_node.daemon.checkpoint import export_info
 from diloco_node.daemon.compose import Parts
 from diloco_node.outer.fragments import Drift, codec_state
@@ -50,7 +50,8 @@ class Node:
         self.replica: Replica | None = None
         # seconds the last inner phase waited for batches: this process's (local rank 0's) data meter
         self.data_wait = 0.0
-        self.step_clock = StepClock()  # --round-seconds: our recent step times (budget.py)
+        self.round_batches = 0  # batches the last inner phase trained (more than its steps under --speed-spent batch)
+        self.step_clock = StepClock()  # --round-seconds: our recent step (or, batch: per-batch) times (budget.py)
         # θ between rounds: reloaded from φ every round, or per fragment (docs/architecture.md §15)
         self.drift = Drift(parts.runs)
         self.claims = DeclaredWork()  # peers' declared tokens against their own published throughput (trust/work.py)
@@ -106,8 +107,9 @@ class Node:
             self.swarm.spread_offers(self.round_clock)
         self.announce(ready=True)
         delta = flatten(self.drift.delta(self.state.phi, self.replica.theta() or []))
-        # tokens 0: no payload, we still take the group's mean (outer/averaging.py)
-        tokens = float(len(losses) * self.cfg.batch_size * self.cfg.seq_len)
+        # tokens 0: no payload, we still take the group's mean (outer/averaging.py); the tokens we trained,
+        # steps × their batches (docs/architecture.md §13), so a larger batch weighs as its tokens
+        tokens = float(self.round_batches * self.cfg.batch_size * self.cfg.seq_len)
         exchanged = self.state.round  # and its fragment (docs/architecture.md §15), for the round record
         report = self.parts.update.finish_round(exchanged, delta, tokens)
         if report.outcome not in (Outcome.BEHIND, Outcome.STOPPED):
@@ -140,8 +142,9 @@ class Node:
 
     def _keep_pace(self, result: AverageResult, credible: list[str], steps: int) -> None:
         """Under --round-seconds, our warmup goes on at the pace of the group's fastest credible member
-        (budget.warmup_pace). A butterfly member sees no declarations and keeps its own pace."""
-        if not self.cfg.round_seconds:
+        (budget.warmup_pace). A butterfly member sees no declarations and keeps its own pace. Where every
+        node runs the same H steps (a fixed H, --speed-spent batch) the schedule is common already."""
+        if self.cfg.steps_agreed:
             return
         declared = dict(result.declared)
         paced = warmup_pace(self.inner_step, steps, (declared[peer] for peer in credible if peer in declared),
@@ -176,24 +179,27 @@ class Node:
 
     def _inner_phase(self, train: bool = True) -> list[float] | None:
         """θ ← φ, then H inner steps, or under --round-seconds as many as fit before the round's
-        deadline on the swarm's clock (none: the round is skipped; none either unless `train`);
-        None when a stop came first."""
+        deadline on the swarm's clock (none: the round is skipped; none either unless `train`), or
+        under --speed-spent batch H steps of as many batches each as fit before it; None when a stop
+        came first."""
         assert self.replica is not None
         with self.state.lock:
             self.replica.load(self.drift.start(self.state.phi))
         losses: list[float] = []
+        self.round_batches = 0
         waited = DATA_METER.waited()
         seconds = self.cfg.round_budget  # T, or T/P with fragments: one fragment's round (§15)
         end = deadline(self.swarm.clock(), seconds) if seconds else 0.0
-        if seconds:  # the schedule decays with the run's rounds, not our steps (docs/architecture.md §13)
-            self.replica.set_progress(self.state.round / self.cfg.max_outer_steps if self.cfg.max_outer_steps else 0.0)
-        while train and self._one_more(len(losses), end):
+        self._place_schedule()
+        while train and (batches := self._next_batches(len(losses), end)):
             if self.stop_requested.is_set():
                 return None
             started = time.monotonic()
-            losses.append(self.replica.train_step(self.stream_seed, self.data_position))
-            self.step_clock.add(time.monotonic() - started)
-            self.data_position += 1
+            losses.append(self.replica.train_step(self.stream_seed, self.data_position, batches))
+            # per batch under --speed-spent batch (budget.accumulation sizes k from it); batches is 1 otherwise
+            self.step_clock.add((time.monotonic() - started) / batches)
+            self.data_position += batches
+            self.round_batches += batches
             self.inner_step += 1
             # micro_batch_size: a step that ran out of memory has lowered it (train/inner.py)
             self.telemetry.update(inner_step=self.inner_step, loss=losses[-1],
@@ -201,11 +207,28 @@ class Node:
         self.data_wait = DATA_METER.waited() - waited
         return losses
 
-    def _one_more(self, steps: int, end: float) -> bool:
-        """Whether the inner phase takes another step: H of them, or while one fits before `end`."""
+    def _place_schedule(self) -> None:
+        """Where this round's inner steps stand in the learning-rate schedule (docs/architecture.md §13).
+        Under --round-seconds with speed spent on steps, the decay follows the run's rounds, not our
+        steps. Under --speed-spent batch every node's round covers steps round·H .. round·H + H − 1, as
+        with a fixed H: a node that fitted fewer last round catches up here, at the same point as the others."""
+        assert self.replica is not None
+        if not self.cfg.steps_agreed:
+            self.replica.set_progress(self.state.round / self.cfg.max_outer_steps if self.cfg.max_outer_steps else 0.0)
+        elif self.cfg.round_seconds and self.inner_step < (start := self.cfg.inner_steps_before(self.state.round)):
+            self.inner_step = start
+            self.replica.advance_schedule(start)
+
+    def _next_batches(self, steps: int, end: float) -> int:
+        """The batches the inner phase's next step trains, `steps` taken; 0: the phase is over. One, H
+        times, or under --round-seconds while one fits before `end`; under --speed-spent batch the
+        round's H steps, each of as many batches as fit (budget.next_batches)."""
         if not self.cfg.round_seconds:
-            return steps < self.cfg.round_inner_steps(self.state.round)
-        return self.step_clock.fits(self.swarm.clock(), end)
+            return int(steps < self.cfg.round_inner_steps(self.state.round))
+        if self.cfg.speed_spent == "batch":
+            return next_batches(self.swarm.clock(), end, steps, self.cfg.round_inner_steps(self.state.round),
+                                self.step_clock)
+        return int(self.step_clock.fits(self.swarm.clock(), end))
 
     def _finish_round(self, losses: list[float], report: RoundReport, timing: RoundTiming, fragment: int) -> None:
         """Everything the round leaves behind: its record (status, history, events, log line, our
@@ -260,7 +283,7 @@ class Node:
         # A joiner's learning-rate schedule follows the run's progress, not its own step count. Under
         # --round-seconds that progress is the round (set each inner phase): it skips the warmup only.
         self.inner_step = max(self.inner_step, self.cfg.inner_steps_before(self.state.round)
-                              if not self.cfg.round_seconds else self.cfg.warmup_steps if self.state.round else 0)
+                              if self.cfg.steps_agreed else self.cfg.warmup_steps if self.state.round else 0)
         self.replica.advance_schedule(self.inner_step)
         logger.info("synced state from peers round=%d digest=%s", self.state.round, self.state.digest())
         self.events.emit("synced", round=self.state.round, digest=self.state.digest())

@@ -60,8 +60,9 @@ def settings_of(cfg: NodeConfig) -> ReplicaSettings:
         model=cfg.model, seed=cfg.seed, init=cfg.init, data=cfg.data, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
         eval_batches=cfg.eval_batches, inner_lr=cfg.inner_lr, warmup_steps=cfg.warmup_steps,
         weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-        # under --round-seconds a node's step count depends on its speed: the decay follows the rounds
-        total_steps=0 if cfg.round_seconds else cfg.inner_steps_before(cfg.max_outer_steps),
+        # under --round-seconds a node's step count depends on its speed: the decay follows the rounds;
+        # with --speed-spent batch every node runs H steps a round, as with a fixed H (§13)
+        total_steps=cfg.inner_steps_before(cfg.max_outer_steps) if cfg.steps_agreed else 0,
         precision=resolve_precision(cfg.precision, devices),
         compile=cfg.compile == "on", parallel=cfg.parallel,
         micro_batch_size=cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else 0,
@@ -83,8 +84,9 @@ class Compute(Protocol):
     def load(self, phi: list[torch.Tensor] | None) -> None:
         """θ ← φ (φ given on rank 0 only)."""
 
-    def train_step(self, stream_seed: int, position: int) -> float:
-        """One AdamW step on batch `position` of the stream; the node's mean loss."""
+    def train_step(self, stream_seed: int, position: int, batches: int = 1) -> float:
+        """One AdamW step on batch `position` of the stream, or on the `batches` batches from it with their
+        gradients accumulated (--speed-spent batch, docs/architecture.md §13); the node's mean loss."""
 
     def theta(self) -> list[torch.Tensor] | None:
         """θ in canonical layout on rank 0 (None elsewhere)."""

@@ -65,6 +65,20 @@ def rank_device(settings: ReplicaSettings, rank: int) -> torch.device:
     return device
 
 
+def train_batches(settings: ReplicaSettings, dataset: NodeData, stream_seed: int, position: int,
+                  batches: int) -> list[Batch]:
+    """Batches `position` .. `position + batches − 1` of the stream, in order (one step's, when it
+    accumulates several: --speed-spent batch)."""
+    return [dataset.train_batch(settings.batch_size, stream_seed, position + i) for i in range(batches)]
+
+
+def stacked(batches: list[Batch]) -> Batch:
+    """One step's batches as one: their rows in order (a single batch as it is, uncopied)."""
+    if len(batches) == 1:
+        return batches[0]
+    return torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
+
+
 def load_dataset(settings: ReplicaSettings) -> NodeData:
     """The node's data: train batches made by a background prefetch, eval batches the same on every node."""
     return open_data(settings.data, settings.tokenizer, settings.seq_len, settings.text_column)

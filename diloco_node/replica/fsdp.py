@@ -27,6 +27,8 @@ from diloco_node.replica.common import (
     mixed_precision,
     peak_memory_bytes,
     rank_device,
+    stacked,
+    train_batches,
 )
 from diloco_node.train.hf import HFSpec, build_meta, decoder_layers
 from diloco_node.train.inner import InnerTrainer, evaluate, export_moments, import_moments
@@ -85,9 +87,13 @@ class FsdpCompute:
             full = self._full_on_every_rank(phi[index] if phi is not None else None, param)
             param.to_local().copy_(self._shard(full, param).to_local())
 
-    def train_step(self, stream_seed: int, position: int) -> float:
-        x, y = self._my_rows(self.dataset.train_batch(self.settings.batch_size, stream_seed, position))
-        return self._node_mean(self.trainer.train_step(x.to(self.device), y.to(self.device)))
+    def train_step(self, stream_seed: int, position: int, batches: int = 1) -> float:
+        # each batch split over the ranks as one would be, so a rank's rows are its share of every batch
+        mine = [self._my_rows(batch) for batch in train_batches(self.settings, self.dataset, stream_seed, position,
+                                                                batches)]
+        x, y = stacked(mine)
+        piece = self.settings.batch_size // self.ctx.world if batches > 1 else 0
+        return self._node_mean(self.trainer.train_step(x.to(self.device), y.to(self.device), piece))
 
     def _node_mean(self, value: float) -> float:
         total = torch.tensor([value], dtype=torch.float64)

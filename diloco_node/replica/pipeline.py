@@ -162,7 +162,9 @@ class PipelineCompute:
         if (copy := self.stage.head_copy) is not None and self.tied_name is not None:
             copy.copy_(mine[self.tied_name])
 
-    def train_step(self, stream_seed: int, position: int) -> float:
+    def train_step(self, stream_seed: int, position: int, batches: int = 1) -> float:
+        if batches != 1:  # config.py refuses --speed-spent batch with a pipeline
+            raise ValueError("a pipeline step trains one batch")
         x, y = self.dataset.train_batch(self.settings.batch_size, stream_seed, position)
         x, y = x.to(self.device), y.to(self.device)
         for group in self.trainer.optimizer.param_groups:

@@ -164,8 +164,8 @@ class RankedReplica:
     def load(self, phi: list[torch.Tensor] | None) -> None:
         self._run("load", (phi,), (None,))
 
-    def train_step(self, stream_seed: int, position: int) -> float:
-        return float(self._run("train_step", (stream_seed, position)))
+    def train_step(self, stream_seed: int, position: int, batches: int = 1) -> float:
+        return float(self._run("train_step", (stream_seed, position, batches)))
 
     def theta(self) -> list[torch.Tensor] | None:
         return self._run("theta", ())  # type: ignore[no-any-return]

@@ -16,6 +16,8 @@ from diloco_node.replica.common import (
     mixed_precision,
     peak_memory_bytes,
     rank_device,
+    stacked,
+    train_batches,
 )
 from diloco_node.train.fit import fit_micro_batch
 from diloco_node.train.inner import InnerTrainer, autocast, evaluate, export_moments, import_moments, lm_loss
@@ -51,9 +53,11 @@ class SingleReplica:
         for theta, value in zip(self.named.values(), phi, strict=True):
             theta.copy_(value)
 
-    def train_step(self, stream_seed: int, position: int) -> float:
-        x, y = self.dataset.train_batch(self.settings.batch_size, stream_seed, position)
-        return self.trainer.train_step(x.to(self.device), y.to(self.device))
+    def train_step(self, stream_seed: int, position: int, batches: int = 1) -> float:
+        x, y = stacked(train_batches(self.settings, self.dataset, stream_seed, position, batches))
+        # several batches: at most one --batch-size per forward, the size its owner chose for the device
+        piece = self.settings.batch_size if batches > 1 else 0
+        return self.trainer.train_step(x.to(self.device), y.to(self.device), piece)
 
     def theta(self) -> list[torch.Tensor] | None:
         return [p.detach().to("cpu", torch.float32, copy=True) for p in self.named.values()]

@@ -124,12 +124,16 @@ class InnerTrainer:
         """The learning rate of the next step."""
         return lr_at(self.step, self.cfg) if self.progress is None else budget_lr_at(self.step, self.progress, self.cfg)
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, piece: int = 0) -> float:
+        """One AdamW step on the mean loss of the batch (x, y); `piece` > 0 bounds the sequences of one
+        forward/backward, when (x, y) holds several batches of a step that accumulates them
+        (--speed-spent batch): each fits as one batch did, whatever the micro-batch setting."""
         lr = self.lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         while True:
             micro = self.micro if 0 < self.micro < len(x) else len(x)
+            micro = min(micro, piece) if piece > 0 else micro
             try:
                 loss = self._accumulate(x, y, micro)
             except torch.cuda.OutOfMemoryError:

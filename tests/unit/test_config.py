@@ -375,7 +375,7 @@ def test_every_fingerprint_key_is_named_by_the_option_that_sets_it() -> None:
     flags = {"--" + name.replace("_", "-") for name in NodeConfig.model_fields}
     for values in ({}, {"algorithm": "noloco"}, {"sync": "eager"}, {"compression": "topk"}, {"compression": "int8"},
                    {"min_group_size": 3, "weighting": "equal", "fragments": 2, "exchange": "allgather"},
-                   {"round_seconds": 30.0}):
+                   {"round_seconds": 30.0}, {"round_seconds": 30.0, "speed_spent": "batch"}):
         for key in NodeConfig(**values).fingerprint_fields():
             option = option_of(key)
             assert option == "protocol version" or option in flags, (key, option)
