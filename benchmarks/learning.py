@@ -230,6 +230,7 @@ def summarize(entries: list[dict[str, Any]], steps: int, parameters: int, batch:
         rows.append({"label": label, "row": row, "seeds": [r["seed"] for r in runs], "tokens": per_seed,
                      "tokens_median": statistics.median(t for t in per_seed) if all(per_seed) else None,
                      "loss_at_budget": equal, "averages": averages, "bytes_per_worker": sent,
+                     "weight_removed": removed(runs),
                      "seconds": sum(r["seconds"] for r in runs)})
     # the best schedule tried for one worker alone (the one that reaches the target soonest)
     alone = min((r["tokens_median"] for r in rows if r["row"]["kind"] == "alone" and r["tokens_median"]), default=None)
@@ -241,6 +242,13 @@ def summarize(entries: list[dict[str, Any]], steps: int, parameters: int, batch:
         r["gain_at_budget"] = gain_at_budget(r["loss_at_budget"], alone_curves, budget)
     return {"target": target, "budget_tokens": budget, "batch_size": batch, "alone_tokens": alone,
             "g_ddp": ddp["gain"] if ddp else None, "rows": rows}
+
+
+def removed(runs: list[dict[str, Any]]) -> float | None:
+    """The mean share of a round's declared work the trust bounds took away, over the rounds of every
+    seed (harness.simulator.Curve.weight_removed); None for DDP, alone, and logs from before it."""
+    shares = [x for r in runs for x in r["curve"].get("weight_removed", [])]
+    return statistics.fmean(shares) if shares else None
 
 
 def gain_at_budget(losses: list[float | None], alone_curves: list[list[list[Any]]], budget: int) -> float | None:
@@ -284,8 +292,8 @@ def markdown(summary: dict[str, Any], steps: int) -> str:
              f"{g_ddp:.2f}x." if g_ddp else "", "",
              "| row | seeds | tokens per worker to target (each seed) | gain over alone (median) | vs G_DDP | "
              "eval at the budget (each seed) | gain at the budget | averages to target | payload bytes per worker | "
-             "fewer than DDP |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "fewer than DDP | weight removed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     order = sorted(summary["rows"], key=rank)
     for r in order:
         tokens = ", ".join(f"{t:,}" if t else "–" for t in r["tokens"])
@@ -295,14 +303,16 @@ def markdown(summary: dict[str, Any], steps: int) -> str:
         sent = f"{r['bytes_per_worker']:,.0f}" if r["bytes_per_worker"] else "–"
         fewer = f"{ddp_bytes / r['bytes_per_worker']:,.0f}x" if ddp_bytes and r["bytes_per_worker"] else "–"
         at_budget = f"{r['gain_at_budget']:.2f}x" if r.get("gain_at_budget") else "–"
+        share = f"{100 * r['weight_removed']:.1f} %" if r.get("weight_removed") is not None else "–"
         lines.append(f"| {r['label']} | {len(r['seeds'])} | {tokens} | {gain} | {vs} | {equal} | {at_budget} | "
-                     f"{r['averages'] or '–'} | {sent} | {fewer} |")
+                     f"{r['averages'] or '–'} | {sent} | {fewer} | {share} |")
     lines += ["", "Tokens: the first evaluation (one per round for nodes, every --eval-every steps for DDP and "
               "alone) at which every worker's φ is at or below the target. Gain: alone's median tokens over the "
               "row's. Eval at the budget: the workers' mean eval loss at DDP's token budget per worker. Gain at the "
               "budget: the tokens one worker alone needs to reach that loss (mean over seeds), over the budget. Bytes: "
               "payloads each worker fetched (the all-gather's; DDP: a ring all-reduce of fp32 gradients, "
-              "2(M−1)/M x 4 B x parameters per step).", "",
+              "2(M−1)/M x 4 B x parameters per step). Weight removed: the mean share of a round's declared work "
+              "the token cap and the norm clip took away (outer/aggregate.removed_share).", "",
               "Reproduce: `.venv/bin/python benchmarks/learning.py run --rows ROWS --seeds 0,1,2`, then "
               "`.venv/bin/python benchmarks/learning.py report`."]
     return "\n".join(lines) + "\n"

@@ -195,11 +195,14 @@ class Curve:
     points: list[tuple[int, list[float]]] = field(default_factory=list)
     digests: list[list[str]] = field(default_factory=list)  # per round, each worker's φ digest
     payload_bytes: list[int] = field(default_factory=list)  # per evaluation, payload bytes fetched so far (all workers)
+    # per round, the share of the group's declared work the trust bounds took away (the first worker's
+    # report: every member of an all-gather computes the same; outer/aggregate.removed_share)
+    weight_removed: list[float] = field(default_factory=list)
     seconds: float = 0.0
 
     def as_json(self) -> dict[str, Any]:
         return {"label": self.label, "points": self.points, "payload_bytes": self.payload_bytes,
-                "seconds": self.seconds}
+                "weight_removed": self.weight_removed, "seconds": self.seconds}
 
 
 def simulate(cfg: NodeConfig, peers: list[str], rounds: int, evaluate: bool = True,
@@ -225,7 +228,8 @@ def simulate(cfg: NodeConfig, peers: list[str], rounds: int, evaluate: bool = Tr
         for _ in range(rounds):
             losses = [worker.inner_phase() for worker in workers]
             tokens += int(workers[0].tokens(losses[0]))
-            _finish_together(workers, losses)
+            first = _finish_together(workers, losses)
+            curve.weight_removed.append(first.result.weight_removed if first.result is not None else 0.0)
             curve.digests.append([worker.state.digest() for worker in workers])
             if evaluate:
                 curve.points.append((tokens, _evaluate_all(workers, curve.digests[-1])))
@@ -260,17 +264,19 @@ def _evaluate_all(workers: list[Worker], digests: list[str]) -> list[float]:
     return [losses[digest] for digest in digests]
 
 
-def _finish_together(workers: list[Worker], losses: list[list[float]]) -> None:
-    """Every worker's finish_round at once: a blocking gather waits for the others' offers."""
+def _finish_together(workers: list[Worker], losses: list[list[float]]) -> RoundReport:
+    """Every worker's finish_round at once (a blocking gather waits for the others' offers); the
+    first worker's report."""
     errors: list[BaseException] = []
+    reports: dict[int, RoundReport] = {}
 
-    def finish(worker: Worker, mine: list[float]) -> None:
+    def finish(index: int, worker: Worker, mine: list[float]) -> None:
         try:
-            worker.finish_round(mine)
+            reports[index] = worker.finish_round(mine)
         except BaseException as exc:  # re-raised on the simulator's thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=finish, args=(worker, mine), name=f"finish-{index}")
+    threads = [threading.Thread(target=finish, args=(index, worker, mine), name=f"finish-{index}")
                for index, (worker, mine) in enumerate(zip(workers, losses, strict=True))]
     for thread in threads:
         thread.start()
@@ -278,6 +284,7 @@ def _finish_together(workers: list[Worker], losses: list[list[float]]) -> None:
         thread.join()
     if errors:
         raise errors[0]
+    return reports[0]
 
 
 def data_parallel(cfg: NodeConfig, peers: list[str], steps: int, eval_every: int,
