@@ -59,7 +59,7 @@ NORM_CLIP_MULTIPLE = 1.25  # a contribution longer than this many reference norm
 # against either member's own Δ (an attacker can cancel a step, never reverse it).
 PAIR_CLIP_MULTIPLE = 1.0
 TOKEN_CAP_MULTIPLE = 1.0  # declared tokens count at most this many times the group's typical count
-FAR_OVER_BOUND = 2.0  # a clip of a contribution this many times the bound or more is logged as a warning
+FAR_OVER_BOUND = 2.0  # a clip or cap of a contribution this many times the bound or more is logged as a warning
 # NoLoCo's φ̄: how far (in reference norms of Δ) a member's φ may pull from ours. φs differ by the
 # drift of several rounds, not one Δ, so this stays wider than the Δ clip.
 PHI_RADIUS_MULTIPLE = 4.0
@@ -161,8 +161,12 @@ def _cap_tokens(finite: list[Contribution], max_tokens: float | None) -> tuple[l
     the smaller); computed from the contributions alone, so every member caps alike."""
     cap = token_cap([c.tokens for c in finite], max_tokens)
     capped = [c.peer_id for c in finite if c.tokens > cap]
-    for peer in capped:
-        logger.warning("capped the tokens of peer=%s at %.0f", peer, cap)
+    for contribution in finite:
+        if contribution.tokens > cap:
+            # a little over the cap is ordinary between honest peers (under --round-seconds a faster
+            # node declares more every round; weight_removed reports the cost); far over it, a warning
+            level = logging.WARNING if contribution.tokens > FAR_OVER_BOUND * cap else logging.INFO
+            logger.log(level, "capped the tokens of peer=%s at %.0f", contribution.peer_id, cap)
     return [Contribution(c.peer_id, min(c.tokens, cap), c.pseudo_gradient, c.norm) for c in finite], capped
 
 

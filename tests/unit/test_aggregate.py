@@ -69,6 +69,16 @@ def test_a_clip_a_little_over_the_bound_is_information_far_over_it_a_warning(cap
                       "clipped contribution from peer=far": logging.WARNING}
 
 
+def test_a_cap_a_little_over_the_median_is_information_far_over_it_a_warning(caplog) -> None:  # type: ignore[no-untyped-def]
+    caplog.set_level("INFO", logger=aggregate_module.__name__)
+    aggregate([c("us", 100, 1, 0), c("them", 150, 0, 1)])  # a faster honest peer under --round-seconds
+    aggregate([c("us", 100, 1, 0), c("far", 10_000, 0, 1)])
+    levels = {record.getMessage().split(" at ")[0]: record.levelno for record in caplog.records
+              if record.getMessage().startswith("capped")}
+    assert levels == {"capped the tokens of peer=them": logging.INFO,
+                      "capped the tokens of peer=far": logging.WARNING}
+
+
 def test_an_honest_pair_with_equal_norms_clips_nothing() -> None:
     result = aggregate([c("a", 1, 1, 2), c("b", 1, 2, 1)])
     assert result.mean.tolist() == pytest.approx([1.5, 1.5]) and result.clipped == ()
