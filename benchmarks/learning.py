@@ -235,8 +235,10 @@ def summarize(entries: list[dict[str, Any]], steps: int, parameters: int, batch:
     # the best schedule tried for one worker alone (the one that reaches the target soonest)
     alone = min((r["tokens_median"] for r in rows if r["row"]["kind"] == "alone" and r["tokens_median"]), default=None)
     ddp = next((r for r in rows if r["row"]["kind"] == "ddp" and r["row"]["workers"] == TARGET_M), None)
-    alone_curves = [e["curve"]["points"] for e in entries if e["row"]["kind"] == "alone"
-                    and json.loads(e["key"])[2] == steps]
+    alone_curves: dict[str, list[list[list[Any]]]] = {}  # by schedule, each seed's curve
+    for e in entries:
+        if e["row"]["kind"] == "alone" and json.loads(e["key"])[2] == steps:
+            alone_curves.setdefault(e["row"]["label"], []).append(e["curve"]["points"])
     for r in rows:
         r["gain"] = alone / r["tokens_median"] if alone and r["tokens_median"] else None
         r["gain_at_budget"] = gain_at_budget(r["loss_at_budget"], alone_curves, budget)
@@ -251,16 +253,21 @@ def removed(runs: list[dict[str, Any]]) -> float | None:
     return statistics.fmean(shares) if shares else None
 
 
-def gain_at_budget(losses: list[float | None], alone_curves: list[list[list[Any]]], budget: int) -> float | None:
+def gain_at_budget(losses: list[float | None], alone_curves: dict[str, list[list[list[Any]]]],
+                   budget: int) -> float | None:
     """How many times the budget one worker alone needs to reach the row's mean eval loss at the
-    budget (the soonest of the alone runs): a gain measured where a row misses the target, since
-    every row trains to the budget. None when no alone run got there."""
+    budget: for each alone schedule the median over its seeds (as the gain over alone takes alone's
+    median tokens; a seed that never gets there counts as never), the best schedule's. A gain
+    measured where a row misses the target, since every row trains to the budget. None when no
+    alone schedule got there."""
     reached = [x for x in losses if x is not None]
     if not reached or not alone_curves:
         return None
     loss = statistics.fmean(reached)
-    needed = [tokens_to(points, loss) for points in alone_curves]
-    return min(t for t in needed if t) / budget if any(needed) else None
+    medians = [statistics.median(t or math.inf for t in (tokens_to(points, loss) for points in runs))
+               for runs in alone_curves.values()]
+    best = min(medians)
+    return best / budget if math.isfinite(best) else None
 
 
 def _bytes_to(entry: dict[str, Any], target: float) -> float:
@@ -309,7 +316,8 @@ def markdown(summary: dict[str, Any], steps: int) -> str:
     lines += ["", "Tokens: the first evaluation (one per round for nodes, every --eval-every steps for DDP and "
               "alone) at which every worker's φ is at or below the target. Gain: alone's median tokens over the "
               "row's. Eval at the budget: the workers' mean eval loss at DDP's token budget per worker. Gain at the "
-              "budget: the tokens one worker alone needs to reach that loss (mean over seeds), over the budget. Bytes: "
+              "budget: the tokens one worker alone needs to reach that loss (the row's mean over seeds; alone's "
+              "median over its seeds, its best schedule), over the budget. Bytes: "
               "payloads each worker fetched (the all-gather's; DDP: a ring all-reduce of fp32 gradients, "
               "2(M−1)/M x 4 B x parameters per step). Weight removed: the mean share of a round's declared work "
               "the token cap and the norm clip took away (outer/aggregate.removed_share).", "",
