@@ -3,10 +3,8 @@ reads a row's points against the target, and how it sizes a run."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -15,18 +13,14 @@ import pytest
 
 from harness.corpus import HELD_OUT_SHARE, held_out, order_by_file, write_stdlib_corpus
 from harness.nodes import node_args
+from tests.benchmark_scripts import load
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def deep() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("deep_bench", ROOT / "benchmarks" / "deep.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["deep_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load("deep")
 
 
 # --- corpus ----------------------------------------------------------------------------------

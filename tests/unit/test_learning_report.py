@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmark_scripts import load
 
 
 @pytest.fixture(scope="module")
 def learning() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("learning_bench", ROOT / "benchmarks" / "learning.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["learning_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load("learning")
 
 
 def curve(*points: tuple[int, float]) -> list[list[object]]:
