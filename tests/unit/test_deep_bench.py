@@ -15,8 +15,6 @@ from harness.corpus import HELD_OUT_SHARE, held_out, order_by_file, write_stdlib
 from harness.nodes import node_args
 from tests.benchmark_scripts import load
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def deep() -> ModuleType:
