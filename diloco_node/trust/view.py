@@ -41,7 +41,12 @@ def round_state(others: Collection[NodeRecord], round_: int, counted: Collection
 
 def moved_on(others: Collection[NodeRecord], round_: int) -> bool:
     """Whether more than half of `others` have exchanged `round_`."""
-    return 2 * sum(r.exchanged_round >= round_ for r in others) > len(others)
+    return most(others, lambda r: r.exchanged_round >= round_)
+
+
+def most(others: Collection[NodeRecord], holds: Callable[[NodeRecord], bool]) -> bool:
+    """Whether more than half of `others` say what `holds` asks of a record."""
+    return 2 * sum(holds(r) for r in others) > len(others)
 
 
 @dataclass(frozen=True)
@@ -101,8 +106,7 @@ class RunView:
     def past_inner_phase(self, round_: int) -> bool:
         """Whether most other live nodes that decide have already ended their inner phase of `round_`
         (announced ready for it): under --round-seconds its deadline has passed for the run."""
-        others = list(self.deciding().values())
-        return 2 * sum(r.ready_round >= round_ for r in others) > len(others)
+        return most(list(self.deciding().values()), lambda r: r.ready_round >= round_)
 
     def waited_for(self, others: dict[str, NodeRecord], round_: int, among: Collection[str] | None,
                    memory: proofs.Proofs) -> tuple[set[str] | None, set[str], set[str]]:
