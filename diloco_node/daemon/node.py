@@ -51,6 +51,9 @@ class Node:
         # seconds the last inner phase waited for batches: this process's (local rank 0's) data meter
         self.data_wait = 0.0
         self.round_batches = 0  # batches the last inner phase trained (more than its steps under --speed-spent batch)
+        # the round our state was last installed from peers at, until that round starts: the only round
+        # whose training the run's records may call over (`_deadline_passed`)
+        self.synced_round: int | None = None
         self.step_clock = StepClock()  # --round-seconds: our recent step (or, batch: per-batch) times (budget.py)
         # θ between rounds: reloaded from φ every round, or per fragment (docs/architecture.md §15)
         self.drift = Drift(parts.runs)
@@ -170,8 +173,12 @@ class Node:
         joiner whose state arrived between a deadline and the others' exchange starts the round
         the run just ended. Trained to the next deadline, its exchange would come a round late,
         with nobody left to matchmake with; with nothing trained it is in the group at once and
-        takes the mean (docs/architecture.md §13). Only peers that decide count (trust/view.py)."""
-        if not self.cfg.round_seconds or not self.swarm.past_inner_phase(self.state.round):
+        takes the mean (docs/architecture.md §13). Only peers that decide count (trust/view.py),
+        and only in the first round after our state arrived from peers: elsewhere our own clock
+        places the round, and a lying partner (in a pair it alone decides) could otherwise
+        silence our work every round."""
+        first, self.synced_round = self.synced_round == self.state.round, None
+        if not self.cfg.round_seconds or not first or not self.swarm.past_inner_phase(self.state.round):
             return False
         logger.info("round=%d the run's inner phase of this round is over: taking the group's mean "
                     "without training", self.state.round)
@@ -285,6 +292,7 @@ class Node:
         self.inner_step = max(self.inner_step, self.cfg.inner_steps_before(self.state.round)
                               if self.cfg.steps_agreed else self.cfg.warmup_steps if self.state.round else 0)
         self.replica.advance_schedule(self.inner_step)
+        self.synced_round = self.state.round
         logger.info("synced state from peers round=%d digest=%s", self.state.round, self.state.digest())
         self.events.emit("synced", round=self.state.round, digest=self.state.digest())
         return True
