@@ -170,8 +170,10 @@ def _config_of_run(ctx: click.Context, config_file: str | None, values: dict[str
         except ManifestUnavailable as exc:
             # A user who named the run set it up themselves: no peer (an older node, a hostile one)
             # stops them from joining with their own options, which the swarm's fingerprint check
-            # still holds to the run's. Without a run id there is nothing to join with.
-            if "run_id" not in given:
+            # still holds to the run's. Without a run id there is nothing to join with; and a run a
+            # peer showed to be permissioned (a manifest its owner did not sign: check_signed) is
+            # joined on a signed manifest only, run id or not.
+            if "run_id" not in given or exc.unsigned:
                 raise
             logging.getLogger("diloco_node.cli").warning("%s; joining run %s with the options given", exc,
                                                          given["run_id"])

@@ -343,21 +343,48 @@ def test_a_permissioned_joiner_refuses_an_unsigned_manifest_in_one_line_and_writ
     assert not (tmp_path / "ck" / "perm").exists()  # no run.json, no run files
 
 
-def test_a_permissioned_joiner_that_named_its_run_joins_with_its_own_options_taking_nothing(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """As when no peer serves a manifest (docs/running.md): the unsigned one is not taken, nothing is
-    written, and the node joins with the options it was given, which the fingerprint (covering
-    --run-owner) and the admissions still hold to the run."""
+@pytest.mark.parametrize("given_owner", [True, False], ids=["--run-owner", "the named owner"])
+@pytest.mark.parametrize("served", [UNSIGNED, dataclasses.replace(UNSIGNED, signature=SIGNED.signature[:-4] + "AAAA")],
+                         ids=["unsigned", "badly signed"])
+def test_a_permissioned_joiner_that_named_its_run_refuses_an_unsigned_manifest_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given_owner: bool, served: Manifest) -> None:
+    """The --run-id fallback (joining with the options given, docs/running.md) is for a peer that
+    serves no manifest; a peer whose manifest shows the run permissioned but is not its owner's
+    signed one ends the joiner as it ends one with --peer alone: one line, exit 2, nothing written."""
     warned: list[str] = []
     # hivemind's log handling (set up by the CLI) keeps records from pytest's capture: the call itself
     monkeypatch.setattr(logging.getLogger("diloco_node.cli"), "warning",
                         lambda message, *args: warned.append(message % args))
-    done, started = _join_taking(UNSIGNED, tmp_path, monkeypatch, "--run-owner", OWNER, "--run-id", "perm",
-                                 "--compression", "int8")
-    assert done.exit_code == 0, done.output
+    done, started = _join_taking(served, tmp_path, monkeypatch, *(["--run-owner", OWNER] if given_owner else []),
+                                 "--run-id", "perm", "--compression", "int8")
+    assert done.exit_code == 2 and not started and not warned, done.output
+    assert done.stderr == f"diloco-node: error: no run manifest taken from {PEER}: " \
+                          f"{refusal(served, OWNER if given_owner else '')}\n"
     assert "took run" not in done.stdout
-    assert warned == [f"no run manifest taken from {PEER}: its manifest is not signed by the run owner (the owner "
-                      "signs it once: diloco-node run sign); joining run perm with the options given"]
+    assert not (tmp_path / "ck").exists()  # no run.json, no run files
+
+
+def test_a_permissioned_joiner_that_named_its_run_still_joins_past_a_peer_serving_no_manifest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No manifest at all (an older node): nothing shows the run unsigned, and the joiner goes on with
+    the options it was given, which the fingerprint (covering --run-owner) and the admissions still
+    hold to the run."""
+    warned: list[str] = []
+    monkeypatch.setattr(logging.getLogger("diloco_node.cli"), "warning",
+                        lambda message, *args: warned.append(message % args))
+    started: list[NodeConfig] = []
+    monkeypatch.setattr("diloco_node.daemon.runner.run_node", lambda cfg: started.append(cfg) or 0)
+
+    async def no_manifest(*_: object) -> Manifest:
+        raise ConnectionError("protocol not supported")
+
+    monkeypatch.setattr("diloco_node.swarm.manifests._fetch_one", no_manifest)
+    done = CliRunner().invoke(main, ["join", "--peer", PEER, "--checkpoint-dir", str(tmp_path / "ck"), "--identity",
+                                     str(tmp_path / "id.key"), "--admission", "dn1.a.b", "--run-owner", OWNER,
+                                     "--run-id", "perm", "--compression", "int8"])
+    assert done.exit_code == 0, done.output
+    assert warned == [f"no run manifest taken from {PEER}: it serves no manifest (a node of an older version?); "
+                      "joining run perm with the options given"]
     assert started[0].compression == "int8" and started[0].run_owner == OWNER
     assert not manifest.local_path(str(tmp_path / "ck"), "perm").exists()
 
