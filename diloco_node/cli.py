@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 import click
 from click.core import ParameterSource
 
-from diloco_node.config import DEFAULT_STATUS_PORT, NodeConfig, describe, load_config
+from diloco_node.config import DEFAULT_STATUS_PORT, NodeConfig, describe, load_config, unset_default
 from diloco_node.errors import NodeError
 
 
@@ -48,7 +48,7 @@ def _option_for(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
     flag = "--" + name.replace("_", "-")
     envvar = f"DILOCO_{name.upper()}"
     is_list = field.annotation == list[str]
-    default = field.get_default(call_default_factory=True)
+    default = unset_default(name) or field.get_default(call_default_factory=True)
     help_text = f"{describe(name)} [default: {default}; env {envvar}]"
     if is_list:
         return click.option(flag, name, multiple=True, envvar=envvar, help=help_text)
