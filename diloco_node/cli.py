@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 import click
 from click.core import ParameterSource
 
-from diloco_node.config import DEFAULT_STATUS_PORT, NodeConfig, describe, load_config
+from diloco_node.config import DEFAULT_STATUS_PORT, NodeConfig, describe, load_config, unset_default
 from diloco_node.errors import NodeError
 
 
@@ -48,7 +48,7 @@ def _option_for(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
     flag = "--" + name.replace("_", "-")
     envvar = f"DILOCO_{name.upper()}"
     is_list = field.annotation == list[str]
-    default = field.get_default(call_default_factory=True)
+    default = unset_default(name) or field.get_default(call_default_factory=True)
     help_text = f"{describe(name)} [default: {default}; env {envvar}]"
     if is_list:
         return click.option(flag, name, multiple=True, envvar=envvar, help=help_text)
@@ -170,8 +170,11 @@ def _config_of_run(ctx: click.Context, config_file: str | None, values: dict[str
         except ManifestUnavailable as exc:
             # A user who named the run set it up themselves: no peer (an older node, a hostile one)
             # stops them from joining with their own options, which the swarm's fingerprint check
-            # still holds to the run's. Without a run id there is nothing to join with.
-            if "run_id" not in given:
+            # still holds to the run's. Without a run id there is nothing to join with; and a user
+            # who named the run's owner (--run-owner) joins on a manifest that owner signed only, run
+            # id or not (check_signed). Without --run-owner a peer's claim that the run is
+            # permissioned does not lock out a user who named the run: a hostile peer could serve it.
+            if "run_id" not in given or (exc.unsigned and owner):
                 raise
             logging.getLogger("diloco_node.cli").warning("%s; joining run %s with the options given", exc,
                                                          given["run_id"])

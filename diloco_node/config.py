@@ -71,6 +71,13 @@ def _keeps_residual(compression: Any) -> bool:
     return isinstance(compression, str) and compression in CODECS.names() and CODECS[compression].feedback
 
 
+def _unset(text: str) -> dict[str, Any]:
+    """A Field's json_schema_extra for a setting whose Field default does not say what a node runs
+    with when it is left unset (None, or a value _defaults_that_follow replaces from other
+    settings): --help and the configuration reference show `text` as its default (`unset_default`)."""
+    return {"unset": text}
+
+
 class NodeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -91,23 +98,29 @@ class NodeConfig(BaseModel):
     min_peers: int = Field(1, ge=1, description="nodes (this one included) to wait for before the first round")
     round_timeout: float = Field(60.0, gt=0, description="seconds to wait for peers at the end of a round")
     matchmaking_time: float = Field(3.0, gt=0, description="seconds to gather a group before averaging")
-    upload_limit: str = Field("0", description="most this node sends for the run, e.g. 5mbit, 10Mbit/s, 2MB/s, "
-                              "500kB/s; 0 = no cap (docs/architecture.md §14)")
-    download_limit: str = Field("0", description="most this node receives for the run, as --upload-limit; "
-                                "0 = no cap")
+    upload_limit: str = Field("0", description="most this node sends for the run (payloads, butterfly parts, state "
+                              "served), e.g. 5mbit, 10Mbit/s, 20Mbps, 2MB/s, 500kB/s; 0 = no cap. b, bit and bps are "
+                              "bits, B and byte bytes; k, M, G powers of 1000, Ki, Mi, Gi of 1024; a bare number other "
+                              "than 0 is refused (docs/scale-and-networks.md, bandwidth caps)")
+    download_limit: str = Field("0", description="most this node receives for the run (payloads, parts, state "
+                                "downloaded), written as --upload-limit; 0 = no cap")
 
     # --- the model and data ---
     model: str = Field("tiny", description="model: a Hugging Face model directory, its config.json, a hub id "
-                       "(org/name) or a preset")  # the presets follow in --help (CHOICES)
+                       "(org/name, when the hub is reachable) or a preset (tiny, small and gpt-* built in, llama-* "
+                       "from configs/*.json; docs/models.md)")  # --help lists the presets (CHOICES)
     init: str = Field("random", pattern=r"^(random|pretrained)$",
                       description="initial weights: random (a pure function of --seed) or pretrained (the model "
-                      "directory's *.safetensors)")
+                      "directory's *.safetensors: continued pretraining)")
     data: str | None = Field(None, description="training data: a text, .jsonl, .parquet or .arrow file or a "
-                             "directory of them, token shards (.bin, llm.c/nanoGPT) or hf:NAME[:CONFIG][:SPLIT] (a hub "
-                             "dataset, streamed) (default: embedded corpus)")
-    tokenizer: str | None = Field(None, description="a tokenizer.json or a directory holding one (default: bytes, "
-                                  "vocabulary 256)")
-    text_column: str = Field("text", min_length=1, description="the column of --data's datasets that holds the text")
+                             "directory of them (read through datasets, offline), token shards (.bin: llm.c or nanoGPT "
+                             "layout, memory-mapped) or hf:NAME[:CONFIG][:SPLIT] (a hub dataset, streamed; "
+                             "docs/models.md, train your own model)", json_schema_extra=_unset("the embedded corpus"))
+    tokenizer: str | None = Field(None, description="a tokenizer.json or a directory holding one (from `diloco-node "
+                                  "tokenizer train` or any Hugging Face tokenizer)",
+                                  json_schema_extra=_unset("bytes (vocabulary 256)"))
+    text_column: str = Field("text", min_length=1, description="the column of --data's datasets (jsonl, parquet, "
+                             "arrow, hub) that holds the text")
     seq_len: int = Field(128, gt=0, description="tokens (bytes) per training sequence")
     batch_size: int = Field(16, gt=0, description="sequences per inner step")
     eval_batches: int = Field(8, gt=0, description="held-out batches for eval loss each round")
@@ -121,89 +134,104 @@ class NodeConfig(BaseModel):
     parallel: str = Field("none", pattern=r"^(none|fsdp|pipeline)$",
                           description="how the node splits its replica over its local ranks: none, fsdp "
                           "(shards) or pipeline (stages)")
-    local_ranks: int = Field(1, ge=1, le=64, description="K: processes (one per device) the replica runs on")
+    local_ranks: int = Field(1, ge=1, le=64, description="K: processes (one per device) the replica runs on",
+                             json_schema_extra=_unset("the number of --devices, else 1"))
     devices: str = Field("", pattern=r"^$|^(cpu|cuda(:\d+)?)(,(cpu|cuda(:\d+)?))*$",
-                         description="comma-separated device per local rank, e.g. cuda:0,cuda:1 (default: cuda:0.."
-                         "K-1 when --device is cuda, else cpu)")
+                         description="comma-separated device per local rank, e.g. cuda:0,cuda:1",
+                         json_schema_extra=_unset("cuda:0..K-1 when --device is cuda, else cpu"))
     precision: str = Field("auto", pattern=r"^(auto|fp32|bf16)$",
                            description="inner steps in fp32 or bf16 autocast; auto: bf16 on a GPU that has it, "
                            "else fp32 (φ and the outer step stay fp32)")
     compile: str = Field("off", pattern=r"^(on|off)$", description="on: torch.compile the model for the inner "
-                         "steps (parallel none or fsdp); off")
+                         "steps (--parallel none or fsdp); off")
     micro_batch_size: int | str = Field(0, description="sequences per forward/backward pass on each local rank, "
                                         "gradients accumulated up to --batch-size (0: the whole batch at once; "
-                                        "auto: the largest that fits the device)")
+                                        "auto: the largest that fits the device, docs/models.md, a batch that "
+                                        "fits)")
 
     # --- inner optimizer (AdamW) ---
-    inner_steps: int = Field(50, gt=0, description="H: inner AdamW steps per outer round")
-    round_seconds: float | None = Field(None, description="T: rounds by time budget instead of --inner-steps: a "
-                                        "round ends on a deadline of the swarm's clock every T seconds and each "
-                                        "node trains as many inner steps as fit; with --fragments P a round lasts T/P "
-                                        "(docs/architecture.md §13)")
+    inner_steps: int = Field(50, gt=0, description="H: inner AdamW steps per outer round (under "
+                             "--speed-spent batch the run's: every node runs it)")
+    round_seconds: float | None = Field(None, description="T: rounds by time budget instead of --inner-steps (not "
+                                        "both): a round ends on a deadline of the swarm's clock every T seconds and "
+                                        "each node trains as many inner steps as fit; with --fragments P a round "
+                                        "lasts T/P, a round per fragment (docs/configuration.md, rounds by time "
+                                        "budget; docs/architecture.md §13)",
+                                        json_schema_extra=_unset("rounds of --inner-steps"))
     speed_spent: str = Field("steps", pattern=r"^(steps|batch)$",
                              description="under --round-seconds, what a faster node spends its speed on: steps "
                              "(as many inner steps as fit before the deadline) or batch (every node --inner-steps "
                              "H steps, a faster node accumulating more batches of --batch-size into each; "
                              "docs/architecture.md §13)")
-    inner_lr: float = Field(4e-4, gt=0, description="peak inner learning rate")
+    inner_lr: float = Field(4e-4, gt=0, description="peak inner learning rate (linear warmup, then cosine decay "
+                            "when --max-outer-steps is set)")
     warmup_steps: int = Field(50, ge=0, description="inner linear warmup steps")
     weight_decay: float = Field(0.1, ge=0, description="inner AdamW weight decay")
     grad_clip: float = Field(1.0, gt=0, description="inner gradient norm clip")
 
     # --- outer optimizer (Nesterov SGD on pseudo-gradients) ---
-    outer_lr: float = Field(0.7, gt=0, description=f"outer learning rate (unset: 0.7; {FEEDBACK_OUTER['outer_lr']:g} "
-                            f"with an error-feedback codec, {FEEDBACK_CODECS})")
+    outer_lr: float = Field(0.7, gt=0, description="outer learning rate (an error-feedback codec's residual does "
+                            "momentum's job, so its runs step further: docs/configuration.md, compression)",
+                            json_schema_extra=_unset(f"0.7; {FEEDBACK_OUTER['outer_lr']:g} with {FEEDBACK_CODECS}"))
     outer_momentum: float = Field(DILOCO_MOMENTUM, ge=0, lt=1, description=(
-        f"outer Nesterov momentum (unset: {DILOCO_MOMENTUM} blocking, {EAGER_MOMENTUM} eager, "
-        f"{DELAYED_MOMENTUM} delayed, 0 with {FEEDBACK_CODECS}; see docs/configuration.md, sync modes)"))
+        "outer Nesterov momentum; unset, it follows --sync (a step that lands a round late already acts as "
+        "momentum) and is 0 with an error-feedback codec, whose residual does momentum's job "
+        "(docs/configuration.md, sync modes and compression)"),
+        json_schema_extra=_unset(f"{DILOCO_MOMENTUM:g} blocking, {EAGER_MOMENTUM:g} eager, "
+                                 f"{DELAYED_MOMENTUM:g} delayed; 0 with {FEEDBACK_CODECS}"))
     sync: str = Field("eager", pattern=r"^(blocking|delayed|eager)$",
-                      description="when the exchange runs: blocking, delayed or eager (overlaps the next round); "
-                      "unset, eager for diloco and blocking for noloco")
+                      description="when the exchange runs: blocking, delayed or eager (overlaps the next round; "
+                      "docs/configuration.md, sync modes)",
+                      json_schema_extra=_unset("eager; blocking with --algorithm noloco"))
     eager_proxy: str = Field("full", pattern=r"^(full|share)$",
                              description="eager: weight of our fresh Δ in the proxy: full (it stands in for the "
-                             "group's mean until that arrives) or share (our token share, 1/M)")
+                             "group's mean until that arrives) or share (our token share, 1/M, as in "
+                             "docs/architecture.md §3)")
     sync_timeout: float = Field(120.0, gt=0, description="delayed/eager: seconds to wait for the previous "
                                 "round's exchange before going on without it (it is applied when it lands)")
     max_outer_steps: int = Field(0, ge=0, description="stop after this many rounds (0 = run forever)")
     aggregator: str = Field("clip", pattern=r"^(mean|clip|trimmed|centered-clip)$",
                             description="how the group's pseudo-gradients are averaged: mean, clip (each to 1.25x "
-                            "the median norm), trimmed or centered-clip (see docs/trust.md)")
+                            "the median norm), trimmed or centered-clip (docs/configuration.md, aggregation; "
+                            "docs/trust.md)")
     weighting: str = Field("tokens", pattern=r"^(tokens|sqrt-tokens|equal)$",
                            description="each peer's weight in the mean, from its tokens after the cap: tokens, "
-                           "sqrt-tokens or equal (docs/architecture.md §13)")
+                           "sqrt-tokens or equal (docs/configuration.md, rounds by time budget; docs/architecture.md "
+                           "§13)")
     reachability: str = Field("auto", pattern=r"^(auto|public|private)$",
                               description="whether peers can connect to this node: public, private (behind a NAT: "
                               "it joins as a client that pushes its parts and owns none) or auto (asks a peer to "
-                              "dial it back at start-up)")
+                              "dial it back at start-up; docs/scale-and-networks.md)")
     exchange: str = Field("auto", pattern=r"^(auto|allgather|butterfly)$",
                           description="how a group's pseudo-gradients travel: allgather (every member fetches every "
-                          "payload), butterfly (each member averages one part: traffic that does not grow with the "
-                          "group) or auto (butterfly for groups of 3 or more in a --run-owner run, else allgather; "
-                          "see docs/scale-and-networks.md)")
+                          "payload), butterfly (each member averages one part: per-node traffic that does not grow "
+                          "with the group) or auto (butterfly for groups of 3 or more in a --run-owner run, else "
+                          "allgather; see docs/scale-and-networks.md)")
     max_tokens_per_round: int = Field(0, ge=0, description="most tokens a peer's contribution to a round counts "
                                       "for (0: only the group's median declaration)")
     fragments: int = Field(1, ge=1, description="P: φ is exchanged in P fragments of whole tensors, one per round "
                            "in turn, each round running H/P inner steps (with --round-seconds T: lasting T/P "
-                           "seconds), so a round sends about 1/P of the model "
-                           "(Streaming DiLoCo; docs/architecture.md §15); at most the model's parameter tensors "
-                           "and the inner steps")
+                           "seconds), so a round sends about 1/P of the model (Streaming DiLoCo; "
+                           "docs/configuration.md, sync modes; docs/architecture.md §15); at most the model's "
+                           "parameter tensors and --inner-steps")
     min_group_size: int = Field(2, ge=2, le=64, description="fewest nodes, this one included, whose mean φ steps "
-                                "on; a round with a smaller group takes no outer step (an open run should set 3: "
-                                "a pair cannot tell who lies, docs/architecture.md §9)")
+                                "on; a round with a smaller group takes no outer step (an open run should set 3, "
+                                "as a pair cannot tell who lies; docs/trust.md, docs/architecture.md §9)")
 
     # --- NoLoCo: gossip in small random groups instead of averaging over the swarm (docs/architecture.md §3) ---
     algorithm: str = Field("diloco", pattern=r"^(diloco|noloco)$",
-                           description="outer algorithm: diloco (group = everyone) or noloco (random small groups)")
+                           description="outer algorithm: diloco (the group is everyone) or noloco (random small "
+                           "groups; docs/configuration.md, NoLoCo)")
     group_size: int = Field(2, ge=2, le=64, description="noloco: most nodes in a group (n)")
     noloco_alpha: float = Field(0.7, gt=0, description="noloco: α, weight of the group's mean progress")
     noloco_beta: float = Field(0.5, ge=0, lt=1, description="noloco: β, momentum")
-    noloco_gamma: float | None = Field(None, ge=0, description="noloco: γ, pull towards the group's mean φ "
-                                       "(default: α)")
+    noloco_gamma: float | None = Field(None, ge=0, description="noloco: γ, pull towards the group's mean φ",
+                                       json_schema_extra=_unset("α (--noloco-alpha)"))
 
     # --- pseudo-gradient compression (docs/architecture.md §3, codecs) ---
     # the codec parameters' defaults are the codecs' own (codec/codecs.py, CodecSpec), and so are the
     # codecs each one tunes, which --help names before its description (describe)
-    compression: str = Field("none", description="pseudo-gradient codec")  # the codecs follow in --help
+    compression: str = Field("none", description="pseudo-gradient codec")  # --help lists the codecs (CHOICES)
     block_size: int = Field(default_factory=_codec_default("block_size"), gt=0, description="values per scale")
     topk_chunk: int = Field(default_factory=_codec_default("topk_chunk"), gt=0, description="values per chunk")
     topk_k: int = Field(default_factory=_codec_default("topk_k"), gt=0, description="values kept per chunk")
@@ -212,10 +240,10 @@ class NodeConfig(BaseModel):
     sign_block: int = Field(default_factory=_codec_default("sign_block"), gt=0,
                             description="values per scale (a multiple of 8)")
     sign_keep: float = Field(default_factory=_codec_default("sign_keep"), gt=0, le=1,
-                             description="share of blocks sent per round (the largest)")
+                             description="share of blocks sent per round (those of largest norm)")
     ef_decay: float = Field(default_factory=_codec_default("ef_decay"), ge=0, le=1,
-                            description="error-feedback decay β "
-                            f"(unset: {FEEDBACK_OUTER['ef_decay']:g} with diloco, else 1)")
+                            description="error-feedback decay β",
+                            json_schema_extra=_unset(f"{FEEDBACK_OUTER['ef_decay']:g} with diloco, 1 with noloco"))
     zstd: str = Field("auto", pattern=r"^(auto|on|off)$",
                       description="zstd as the last stage: auto (where it pays), on, off")
     zstd_level: int = Field(default_factory=_codec_default("zstd_level"), ge=-7, le=22,
@@ -225,17 +253,20 @@ class NodeConfig(BaseModel):
     checkpoint_dir: str = Field("checkpoints", description="checkpoints go to DIR/<run_id>/ and join resumes from "
                                 "there; '' turns checkpoints off")
     events: str = Field("", description="machine-readable events, one JSON object per line: '-' for stdout or a "
-                        "file path ('' = none)")
+                        "file path ('' = none; docs/operations.md)")
     checkpoint_every: int = Field(1, ge=0, description="checkpoint every N rounds (0 = never)")
-    identity: str = Field("", description="libp2p key file that keeps this node's peer id across restarts, "
-                          "created when missing; '' = identity.key in --checkpoint-dir (a new id each start "
-                          "when checkpoints are off)")
+    identity: str = Field("", description="libp2p key file that keeps this node's peer id (and so its peer "
+                          "address) across restarts, created when missing; '' = identity.key in --checkpoint-dir "
+                          "(a new id each start when checkpoints are off). A corrupt key, or one others can read, "
+                          "is refused (exit 2)")
 
     # --- permissioned runs (trust/admission.py) ---
     run_owner: str = Field("", description="the run owner's public key (from `diloco-node keygen`): only peers it "
-                           "admitted take part ('' = an open run)")
+                           "admitted take part, and with --peer only a manifest this key signed (`diloco-node run "
+                           "sign`) is taken ('' = an open run; docs/trust.md)")
     admission: str = Field("", description="this node's admission for a --run-owner run: the token from "
-                           "`diloco-node admit`, or a file holding it")
+                           "`diloco-node admit`, or a file holding it. A missing, expired, revoked or someone "
+                           "else's admission exits 2 with one line")
 
     @field_validator("peer", "listen", "announce")
     @classmethod
@@ -581,16 +612,26 @@ def model_shape(model: str) -> Any:
 CHOICES: dict[str, Registry[Any]] = {"model": MODEL_PRESETS, "compression": CODECS}
 
 
+def _feedback_codecs_named(text: str) -> str:
+    return text.replace(FEEDBACK_CODECS, " or ".join(c for c in CODECS.names() if CODECS[c].feedback))
+
+
 def describe(name: str) -> str:
     """The help text of field `name`: its description, with the values it may take where a registry lists them,
     after the codecs it tunes where it is a codec's parameter, and with the error-feedback codecs named."""
-    text = str(NodeConfig.model_fields[name].description)
-    if FEEDBACK_CODECS in text:
-        text = text.replace(FEEDBACK_CODECS, " or ".join(c for c in CODECS.names() if CODECS[c].feedback))
+    text = _feedback_codecs_named(str(NodeConfig.model_fields[name].description))
     if tuned := [codec for codec in CODECS.names() if name in CODECS[codec].knobs]:
         text = f"{'/'.join(tuned)}: {text}"
     known = CHOICES.get(name)
     return f"{text}: {', '.join(known.names())}" if known else text
+
+
+def unset_default(name: str) -> str | None:
+    """What field `name` means when left unset, in words (its `_unset` text, error-feedback codecs
+    named); None where its Field default says it."""
+    extra = NodeConfig.model_fields[name].json_schema_extra
+    text = extra.get("unset") if isinstance(extra, dict) else None
+    return _feedback_codecs_named(text) if isinstance(text, str) else None
 
 
 def read_toml(path: str) -> dict[str, Any]:

@@ -86,6 +86,11 @@ class ManifestError(NodeError, ValueError):
     """A manifest that cannot be taken (malformed, oversized, a digest or fingerprint that fails)."""
 
 
+class ManifestUnsigned(ManifestError):
+    """A manifest of a permissioned run that its owner did not sign (`check_signed`): the run is
+    known to be permissioned, so a joiner refuses it even where it could join with its own options."""
+
+
 class ManifestConflict(NodeError, ValueError):
     """A run-level option the user gave differs from the run's (one short line naming it)."""
 
@@ -268,20 +273,20 @@ def check_signed(manifest: Manifest, owner: str = "") -> Manifest:
     """The peer's `manifest` as a joiner takes it: in a permissioned run only when the run owner
     signed it, the owner being the one the joiner was given (`owner`, its --run-owner) or, when it
     was given none, the one the manifest names; an open run's (no owner given or named) as it is,
-    less any signature. ManifestError, one line, otherwise."""
+    less any signature. ManifestUnsigned, one line, otherwise."""
     named = manifest.owner
     if owner and named != owner:
-        raise ManifestError(f"its manifest is of {'an open run' if not named else 'a run of another owner'}, "
-                            f"not of --run-owner {owner[:12]}…")
+        raise ManifestUnsigned(f"its manifest is of {'an open run' if not named else 'a run of another owner'}, "
+                               f"not of --run-owner {owner[:12]}…")
     key = owner or named
     if not key:
         return dataclasses.replace(manifest, signature=None)
     if manifest.signature is None:
-        raise ManifestError("its manifest is not signed by the run owner (the owner signs it once: "
-                            "diloco-node run sign)")
+        raise ManifestUnsigned("its manifest is not signed by the run owner (the owner signs it once: "
+                               "diloco-node run sign)")
     why = signature_refusal(key, manifest.signed_bytes(), manifest.signature)
     if why is not None:
-        raise ManifestError(f"its manifest's signature {why}")
+        raise ManifestUnsigned(f"its manifest's signature {why}")
     return manifest
 
 

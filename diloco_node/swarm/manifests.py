@@ -32,6 +32,7 @@ from diloco_node.manifest import (
     MAX_MANIFEST_BYTES,
     Manifest,
     ManifestError,
+    ManifestUnsigned,
     check_signature_text,
     check_signed,
     parse,
@@ -50,7 +51,13 @@ MANIFEST_LIMITS = Limits(per_peer=2, total=16, rate=1.0, burst=4.0)
 
 
 class ManifestUnavailable(NodeError, RuntimeError):
-    """No peer given served a manifest we could take (each one's reason, in one line)."""
+    """No peer given served a manifest we could take (each one's reason, in one line). `unsigned`:
+    some peer served a permissioned run's manifest its owner did not sign (manifest.ManifestUnsigned),
+    so the run is known to be permissioned and a joiner may not go on without a signed one."""
+
+    def __init__(self, message: str, unsigned: bool = False):
+        super().__init__(message)
+        self.unsigned = unsigned
 
 
 class ManifestService(StreamService):
@@ -156,14 +163,15 @@ def fetch(addresses: Sequence[str], wanted: str | None, owner: str = "", signed:
     `signed`: take a permissioned run's manifest only when its owner signed it (`owner`: the
     joiner's --run-owner, '' for the one the manifest names; manifest.check_signed); without it (`run
     show`, `run sign`), as it came, its signature unchecked."""
-    reasons = []
+    reasons, unsigned = [], False
     for address in addresses:
         try:
             manifest = asyncio.run(asyncio.wait_for(_fetch_one(address, wanted), CONNECT_TIMEOUT + 3 * READ_TIMEOUT))
             return (check_signed(manifest, owner) if signed else manifest), address
         except (ManifestError, *PEER_FAILURES, OSError, RuntimeError) as exc:
+            unsigned = unsigned or isinstance(exc, ManifestUnsigned)
             reasons.append(f"{address}: {_reason(exc)}")
             logger.debug("manifest from %s not taken", address, exc_info=True)
         except Exception as exc:  # hivemind's daemon and bootstrap errors are generic
             reasons.append(f"{address}: {_reason(exc)}")
-    raise ManifestUnavailable("no run manifest taken from " + "; ".join(reasons))
+    raise ManifestUnavailable("no run manifest taken from " + "; ".join(reasons), unsigned)

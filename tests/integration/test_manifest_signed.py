@@ -1,8 +1,9 @@
 """A permissioned run's manifest through the real CLI (issue #42, must-holds 1 and 6): a joiner given
 the run owner's key (`--run-owner`) refuses the manifest of a node whose owner has not signed it,
-in one line with exit 2 and nothing written; the owner signs it (`diloco-node run sign ADDR`, into
-the running node's checkpoint directory: no restart), and the same joiner takes it, writing the
-manifest and the signature beside its checkpoint (so it serves both in turn)."""
+in one line with exit 2 and nothing written, and so does one that named its run (`--run-id`); the
+owner signs it (`diloco-node run sign ADDR`, into the running node's checkpoint directory: no
+restart), and the same joiner takes it, writing the manifest and the signature beside its
+checkpoint (so it serves both in turn)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,11 @@ def test_a_permissioned_joiner_takes_only_the_manifest_its_owner_signed(spawn: N
                       "the run owner (the owner signs it once: diloco-node run sign)"], refused.stderr[-2000:]
     assert "Traceback" not in refused.stderr and "took run" not in refused.stdout
     assert not (tmp_path / "b").exists()  # nothing written: no run.json, no run files
+    # naming the run (and a run-level option) does not turn the refusal into a join on the options given
+    named = cli(*joiner, "--run-id", RUN, "--inner-steps", "5", cwd=tmp_path)
+    assert named.returncode == 2, named.stderr[-2000:]
+    assert [line for line in named.stderr.splitlines() if "error" in line.lower()] == errors, named.stderr[-2000:]
+    assert "joining run" not in named.stderr and not (tmp_path / "b").exists()
 
     # the owner signs what a serves, into a's checkpoint directory: a serves the signature from then on
     signed = cli("run", "sign", "--owner-key", str(owner_key), "--checkpoint-dir", str(tmp_path / "a"), address,

@@ -318,8 +318,9 @@ def test_run_sign_refuses_in_one_line(tmp_path: Path, owner_key: Path, m: Manife
     assert done.exit_code == 2 and "is not an owner key" in done.stderr and len(done.stderr.splitlines()) == 1
 
 
-def _join_taking(m: Manifest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *extra: str):  # type: ignore[no-untyped-def]
-    """`join --peer PEER` of a permissioned run (its identity, its admission, `extra`) through the real
+def _join_taking(m: Manifest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *extra: str,  # type: ignore[no-untyped-def]
+                 admission: tuple[str, ...] = ("--admission", "dn1.a.b")):
+    """`join --peer PEER` of a permissioned run (its identity, its `admission`, `extra`) through the real
     fetch, its peer serving `m` (what `_fetch_one` got from the network)."""
     started: list[NodeConfig] = []
     monkeypatch.setattr("diloco_node.daemon.runner.run_node", lambda cfg: started.append(cfg) or 0)
@@ -329,7 +330,7 @@ def _join_taking(m: Manifest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *
 
     monkeypatch.setattr("diloco_node.swarm.manifests._fetch_one", from_the_peer)
     done = CliRunner().invoke(main, ["join", "--peer", PEER, "--checkpoint-dir", str(tmp_path / "ck"),
-                                     "--identity", str(tmp_path / "id.key"), "--admission", "dn1.a.b", *extra])
+                                     "--identity", str(tmp_path / "id.key"), *admission, *extra])
     return done, started
 
 
@@ -343,21 +344,66 @@ def test_a_permissioned_joiner_refuses_an_unsigned_manifest_in_one_line_and_writ
     assert not (tmp_path / "ck" / "perm").exists()  # no run.json, no run files
 
 
-def test_a_permissioned_joiner_that_named_its_run_joins_with_its_own_options_taking_nothing(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """As when no peer serves a manifest (docs/running.md): the unsigned one is not taken, nothing is
-    written, and the node joins with the options it was given, which the fingerprint (covering
-    --run-owner) and the admissions still hold to the run."""
+BADLY_SIGNED = dataclasses.replace(UNSIGNED, signature=SIGNED.signature[:-4] + "AAAA")
+
+
+@pytest.mark.parametrize("served", [UNSIGNED, BADLY_SIGNED], ids=["unsigned", "badly signed"])
+def test_a_permissioned_joiner_that_named_its_run_refuses_an_unsigned_manifest_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, served: Manifest) -> None:
+    """The --run-id fallback (joining with the options given, docs/running.md) is for a peer that
+    serves no manifest; to a joiner given the owner's key (--run-owner) a manifest that is not its
+    owner's signed one ends the joiner as it ends one with --peer alone: one line, exit 2, nothing written."""
     warned: list[str] = []
     # hivemind's log handling (set up by the CLI) keeps records from pytest's capture: the call itself
     monkeypatch.setattr(logging.getLogger("diloco_node.cli"), "warning",
                         lambda message, *args: warned.append(message % args))
-    done, started = _join_taking(UNSIGNED, tmp_path, monkeypatch, "--run-owner", OWNER, "--run-id", "perm",
-                                 "--compression", "int8")
-    assert done.exit_code == 0, done.output
+    done, started = _join_taking(served, tmp_path, monkeypatch, "--run-owner", OWNER,
+                                 "--run-id", "perm", "--compression", "int8")
+    assert done.exit_code == 2 and not started and not warned, done.output
+    assert done.stderr == f"diloco-node: error: no run manifest taken from {PEER}: {refusal(served, OWNER)}\n"
     assert "took run" not in done.stdout
-    assert warned == [f"no run manifest taken from {PEER}: its manifest is not signed by the run owner (the owner "
-                      "signs it once: diloco-node run sign); joining run perm with the options given"]
+    assert not (tmp_path / "ck").exists()  # no run.json, no run files
+
+
+@pytest.mark.parametrize("served", [UNSIGNED, BADLY_SIGNED], ids=["unsigned", "badly signed"])
+def test_a_peer_claiming_the_run_permissioned_does_not_lock_out_a_joiner_that_named_its_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, served: Manifest) -> None:
+    """Without --run-owner, only the peer says the run is permissioned: a hostile peer serving such a
+    manifest would otherwise stop every joiner that named its run. The joiner goes on with its own
+    options, as past a peer serving no manifest (the fingerprint holds them to the run), saying why.
+    (A user with an admission names its owner: --admission needs --run-owner.)"""
+    warned: list[str] = []
+    monkeypatch.setattr(logging.getLogger("diloco_node.cli"), "warning",
+                        lambda message, *args: warned.append(message % args))
+    done, started = _join_taking(served, tmp_path, monkeypatch, "--run-id", "perm", "--compression", "int8",
+                                 admission=())
+    assert done.exit_code == 0 and len(started) == 1, done.output
+    assert started[0].compression == "int8" and started[0].run_owner == ""
+    assert warned == [f"no run manifest taken from {PEER}: {refusal(served, '')}; joining run perm with the options given"]
+    assert not manifest.local_path(str(tmp_path / "ck"), "perm").exists()
+
+
+def test_a_permissioned_joiner_that_named_its_run_still_joins_past_a_peer_serving_no_manifest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No manifest at all (an older node): nothing shows the run unsigned, and the joiner goes on with
+    the options it was given, which the fingerprint (covering --run-owner) and the admissions still
+    hold to the run."""
+    warned: list[str] = []
+    monkeypatch.setattr(logging.getLogger("diloco_node.cli"), "warning",
+                        lambda message, *args: warned.append(message % args))
+    started: list[NodeConfig] = []
+    monkeypatch.setattr("diloco_node.daemon.runner.run_node", lambda cfg: started.append(cfg) or 0)
+
+    async def no_manifest(*_: object) -> Manifest:
+        raise ConnectionError("protocol not supported")
+
+    monkeypatch.setattr("diloco_node.swarm.manifests._fetch_one", no_manifest)
+    done = CliRunner().invoke(main, ["join", "--peer", PEER, "--checkpoint-dir", str(tmp_path / "ck"), "--identity",
+                                     str(tmp_path / "id.key"), "--admission", "dn1.a.b", "--run-owner", OWNER,
+                                     "--run-id", "perm", "--compression", "int8"])
+    assert done.exit_code == 0, done.output
+    assert warned == [f"no run manifest taken from {PEER}: it serves no manifest (a node of an older version?); "
+                      "joining run perm with the options given"]
     assert started[0].compression == "int8" and started[0].run_owner == OWNER
     assert not manifest.local_path(str(tmp_path / "ck"), "perm").exists()
 

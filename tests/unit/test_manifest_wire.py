@@ -48,6 +48,9 @@ def refusal(address: str, wanted: str | None = None) -> str:
 
 def test_a_node_of_an_older_version_serves_none(node: tuple[Streams, str]) -> None:
     assert refusal(node[1]) == "it serves no manifest (a node of an older version?)"
+    with pytest.raises(ManifestUnavailable) as caught:
+        fetch([node[1]], None)
+    assert not caught.value.unsigned  # nothing says the run is permissioned: a named run may join on its options
 
 
 def test_served_and_taken_whole_with_or_without_a_run_id(node: tuple[Streams, str]) -> None:
@@ -75,8 +78,9 @@ def test_a_permissioned_runs_manifest_is_taken_only_with_its_owners_signature(no
     try:
         assert refusal(address) == "its manifest is not signed by the run owner (the owner signs it once: " \
                                    "diloco-node run sign)"
-        with pytest.raises(ManifestUnavailable, match="its manifest is not signed by the run owner"):
+        with pytest.raises(ManifestUnavailable, match="its manifest is not signed by the run owner") as caught:
             fetch([address], None, OWNER)
+        assert caught.value.unsigned  # the run is known permissioned: no --run-id fallback (cli._config_of_run)
         assert fetch([address], None, signed=False)[0].signature is None  # `run show`, `run sign`
         signature[0] = manifest.sign(manifest.build(NodeConfig(run_id="perm", run_owner=OWNER, admission="dn1.a.b",
                                                                 identity="id.key", inner_steps=7), 1234),
