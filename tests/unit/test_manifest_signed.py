@@ -379,7 +379,8 @@ def test_a_peer_claiming_the_run_permissioned_does_not_lock_out_a_joiner_that_na
                                  admission=())
     assert done.exit_code == 0 and len(started) == 1, done.output
     assert started[0].compression == "int8" and started[0].run_owner == ""
-    assert warned == [f"no run manifest taken from {PEER}: {refusal(served, '')}; joining run perm with the options given"]
+    assert warned == [f"no run manifest taken from {PEER}: {refusal(served, '')}; "
+                      "joining run perm with the options given"]
     assert not manifest.local_path(str(tmp_path / "ck"), "perm").exists()
 
 
