@@ -17,6 +17,9 @@ from diloco_node.outer.aggregate import (
     removed_share,
     token_cap,
 )
+from tests.benchmark_scripts import load
+
+CAP = load("cap_vs_attacker")  # its worst-case attacker is the measure of the bounds, here and there
 
 
 def c(peer: str, tokens: float, *values: float) -> Contribution:
@@ -174,44 +177,16 @@ def test_noloco_phi_mean_bounds_each_members_pull() -> None:
     assert honest.tolist() == pytest.approx([0.5, 0.0]) and none_clipped == []
 
 
-def worst_case_cosine(group_size: int, spread: float = 1.0, seeds: int = 5, dim: int = 4096) -> float:
-    """cos(mean, honest mean) under `clip` when one member of `group_size` is an attacker that knows
-    the honest mean: it claims 1e30 tokens (counted at the cap) and sends the longest vector the clip
-    lets through, in the direction that lowers the cosine most (searched over angles from −honest
-    mean towards a perpendicular). Honest Δs are a common mean plus noise `spread` times as large
-    per coordinate (spread 1: honest Δs at cosine ≈ 0.5 to one another), tokens 900 to 1100."""
-    worst = 1.0
-    for seed in range(seeds):
-        generator = torch.Generator().manual_seed(seed)
-        common = torch.randn(dim, generator=generator)
-        honest = [Contribution(f"h{i}", float(900 + torch.randint(0, 201, (1,), generator=generator)),
-                               common + spread * torch.randn(dim, generator=generator))
-                  for i in range(group_size - 1)]
-        honest_mean = aggregate(honest).mean
-        away = -honest_mean / honest_mean.norm()
-        side = torch.randn(dim, generator=generator)
-        side -= side.dot(away) * away
-        side /= side.norm()
-        for degrees in range(0, 91, 5):
-            angle = math.radians(degrees)
-            direction = math.cos(angle) * away + math.sin(angle) * side
-            attacked = aggregate([*honest, Contribution("x", 1e30, 1e6 * direction)])
-            assert "x" in attacked.clipped  # it reached the clip and the cap: the most it can pull
-            cosine = float(torch.nn.functional.cosine_similarity(attacked.mean, honest_mean, dim=0))
-            worst = min(worst, cosine)
-    return worst
-
-
 def test_one_attacker_that_knows_the_honest_mean_cannot_turn_the_mean_around() -> None:
     """docs/architecture.md §3, 'Bound': at M = 3 cos ≥ 0.5, at M = 8 cos ≥ 0.8 (4× clip and 4× cap: −1)."""
-    assert worst_case_cosine(3) >= 0.5
-    assert worst_case_cosine(8) >= 0.8
+    assert CAP.worst_case_cosine(3) >= 0.5
+    assert CAP.worst_case_cosine(8) >= 0.8
 
 
 def test_the_old_four_times_bounds_fail_the_same_measure(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(aggregate_module, "NORM_CLIP_MULTIPLE", 4.0)
     monkeypatch.setattr(aggregate_module, "TOKEN_CAP_MULTIPLE", 4.0)
-    assert worst_case_cosine(3) < 0 and worst_case_cosine(8) < 0.5
+    assert CAP.worst_case_cosine(3) < 0 and CAP.worst_case_cosine(8) < 0.5
 
 
 def test_an_honest_group_of_equal_work_loses_nothing() -> None:
