@@ -264,14 +264,15 @@ def run_sign(owner_key: Path, run_id: str | None, checkpoint_dir: str, address: 
 @node_options
 @click.pass_context
 def show_config(ctx: click.Context, config_file: str | None, **values: Any) -> None:
-    """Print the effective configuration (flags > env > file > defaults) as TOML, and its fingerprint.
+    """Print the effective configuration (flags > env > file > defaults) as TOML, a table per section
+    (a file `--config` reads back), and its fingerprint.
 
     Example: DILOCO_INNER_STEPS=100 diloco-node config --config run.toml --batch-size 8
     """
+    from diloco_node.config import as_toml
+
     cfg = resolve_config(ctx, config_file, values)
-    for key, value in cfg.model_dump().items():
-        if value is not None:
-            click.echo(f"{key} = {json.dumps(value)}")
+    click.echo(as_toml(cfg), nl=False)
     click.echo(f"# fingerprint {cfg.fingerprint()}")
 
 

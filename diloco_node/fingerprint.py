@@ -1,6 +1,6 @@
 """A config's fingerprint: what peers compare to tell whether they can average together.
 
-Its own module because both sides compute it: config.py of the fields it fingerprints, and the
+Its own module because both sides compute it: config/ of the fields it fingerprints, and the
 swarm's records of a config a peer published, to check that it is the one its fingerprint names.
 """
 

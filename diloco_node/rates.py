@@ -1,6 +1,6 @@
 """Link rates as a volunteer writes them: `5mbit`, `10Mbit/s`, `20Mbps`, `2MB/s`, `500kB/s`, `0`.
 
-A leaf (docs/architecture.md §8): config.py validates `--upload-limit` / `--download-limit` with it.
+A leaf (docs/architecture.md §8): config/ validates `--upload-limit` / `--download-limit` with it.
 Units follow the conventions of ISPs and of `tc`'s `mbit`: a lowercase `b` or the word `bit` is
 bits, an uppercase `B` or `byte` is bytes; `bps` is bits per second (as ISPs sell them; `tc` reads
 it as bytes, a volunteer does not). Prefixes k, M, G are powers of 1000, Ki, Mi, Gi of 1024; a

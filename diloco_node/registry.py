@@ -1,14 +1,14 @@
-"""What config.py checks its values against, declared by the packages that own those values.
+"""What config/ checks its values against, declared by the packages that own those values.
 
-config.py is a leaf (docs/architecture.md, import rules): it imports no domain module, yet a model
+config/ is a leaf (docs/architecture.md, import rules): it imports no domain module, yet a model
 preset, a codec, a multiaddr or a run owner's key is only known to its own package. So each such
 value has a slot here, named with the module that fills it; that module declares the slot's
 contents when it is imported, and the first use of a slot imports its owner. Validation therefore
-works whatever was imported first, and config.py never imports torch, hivemind or cryptography at
+works whatever was imported first, and config/ never imports torch, hivemind or cryptography at
 import time.
 
     MODEL_PRESETS.declare(PRESETS)              # in train/presets.py
-    MODEL_PRESETS.check("tiny")                 # in config.py: ValueError naming the known presets
+    MODEL_PRESETS.check("tiny")                 # in config/: ValueError naming the known presets
     MODEL_PRESETS["tiny"].max_seq_len
 
 This module is a leaf as well: the standard library only.

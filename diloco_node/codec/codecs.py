@@ -4,7 +4,7 @@ Every codec is the same pipeline (docs/architecture.md ยง3): [error feedback] โ
 versioned header, built by payload.py. What a codec *is* lives in its spec below, and nowhere else:
 its name, its wire ids, its traits (error feedback or not, block size, bits per value), the
 parameters it writes into the header and a receiver needs to decode with their defaults, whether
-zstd pays on it, and the line docs/configuration.md describes it with. config.py reads the specs
+zstd pays on it, and the line docs/configuration.md describes it with. config/ reads the specs
 through registry.py (its checks, the fingerprint, the butterfly's part alignment, --help), payload.py
 reads them to build the pipeline; only the transform itself (torch) is payload.py's. This module
 imports no torch: the CLI reads these defaults to build its options and to refuse bad input, and must
@@ -197,7 +197,7 @@ def _check(cfg: NodeConfig) -> None:
     make_codec(codec_config_of(cfg))  # its own range checks, phrased for the user
 
 
-# What config.py checks --compression and the codec parameters against (registry.py).
+# What config/ checks --compression and the codec parameters against (registry.py).
 registry.CODECS.declare(SPECS)
 registry.CODEC_DEFAULTS.declare(_DEFAULTS)
 registry.CODEC_CHECK.declare(_check)

@@ -1,6 +1,6 @@
 """The configuration reference, docs/config-reference.md, generated from NodeConfig's fields.
 
-The Field descriptions (config.py) are the one source of what an option means: `--help` shows
+The Field descriptions (config/sections.py) are the one source of what an option means: `--help` shows
 them (cli.py) and this page is printed from them, never edited by hand. A row per key: its flag
 and environment variable, its default (config.unset_default where the Field's own would not say
 what a node runs with), whose value it is in a run (manifest.py's lists: what `take` holds a
@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 
-from diloco_node.config import NodeConfig, describe, unset_default
+from diloco_node.config import SECTIONS, NodeConfig, describe, unset_default
 from diloco_node.manifest import RUN_LEVEL, SCHEDULE
 
 REGENERATE = "python -m diloco_node.commands.config_reference > docs/config-reference.md"
@@ -24,7 +24,7 @@ PAGE = "docs/config-reference.md"
 
 HEAD = f"""# Configuration reference
 
-<!-- Generated from NodeConfig's fields (diloco_node/config.py): edit their descriptions, not this
+<!-- Generated from NodeConfig's fields (diloco_node/config/sections.py): edit their descriptions, not this
 page, then regenerate it: {REGENERATE} -->
 
 Every option of `diloco-node join`, as a key of a TOML file given with `--config`, a flag and an
@@ -36,7 +36,12 @@ exit 2), *the run's unless given* (the run's schedule: taken from the run, but y
 *the node's* (never taken from the run). How the settings work together:
 [Configuration](configuration.md).
 
-| key | flag, env | default | in a run | meaning |
+The keys come in sections by concern; a file may give a key at its top or in its section's table
+(`[outer]` holding `outer_lr = 0.7`), and `diloco-node config` prints the effective configuration
+that way.
+"""
+
+TABLE = """| key | flag, env | default | in a run | meaning |
 |---|---|---|---|---|
 """
 
@@ -74,9 +79,16 @@ def row(name: str) -> str:
             f"| {_markdown(describe(name))} |")
 
 
+def section(name: str) -> str:
+    """A section's heading (its docstring's first sentence) and its table, in --help's order."""
+    model = SECTIONS[name]
+    summary = re.split(r"[.:](?:\s|$)", (model.__doc__ or "").strip())[0]
+    return f"\n## `[{name}]` {summary}\n\n" + TABLE + "\n".join(row(key) for key in model.model_fields) + "\n"
+
+
 def page() -> str:
-    """The whole page, in NodeConfig's field order (the order of `--help`)."""
-    return HEAD + "\n".join(row(name) for name in NodeConfig.model_fields) + "\n"
+    """The whole page: a section after another, in SECTIONS' order (the order of `--help`)."""
+    return HEAD + "".join(section(name) for name in SECTIONS)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ class FsdpCompute:
         if isinstance(spec, HFSpec):
             model, buffers = build_meta(spec)  # rotary frequencies are buffers: computed here, kept below
             layers = decoder_layers(model)
-            if not layers:  # config.py refuses it first (HFSpec.layout_refusal)
+            if not layers:  # config/ refuses it first (HFSpec.layout_refusal)
                 raise ValueError(f"model '{settings.model}' has no decoder layers to shard")
         else:
             with torch.device("meta"):

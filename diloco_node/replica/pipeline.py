@@ -101,7 +101,7 @@ def build_stage(model: str, ctx: RankContext, device: torch.device) -> tuple[Sta
     model's canonical parameter names."""
     spec = resolve_model(model)
     layers = stage_layers(spec.n_layer, ctx.world)[ctx.rank]
-    if isinstance(spec, HFSpec):  # config.py refused what hf_stages cannot split (HFSpec.layout_refusal)
+    if isinstance(spec, HFSpec):  # config/ refused what hf_stages cannot split (HFSpec.layout_refusal)
         return build_hf_stage(spec, layers, ctx.is_first, ctx.is_last, device)
     with torch.device("meta"):
         names = [name for name, _ in GPT(spec.config).named_parameters()]
@@ -163,7 +163,7 @@ class PipelineCompute:
             copy.copy_(mine[self.tied_name])
 
     def train_step(self, stream_seed: int, position: int, batches: int = 1) -> float:
-        if batches != 1:  # config.py refuses --speed-spent batch with a pipeline
+        if batches != 1:  # config/ refuses --speed-spent batch with a pipeline
             raise ValueError("a pipeline step trains one batch")
         x, y = self.dataset.train_batch(self.settings.batch_size, stream_seed, position)
         x, y = x.to(self.device), y.to(self.device)

@@ -1,6 +1,6 @@
 """Multiaddr validation, kept in swarm/ with the rest of what speaks hivemind's addresses.
 
-config.py checks --peer, --listen and --announce with it through registry.MULTIADDR_CHECK.
+config/ checks --peer, --listen and --announce with it through registry.MULTIADDR_CHECK.
 """
 
 from hivemind.utils.multiaddr import Multiaddr

@@ -1,7 +1,7 @@
 """Hugging Face models: any `AutoModelForCausalLM` architecture, named by a local directory, a
 config.json, a hub id or one of the Llama-shaped presets shipped in configs/.
 
-What a run needs of a model is a `ModelSpec`: its shape (what config.py checks seq_len and the
+What a run needs of a model is a `ModelSpec`: its shape (what config/ checks seq_len and the
 layouts against), its config as canonical JSON (what the run's fingerprint and the export carry)
 and, for `--init pretrained`, the directory holding its safetensors. Building one is then a pure
 function of the spec and the seed: the random initialisation is transformers' own (`_init_weights`,
@@ -57,7 +57,7 @@ class ModelError(NodeError, ValueError):
 
 @dataclass(frozen=True)
 class HFSpec:
-    """A Hugging Face model as a run knows it (config.py reads the shape through registry.MODELS)."""
+    """A Hugging Face model as a run knows it (config/ reads the shape through registry.MODELS)."""
 
     name: str  # as the user gave it
     config_json: str  # the full config (to_dict), sorted keys: what export writes and builds from

@@ -1,4 +1,4 @@
-"""What `--model` names: the built-in GPT presets' shapes, and the resolver config.py checks against.
+"""What `--model` names: the built-in GPT presets' shapes, and the resolver config/ checks against.
 
 Torch-free (train/model.py builds the modules): the CLI lists these names in --help and checks
 --model while parsing, neither of which may pay torch's import (tests/unit/test_cli_imports.py).
@@ -44,7 +44,7 @@ PRESETS: dict[str, GPTConfig] = {
 
 @dataclass(frozen=True)
 class GPTSpec:
-    """A built-in preset as a run knows it (config.py reads the shape through registry.MODELS)."""
+    """A built-in preset as a run knows it (config/ reads the shape through registry.MODELS)."""
 
     name: str
     config: GPTConfig
@@ -112,4 +112,4 @@ class _Presets(Mapping[str, Any]):
 
 
 registry.MODEL_PRESETS.declare(_Presets())  # the names --help lists
-registry.MODELS.declare(resolve_model)  # what config.py checks --model against
+registry.MODELS.declare(resolve_model)  # what config/ checks --model against

@@ -2,7 +2,7 @@
 
 `--tokenizer` takes a `tokenizer.json` or a directory holding one (what `save_pretrained` writes).
 Every node of a run must cut text into the same ids, so a tokenizer's `digest` (a hash of its
-vocabulary, merges and special tokens) is part of the run's fingerprint (config.py).
+vocabulary, merges and special tokens) is part of the run's fingerprint (config/).
 `train_tokenizer` trains a byte-level BPE tokenizer from local data, offline.
 """
 
@@ -108,7 +108,7 @@ def vocab_size_of(spec: str | None) -> int:
     return load_tokenizer(spec).vocab_size
 
 
-registry.TOKENIZER_VOCAB.declare(vocab_size_of)  # what config.py checks against the model's vocabulary
+registry.TOKENIZER_VOCAB.declare(vocab_size_of)  # what config/ checks against the model's vocabulary
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, out: Path) -> HFTokenizer:

@@ -99,7 +99,7 @@ def parse_public_key(text: str) -> Ed25519PublicKey:
             from None
 
 
-registry.PUBLIC_KEY_CHECK.declare(parse_public_key)  # what config.py checks --run-owner with
+registry.PUBLIC_KEY_CHECK.declare(parse_public_key)  # what config/ checks --run-owner with
 
 
 # --- tokens ------------------------------------------------------------------------------------

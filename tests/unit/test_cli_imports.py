@@ -40,7 +40,8 @@ def _probe(commands: list[list[str]]) -> list[tuple[list[str], int, list[str]]]:
     code = _PROBE.format(heavy=HEAVY, commands=commands)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == 0, result.stderr
-    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("[")]
+    # a probe's line is a list of lists; `config` prints [section] lines too
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("[[")]
     return [(args, code, loaded) for args, code, loaded in lines]
 
 

@@ -212,12 +212,13 @@ def _cli_config_process(*args: str, env: dict[str, str] | None = None) -> subpro
 
 
 def _parse(stdout: str) -> tuple[dict[str, Any], str]:
+    """`diloco-node config`'s TOML: every key, given or (commented) default, and the fingerprint."""
     values, fingerprint = {}, ""
     for line in stdout.splitlines():
         if line.startswith("# fingerprint "):
             fingerprint = line.removeprefix("# fingerprint ")
-        elif line.strip():
-            key, sep, value = line.partition(" = ")
+        elif line.strip() and not line.startswith("["):
+            key, sep, value = line.removeprefix("# ").partition(" = ")
             assert sep, line
             values[key] = json.loads(value)
     return values, fingerprint
