@@ -54,7 +54,6 @@ __all__ = ["DEFAULT_STATUS_PORT", "FEEDBACK_OUTER", "SECTIONS", "ConfigError", "
            "as_toml", "describe", "flat_keys", "load_config", "model_shape", "read_toml", "unset_default"]
 
 
-
 class ConfigError(NodeError, ValueError):
     """A configuration problem, phrased for the person who made it (one line)."""
 
