@@ -84,6 +84,9 @@ def setup_logging(level: str) -> None:
     # listener notices as errors, with tracebacks; whatever of that matters reaches the user as one
     # line from our own modules. Its errors stay visible for debugging.
     hivemind_level = logging.ERROR if level == "DEBUG" else logging.CRITICAL
+    # hivemind sets its logger's level from this variable when it is first imported, which for a node
+    # that names no --peer is after this call (and in every process it starts)
+    os.environ["HIVEMIND_LOGLEVEL"] = logging.getLevelName(hivemind_level)
     logging.getLogger("hivemind").setLevel(hivemind_level)
     for handler in logging.getLogger("hivemind").handlers:
         handler.setLevel(hivemind_level)
