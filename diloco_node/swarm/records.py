@@ -200,13 +200,18 @@ def fetch(dht: DHT, run_id: str) -> tuple[dict[str, NodeRecord], dict[str, NodeR
     """The run's well-formed records by peer id: the live nodes', and those of nodes that left
     within the last RECORD_TTL seconds (as they were when they left). Records are free, and each
     costs CPU to check (4,000 took 1.6 s a read): at most MAX_RECORDS_READ are read, those under
-    keys read before first (the run's nodes, read at every heartbeat), then the latest to expire."""
+    keys read before first (the run's nodes, read at every heartbeat), then the latest to expire;
+    none stored to expire later than a node's record can (RECORD_TTL, give or take MAX_CLOCK_SKEW)."""
     found = bounded.get(dht, records_key(run_id))
     if found is None or not isinstance(found.value, dict):
         return {}, {}
     now = get_dht_time()
+    # a record stored to outlive any node's (a reader with no keys read before keeps the latest to
+    # expire, so one store could otherwise hide the run's records from it for good): passed over
+    horizon = now + RECORD_TTL + 1 + MAX_CLOCK_SKEW
     items = [(subkey, item) for subkey, item in found.value.items()
-             if isinstance(subkey, bytes) and isinstance(item, ValueWithExpiration) and item.expiration_time > now]
+             if isinstance(subkey, bytes) and isinstance(item, ValueWithExpiration)
+             and now < item.expiration_time <= horizon]
     if len(items) > MAX_RECORDS_READ:
         items.sort(key=lambda pair: (pair[0] not in _SIGNERS, -pair[1].expiration_time))
         del items[MAX_RECORDS_READ:]
@@ -221,6 +226,9 @@ def fetch(dht: DHT, run_id: str) -> tuple[dict[str, NodeRecord], dict[str, NodeR
 
 
 MAX_RECORDS_READ = 1024  # far above a run's nodes; what a flood of free records can cost a read
+# how far ahead of ours another node's clock may be for its records to count (its expirations are its
+# time + RECORD_TTL): a flood that outranks the run's records must be stored again this often
+MAX_CLOCK_SKEW = 60.0
 # subkey → the peer id its key hashes to (bound_peer_id), for the keys read last: a heartbeat reads
 # the same records again and again, and the keys read before are the run's nodes
 _SIGNERS: OrderedDict[bytes, str | None] = OrderedDict()

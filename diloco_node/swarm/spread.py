@@ -25,9 +25,13 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from diloco_node.rates import MIN_RATE
 from diloco_node.swarm.streams import HEADER_LEN
 from diloco_node.swarm.throttle import TokenBucket
 
+# An unpaced payload goes out in chunks of this size, each read by the fetcher within stall_seconds
+DRAIN_CHUNK = 64 * 1024
+STALL_SECONDS = 10.0
 # Of the expected round, what the serving may fill: matchmaking takes the round's first second or
 # two, and the next round must not wait for a serving that ran past its inner phase.
 SPREAD_SHARE = 0.75
@@ -85,18 +89,23 @@ def pace_for(spread: Spread | None, payload_bytes: int, upload_rate: float) -> f
 
 
 async def send_paced(writer: asyncio.StreamWriter, data: bytes, pace: TokenBucket | None) -> None:
-    """streams.send, each chunk after its tokens from `pace` (then the writer's own bucket)."""
+    """streams.send, each chunk after its tokens from `pace` (then the writer's own bucket), and each
+    chunk read by the other end within stall_seconds(chunk): a fetcher that asks and then reads
+    nothing holds its stream for that long, not for as long as the write blocks (docs/trust.md)."""
     writer.write(len(data).to_bytes(HEADER_LEN, "big"))
-    if pace is None:
-        writer.write(data)
-        await writer.drain()
-        return
     view = memoryview(data)
-    step = pace.chunk  # once: the next round's offer may change the bucket's chunk while this one is sent
+    step = pace.chunk if pace is not None else DRAIN_CHUNK  # once: the next offer may change the bucket's
     for start in range(0, len(view), step):
         chunk = view[start:start + step]
-        await pace.take(len(chunk))
+        if pace is not None:
+            await pace.take(len(chunk))
         writer.write(bytes(chunk))
-        await writer.drain()
+        await asyncio.wait_for(writer.drain(), stall_seconds(len(chunk)))
     if not data:
-        await writer.drain()
+        await asyncio.wait_for(writer.drain(), stall_seconds(HEADER_LEN))
+
+
+def stall_seconds(size: int) -> float:
+    """How long a reader may take to read `size` bytes we wrote: STALL_SECONDS, and the time the
+    slowest rate a node may run at (rates.MIN_RATE) needs for them."""
+    return STALL_SECONDS + size / MIN_RATE

@@ -561,3 +561,20 @@ def test_a_flood_of_records_costs_a_bounded_read_and_the_runs_nodes_are_still_re
     live, departed = records.fetch(dht, "run")  # type: ignore[arg-type]
     assert len(parsed) == records.MAX_RECORDS_READ
     assert "honest" in live and "gone" in departed and len(live) == records.MAX_RECORDS_READ - 1
+
+
+def test_records_stored_to_outlive_any_node_s_are_passed_over(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A reader that has read no key before (a joiner) keeps the latest to expire of a flood: records
+    stored to expire far in the future would hide the run's records from it for good, for one store."""
+    monkeypatch.setattr(records, "bound_peer_id", lambda subkey: subkey.decode().removeprefix("key:"))
+    monkeypatch.setattr(records, "_SIGNERS", records.OrderedDict())
+    now = get_dht_time()
+    stored: dict[object, object] = {b"key:honest": ValueWithExpiration(record("honest", 5, "d").to_wire(), now + 20)}
+    for index in range(records.MAX_RECORDS_READ + 1):
+        stored[f"key:sybil{index}".encode()] = ValueWithExpiration(record(f"sybil{index}", 5, "d").to_wire(),
+                                                                   now + 10**6)
+    stored[b"key:skewed"] = ValueWithExpiration(record("skewed", 5, "d").to_wire(),
+                                                now + records.RECORD_TTL + records.MAX_CLOCK_SKEW)
+    dht = SimpleNamespace(get=lambda key, latest, return_future: answered(ValueWithExpiration(stored, now + 60)))
+    live, _ = records.fetch(dht, "run")  # type: ignore[arg-type]
+    assert set(live) == {"honest", "skewed"}  # a node whose clock runs ahead within the skew still counts

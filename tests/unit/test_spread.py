@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import pytest
 
+from diloco_node.rates import MIN_RATE
 from diloco_node.swarm import exchange as exchange_module
+from diloco_node.swarm import spread as spread_module
 from diloco_node.swarm import throttle
 from diloco_node.swarm.exchange import RECEIVED, PayloadExchange
 from diloco_node.swarm.spread import (
@@ -226,3 +229,29 @@ def test_a_fetch_is_served_through_the_pace_unless_its_round_is_older(monkeypatc
         sent, pace = serve(payloads, round_, monkeypatch)
         assert sent.endswith(payload) and (pace is payloads._pace if paced else pace is None)
         assert payloads._offers[round_].served == {"peer-b"}
+
+
+class StalledWriter(Writer):
+    """A fetcher that asked and then reads nothing: its writes never drain."""
+
+    async def drain(self) -> None:
+        await asyncio.Event().wait()
+
+
+@pytest.mark.parametrize("paced", [False, True], ids=["unpaced", "paced"])
+def test_a_fetcher_that_reads_nothing_holds_the_stream_a_bounded_time(monkeypatch: pytest.MonkeyPatch,
+                                                                       paced: bool) -> None:
+    """The payload handler's write (exchange._serve) used to wait for a drain with no deadline."""
+    monkeypatch.setattr(spread_module, "STALL_SECONDS", 0.05)
+    monkeypatch.setattr(spread_module, "MIN_RATE", 1e12)  # the stall bound alone, so the test is quick
+    writer = StalledWriter(VirtualTime())
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        asyncio.run(send_paced(writer, b"x" * 300_000, TokenBucket(1e9) if paced else None))  # type: ignore[arg-type]
+    assert time.monotonic() - started < 5.0
+    assert 0 < len(writer.data) < 300_000  # it stopped at the first chunk nobody read
+
+
+def test_a_slow_reader_is_given_the_slowest_rate_a_node_may_run_at() -> None:
+    assert spread_module.stall_seconds(0) == spread_module.STALL_SECONDS
+    assert spread_module.stall_seconds(64_000) == pytest.approx(spread_module.STALL_SECONDS + 64_000 / MIN_RATE)
