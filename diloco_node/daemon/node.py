@@ -32,10 +32,6 @@ logger = logging.getLogger(__name__)
 
 # A download waits out the round the run is exchanging (blocking nodes share no state while in it).
 STATE_DOWNLOAD_TIMEOUT = 60.0
-# Rounds after our state arrived from peers in which the run's records may call one round's inner
-# phase over (`Node._deadline_passed`): a joiner lands in the run's grid late in its first round, or
-# (its first exchange ending after the run's next deadline) in its second.
-SKIP_WINDOW = 2
 
 
 class Node:
@@ -55,9 +51,6 @@ class Node:
         # seconds the last inner phase waited for batches: this process's (local rank 0's) data meter
         self.data_wait = 0.0
         self.round_batches = 0  # batches the last inner phase trained (more than its steps under --speed-spent batch)
-        # the round our state was last installed from peers at, while the run's records may still call
-        # one round's inner phase over (`_deadline_passed`)
-        self.synced_round: int | None = None
         self.step_clock = StepClock()  # --round-seconds: our recent step (or, batch: per-batch) times (budget.py)
         # θ between rounds: reloaded from φ every round, or per fragment (docs/architecture.md §15)
         self.drift = Drift(parts.runs)
@@ -175,21 +168,13 @@ class Node:
     def _deadline_passed(self) -> bool:
         """Under --round-seconds, whether the run has already ended its inner phase of our round: a
         joiner whose state arrived between a deadline and the others' exchange starts the round
-        the run just ended (or, its first exchange ending late, the next one). Trained to the next
-        deadline, its exchange would come a round late, with nobody left to matchmake with; with
-        nothing trained it is in the group at once and takes the mean (docs/architecture.md §13).
-        Only peers that decide count (trust/view.py), and only once in the SKIP_WINDOW rounds after
-        our state arrived from peers: elsewhere our own clock places the round, and a lying partner
-        (in a pair it alone decides) could otherwise silence our work round after round."""
-        synced = self.synced_round
-        if synced is None or not self.cfg.round_seconds:
+        the run just ended, and a node whose exchange ended late starts a round a grid slot late.
+        Trained to the next deadline, its exchange would come a round late, with nobody left to
+        matchmake with; with nothing trained it is in the group at once and takes the mean
+        (docs/architecture.md §13). Only peers that decide count (trust/view.py). In a pair the one
+        proven partner decides alone, and could say so every round (docs/trust.md)."""
+        if not self.cfg.round_seconds or not self.swarm.past_inner_phase(self.state.round):
             return False
-        if self.state.round - synced >= SKIP_WINDOW:
-            self.synced_round = None
-            return False
-        if not self.swarm.past_inner_phase(self.state.round):
-            return False
-        self.synced_round = None
         logger.info("round=%d the run's inner phase of this round is over: taking the group's mean "
                     "without training", self.state.round)
         return True
@@ -302,7 +287,6 @@ class Node:
         self.inner_step = max(self.inner_step, self.cfg.inner_steps_before(self.state.round)
                               if self.cfg.steps_agreed else self.cfg.warmup_steps if self.state.round else 0)
         self.replica.advance_schedule(self.inner_step)
-        self.synced_round = self.state.round
         logger.info("synced state from peers round=%d digest=%s", self.state.round, self.state.digest())
         self.events.emit("synced", round=self.state.round, digest=self.state.digest())
         return True

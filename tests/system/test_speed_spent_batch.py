@@ -1,11 +1,12 @@
 """--speed-spent batch (docs/architecture.md §13) with two real nodes under blocking sync: both at
 full speed, then one slowed to a quarter of its speed mid-run by the harness (harness/throttle.py).
 
-What must hold: every round each node trains the run's H inner steps (never more, never fewer), a
-faster node spending its speed on more batches per step; once one is slowed, the other declares
-more tokens in each round they both trained (its batches per step, sized to the deadline), and the
-slowed node still contributes; both average together every round and hold the same φ after it;
-the fast node's rounds stay T apart (it never waits for the slowed one).
+What must hold: each node trains the run's H inner steps a round (never more; fewer only when a round
+that started late reaches its deadline first), a faster node spending its speed on more batches per
+step; once one is slowed, the other declares more tokens in each round they both trained H steps (its
+batches per step, sized to the deadline), and the slowed node still contributes; both average
+together every round and hold the same φ after it; the fast node's rounds stay T apart (it never
+waits for the slowed one).
 """
 
 from __future__ import annotations
@@ -44,16 +45,20 @@ def test_a_slowed_node_spends_fewer_batches_on_the_same_h_steps(spawn: NodeFacto
     logs = "\n".join(f"--- {node.name}:\n{node.log_text()[-3000:]}" for node in (fast, slow))
     ran, slowed = fast.rounds, slow.rounds
     assert sorted(ran) == list(range(1, ROUNDS + 1)), logs
+    full = []  # rounds both trained the run's whole H
     for r in sorted(set(ran) & set(slowed)):
         assert ran[r].digest == slowed[r].digest, logs  # the same φ after every round both logged
         assert ran[r].group_size == slowed[r].group_size == 2, logs
         for node in (ran[r], slowed[r]):
-            # H steps of at least one whole batch each (k is sized again before every step), or (too
-            # slow for H of one batch each) the round skipped
-            assert node.skipped or (node.last_round_inner_steps == H and node.last_round_tokens % BATCH_TOKENS == 0
-                                    and node.last_round_tokens >= H * BATCH_TOKENS), logs
-    both = [r for r in SLOWED if r in slowed and not slowed[r].skipped and not ran[r].skipped]
-    assert both, logs  # the slowed node still contributed
+            # at most H steps of at least one whole batch each (k is sized again before every step);
+            # a round that started late may reach the deadline first, one too slow for a step skips
+            assert node.skipped or (1 <= node.last_round_inner_steps <= H and node.last_round_tokens % BATCH_TOKENS == 0
+                                    and node.last_round_tokens >= node.last_round_inner_steps * BATCH_TOKENS), logs
+        if ran[r].last_round_inner_steps == slowed[r].last_round_inner_steps == H:
+            full.append(r)
+    assert 2 * len(full) >= ROUNDS, (full, logs)  # most rounds: every Δ covers the same H steps
+    both = [r for r in SLOWED if r in full]
+    assert both, logs  # the slowed node still contributed its H steps
     for r in both:  # the fast node accumulated more batches into each of its H steps
         assert ran[r].last_round_tokens >= 2 * slowed[r].last_round_tokens, (r, logs)
     periods = [(ran[r].time - ran[r - 1].time) / T for r in range(FULL_SPEED + 2, ROUNDS + 1)]

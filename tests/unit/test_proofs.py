@@ -497,30 +497,3 @@ def test_only_proven_peers_say_that_a_round_s_inner_phase_is_over(monkeypatch) -
     presence.prove(ROUND - 1, ["b"])
     assert presence.past_inner_phase(ROUND) and not presence.past_inner_phase(ROUND + 1)
 
-
-def test_a_partner_saying_every_round_is_over_silences_one_round_at_most_after_a_sync() -> None:
-    """In a pair the one proven partner decides past_inner_phase alone: a liar claiming every round
-    ready must not make us skip our training round after round (daemon/node.py `_deadline_passed`):
-    once, in the SKIP_WINDOW rounds after our state arrived from peers, and never elsewhere."""
-    from types import SimpleNamespace
-
-    from diloco_node.config import NodeConfig
-    from diloco_node.daemon.node import SKIP_WINDOW, Node
-
-    def skips(first_round: int, synced: int | None, rounds: int, cfg: NodeConfig) -> list[int]:
-        node = Node.__new__(Node)
-        node.cfg, node.synced_round = cfg, synced
-        node.state = SimpleNamespace(round=first_round)  # type: ignore[assignment]
-        node.parts = SimpleNamespace(swarm=SimpleNamespace(past_inner_phase=lambda round_: True))  # type: ignore[assignment]
-        skipped = []
-        for round_ in range(first_round, first_round + rounds):
-            node.state.round = round_
-            if node._deadline_passed():
-                skipped.append(round_)
-        return skipped
-
-    budget = NodeConfig(round_seconds=8.0)
-    assert skips(ROUND, None, 10, budget) == [], "no state arrived from peers: our own clock places the round"
-    assert skips(ROUND, ROUND, 10, budget) == [ROUND], "a joiner's round the run already ended: once"
-    assert skips(ROUND + SKIP_WINDOW, ROUND, 10, budget) == [], "past the window after the sync"
-    assert skips(ROUND, ROUND, 10, NodeConfig(inner_steps=8)) == [], "a fixed H has no deadline to be past"
