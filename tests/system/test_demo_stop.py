@@ -49,7 +49,9 @@ def stop_demo_when(reached: Callable[[list[int], str], bool], how: str, output: 
         deadline = time.monotonic() + DEMO_EXIT_BOUND
         while demo.poll() is None:  # nodes started while it stops are tracked too
             seen.update(descendants(demo.pid))
-            assert time.monotonic() < deadline, f"the demo did not exit within {DEMO_EXIT_BOUND:.0f}s of {how}"
+            assert time.monotonic() < deadline, \
+                f"the demo did not exit within {DEMO_EXIT_BOUND:.0f}s of {how}; it printed:\n" \
+                f"{output.read_text()[-3000:]}\nits processes: {[program(p) for p in descendants(demo.pid)]}"
             time.sleep(0.05)
         deadline = time.monotonic() + AFTERMATH
         while [pid for pid in seen if alive(pid)] and time.monotonic() < deadline:
