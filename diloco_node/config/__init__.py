@@ -21,7 +21,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import ConfigDict, ValidationError, model_validator
+from pydantic import ValidationError, model_validator
 
 from diloco_node.config.defaults import (
     AUTO_BUTTERFLY_FROM,
@@ -60,9 +60,8 @@ class ConfigError(NodeError, ValueError):
 
 # pydantic collects fields from the last base first: listed in reverse, --help keeps SECTIONS' order
 class NodeConfig(Permission, Persistence, Codec, NoLoCo, Averaging, Outer, Inner, Local, Inputs, Swarm):
-    """Every setting of a node (config/sections.py, by concern), checked together."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """Every setting of a node (config/sections.py, by concern; extra keys forbidden and frozen, as
+    each Section), checked together."""
 
     @model_validator(mode="after")
     def _admission_fits(self) -> NodeConfig:

@@ -94,7 +94,8 @@ async def send_paced(writer: asyncio.StreamWriter, data: bytes, pace: TokenBucke
     nothing holds its stream for that long, not for as long as the write blocks (docs/trust.md)."""
     writer.write(len(data).to_bytes(HEADER_LEN, "big"))
     view = memoryview(data)
-    step = pace.chunk if pace is not None else DRAIN_CHUNK  # once: the next offer may change the bucket's
+    # read once: the next round's offer may change the bucket's chunk while this payload is sent
+    step = pace.chunk if pace is not None else DRAIN_CHUNK
     for start in range(0, len(view), step):
         chunk = view[start:start + step]
         if pace is not None:
