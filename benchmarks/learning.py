@@ -12,7 +12,7 @@ one seed, a 32 MB corpus and a deeper target).
 
 Rows (`--rows`, ';'-separated):
 - `ddp:M`: M workers, gradients averaged every step (harness.simulator.data_parallel).
-- `alone:F`: one worker whose warmup + cosine spans F x the budget (it needs ~3.4x DDP's tokens, so
+- `alone:F[:key=value,...]`: one worker whose warmup + cosine spans F x the budget (it needs ~3.4x DDP's tokens, so
   a cosine of DDP's length would leave it at the floor long before the target; the report takes the
   best F tried), trained up to F x the budget.
 - `M:H:key=value,...`: M simulated nodes, H inner steps, the NodeConfig fields given (e.g.
@@ -65,19 +65,29 @@ def peers(workers: int, seed: int) -> list[str]:
     return [f"sim-{seed}-{index}" for index in range(workers)]
 
 
+def parse_options(text: str) -> dict[str, Any]:
+    """`key=value,...` → NodeConfig fields (and the simulator's own keys), numbers as numbers."""
+    options: dict[str, Any] = {}
+    for pair in filter(None, text.split(",")):
+        key, _, value = pair.partition("=")
+        options[key.strip()] = json.loads(value) if value.replace(".", "", 1).lstrip("-").isdigit() else value
+    return options
+
+
 def parse_row(text: str) -> dict[str, Any]:
     """`ddp:M`, `alone` or `M:H:key=value,...` → a job's row."""
     parts = text.strip().split(":")
     if parts[0] == "ddp":
         return {"kind": "ddp", "workers": int(parts[1]), "label": f"DDP M={int(parts[1])}"}
+    options = parse_options(parts[2] if len(parts) > 2 else "")
     if parts[0] == "alone":
+        # `alone:F:inner_lr=...`: alone gets its own best settings too, so that a gain is not an untuned baseline
         factor = float(parts[1]) if len(parts) > 1 else 4.0
-        return {"kind": "alone", "workers": 1, "schedule": factor, "label": f"alone (cosine {factor:g}x)"}
+        NodeConfig.model_validate(options)
+        given = "".join(f" {k}={v}" for k, v in sorted(options.items()))
+        return {"kind": "alone", "workers": 1, "schedule": factor, "options": options,
+                "label": f"alone (cosine {factor:g}x{given})"}
     workers, h = int(parts[0]), int(parts[1])
-    options: dict[str, Any] = {}
-    for pair in filter(None, (parts[2] if len(parts) > 2 else "").split(",")):
-        key, _, value = pair.partition("=")
-        options[key.strip()] = json.loads(value) if value.replace(".", "", 1).lstrip("-").isdigit() else value
     schedule = float(options.pop("schedule", 1.0))
     speeds = tuple(int(s) for s in str(options.pop("speeds", "")).split("/") if s)
     spent = str(options.pop("spent", "steps"))

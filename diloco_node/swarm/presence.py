@@ -305,7 +305,9 @@ class Presence:
             pending = {*(newcomers if late <= NEWCOMER_GRACE * timeout else ()),
                        *(strangers if late <= STRANGER_GRACE * timeout else ())}
             state = round_state(others.values(), round_, counted, pending)
-            if state == Outcome.TOGETHER and (unseen := self._unseen_joiners(others, round_, among)):
+            # ALONE too: a node alone in its run that just served its first joiner sees no record
+            # yet, and going on alone would leave the joiner behind at once (re-sync, alone again)
+            if state in (Outcome.TOGETHER, Outcome.ALONE) and (unseen := self._unseen_joiners(others, round_, among)):
                 if time.monotonic() - started < min(JOINER_RECORD_SECONDS, NEWCOMER_GRACE * timeout):
                     if stop.wait(next(pauses)):
                         return Outcome.STOPPED

@@ -452,6 +452,29 @@ def test_the_barrier_waits_for_the_record_of_a_joiner_we_just_served(monkeypatch
     assert 1.0 <= time.monotonic() - started < 3.0
 
 
+def test_a_node_alone_in_its_run_waits_for_the_record_of_its_first_joiner(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Tried as a user: a node alone for 11 rounds served a joiner 1.5 s before its inner phase
+    ended; with no other record in sight its barrier said "alone" at once, so the round was
+    exchanged alone, and the joiner found it behind, re-synced and went alone again. The barrier
+    waits for the joiner's record there too."""
+    seen: list[NodeRecord] = []
+    presence = presence_seeing(monkeypatch, [])
+    monkeypatch.setattr(records, "fetch", lambda _dht, _run: ({r.peer_id: r for r in seen}, {}))
+    presence.announce(ROUND, ROUND - 1, "d", HONEST_SERVED)
+    presence.vouch("joiner", ROUND)
+    threading.Timer(0.6, lambda: seen.append(honest("joiner"))).start()
+    started = time.monotonic()
+    assert presence.wait_for_round(ROUND, timeout=60, stop=threading.Event()) == Outcome.TOGETHER
+    assert time.monotonic() - started >= 0.6
+    # one that never shows up leaves us alone after the grace (half the timeout here), once
+    presence.vouch("taker", ROUND + 1)
+    presence.announce(ROUND + 1, ROUND, "d", HONEST_SERVED)
+    seen.clear()
+    started = time.monotonic()
+    assert presence.wait_for_round(ROUND + 1, timeout=2, stop=threading.Event()) == Outcome.ALONE
+    assert 1.0 <= time.monotonic() - started < 3.0
+
+
 @pytest.mark.parametrize("sybils", [3, 10])
 def test_whom_a_round_matchmakes_with_is_one_typed_decision(sybils: int) -> None:
     """RunView.partners (trust/view.py): the gather acts on it. NoLoCo keeps the trusted drawn
