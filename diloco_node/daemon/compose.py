@@ -130,6 +130,8 @@ def attach_swarm(parts: Parts, shared_state: Callable[[], tuple[dict[str, Any], 
     swarm = parts.swarm = Swarm(settings, parts.state.numel, shared_state, MAX_SHARED_VECTORS)
     # our streams' rates per peer, live in /api/status and /metrics (docs/architecture.md §14, "Shown")
     parts.telemetry.refresh_with(lambda: parts.telemetry.update(**swarm.peer_rates()))
+    # a joiner's state download, minutes on a slow link, in /api/status and the dashboard while it runs
+    swarm.watch_downloads(lambda now: parts.telemetry.update(state_download=now))
     fragments = make_fragments(parts, swarm.peer_id)
     ctx = UpdateContext(parts.state, fragments, swarm, parts.telemetry, parts.signals.requested, parts.abandon)
     parts.update = make_update(cfg, ctx)

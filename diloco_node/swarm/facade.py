@@ -291,6 +291,10 @@ class Swarm:
 
     # --- state sharing ------------------------------------------------------------------------
 
+    def watch_downloads(self, on_progress: Callable[[dict[str, Any] | None], None]) -> None:
+        """`on_progress` hears where each state download of ours stands (statesync.StateService.watch)."""
+        self._state.watch(on_progress)
+
     def share_state(self) -> None:
         """Let others download our state."""
         self._sharing.set()

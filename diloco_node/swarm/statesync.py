@@ -181,6 +181,14 @@ class StateService(StreamService):
         self._on_shared = on_shared
         self._serving = 0  # transfers under way (on the streams' loop only)
         self._shared: _Snapshot | None = None
+        # told where a download stands after each read, None once it ended (watch)
+        self._on_progress: Callable[[dict[str, Any] | None], None] | None = None
+
+    def watch(self, on_progress: Callable[[dict[str, Any] | None], None]) -> None:
+        """`on_progress(figures)` after each read of a download: the peer, bytes so far and in all,
+        the rate and the seconds left; `on_progress(None)` once it ended, however (the status server
+        shows a joiner's minutes of download, docs/operations.md)."""
+        self._on_progress = on_progress
 
     # --- serving ------------------------------------------------------------------------------
 
@@ -263,14 +271,22 @@ class StateService(StreamService):
 
     # --- downloading --------------------------------------------------------------------------
 
-    async def download(self, peer: str, timeout: float) -> SharedState:
-        """`peer`'s state within `timeout`; StateRefused with the reason otherwise."""
-        try:
-            return await asyncio.wait_for(self._download(peer, self.loop.time() + timeout), timeout)
-        except TimeoutError:
-            raise StateRefused(f"no whole state within {timeout:.0f}s") from None
+    def longest_transfer(self) -> float:
+        """Seconds the largest state we take (`max_vectors` of the model's size) may stream at the
+        least rate: how far past the caller's deadline a download begun in time may run."""
+        return SETUP_SECONDS + self._numel * self._max_vectors * 4 / STATE_LEAST_RATE
 
-    async def _download(self, peer: str, deadline: float) -> SharedState:
+    async def download(self, peer: str, timeout: float) -> SharedState:
+        """`peer`'s state, begun within `timeout` (its size known) and then streamed at no less than
+        the least rate, however long that takes: 160 MB of φ and momentum at 4 Mbit/s is minutes,
+        past any deadline of a few rounds (docs/architecture.md §4). StateRefused with the reason otherwise."""
+        try:
+            return await asyncio.wait_for(self._download(peer, self.loop.time() + timeout),
+                                          timeout + self.longest_transfer())
+        except TimeoutError:
+            raise StateRefused(f"no whole state within {timeout + self.longest_transfer():.0f}s") from None
+
+    async def _download(self, peer: str, begin_by: float) -> SharedState:
         started = self.loop.time()
         try:
             reader, writer = await self._open(peer, self.name, READ_TIMEOUT)
@@ -285,8 +301,10 @@ class StateService(StreamService):
             size = int.from_bytes(await asyncio.wait_for(reader.readexactly(HEADER_LEN), READ_TIMEOUT), "big")
             if size != count * self._numel * 4:
                 raise StateRefused(f"it announced {size} bytes for {count} vectors of the model's size")
+            if self.loop.time() > begin_by:
+                raise StateRefused("it answered too late to begin")
             # a slow drip is cut at the least rate, whatever the pace of single reads
-            deadline = min(deadline, started + SETUP_SECONDS + size / least)
+            deadline = started + SETUP_SECONDS + size / least
             # minutes on a slow link: a line every few seconds says how far (docs/architecture.md §4)
             progress = Progress("state download", total=size, clock=self.loop.time,
                                 emit=lambda line: logger.info("%s (peer=%s)", line, peer))
@@ -299,12 +317,18 @@ class StateService(StreamService):
                     raise StateRefused(f"it closed the stream after {len(data)} of {size} bytes")
                 data += chunk
                 progress.update(len(data))
+                if self._on_progress is not None:
+                    now = progress.figures()
+                    self._on_progress({"peer": peer, "bytes": now["done"], "total_bytes": now["total"],
+                                       "bytes_per_second": now["per_second"], "seconds_left": now["seconds_left"]})
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
             raise StateRefused(f"transfer failed ({type(exc).__name__})") from None
         except ValueError as exc:  # an oversized header
             raise StateRefused(f"malformed answer ({exc})") from None
         finally:
             writer.close()
+            if self._on_progress is not None:
+                self._on_progress(None)
         self._on_moved(0, len(data))
         seconds = max(self.loop.time() - started, 1e-3)
         # against the run's round length (the records' rounds moving on), what says why a state
@@ -422,7 +446,8 @@ def download_from(service: StateService, run: Callable[[Any, float, threading.Ev
         if left <= 0 or stop.is_set():
             return None
         try:
-            taken = accept(peer, run(service.download(peer, left), left + READ_TIMEOUT, stop))
+            taken = accept(peer, run(service.download(peer, left), left + service.longest_transfer() + READ_TIMEOUT,
+                                     stop))
         except StateRefused as exc:
             taken = str(exc)
         except TimeoutError:

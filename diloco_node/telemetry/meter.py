@@ -24,7 +24,7 @@ NODE_STATUS_FIELDS = (
     "uptime_seconds", "isolated", "isolated_since", "parallel", "local_ranks", "reachability",
     "micro_batch_size", "upload_limit_bytes_per_second", "download_limit_bytes_per_second",
     "egress_bytes_per_second", "ingress_bytes_per_second", "fragments", "stream_egress_bytes_per_second",
-    "stream_ingress_bytes_per_second", "peer_streams")
+    "stream_ingress_bytes_per_second", "peer_streams", "state_download")
 STATUS_FIELDS = NODE_STATUS_FIELDS + ROUND_STATUS_FIELDS
 HISTORY_LIMIT = 2000  # rounds kept for the charts; older ones drop off the front
 # Round-time histogram bounds (seconds). Counted over every round since start, not just the kept

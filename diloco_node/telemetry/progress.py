@@ -67,6 +67,14 @@ class Progress:
             text += f", {count:,} {self.count_unit}"
         return text
 
+    def figures(self) -> dict[str, float | None]:
+        """Where the wait stands now, for a status reader: the amount `done` (raw units), its `total`,
+        the mean rate since the start `per_second`, and `seconds_left` (None without a total or rate)."""
+        elapsed = self._clock() - self.started
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        left = (self.total - self.done) / rate if self.total and rate > 0 else None
+        return {"done": self.done, "total": self.total, "per_second": rate, "seconds_left": left}
+
     def update(self, done: float, count: int | None = None) -> None:
         """`done` so far; a line goes out when `interval` has passed since the last one (or the start:
         a wait shorter than that stays silent)."""

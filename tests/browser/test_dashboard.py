@@ -94,14 +94,17 @@ class Page(HTMLParser):
             self.text_by_id[element_id] = self.text_by_id.get(element_id, "") + data
 
 
+# two fragments and an upload cap: the fragment timeline and each peer's egress against its cap;
+# eager, so that each payload is served spread across the round (docs/architecture.md §15): 10
+# steps a round, so that even on a fast machine the pace (a fragment over 3/4 of the first inner
+# phase) stays under the cap
+OPTIONS = [*FAST, "--run-id", "browser-test", "--min-peers", "2", "--inner-steps", "20", "--checkpoint-dir", "",
+           "--fragments", "2", "--upload-limit", "50mbit", "--sync", "eager"]
+
+
 @pytest.fixture
 def swarm(tmp_path: Path) -> Iterator[list[NodeProcess]]:
-    # two fragments and an upload cap: the fragment timeline and each peer's egress against its cap;
-    # eager, so that each payload is served spread across the round (docs/architecture.md §15): 10
-    # steps a round, so that even on a fast machine the pace (a fragment over 3/4 of the first inner
-    # phase) stays under the cap
-    options = [*FAST, "--run-id", "browser-test", "--min-peers", "2", "--inner-steps", "20", "--checkpoint-dir", "",
-               "--fragments", "2", "--upload-limit", "50mbit", "--sync", "eager"]
+    options = OPTIONS
     first = NodeProcess("a", options, tmp_path).start()
     nodes = [first]
     try:
@@ -211,3 +214,48 @@ def test_dashboard_shows_a_cut_off_node_as_isolated(swarm: list[NodeProcess], tm
     finally:
         b.signal(signal.SIGCONT)
     a.wait_until(lambda: a.status()["isolated"] is False, 60, "a back in the swarm")
+
+
+def test_dashboard_shows_a_state_download_in_progress(tmp_path: Path) -> None:
+    """A joiner at --download-limit 2mbit takes ~15 s over the tiny model's state (φ and the
+    momentum, 3.7 MB): its page says how far, at what rate and how long is left, and nothing once
+    the state is in. The run's rounds are longer than that (400 steps), so the state it takes is
+    the run's (a run that moves on faster than a joiner can download is #41's slow link)."""
+    binary = find_chromium()
+    options = [*FAST, "--run-id", "browser-download", "--inner-steps", "400", "--checkpoint-dir", ""]
+    server = NodeProcess("server", options, tmp_path).start()
+    nodes = [server]
+
+    def downloading() -> dict | None:
+        try:
+            return joiner.status()["state_download"] if joiner.status_url else None
+        except OSError:  # the status server is not up yet
+            return None
+
+    try:
+        server.wait_for_round(1)  # before, its state is the one a joiner makes itself: nothing to download
+        joiner = NodeProcess("joiner", [*options, "--peer", server.wait_for_address(), "--download-limit", "2mbit"],
+                             tmp_path).start()
+        nodes.append(joiner)
+        joiner.wait_until(lambda: (downloading() or {}).get("bytes", 0) > 0, 90, "the state download under way")
+        status = downloading()
+        assert status is not None and status["peer"] == peer_id(server) and status["total_bytes"] > status["bytes"]
+        page = Page(run_chromium(binary, tmp_path / "profile-download", "--dump-dom", f"{joiner.status_url}/"))
+        assert "state-download" not in page.hidden
+        shown = page.text_by_id.get("state-download", "")
+        assert re.fullmatch(r"downloading the run's state: [\d.]+ [kM]?B of [\d.]+ MB at [\d.]+ Mbit/s, .+ left",
+                            shown), shown
+        ARTIFACTS.mkdir(exist_ok=True)
+        run_chromium(binary, tmp_path / "profile-shot", f"--screenshot={ARTIFACTS / 'dashboard-download.png'}",
+                     "--window-size=1400,700", f"{joiner.status_url}/")
+        joined = joiner.wait_joined(120)
+        assert joined > 0 and downloading() is None, (joined, downloading())  # the run's state, not its own
+        page = Page(run_chromium(binary, tmp_path / "profile-joined", "--dump-dom", f"{joiner.status_url}/"))
+        assert "state-download" in page.hidden
+    finally:
+        try:
+            for node in nodes:
+                node.stop("sigterm", within=30)
+        finally:
+            for node in nodes:
+                node.kill()

@@ -338,12 +338,50 @@ def test_a_state_download_says_how_far_it_has_got(monkeypatch, caplog) -> None: 
                                     lambda peer, token: None)
     server.attach()
     client = statesync.StateService(hosts[1], "xprogress", numel, 4, lambda peer: None, lambda peer, token: None)
+    seen: list[dict | None] = []  # what the status server shows (daemon/compose.py: state_download)
+    client.watch(seen.append)
     try:
         with caplog.at_level(logging.INFO, logger="diloco_node.swarm.statesync"):
             hosts[1].run(client.download(str(first.peer_id), 30), 40)
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("state download: ")]
         assert lines and lines[-1].startswith("state download: 8.4/8.4 MB at "), lines
         assert f"(peer={first.peer_id})" in lines[-1]
+        # the status: growing bytes of the whole, a rate, the time left, and nothing once it ended
+        assert seen[-1] is None and len(seen) > 2
+        running = [s for s in seen if s is not None]
+        assert [s["bytes"] for s in running] == sorted(s["bytes"] for s in running)
+        assert running[-1]["bytes"] == running[-1]["total_bytes"] == 8 * numel
+        assert all(s["peer"] == str(first.peer_id) and s["bytes_per_second"] > 0 for s in running)
+        assert running[0]["seconds_left"] > 0 and running[-1]["seconds_left"] == 0
+    finally:
+        for host in hosts:
+            host.close()
+        second.shutdown()
+        first.shutdown()
+
+
+def test_a_state_download_begun_in_time_may_outlast_the_timeout_at_the_least_rate() -> None:
+    """A joiner at a 4 Mbit/s download cap takes 4 MB in ~8 s, past a 3 s timeout: it arrives (the
+    whole transfer once had to end within the timeout, so a 20M model's state at 4 Mbit/s, 5
+    minutes, never did and the joiner started from its own φ)."""
+    import torch
+
+    from diloco_node.swarm.statesync import StateService
+    from diloco_node.swarm.throttle import Throttle
+
+    first = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    second = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), start=True)
+    hosts = [Streams(first), Streams(second, Throttle(download=500_000))]
+    numel = 1 << 19  # 4 MB of φ and momentum
+    server = StateService(hosts[0], "xlong", numel, 4, lambda peer: ({"round": 3}, [torch.ones(numel)] * 2),
+                          lambda peer, token: None)
+    server.attach()
+    client = StateService(hosts[1], "xlong", numel, 4, lambda peer: None, lambda peer, token: None)
+    try:
+        started = time.monotonic()
+        metadata, vectors = hosts[1].run(client.download(str(first.peer_id), 3), 3 + client.longest_transfer())
+        assert time.monotonic() - started > 3.5 and metadata["round"] == 3 and len(vectors) == 2
+        assert all(bool((vector == 1).all()) for vector in vectors)
     finally:
         for host in hosts:
             host.close()

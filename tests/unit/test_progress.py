@@ -30,6 +30,16 @@ def test_the_line_says_how_far_at_what_rate_and_how_long_is_left() -> None:
         ("~1 s left", "~90 s left", "~10 min left", "~3.0 h left")
 
 
+def test_the_figures_a_status_reader_gets() -> None:
+    clock = Clock()
+    progress = Progress("state download", total=48e6, clock=clock, emit=lambda line: None)
+    assert progress.figures() == {"done": 0.0, "total": 48e6, "per_second": 0.0, "seconds_left": None}
+    clock.now += 10
+    progress.update(12e6)
+    assert progress.figures() == {"done": 12e6, "total": 48e6, "per_second": 1.2e6, "seconds_left": 30.0}
+    assert Progress("tokenize", clock=clock).figures()["seconds_left"] is None  # no total, no time left
+
+
 def test_one_line_per_interval_whatever_the_pace_of_the_reports() -> None:
     clock, lines = Clock(), []
     progress = Progress("state download", total=10e6, interval=5.0, clock=clock, emit=lines.append)

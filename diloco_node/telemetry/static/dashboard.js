@@ -79,6 +79,15 @@ function renderStatus(s) {
     isolated.textContent = `isolated from the swarm since ${since} (${ago(s.isolated_since)}) — `
       + "training is paused while the node retries its peers";
   }
+  // A joiner's state download is minutes of nothing else on a slow link: how far, how fast, how long.
+  const download = document.getElementById("state-download");
+  const d = s.state_download;
+  download.hidden = !(d && finite(d.bytes));
+  if (!download.hidden) {
+    const of = finite(d.total_bytes) ? ` of ${bytes(d.total_bytes)}` : "";
+    const left = finite(d.seconds_left) ? `, ${duration(d.seconds_left)} left` : "";
+    download.textContent = `downloading the run's state: ${bytes(d.bytes)}${of} at ${bits(d.bytes_per_second)}${left}`;
+  }
   document.title = `diloco-node · ${show(s.run_id)} · round ${show(s.outer_step)}`;
   if (finite(s.fragments) && s.fragments >= 1) fragmentCount = s.fragments;
   renderLink(s);
