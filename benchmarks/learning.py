@@ -317,8 +317,9 @@ def markdown(summary: dict[str, Any], steps: int) -> str:
     cores = machine_info()["nproc"]
     lines = [f"# Joining pays? The learning simulator ({time.strftime('%Y-%m-%d')}, {cores} CPU cores)",
              "", f"`llama-2m`, BPE 4,096 on the standard library's sources, {summary['batch_size']} x "
-             f"{SHAPE['seq_len']} tokens per worker step. Target: {summary['target_label']}'s worst final eval loss over its "
-             f"seeds after {steps} steps (DDP at the settings tried that make it lowest) = **{summary['target']:.4f}**. One worker alone needs "
+             f"{SHAPE['seq_len']} tokens per worker step. Target: {summary['target_label']}'s worst final eval "
+             f"loss over its seeds after {steps} steps (DDP at the settings tried that make it lowest) = "
+             f"**{summary['target']:.4f}**. One worker alone needs "
              f"{summary['alone_tokens'] or 0:,.0f} tokens to it; DDP's gain G_DDP = "
              f"{g_ddp:.2f}x." if g_ddp else "", "",
              "| row | seeds | tokens per worker to target (each seed) | gain over alone (median) | vs G_DDP | "
