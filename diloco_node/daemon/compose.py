@@ -105,7 +105,8 @@ def build(cfg: NodeConfig) -> Parts:
                  signals=StopSignals(), telemetry=telemetry,
                  server=StatusServer(telemetry, *cfg.status_host_port, announced_hosts(cfg.announce)),
                  wire=wire, reporter=RoundReporter(telemetry, wire, cfg.label, gossip, planner,
-                                                   caps=(float(cfg.upload_rate), float(cfg.download_rate))),
+                                                   caps=(float(cfg.upload_rate), float(cfg.download_rate)),
+                                                   batch_tokens=cfg.batch_size * cfg.seq_len),
                  events=Events(cfg.events),
                  store=CheckpointStore(cfg.checkpoint_path) if cfg.checkpoint_path else None, gate=Gate(cfg.run_id))
 

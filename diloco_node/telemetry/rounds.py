@@ -78,11 +78,12 @@ class RoundReporter:
     swarm table of every peer. Used by the round engine's thread only."""
 
     def __init__(self, telemetry: Telemetry, wire: WireMeter, label: str, gossip: bool,
-                 planner: Planner | None = None, caps: tuple[float, float] = (0.0, 0.0)):
+                 planner: Planner | None = None, caps: tuple[float, float] = (0.0, 0.0), batch_tokens: int = 0):
         """`planner`: told of every round, says once when the exchange cannot keep up with the caps;
-        `caps`: our upload and download limits in bytes/s (0: none), published with our stats."""
+        `caps`: our upload and download limits in bytes/s (0: none), published with our stats;
+        `batch_tokens`: the run's tokens per batch, for the swarm table's batches per step."""
         self.telemetry, self.wire, self.label, self.gossip = telemetry, wire, label, gossip
-        self.planner, self.caps = planner, caps
+        self.planner, self.caps, self.batch_tokens = planner, caps, batch_tokens
         self.compute_seconds = self.wait_seconds = 0.0  # since start, for utilization
         self.wire_at_last_round = (0, 0)
         self.clipped: Counter[str] = Counter()  # per peer: contributions our aggregator bounded
@@ -137,7 +138,7 @@ class RoundReporter:
         """`peers`: each live peer's published stats (ourselves included), by peer id."""
         self.telemetry.update(peers=len(peers), peak_memory_bytes=peak_memory)
         self.telemetry.set_peers([
-            swarm_row(peer, stats, peer == own_peer_id, (self.clipped[peer], self.rejected[peer]))
+            swarm_row(peer, stats, peer == own_peer_id, (self.clipped[peer], self.rejected[peer]), self.batch_tokens)
             for peer, stats in peers.items()])
 
     def _since_start(self) -> dict[str, float]:

@@ -400,7 +400,12 @@ def test_swarm_rows_read_the_published_stats() -> None:
         # its own caps and link rates (docs/architecture.md §14); None where it did not publish them
         "upload_limit_bytes_per_second": 250_000.0, "download_limit_bytes_per_second": None,
         "egress_bytes_per_second": 1_000.5, "ingress_bytes_per_second": None, "last_round_weight": None,
-        "last_round_weight_removed": None}
+        "last_round_weight_removed": None, "batches_per_step": None}
+    # k, the batches a step trained (--speed-spent batch), from its steps and tokens and the run's batch
+    assert swarm_row("fast", {"last_round_inner_steps": 4, "last_round_tokens": 3 * 4 * 512.0}, False,
+                     batch_tokens=512)["batches_per_step"] == 3.0
+    assert swarm_row("fast", {"last_round_inner_steps": 0, "last_round_tokens": 0.0}, False,
+                     batch_tokens=512)["batches_per_step"] is None
     assert swarm_row("new", {}, False) == {
         "peer_id": "new", "label": "", "rounds": 0, "bytes_sent": 0, "bytes_received": 0,
         "last_round_bytes_sent": 0, "last_round_bytes_received": 0, "wire_bytes_sent": None,
@@ -408,7 +413,7 @@ def test_swarm_rows_read_the_published_stats() -> None:
         "is_self": False, "clipped": 0, "rejected": 0, "last_round_inner_steps": None, "last_round_tokens": None,
         "last_round_tokens_per_second": None, "upload_limit_bytes_per_second": None,
         "download_limit_bytes_per_second": None, "egress_bytes_per_second": None, "ingress_bytes_per_second": None,
-        "last_round_weight": None, "last_round_weight_removed": None}
+        "last_round_weight": None, "last_round_weight_removed": None, "batches_per_step": None}
 
 
 # --- the Host check: a DNS-rebinding page cannot read the status ---------------------------------

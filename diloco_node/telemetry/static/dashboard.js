@@ -352,7 +352,9 @@ function renderPeers(peers) {
          { numeric: true, column: "ingress", value: p.ingress_bytes_per_second,
            title: `download cap: ${capOf(p.download_limit_bytes_per_second)}` });
     cell(row, percent(p.utilization), { numeric: true, column: "utilization", value: p.utilization });
-    cell(row, show(p.last_round_inner_steps), { numeric: true, column: "steps", value: p.last_round_inner_steps });
+    // "4 × 3": four steps of three batches each (--speed-spent batch gave a fast node a larger batch)
+    const k = finite(p.batches_per_step) && p.batches_per_step > 1.05 ? ` × ${+p.batches_per_step.toFixed(1)}` : "";
+    cell(row, show(p.last_round_inner_steps) + k, { numeric: true, column: "steps", value: p.last_round_inner_steps });
     cell(row, amount(p.last_round_tokens),
          { numeric: true, column: "tokens", value: p.last_round_tokens });
     cell(row, amount(p.last_round_tokens_per_second),
