@@ -94,17 +94,14 @@ class Page(HTMLParser):
             self.text_by_id[element_id] = self.text_by_id.get(element_id, "") + data
 
 
-# two fragments and an upload cap: the fragment timeline and each peer's egress against its cap;
-# eager, so that each payload is served spread across the round (docs/architecture.md §15): 10
-# steps a round, so that even on a fast machine the pace (a fragment over 3/4 of the first inner
-# phase) stays under the cap
-OPTIONS = [*FAST, "--run-id", "browser-test", "--min-peers", "2", "--inner-steps", "20", "--checkpoint-dir", "",
-           "--fragments", "2", "--upload-limit", "50mbit", "--sync", "eager"]
-
-
 @pytest.fixture
 def swarm(tmp_path: Path) -> Iterator[list[NodeProcess]]:
-    options = OPTIONS
+    # two fragments and an upload cap: the fragment timeline and each peer's egress against its cap;
+    # eager, so that each payload is served spread across the round (docs/architecture.md §15): 10
+    # steps a round, so that even on a fast machine the pace (a fragment over 3/4 of the first inner
+    # phase) stays under the cap
+    options = [*FAST, "--run-id", "browser-test", "--min-peers", "2", "--inner-steps", "20", "--checkpoint-dir", "",
+               "--fragments", "2", "--upload-limit", "50mbit", "--sync", "eager"]
     first = NodeProcess("a", options, tmp_path).start()
     nodes = [first]
     try:
@@ -220,7 +217,7 @@ def test_dashboard_shows_a_state_download_in_progress(tmp_path: Path) -> None:
     """A joiner at --download-limit 2mbit takes ~15 s over the tiny model's state (φ and the
     momentum, 3.7 MB): its page says how far, at what rate and how long is left, and nothing once
     the state is in. The run's rounds are longer than that (400 steps), so the state it takes is
-    the run's (a run that moves on faster than a joiner can download is #41's slow link)."""
+    the run's (a joiner of a run that moves on faster than it can download never catches up)."""
     binary = find_chromium()
     options = [*FAST, "--run-id", "browser-download", "--inner-steps", "400", "--checkpoint-dir", ""]
     server = NodeProcess("server", options, tmp_path).start()
