@@ -29,7 +29,7 @@ from diloco_node.errors import NodeError
 from diloco_node.rates import format_rate
 from diloco_node.replica.layout import digest
 from diloco_node.swarm.streams import HEADER_LEN, Limits, Streams, StreamService, parse_json, receive, send
-from diloco_node.telemetry.progress import Progress
+from diloco_node.telemetry.progress import Bar, Progress, terminal_bar
 from diloco_node.trust.records import NodeRecord, reference_state
 from diloco_node.trust.state import announced_states, catch_up_target, metadata_refusal, servers_in_order
 
@@ -288,6 +288,7 @@ class StateService(StreamService):
 
     async def _download(self, peer: str, begin_by: float) -> SharedState:
         started = self.loop.time()
+        bar: Bar | None = None
         try:
             reader, writer = await self._open(peer, self.name, READ_TIMEOUT)
         except Exception as exc:  # the peer is gone, unreachable or has no such handler
@@ -305,9 +306,12 @@ class StateService(StreamService):
                 raise StateRefused("it answered too late to begin")
             # a slow drip is cut at the least rate, whatever the pace of single reads
             deadline = started + SETUP_SECONDS + size / least
-            # minutes on a slow link: a line every few seconds says how far (docs/architecture.md §4)
+            # minutes on a slow link: a bar on a terminal, elsewhere a line every few seconds, says how
+            # far (docs/architecture.md §4); the figures go to the status server either way
+            bar = terminal_bar("state download", total=size)
             progress = Progress("state download", total=size, clock=self.loop.time,
-                                emit=lambda line: logger.info("%s (peer=%s)", line, peer))
+                                emit=(lambda line: None) if bar else
+                                (lambda line: logger.info("%s (peer=%s)", line, peer)))
             while len(data) < size:
                 if self.loop.time() > deadline:
                     raise StateRefused(f"too slow: {len(data)} of {size} bytes in time")
@@ -317,6 +321,8 @@ class StateService(StreamService):
                     raise StateRefused(f"it closed the stream after {len(data)} of {size} bytes")
                 data += chunk
                 progress.update(len(data))
+                if bar is not None:
+                    bar.update(len(data))
                 if self._on_progress is not None:
                     now = progress.figures()
                     self._on_progress({"peer": peer, "bytes": now["done"], "total_bytes": now["total"],
@@ -327,6 +333,8 @@ class StateService(StreamService):
             raise StateRefused(f"malformed answer ({exc})") from None
         finally:
             writer.close()
+            if bar is not None:
+                bar.close()
             if self._on_progress is not None:
                 self._on_progress(None)
         self._on_moved(0, len(data))

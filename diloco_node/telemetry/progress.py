@@ -128,16 +128,23 @@ class Bar:
             self._bar.close()
 
 
+def terminal_bar(label: str, total: float | None = None, bar_unit: str = "B", count_unit: str | None = None,
+                 stream: IO[str] | None = None) -> Bar | None:
+    """A tqdm bar (`bar_unit`, raw amounts) where `stream` (stderr) is a terminal and tqdm is
+    installed; None elsewhere (a log file, a pipe, a container), since a bar's carriage returns make
+    one unreadable line of a log."""
+    out = stream if stream is not None else sys.stderr
+    if not out.isatty():
+        return None
+    try:
+        return Bar(label, total, bar_unit, count_unit, out)
+    except ImportError:
+        return None
+
+
 def meter(label: str, total: float | None = None, unit: str = "MB", scale: float = 1e6,
           count_unit: str | None = None, bar_unit: str = "B", stream: IO[str] | None = None,
           emit: Callable[[str], None] | None = None) -> Meter:
-    """A tqdm bar (`bar_unit`, raw amounts) where `stream` (stderr) is a terminal and tqdm is
-    installed; elsewhere (a log file, a pipe, a container) Progress's plain lines, since a bar's
-    carriage returns make one unreadable line of a log."""
-    out = stream if stream is not None else sys.stderr
-    if out.isatty():
-        try:
-            return Bar(label, total, bar_unit, count_unit, out)
-        except ImportError:
-            pass
-    return Progress(label, total, unit, scale, count_unit, emit=emit)
+    """A bar on a terminal (`terminal_bar`), Progress's plain lines elsewhere."""
+    return terminal_bar(label, total, bar_unit, count_unit, stream) or \
+        Progress(label, total, unit, scale, count_unit, emit=emit)

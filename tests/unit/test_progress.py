@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from diloco_node.telemetry.progress import Bar, Progress, meter, time_left
+from diloco_node.telemetry.progress import Bar, Progress, meter, terminal_bar, time_left
 
 
 class Clock:
@@ -77,6 +77,9 @@ def test_a_bar_only_on_a_terminal_and_drawn_only_once_there_is_progress(tmp_path
             return True
 
     terminal = Terminal()
+    # the state download draws a bar of its own beside the figures it reports (swarm/statesync.py)
+    assert terminal_bar("state download", 10.0, stream=io.StringIO()) is None
+    assert isinstance(terminal_bar("state download", 10.0, stream=terminal), Bar)
     bar = meter("tokenize", count_unit="documents", bar_unit="tok", stream=terminal)
     assert isinstance(bar, Bar)
     bar.close()
