@@ -373,9 +373,17 @@ def tokenizer_train(data: str | None, vocab_size: int, text_column: str, out: Pa
 
     Example: diloco-node tokenizer train --data examples/tiny-stories.jsonl --vocab-size 2048 my-tokenizer
     """
+    from diloco_node.telemetry.progress import meter
     from diloco_node.train.prepare import train_tokenizer_from
 
-    trained = train_tokenizer_from(data, vocab_size, out, text_column)  # or DataError, TokenizerError
+    # reading a large dataset is most of the time: a bar of its documents on a terminal, else a line
+    # each tenth (on stderr, as a bar is: stdout keeps the one result line)
+    progress = meter("tokenizer train: reading", unit="documents", scale=1, count_unit="characters",
+                     bar_unit="doc", emit=lambda line: click.echo(line, err=True))
+    try:
+        trained = train_tokenizer_from(data, vocab_size, out, text_column, progress)  # or DataError, TokenizerError
+    finally:
+        progress.close()
     click.echo(f"wrote {trained.name}: vocabulary {trained.vocab_size}, digest {trained.digest}")
 
 
@@ -396,13 +404,14 @@ def tokenize(data: str | None, tokenizer_spec: str | None, text_column: str, max
     from diloco_node.telemetry.progress import meter
     from diloco_node.train.prepare import write_shards
 
-    # minutes on a large dataset: a bar on a terminal, else a line every few seconds (on stderr, as
-    # a bar is: stdout keeps the one result line)
-    progress = meter("tokenize", unit="M tokens", scale=1e6, count_unit="documents", bar_unit="tok",
+    # minutes on a large dataset: a bar of its documents on a terminal, else a line each tenth of
+    # them (every few seconds of a hub stream, whose length is unknown), on stderr as a bar is:
+    # stdout keeps the one result line
+    progress = meter("tokenize", unit="documents", scale=1, count_unit="tokens", bar_unit="doc",
                      emit=lambda line: click.echo(line, err=True))
     try:
         paths, train, held = write_shards(data, tokenizer_spec, out, text_column, max_tokens,
-                                          tally=progress.add)  # or DataError
+                                          tally=progress)  # or DataError
     finally:
         progress.close()
     click.echo(f"wrote {len(paths)} shards to {out}: {train} train tokens, {held} eval tokens")
@@ -419,8 +428,15 @@ def export_model(checkpoint_dir: str, run_id: str, out: Path) -> None:
     Example: diloco-node export --checkpoint-dir checkpoints --run-id demo my-model/
     """
     from diloco_node.commands.export import export
+    from diloco_node.telemetry.progress import meter
 
-    click.echo(f"wrote {export(checkpoint_dir, run_id, str(out))}")  # or ExportError
+    # a large checkpoint's check and the weights' write: a bar on a terminal, else a line each tenth
+    progress = meter("export", emit=lambda line: click.echo(line, err=True))
+    try:
+        written = export(checkpoint_dir, run_id, str(out), progress)  # or ExportError
+    finally:
+        progress.close()
+    click.echo(f"wrote {written}")
 
 
 @main.command()

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
+    from diloco_node.telemetry.progress import Meter
     from diloco_node.train.model import GPTConfig
 
 CHECKPOINT_NAME = "node.json"  # checkpoint.CHECKPOINT_NAME (not imported: it would load torch first)
@@ -134,8 +135,9 @@ def _built(path: Path, info: dict[str, Any], phi: list[torch.Tensor]) -> Any:
         raise ExportError(f"checkpoint '{path}' names a model this version cannot build (damaged?): {first}") from None
 
 
-def export(checkpoint_dir: str, run_id: str, out: str) -> Path:
-    """Write run `run_id`'s latest checkpointed φ under `checkpoint_dir` as a model directory `out`."""
+def export(checkpoint_dir: str, run_id: str, out: str, progress: Meter | None = None) -> Path:
+    """Write run `run_id`'s latest checkpointed φ under `checkpoint_dir` as a model directory `out`;
+    `progress` is told the bytes read (the checkpoint's check) and written (the model's weights)."""
     target = Path(out)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ExportError(f"export directory '{out}' exists and is not empty")
@@ -150,7 +152,7 @@ def export(checkpoint_dir: str, run_id: str, out: str) -> Path:
     from diloco_node.daemon.checkpoint import CheckpointError, check_node_state, read_checkpoint
 
     try:
-        state = read_checkpoint(path)
+        state = read_checkpoint(path, progress)
         if "export" in state:  # the keys export reads, checked: a damaged one is one line, not a KeyError
             check_node_state(state, path, keys=("outer_params", "export"))
     except CheckpointError as exc:
@@ -165,10 +167,16 @@ def export(checkpoint_dir: str, run_id: str, out: str) -> Path:
 
     hf_logging.disable_progress_bar()  # the command prints its one line
     model = _built(path, info, list(state["outer_params"]))
+    # what save_pretrained writes: each tensor once (tied embeddings share one)
+    weights = sum({t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}.values())
+    if progress is not None and progress.total:
+        progress.expect(progress.total + weights)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         model.save_pretrained(staging, safe_serialization=True)
+        if progress is not None:
+            progress.add(weights)
         if info.get("tokenizer"):
             _write_tokenizer(info["tokenizer"], staging)
         if target.exists():

@@ -39,6 +39,7 @@ from diloco_node.errors import NodeError
 
 if TYPE_CHECKING:
     from diloco_node.config import NodeConfig
+    from diloco_node.telemetry.progress import Meter
 
 logger = logging.getLogger(__name__)
 
@@ -113,11 +114,17 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return {k: _decode(v, tensors) for k, v in value.items()}
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, progress: Meter | None = None) -> str:
+    """The file's SHA-256; `progress` is told its size and each chunk read (a large checkpoint's
+    check is most of `export`'s time)."""
     hasher = hashlib.sha256()
     with open(path, "rb") as file:
+        if progress is not None:
+            progress.expect(os.fstat(file.fileno()).st_size)
         while chunk := file.read(HASH_CHUNK):
             hasher.update(chunk)
+            if progress is not None:
+                progress.add(len(chunk))
     return hasher.hexdigest()
 
 
@@ -129,9 +136,10 @@ def _first_line(exc: BaseException) -> str:
 # --- reading --------------------------------------------------------------------------------------
 
 
-def read_checkpoint(path: Path) -> dict[str, Any]:
+def read_checkpoint(path: Path, progress: Meter | None = None) -> dict[str, Any]:
     """A checkpoint's state, without the directory's lock (files are only ever replaced whole).
-    `path` is the manifest, the run's checkpoint directory, or an old torch `node.pt`."""
+    `path` is the manifest, the run's checkpoint directory, or an old torch `node.pt`; `progress`
+    is told the bytes of its check."""
     path = Path(path)
     if path.is_dir():
         path = path / CHECKPOINT_NAME if (path / CHECKPOINT_NAME).exists() or not (path / LEGACY_NAME).exists() \
@@ -144,7 +152,7 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
                 or manifest["format"] not in READABLE_FORMATS:
             raise CheckpointError(f"checkpoint '{path}' has an unknown format")
         tensors_path = _tensors_path(path, manifest.get("tensors"))
-        if _sha256(tensors_path) != manifest.get("sha256"):
+        if _sha256(tensors_path, progress) != manifest.get("sha256"):
             raise ValueError(f"{tensors_path.name} does not match the SHA-256 its manifest names")
         from safetensors.torch import load_file
 

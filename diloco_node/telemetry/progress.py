@@ -1,11 +1,12 @@
-"""Progress of long waits: one line at most every INTERVAL_SECONDS, or a tqdm bar on a terminal.
+"""Progress of long waits: a line at most every tenth of the total (every INTERVAL_SECONDS where
+the total is unknown), or a tqdm bar on a terminal.
 
 A joiner's state download of a large model over a slow link takes minutes, and `diloco-node
-tokenize` of a large dataset as long: silent, both look hung (docs/architecture.md §4). `Progress`
-says how far a wait has got, its rate and, when the total is known, the time left, in a line such
-as `state download: 12.5/48.0 MB at 1.2 MB/s, ~30 s left`, throttled so that a log stays
-readable; `meter` picks a tqdm bar instead where stderr is a terminal. A leaf: it imports nothing
-of the package, so swarm/ and the CLI both may use it.
+tokenize`, `tokenizer train` and `export` of large inputs as long: silent, they look hung
+(docs/architecture.md §4). `Progress` says how far a wait has got, its rate and, when the total is
+known, the time left, in a line such as `state download: 12.5/48.0 MB at 1.2 MB/s, ~30 s left`,
+throttled so that a log stays readable; `meter` picks a tqdm bar instead where stderr is a
+terminal. A leaf: it imports nothing of the package, so swarm/ and the CLI both may use it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import IO, Any, Protocol
 
 logger = logging.getLogger(__name__)
 
-INTERVAL_SECONDS = 5.0  # between two lines of one wait: a log line every 5 s reads as alive, not as noise
+INTERVAL_SECONDS = 5.0  # a wait shorter than this stays silent; without a total, the pace of its lines
+STEP = 0.1  # with a total, a line each tenth of it: at most ten lines in a log, however long the wait
 
 
 def time_left(seconds: float) -> str:
@@ -32,18 +34,24 @@ def time_left(seconds: float) -> str:
 
 
 class Meter(Protocol):
-    """What a long wait reports to: the amount done so far (`update`) or an increment (`add`)."""
+    """What a long wait reports to: the amount done so far (`update`) or an increment (`add`), and
+    the total once the wait learns it (`expect`)."""
 
+    total: float | None
+
+    def expect(self, total: float) -> None: ...
     def update(self, done: float, count: int | None = None) -> None: ...
     def add(self, amount: float, count: int = 1) -> None: ...
     def close(self) -> None: ...
 
 
 class Progress:
-    """Throttled progress lines of one long wait (`label`), at most one every `interval` seconds of
-    `clock`, each handed to `emit` (by default logged at INFO): amount done in `unit` (`scale` units
-    of the raw amount, MB of bytes by default), of `total` when known, the mean rate since the start
-    and, with a total, the time left; `count_unit` adds a count (`12,345 documents`)."""
+    """Throttled progress lines of one long wait (`label`), each handed to `emit` (by default logged
+    at INFO): amount done in `unit` (`scale` units of the raw amount, MB of bytes by default; whole
+    numbers at scale 1), of `total` when known, the mean rate since the start and, with a total, the
+    time left; `count_unit` adds a count (`12,345 tokens`). With a total a line goes out as each
+    tenth of it is passed, without one every `interval` seconds of `clock`; nothing before
+    `interval` has passed (a short wait stays silent)."""
 
     def __init__(self, label: str, total: float | None = None, unit: str = "MB", scale: float = 1e6,
                  count_unit: str | None = None, interval: float = INTERVAL_SECONDS,
@@ -53,14 +61,19 @@ class Progress:
         self._emit = emit or (lambda line: logger.info("%s", line))
         self.started = self._last = clock()
         self.done, self.count = 0.0, 0
+        self._tenths = 0  # tenths of the total already said
+
+    def amount(self, raw: float) -> str:
+        """`raw` in this wait's unit: whole numbers of a count (`1,200`), one decimal of a scaled one."""
+        return f"{raw:,.0f}" if self.scale == 1 else f"{raw / self.scale:.1f}"
 
     def line(self, done: float, now: float, count: int | None = None) -> str:
         """The progress line for `done` (and `count`) at `now`; the mean rate since the start, so
         that one slow or fast read does not swing the time left."""
         elapsed = now - self.started
         rate = done / elapsed if elapsed > 0 else 0.0
-        of = f"/{self.total / self.scale:.1f}" if self.total else ""
-        text = f"{self.label}: {done / self.scale:.1f}{of} {self.unit} at {rate / self.scale:.1f} {self.unit}/s"
+        of = f"/{self.amount(self.total)}" if self.total else ""
+        text = f"{self.label}: {self.amount(done)}{of} {self.unit} at {self.amount(rate)} {self.unit}/s"
         if self.total and rate > 0 and done < self.total:
             text += f", {time_left((self.total - done) / rate)}"
         if count is not None and self.count_unit:
@@ -75,16 +88,30 @@ class Progress:
         left = (self.total - self.done) / rate if self.total and rate > 0 else None
         return {"done": self.done, "total": self.total, "per_second": rate, "seconds_left": left}
 
+    def expect(self, total: float) -> None:
+        """The wait's total, learnt after it began (how many documents a dataset holds) or grown (the
+        weights export writes after the checkpoint it read): the tenths count from it on."""
+        self.total = total
+        self._tenths = min(10, int(self.done / total / STEP)) if total else 0
+
     def update(self, done: float, count: int | None = None) -> None:
-        """`done` so far; a line goes out when `interval` has passed since the last one (or the start:
-        a wait shorter than that stays silent)."""
+        """`done` so far; a line goes out when a new tenth of the total is passed (without a total:
+        when `interval` has passed since the last line), and never within `interval` of the start."""
         self.done = done
         if count is not None:
             self.count = count
         now = self._clock()
-        if now - self._last >= self.interval:
-            self._last = now
-            self._emit(self.line(done, now, count))
+        if now - self.started < self.interval:
+            return
+        if self.total:
+            tenths = min(10, int(done / self.total / STEP))
+            if tenths <= self._tenths:
+                return
+            self._tenths = tenths
+        elif now - self._last < self.interval:
+            return
+        self._last = now
+        self._emit(self.line(done, now, self.count if count is None else count))
 
     def add(self, amount: float, count: int = 1) -> None:
         """`amount` more done (and `count` more items): what a stream of pieces reports."""
@@ -102,10 +129,18 @@ class Bar:
     def __init__(self, label: str, total: float | None, unit: str, count_unit: str | None, stream: IO[str]) -> None:
         from tqdm import tqdm  # ImportError where it is not installed: `meter` falls back to lines
 
-        self._make = lambda: tqdm(desc=label, total=total, unit=unit, unit_scale=True, unit_divisor=1000,
+        self.total: float | None = total
+        self._make = lambda: tqdm(desc=label, total=self.total, unit=unit, unit_scale=True, unit_divisor=1000,
                                   file=stream, leave=True, dynamic_ncols=True)
         self._bar: Any = None
         self.count_unit, self.done, self.count = count_unit, 0.0, 0
+
+    def expect(self, total: float) -> None:
+        """The wait's total, learnt after it began."""
+        self.total = total
+        if self._bar is not None:
+            self._bar.total = total
+            self._bar.refresh()
 
     def update(self, done: float, count: int | None = None) -> None:
         """`done` so far (and `count`)."""

@@ -18,13 +18,16 @@ from diloco_node.train.tokenizer import Tokenizer, load_tokenizer
 from diloco_node.train.tokens import Tally, pack, read_source, tallied
 
 
-def train_tokenizer_from(spec: str | None, vocab_size: int, out: Path, text_column: str = "text") -> Tokenizer:
-    """`diloco-node tokenizer train`: a byte-level BPE tokenizer trained on --data's documents."""
+def train_tokenizer_from(spec: str | None, vocab_size: int, out: Path, text_column: str = "text",
+                         tally: Tally | None = None) -> Tokenizer:
+    """`diloco-node tokenizer train`: a byte-level BPE tokenizer trained on --data's documents;
+    `tally` is told of every document read (its length in characters), for the command's progress."""
     from diloco_node.train.tokenizer import train_tokenizer
 
     if spec is not None and spec.startswith(HUB_PREFIX):
         raise DataError(f"data '{spec}': train a tokenizer on local files (a hub stream has no end to train on)")
-    return train_tokenizer(documents(spec, text_column), vocab_size, out)
+    texts = documents(spec, text_column, tally.expect if tally else None)
+    return train_tokenizer(tallied(texts, tally), vocab_size, out)
 
 
 def write_shards(spec: str | None, tokenizer_spec: str | None, out: Path, text_column: str = "text",
@@ -33,7 +36,8 @@ def write_shards(spec: str | None, tokenizer_spec: str | None, out: Path, text_c
     """`diloco-node tokenize`: --data as llm.c-layout shards under `out`, the held-out split in `*_val_*`
     files (what the node holds out from the source itself). Returns the shards and the train and eval
     token counts. `max_tokens` (0: all) bounds the train tokens, for a hub stream that would not end;
-    `tally` is told of every document tokenized (its token count), for tokenize's progress."""
+    `tally` is told how many documents there are (where known) and of every one tokenized (its
+    token count), for tokenize's progress."""
     tokenizer = load_tokenizer(tokenizer_spec)
     source = read_source(spec, tokenizer, text_column, tally)
     try:

@@ -230,9 +230,14 @@ def hub_loader(spec: str) -> Callable[[], Any]:
     return load
 
 
-def documents(spec: str | None, text_column: str = "text") -> Iterator[str]:
-    """The documents of a local text source (what `tokenizer train` reads); DataError when unusable."""
+def documents(spec: str | None, text_column: str = "text",
+              expect: Callable[[int], None] | None = None) -> Iterator[str]:
+    """The documents of a local text source (what `tokenizer train` reads); DataError when unusable.
+    `expect` is told how many there are, where the source knows before reading them (local
+    files: a dataset's rows, or one document per text file), for a progress bar's total."""
+    expect = expect or (lambda total: None)
     if spec is None:
+        expect(1)
         yield embedded_corpus().decode("utf-8", errors="replace")
         return
     if spec.startswith(HUB_PREFIX):
@@ -251,6 +256,8 @@ def documents(spec: str | None, text_column: str = "text") -> Iterator[str]:
     if formats:
         fmt = formats.pop()
         dataset = _local_dataset(fmt, [f for f in files if DATASET_FORMATS.get(f.suffix) == fmt], spec)
+        expect(len(dataset))
         yield from column_texts(dataset, text_column, spec)
     else:
+        expect(len(files))
         yield from _text_documents(files)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -82,15 +82,24 @@ def _split_tail(arrays: list[np.ndarray], fraction: float) -> tuple[list[np.ndar
     return train, held
 
 
-Tally = Callable[[int], None]  # told each tokenized document's token count (tokenize's progress)
+class Tally(Protocol):
+    """What tokenize's progress is told (telemetry/progress.py's Meter is one): how many documents
+    the source holds, where it knows (`expect`), and each document tokenized with its token count."""
+
+    def expect(self, total: float) -> None: ...
+    def add(self, amount: float, count: int = 1) -> None: ...
 
 
-def tallied(pieces: Iterable[np.ndarray], tally: Tally | None) -> Iterator[np.ndarray]:
-    """`pieces` as they come, each one's length told to `tally`: `tokenize` of a large dataset
-    is minutes of tokenizing, which its progress line reports (telemetry/progress.py)."""
+Piece = TypeVar("Piece", bound=Sized)
+
+
+def tallied(pieces: Iterable[Piece], tally: Tally | None) -> Iterator[Piece]:
+    """`pieces` (one per document: its tokens, or its text) as they come, each told to `tally` with
+    its length: `tokenize` and `tokenizer train` of a large dataset are minutes, which their
+    progress reports."""
     for piece in pieces:
         if tally is not None:
-            tally(len(piece))
+            tally.add(1, len(piece))
         yield piece
 
 
@@ -126,7 +135,7 @@ def read_source(spec: str | None, tokenizer: Tokenizer, text_column: str = "text
         if held and train:
             return Source(train, held)
         return Source(*_split_tail(train or held, EVAL_FRACTION))
-    packed = list(tallied(pack(tokenizer, documents(spec, text_column)), tally))
+    packed = list(tallied(pack(tokenizer, documents(spec, text_column, tally.expect if tally else None)), tally))
     if not packed:
         raise DataError(f"data '{spec}' is empty")
     return Source(*_split_tail([np.concatenate(packed)], EVAL_FRACTION))

@@ -10,7 +10,7 @@ import pytest
 
 from diloco_node.commands.launch import NodeProcess
 from tests.integration.conftest import NodeFactory
-from tests.integration.test_swarm import assert_same_digests
+from tests.integration.test_swarm import log_tails
 
 pytestmark = pytest.mark.integration
 
@@ -49,5 +49,12 @@ def test_late_joiner_reaches_the_same_digest(spawn: NodeFactory, pair: tuple[Nod
     joined = late.wait_joined()
     assert joined >= 2, "the late joiner should have downloaded the swarm's round, not started at 0"
     late.wait_until(lambda: len(late.rounds) >= 2, 120, "two rounds")
-    # normally joined + 1 and + 2; a joiner that caught the swarm mid-step re-syncs once first
-    assert_same_digests([first, second, late], range(min(late.rounds), min(late.rounds) + 2))
+    # normally joined + 1 and + 2. A joiner that caught the swarm mid-step re-syncs once first, and
+    # under load a round of three may split (seen once in CI: the joiner and one node averaged, its
+    # server alone); the φ of all three must then agree again from the next round on
+    nodes, first_round = [first, second, late], min(late.rounds)
+    digests = [{n.name: n.wait_for_round(r).digest for n in nodes} for r in range(first_round, first_round + 2)]
+    while not all(len(set(d.values())) == 1 for d in digests[-2:]):
+        assert len(digests) < 5, f"φ differs across nodes in rounds {first_round}–{first_round + len(digests) - 1}: " \
+                                 f"{digests}\n{log_tails(nodes)}"
+        digests.append({n.name: n.wait_for_round(first_round + len(digests)).digest for n in nodes})

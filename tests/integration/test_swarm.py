@@ -12,11 +12,15 @@ from tests.integration.conftest import NodeFactory
 
 pytestmark = pytest.mark.integration
 
+def log_tails(nodes: list[NodeProcess], lines: int = 20) -> str:
+    """Each node's last log lines: what a failure shows (CI's excerpt cuts the middle of longer text)."""
+    return "\n".join(f"--- {node.name}:\n" + "\n".join(node.log_text().splitlines()[-lines:]) for node in nodes)
+
+
 def assert_same_digests(nodes: list[NodeProcess], rounds: range) -> None:
     for round_ in rounds:
         digests = {node.name: node.wait_for_round(round_).digest for node in nodes}
-        logs = "\n".join(f"--- {node.name}:\n{node.log_text()}" for node in nodes)
-        assert len(set(digests.values())) == 1, f"round {round_}: φ differs across nodes: {digests}\n{logs}"
+        assert len(set(digests.values())) == 1, f"round {round_}: φ differs across nodes: {digests}\n{log_tails(nodes)}"
 
 
 def test_three_nodes_agree_every_round_and_learn(spawn: NodeFactory) -> None:

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from diloco_node.daemon.checkpoint import CheckpointError, CheckpointStore, read_checkpoint
 from diloco_node.replica import ReplicaSettings, make_replica
+from diloco_node.telemetry.progress import Progress
 from diloco_node.train.model import build_model
 
 
@@ -59,6 +60,16 @@ def test_a_round_trip_is_exact_and_holds_no_pickle(tmp_path: Path) -> None:
     assert torch.equal(tensors["outer_params/1"], saved["outer_params"][1])
     assert tensors["inner/moments/w.weight/0"].dtype == torch.bfloat16
     store.close()
+
+
+def test_reading_a_checkpoint_reports_the_bytes_of_its_check(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    store.save({**state(), "outer_params": [torch.zeros(3 << 20)]})  # 12 MiB: three of check's chunks
+    store.close()
+    progress = Progress("export", emit=lambda line: None)
+    read_checkpoint(tmp_path, progress)  # export's progress: the tensors file's size, then each chunk
+    size = next(tmp_path.glob("node-*.safetensors")).stat().st_size
+    assert progress.total == progress.done == size > 12 << 20
 
 
 def test_the_previous_tensors_file_is_kept_one_save_and_an_old_torch_checkpoint_is_replaced(tmp_path: Path) -> None:

@@ -40,22 +40,38 @@ def test_the_figures_a_status_reader_gets() -> None:
     assert Progress("tokenize", clock=clock).figures()["seconds_left"] is None  # no total, no time left
 
 
-def test_one_line_per_interval_whatever_the_pace_of_the_reports() -> None:
+def test_a_line_each_tenth_of_a_known_total_and_none_in_a_short_wait() -> None:
     clock, lines = Clock(), []
-    progress = Progress("state download", total=10e6, interval=5.0, clock=clock, emit=lines.append)
+    progress = Progress("state download", total=10e6, clock=clock, emit=lines.append)
     for _ in range(19):  # a chunk every 0.25 s for 4.75 s: a short wait stays silent
         clock.now += 0.25
         progress.update(progress.done + 0.25e6)
     assert lines == []
-    for _ in range(21):  # to 10 s: one line at 5 s, one at 10 s
+    for _ in range(21):  # to 10 s: the first line at 5 s (the tenths passed so far), then each tenth
         clock.now += 0.25
         progress.update(progress.done + 0.25e6)
-    assert len(lines) == 2, lines
+    assert len(lines) == 6, lines  # 5.0 MB, 6, 7, 8, 9, 10: however many reports came
     assert lines[0].startswith("state download: 5.0/10.0 MB at 1.0 MB/s, ~5 s left"), lines
-    assert lines[1] == "state download: 10.0/10.0 MB at 1.0 MB/s", lines  # done: nothing left to say
-    clock.now += 4.9
+    assert lines[-1] == "state download: 10.0/10.0 MB at 1.0 MB/s", lines  # done: nothing left to say
+    clock.now += 60
     progress.update(10e6)
-    assert len(lines) == 2
+    assert len(lines) == 6  # no tenth passed, however long
+
+
+def test_without_a_total_one_line_per_interval_until_the_total_is_learnt() -> None:
+    clock, lines = Clock(), []
+    progress = Progress("tokenize", unit="documents", scale=1, count_unit="tokens", interval=5.0, clock=clock,
+                        emit=lines.append)
+    for _ in range(40):  # a document every 0.25 s for 10 s: one line at 5 s, one at 10 s
+        clock.now += 0.25
+        progress.add(1, 300)
+    assert lines == ["tokenize: 20 documents at 4 documents/s, 6,000 tokens",
+                     "tokenize: 40 documents at 4 documents/s, 12,000 tokens"], lines
+    progress.expect(400)  # a dataset's rows, known once it is open: from now on each tenth not yet passed
+    for _ in range(40):
+        clock.now += 0.25
+        progress.add(1, 300)
+    assert lines[2:] == ["tokenize: 80/400 documents at 4 documents/s, ~80 s left, 24,000 tokens"], lines
 
 
 def test_add_counts_pieces_and_items() -> None:
@@ -86,6 +102,8 @@ def test_a_bar_only_on_a_terminal_and_drawn_only_once_there_is_progress(tmp_path
     assert terminal.getvalue() == ""  # refused before any work: the error line stands alone
     bar = meter("tokenize", count_unit="documents", bar_unit="tok", stream=terminal)
     bar.add(1500)
+    bar.expect(6000)  # the total learnt after the first report: the bar gets it
     bar.add(1500)
     bar.close()
-    assert "3.00ktok" in terminal.getvalue() and "2 documents" in terminal.getvalue(), terminal.getvalue()
+    drawn = terminal.getvalue()
+    assert "3.00k/6.00k" in drawn and "2 documents" in drawn and "50%" in drawn, drawn

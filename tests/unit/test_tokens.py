@@ -272,14 +272,30 @@ def test_a_producer_failure_reaches_the_training_thread() -> None:
 # --- shards ---------------------------------------------------------------------------------------
 
 
+class Counted:
+    """A Tally that keeps what it is told."""
+
+    def __init__(self) -> None:
+        self.total: float | None = None
+        self.amount = 0.0
+        self.counts: list[int] = []
+
+    def expect(self, total: float) -> None:
+        self.total = total
+
+    def add(self, amount: float, count: int = 1) -> None:
+        self.amount += amount
+        self.counts.append(count)
+
+
 def test_tokenize_writes_llmc_shards_the_node_reads_back(corpus: dict[str, Path], tmp_path: Path) -> None:
     tokenizer = load_tokenizer(str(corpus["tok"]))
-    tallied: list[int] = []  # tokenize's progress: every document tokenized, once (telemetry/progress.py)
+    tally = Counted()  # tokenize's progress: the documents to come, then each one tokenized, once
     paths, train, held = write_shards(str(corpus["parquet"]), str(corpus["tok"]), tmp_path / "out",
-                                        shard_tokens=4000, tally=tallied.append)
+                                        shard_tokens=4000, tally=tally)
     source = read_source(str(corpus["parquet"]), tokenizer)
     assert train == sum(len(a) for a in source.train) and held == sum(len(a) for a in source.eval)
-    assert sum(tallied) == train + held and len(tallied) > 1
+    assert sum(tally.counts) == train + held and tally.amount == len(tally.counts) == tally.total > 1
     assert len(paths) == 1 + -(-train // 4000)
     header = np.fromfile(paths[-1], dtype="<i4", count=256)
     assert (header[0], header[1]) == (20240520, 1)  # llm.c's GPT-2 layout: uint16 tokens
