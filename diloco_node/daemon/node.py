@@ -261,6 +261,16 @@ class Node:
         logger.info("%s", settled.log_line())
         self.events.emit("settled", **settled.event())
 
+    def take_run_state(self, fresh: bool) -> None:
+        """At start-up: the run's state (sync_from_peers). A fresh node (no checkpoint) of a run past
+        the round its seed builds asks again for as long as no peer shares it in time, a line each
+        time: training its own φ0 would only find it behind at its first barrier, to re-sync after
+        a round averaged alone, and again while the state still does not arrive."""
+        while not self.sync_from_peers(fresh) and fresh and not self.stop_requested.is_set() \
+                and self.swarm.ahead_of(self.state.round):
+            logger.warning("the run is past round %d and no peer shared its state in time: asking again "
+                           "(training from our own φ would only fall behind)", self.state.round)
+
     def sync_from_peers(self, fresh: bool = False) -> bool:
         """Download φ, outer momentum and the round from a peer; False when we are the first node,
         or (`fresh`: no checkpoint) the run's state is the one we built from the seed already."""

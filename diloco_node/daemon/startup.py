@@ -83,7 +83,7 @@ def _start(node: Node) -> None:
     # holds our Δs awaiting their rounds' means (a crash under eager) lacks those means, which
     # the run's state holds exactly once. Either way the run's state replaces ours.
     if outstanding is None or outstanding or swarm.ahead_of(node.state.round):
-        node.sync_from_peers(fresh=outstanding is None)
+        node.take_run_state(fresh=outstanding is None)
     if node.stop_requested.is_set():
         return  # stopped during the state download: nothing of ours is worth saving
     # where our data goes on is known now: the prefetch fills while we announce and wait for peers

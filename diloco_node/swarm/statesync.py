@@ -517,7 +517,7 @@ def download_run_state(service: StateService, run: Callable[[Any, float, threadi
         if received is not None:
             return received
         if time.monotonic() > deadline:
-            logger.warning("no peer shared its state within %.0fs; starting from our own φ", timeout)
+            logger.warning("no peer shared its state within %.0fs", timeout)
             return None
         if stop.wait(STATE_RETRY_SECONDS):
             logger.warning("state download stopped")
