@@ -266,8 +266,10 @@ def summarize(entries: list[dict[str, Any]], steps: int, parameters: int, batch:
     for r in rows:
         r["gain"] = alone / r["tokens_median"] if alone and r["tokens_median"] else None
         r["gain_at_budget"] = gain_at_budget(r["loss_at_budget"], alone_curves, budget)
+    longest = max((int(points[-1][0]) for runs in alone_curves.values() for points in runs), default=None)
     return {"target": target, "target_label": ddp["label"] if ddp else None, "budget_tokens": budget,
-            "batch_size": batch, "alone_tokens": alone, "g_ddp": ddp["gain"] if ddp else None, "rows": rows}
+            "batch_size": batch, "alone_tokens": alone, "alone_longest": longest,
+            "g_ddp": ddp["gain"] if ddp else None, "rows": rows}
 
 
 def removed(runs: list[dict[str, Any]]) -> float | None:
@@ -309,6 +311,19 @@ def rank(row: dict[str, Any]) -> tuple[float, float]:
     return (row["tokens_median"] or math.inf, statistics.fmean(losses) if losses else math.inf)
 
 
+def reach_sentence(summary: dict[str, Any]) -> str:
+    """How far one worker alone is from the target: its tokens to it and G_DDP, or, where no alone run
+    got there, the bound its longest run sets on G_DDP."""
+    if summary["g_ddp"]:
+        return f"One worker alone needs {summary['alone_tokens']:,.0f} tokens to it; DDP's gain G_DDP = " \
+               f"{summary['g_ddp']:.2f}x."
+    ddp = next((r for r in summary["rows"] if r["label"] == summary["target_label"]), None)
+    longest = summary["alone_longest"]
+    if not (ddp and ddp["tokens_median"] and longest):
+        return "No alone run reached it."
+    return f"No alone run reached it in up to {longest:,} tokens, so G_DDP > {longest / ddp['tokens_median']:.1f}x."
+
+
 def markdown(summary: dict[str, Any], steps: int) -> str:
     g_ddp, ddp_bytes = summary["g_ddp"], None
     for r in summary["rows"]:
@@ -319,9 +334,7 @@ def markdown(summary: dict[str, Any], steps: int) -> str:
              "", f"`llama-2m`, BPE 4,096 on the standard library's sources, {summary['batch_size']} x "
              f"{SHAPE['seq_len']} tokens per worker step. Target: {summary['target_label']}'s worst final eval "
              f"loss over its seeds after {steps} steps (DDP at the settings tried that make it lowest) = "
-             f"**{summary['target']:.4f}**. One worker alone needs "
-             f"{summary['alone_tokens'] or 0:,.0f} tokens to it; DDP's gain G_DDP = "
-             f"{g_ddp:.2f}x." if g_ddp else "", "",
+             f"**{summary['target']:.4f}**. " + reach_sentence(summary), "",
              "| row | seeds | tokens per worker to target (each seed) | gain over alone (median) | vs G_DDP | "
              "eval at the budget (each seed) | gain at the budget | averages to target | payload bytes per worker | "
              "fewer than DDP | weight removed |",
