@@ -378,7 +378,7 @@ def tokenizer_train(data: str | None, vocab_size: int, text_column: str, out: Pa
 
     # reading a large dataset is most of the time: a bar of its documents on a terminal, else a line
     # each tenth (on stderr, as a bar is: stdout keeps the one result line)
-    progress = meter("tokenizer train: reading", unit="documents", scale=1, count_unit="characters",
+    progress = meter("tokenizer train, reading", unit="documents", scale=1, count_unit="characters",
                      bar_unit="doc", emit=lambda line: click.echo(line, err=True))
     try:
         trained = train_tokenizer_from(data, vocab_size, out, text_column, progress)  # or DataError, TokenizerError
