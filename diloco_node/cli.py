@@ -13,15 +13,19 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 from click.core import ParameterSource
 
 from diloco_node.config import DEFAULT_STATUS_PORT, NodeConfig, describe, load_config, unset_default
 from diloco_node.errors import NodeError
+
+if TYPE_CHECKING:
+    from diloco_node.telemetry.progress import Meter
 
 
 class InputError(NodeError, ValueError):
@@ -356,6 +360,19 @@ def revoke(owner_key: Path, run_id: str, peers: tuple[str, ...], peer_id: str) -
     click.echo(f"revoked {peer_id} in run {run_id}")
 
 
+@contextmanager
+def _progress(label: str, **options: Any) -> Iterator[Meter]:
+    """A long command's progress (telemetry/progress.meter: a bar on a terminal, else a line each
+    tenth) on stderr, as a bar is: stdout keeps the command's one result line."""
+    from diloco_node.telemetry.progress import meter
+
+    progress = meter(label, emit=lambda line: click.echo(line, err=True), **options)
+    try:
+        yield progress
+    finally:
+        progress.close()
+
+
 @main.group(cls=Commands)
 def tokenizer() -> None:
     """Tokenizers for --tokenizer."""
@@ -373,17 +390,12 @@ def tokenizer_train(data: str | None, vocab_size: int, text_column: str, out: Pa
 
     Example: diloco-node tokenizer train --data examples/tiny-stories.jsonl --vocab-size 2048 my-tokenizer
     """
-    from diloco_node.telemetry.progress import meter
     from diloco_node.train.prepare import train_tokenizer_from
 
-    # reading a large dataset is most of the time: a bar of its documents on a terminal, else a line
-    # each tenth (on stderr, as a bar is: stdout keeps the one result line)
-    progress = meter("tokenizer train, reading", unit="documents", scale=1, count_unit="characters",
-                     bar_unit="doc", emit=lambda line: click.echo(line, err=True))
-    try:
+    # reading a large dataset is most of the time: its documents are what the progress counts
+    with _progress("tokenizer train, reading", unit="documents", scale=1, count_unit="characters",
+                   bar_unit="doc") as progress:
         trained = train_tokenizer_from(data, vocab_size, out, text_column, progress)  # or DataError, TokenizerError
-    finally:
-        progress.close()
     click.echo(f"wrote {trained.name}: vocabulary {trained.vocab_size}, digest {trained.digest}")
 
 
@@ -401,19 +413,13 @@ def tokenize(data: str | None, tokenizer_spec: str | None, text_column: str, max
 
     Example: diloco-node tokenize --data examples/tiny-stories.jsonl --tokenizer my-tokenizer tokens/
     """
-    from diloco_node.telemetry.progress import meter
     from diloco_node.train.prepare import write_shards
 
-    # minutes on a large dataset: a bar of its documents on a terminal, else a line each tenth of
-    # them (every few seconds of a hub stream, whose length is unknown), on stderr as a bar is:
-    # stdout keeps the one result line
-    progress = meter("tokenize", unit="documents", scale=1, count_unit="tokens", bar_unit="doc",
-                     emit=lambda line: click.echo(line, err=True))
-    try:
+    # minutes on a large dataset: its documents counted (every few seconds of a hub stream, whose
+    # length is unknown)
+    with _progress("tokenize", unit="documents", scale=1, count_unit="tokens", bar_unit="doc") as progress:
         paths, train, held = write_shards(data, tokenizer_spec, out, text_column, max_tokens,
                                           tally=progress)  # or DataError
-    finally:
-        progress.close()
     click.echo(f"wrote {len(paths)} shards to {out}: {train} train tokens, {held} eval tokens")
 
 
@@ -428,14 +434,9 @@ def export_model(checkpoint_dir: str, run_id: str, out: Path) -> None:
     Example: diloco-node export --checkpoint-dir checkpoints --run-id demo my-model/
     """
     from diloco_node.commands.export import export
-    from diloco_node.telemetry.progress import meter
 
-    # a large checkpoint's check and the weights' write: a bar on a terminal, else a line each tenth
-    progress = meter("export", emit=lambda line: click.echo(line, err=True))
-    try:
+    with _progress("export") as progress:  # a large checkpoint's check and the weights' write, in bytes
         written = export(checkpoint_dir, run_id, str(out), progress)  # or ExportError
-    finally:
-        progress.close()
     click.echo(f"wrote {written}")
 
 

@@ -111,7 +111,7 @@ class Progress:
         elif now - self._last < self.interval:
             return
         self._last = now
-        self._emit(self.line(done, now, self.count if count is None else count))
+        self._emit(self.line(done, now, self.count))
 
     def add(self, amount: float, count: int = 1) -> None:
         """`amount` more done (and `count` more items): what a stream of pieces reports."""
