@@ -164,6 +164,10 @@ class RoundReport:
     result: AverageResult | None  # the exchange whose mean this round's step used
     diverged: bool = False  # blocking: our φ differs from the digest the run agrees on
     consensus_distance: float | None = None  # NoLoCo: ‖φ − φ̄‖ / ‖φ̄‖ before the step
+    # delayed and eager: the round whose exchange `result` is, numbered as the round lines number
+    # rounds (the round its own step made); an earlier one than this, since an exchange lands a round
+    # late (a joiner's first: the server's round in flight). None: this round's own exchange
+    group_round: int | None = None
 
     @property
     def stepped(self) -> bool:

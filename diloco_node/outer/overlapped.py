@@ -93,7 +93,7 @@ class OverlappedUpdate:
             applied = Applied(round_, fresh, weight, ctx.state.steps)
             self.pending.start(applied, lambda: self._exchange(round_, own))
         return RoundReport(last.outcome if last else Outcome.LOST, own, last.result if last else None,
-                           diverged=diverged)
+                           diverged=diverged, group_round=finished[-1][0].round + 1 if finished else None)
 
     def _diverged(self) -> bool:
         """Whether the state we serve differs from the one our last group serves, settled up to the

@@ -135,6 +135,10 @@ class RoundRecord:
         "last_round_weight_removed", peer="last_round_weight_removed",
         metric=("gauge", "diloco_last_round_weight_removed",
                 "share of the group's declared work the token cap and the clip took away in the last round")))
+    # last (newest): the round whose exchange `group_size` and `group` describe, where it is an earlier
+    # one (delayed and eager apply an exchange a round late; a joiner's first round applies its server's
+    # round in flight, whose group it was not in). None: this round's own
+    group_round: int | None = field(default=None, metadata=_shows("group_round"))
     # NoLoCo (gossip) runs: the event carries `group` and `consensus_distance`, the log line ends with them
     gossip: bool = field(default=False, repr=False)
 
@@ -168,7 +172,8 @@ class RoundRecord:
         """The round's log line (key=value, one per round; readers use the events instead)."""
         loss = "-" if self.loss is None else f"{self.loss:.4f}"
         line = (f"round={self.round} loss={loss} eval_loss={self.eval_loss:.4f} "
-                f"group_size={self.group_size} sent={self.bytes_sent} received={self.bytes_received} "
+                f"group_size={self.group_size}{'' if self.group_round is None else f' group_round={self.group_round}'}"
+                f" sent={self.bytes_sent} received={self.bytes_received} "
                 f"seconds={self.round_seconds:.1f} payload={self.payload_bytes} "
                 f"bytes_per_param={self.bytes_per_param:.4f} codec_seconds={self.codec_seconds:.3f} "
                 f"utilization={self.utilization:.3f} transfer={self.transfer_bytes or 0}/"

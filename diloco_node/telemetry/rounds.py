@@ -70,7 +70,8 @@ def round_record(round_: int, losses: list[float], eval_loss: float, report: Rou
         last_round_tokens_per_second=round(tokens / timing.compute, 1) if timing.compute > 0 else 0.0,
         skipped=not losses, fragment=fragment, moved_at=timing.moved_at,
         last_round_weight=round(result.own_share, 4) if result else 0.0,
-        weight_removed=round(result.weight_removed, 4) if result else 0.0)
+        weight_removed=round(result.weight_removed, 4) if result else 0.0,
+        group_round=report.group_round if report.group_round not in (None, round_) else None)
 
 
 class RoundReporter:

@@ -116,3 +116,9 @@ def test_a_joiner_completes_a_round_its_server_averaged_alone_at_once(spawn: Nod
     joiner.wait_until(lambda: len(joiner.rounds) >= 1, 120, "a first round")
     assert time.monotonic() - joined < 30, joiner.log_text()[-3000:]
     assert "could not fetch the mean" not in joiner.log_text(), joiner.log_text()[-3000:]
+    # and its own first round counts: that exchange, landing a round late, was with the server. The
+    # first round's line names the server's round in flight it completed (group_round), if any
+    first_round = min(joiner.rounds)
+    assert joiner.rounds[first_round].group_round in (first_round - 1, None), joiner.log_text()[-3000:]
+    own_first = joiner.wait_for_round(first_round + 1, timeout=120)
+    assert (own_first.group_round, own_first.group_size) == (first_round, 2), joiner.log_text()[-3000:]

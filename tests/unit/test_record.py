@@ -62,7 +62,7 @@ def test_event_round_trips_through_json_and_from_event(record: RoundRecord) -> N
 def test_event_keeps_todays_keys_and_leaves_out_what_was_never_there() -> None:
     tail = ("digest", "peak_memory_bytes", "outcome", "data_wait_seconds", "last_round_inner_steps",
             "last_round_tokens", "last_round_tokens_per_second", "skipped", "fragment", "moved_at",
-            "last_round_weight", "weight_removed")
+            "last_round_weight", "weight_removed", "group_round")
     assert tuple(sample().event()) == EVENT_KEYS + tail
     measured = sample(wire_sent=10, wire_received=20, wire_sent_total=100, wire_received_total=200).event()
     assert tuple(measured) == EVENT_KEYS[:9] + WIRE_FIELDS + EVENT_KEYS[9:] + tail
@@ -96,6 +96,9 @@ def test_log_line_is_todays_format() -> None:
     assert skipped.startswith("round=4 loss=- eval_loss=2.7800 ") and skipped.endswith("tokens=0 skipped")
     assert sample(gossip=True, group=(), digest="d").log_line() == (
         head + "transfer=1644370/0.139s digest=d" + trained + " consensus_distance=- group=-")
+    # eager and delayed: the group is that of the exchange that landed, an earlier round's
+    assert sample(group_round=3).log_line().startswith("round=4 loss=2.9812 eval_loss=2.7800 group_size=2 "
+                                                       "group_round=3 sent=1644398 ")
 
 
 def test_settled_record_spells_bytes_as_the_round_event() -> None:
@@ -151,8 +154,11 @@ def test_reporter_feeds_status_history_peer_stats_and_swarm_table(gossip: bool) 
     assert status["consensus_distance"] == (0.0012 if gossip else None)
     assert status["data_wait_seconds"] == record.data_wait_seconds == 0.25  # the last round's, not a total
     assert telemetry.history() == [record.event()]
-    record = reporter.finished(4, [1.0], 1.6, _report(gossip), RoundTiming(1.0, 1.5), "dig2", traffic=(6000, 9000))
+    assert record.group_round is None  # the round's own exchange: nothing to say
+    late = dataclasses.replace(_report(gossip), group_round=2)  # an overlapped round's exchange lands a round late
+    record = reporter.finished(4, [1.0], 1.6, late, RoundTiming(1.0, 1.5), "dig2", traffic=(6000, 9000))
     status = telemetry.snapshot()
+    assert record.group_round == status["group_round"] == 2 and "group_size=2 group_round=2 " in record.log_line()
     assert (status["compute_seconds"], status["wait_seconds"], status["utilization"]) == (3.0, 2.0, 0.6)
     assert status["data_wait_seconds"] == 0.0
     trained = (status["last_round_inner_steps"], status["last_round_tokens"], status["last_round_skipped"])
