@@ -98,6 +98,7 @@ class Presence:
         self._record_lock = threading.Lock()
         self._record = NodeRecord(peer_id, fingerprint, 0, -1, "", admission=gate.token, client=client)
         self._served_in: dict[str, int] = {}  # joiners we served: the round we were at (JOINER_RECORD_SECONDS)
+        self._holding: int | None = None  # the round whose ready we hold back for such a joiner (hold_ready)
         self._stats: dict[str, Any] = {}
         # monotonic times of our last store of the record, read of the records, store of our config
         self._published_at = self._read_at = self._config_published_at = -math.inf
@@ -131,11 +132,31 @@ class Presence:
         self._heartbeat.start()
 
     def announce(self, round_: int, ready_round: int, digest: str, served: tuple[int, str]) -> None:
-        """`digest`: φ's at the start of `round_`; `served`: the (round, digest) of the state we serve."""
+        """`digest`: φ's at the start of `round_`; `served`: the (round, digest) of the state we serve.
+        Ready while a joiner we served at `round_` has no record of it yet, we say so only once the
+        barrier has seen it (hold_ready)."""
+        hold = ready_round == round_ and bool(self._unseen_joiners(self._others_known(), round_, None))
         with self._record_lock:
+            self._holding = round_ if hold else None
+            ready_round = round_ - 1 if hold else ready_round
             self._record = dataclasses.replace(self._record, round=round_, ready_round=ready_round, digest=digest,
                                                served_round=served[0], served_digest=served[1], stats=self._stats)
             self._publish()
+
+    def _release_ready(self, round_: int) -> None:
+        """Say that we are ready for `round_` after all, if announce held it back. Why it holds: the
+        node that served a joiner waits for the joiner's record (JOINER_RECORD_SECONDS), the run's
+        other nodes do not know of the joiner yet; were we ready meanwhile, they would matchmake
+        without us, the joiner would find their group, and the round would split (seen in CI: a
+        late joiner's first round averaged with a third node, its server alone). Held, we keep
+        their barrier (we are a counted peer) until the joiner is in view for all."""
+        with self._record_lock:
+            if self._holding != round_:
+                return
+            self._holding = None
+            if self._record.round == round_ and self._record.ready_round < round_:
+                self._record = dataclasses.replace(self._record, ready_round=round_)
+                self._publish()
 
     def mark_exchanged(self, round_: int) -> None:
         """Our exchange of `round_` is over: a node still waiting to exchange it is behind. It goes
@@ -293,12 +314,23 @@ class Presence:
         (nobody else is in the run), BEHIND (others already finished this round) or STOPPED
         (the node was asked to stop while waiting).
         """
+        try:
+            return self._wait_for_round(round_, timeout, stop, among)
+        finally:
+            self._release_ready(round_)  # whatever ended the wait: a held ready is never left behind
+
+    def _wait_for_round(self, round_: int, timeout: float, stop: threading.Event,
+                        among: Collection[str] | None) -> Outcome:
         started = time.monotonic()
         deadline = started + timeout
+        joiner_wait = min(JOINER_RECORD_SECONDS, NEWCOMER_GRACE * timeout)
         pauses = polls()
         counted_ready_at: float | None = None  # when every counted peer was ready, the others aside
         while True:
-            others = self._others(among)
+            others = self._others(among, round_)
+            if self._holding == round_ and (among is not None or time.monotonic() - started >= joiner_wait
+                                            or not self._unseen_joiners(others, round_, among)):
+                self._release_ready(round_)  # the joiner is in view (or given up on): ready, for everyone
             counted, newcomers, strangers = self.view().waited_for(others, round_, among, self.proofs)
             # once the counted peers are ready, each of the others is waited for its grace only
             late = 0.0 if counted_ready_at is None else time.monotonic() - counted_ready_at
@@ -308,7 +340,7 @@ class Presence:
             # ALONE too: a node alone in its run that just served its first joiner sees no record
             # yet, and going on alone would leave the joiner behind at once (re-sync, alone again)
             if state in (Outcome.TOGETHER, Outcome.ALONE) and (unseen := self._unseen_joiners(others, round_, among)):
-                if time.monotonic() - started < min(JOINER_RECORD_SECONDS, NEWCOMER_GRACE * timeout):
+                if time.monotonic() - started < joiner_wait:
                     if stop.wait(next(pauses)):
                         return Outcome.STOPPED
                     continue
@@ -347,7 +379,7 @@ class Presence:
 
     def round_state(self, round_: int, among: Collection[str] | None = None) -> Outcome:
         """Where the others (of `among`, when given) stand on `round_` right now; see trust/view.py's `round_state`."""
-        others = self._others(among)
+        others = self._others(among, round_)
         counted, newcomers, strangers = self.view().waited_for(others, round_, among, self.proofs)
         return round_state(others.values(), round_, counted, newcomers | strangers)
 
@@ -384,9 +416,21 @@ class Presence:
             self.recent_peers()  # the partners' records, fresh (at most one read per 2 s)
         return spare
 
-    def _others(self, among: Collection[str] | None) -> dict[str, NodeRecord]:
+    def _others_known(self) -> dict[str, NodeRecord]:
+        """The other live compatible nodes as of our last read (no DHT read)."""
+        return {p: r for p, r in self._live.items() if p != self.peer_id and r.fingerprint == self.fingerprint}
+
+    def _others(self, among: Collection[str] | None, round_: int | None = None) -> dict[str, NodeRecord]:
+        """The other live compatible nodes (of `among`), read now; with `round_`, those that take part in
+        it: not a joiner we served that starts after it. Its record enters at its first round, ready
+        for the one before (ready_round = round − 1), which it never trains; counted in that round, it
+        was matchmade for in vain (a round of 13 s + 5 s alone) and spent its one newcomer grace there,
+        so that its true first round went without it and it re-synced (seen under eager, 0.5 s rounds)."""
+        with self._record_lock:
+            starts = dict(self._served_in)
         return {p: r for p, r in self._fetch().items()
-                if p != self.peer_id and r.fingerprint == self.fingerprint and (among is None or p in among)}
+                if p != self.peer_id and r.fingerprint == self.fingerprint and (among is None or p in among)
+                and (round_ is None or starts.get(p, round_) <= round_)}
 
     def all_past(self, round_: int) -> bool:
         """Whether every other live node that decides has already exchanged `round_` (RunView.all_past), read now."""
