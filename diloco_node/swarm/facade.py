@@ -128,7 +128,7 @@ class Swarm:
     def announce(self, round_: int, ready: bool, digest: str, served: tuple[int, str]) -> None:
         """We train `round_` (ready=False) or are done with its inner phase; `digest`: φ's at its
         start; `served`: the (settled round, digest) of the state we serve."""
-        self._presence.announce(round_, round_ if ready else round_ - 1, digest, served)
+        self._presence.announce(round_, ready, digest, served)
 
     def publish_stats(self, stats: dict[str, Any]) -> None:
         """Our row of the swarm table; it goes out with the next announcement."""

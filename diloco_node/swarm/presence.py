@@ -128,17 +128,21 @@ class Presence:
         """Announce ourselves as a member at `round_`, after any state download: a joiner that the
         others counted while it downloads would hold up their barrier for as long."""
         self.check_compatible()
-        self.announce(round_, ready_round=round_ - 1, digest=digest, served=served)
+        self.announce(round_, ready=False, digest=digest, served=served)
         self._heartbeat.start()
 
-    def announce(self, round_: int, ready_round: int, digest: str, served: tuple[int, str]) -> None:
-        """`digest`: φ's at the start of `round_`; `served`: the (round, digest) of the state we serve.
-        Ready while a joiner we served at `round_` has no record of it yet, we say so only once the
-        barrier has seen it (hold_ready)."""
-        hold = ready_round == round_ and bool(self._unseen_joiners(self._others_known(), round_, None))
+    def announce(self, round_: int, ready: bool, digest: str, served: tuple[int, str]) -> None:
+        """We train `round_` or (`ready`) its inner phase is over; `digest`: φ's at the start of `round_`;
+        `served`: the (round, digest) of the state we serve. Our record's `ready_round` is the last
+        round whose inner phase we finished, and only that: a joiner entering at round r, or a node
+        that re-synced to it, trained no r − 1, and saying it was ready for r − 1 had peers
+        matchmake for it there in vain and spend its newcomer grace (trust/view.py, round_state).
+        Ready while a joiner we served at `round_` has no record of it yet, we say so only once
+        the barrier has seen it (_release_ready)."""
+        hold = ready and bool(self._unseen_joiners(self._others_known(), round_, None))
         with self._record_lock:
             self._holding = round_ if hold else None
-            ready_round = round_ - 1 if hold else ready_round
+            ready_round = round_ if ready and not hold else min(self._record.ready_round, round_ - 1)
             self._record = dataclasses.replace(self._record, round=round_, ready_round=ready_round, digest=digest,
                                                served_round=served[0], served_digest=served[1], stats=self._stats)
             self._publish()
@@ -327,7 +331,7 @@ class Presence:
         pauses = polls()
         counted_ready_at: float | None = None  # when every counted peer was ready, the others aside
         while True:
-            others = self._others(among, round_)
+            others = self._others(among)
             if self._holding == round_ and (among is not None or time.monotonic() - started >= joiner_wait
                                             or not self._unseen_joiners(others, round_, among)):
                 self._release_ready(round_)  # the joiner is in view (or given up on): ready, for everyone
@@ -379,7 +383,7 @@ class Presence:
 
     def round_state(self, round_: int, among: Collection[str] | None = None) -> Outcome:
         """Where the others (of `among`, when given) stand on `round_` right now; see trust/view.py's `round_state`."""
-        others = self._others(among, round_)
+        others = self._others(among)
         counted, newcomers, strangers = self.view().waited_for(others, round_, among, self.proofs)
         return round_state(others.values(), round_, counted, newcomers | strangers)
 
@@ -420,17 +424,9 @@ class Presence:
         """The other live compatible nodes as of our last read (no DHT read)."""
         return {p: r for p, r in self._live.items() if p != self.peer_id and r.fingerprint == self.fingerprint}
 
-    def _others(self, among: Collection[str] | None, round_: int | None = None) -> dict[str, NodeRecord]:
-        """The other live compatible nodes (of `among`), read now; with `round_`, those that take part in
-        it: not a joiner we served that starts after it. Its record enters at its first round, ready
-        for the one before (ready_round = round − 1), which it never trains; counted in that round, it
-        was matchmade for in vain (a round of 13 s + 5 s alone) and spent its one newcomer grace there,
-        so that its true first round went without it and it re-synced (seen under eager, 0.5 s rounds)."""
-        with self._record_lock:
-            starts = dict(self._served_in)
+    def _others(self, among: Collection[str] | None) -> dict[str, NodeRecord]:
         return {p: r for p, r in self._fetch().items()
-                if p != self.peer_id and r.fingerprint == self.fingerprint and (among is None or p in among)
-                and (round_ is None or starts.get(p, round_) <= round_)}
+                if p != self.peer_id and r.fingerprint == self.fingerprint and (among is None or p in among)}
 
     def all_past(self, round_: int) -> bool:
         """Whether every other live node that decides has already exchanged `round_` (RunView.all_past), read now."""

@@ -33,7 +33,10 @@ def round_state(others: Collection[NodeRecord], round_: int, counted: Collection
         return Outcome.BEHIND
     if not others:
         return Outcome.ALONE
-    waited = [r for r in others if counted is None or r.peer_id in counted or r.peer_id in newcomers]
+    # a record already past `round_` that never finished its inner phase (a joiner that entered
+    # later, a node that re-synced past it) takes no part in it: nothing to wait for
+    waited = [r for r in others if (counted is None or r.peer_id in counted or r.peer_id in newcomers)
+              and not (r.round > round_ > r.ready_round)]
     if all(r.ready_round >= round_ for r in waited):
         return Outcome.TOGETHER
     return Outcome.WAITING

@@ -441,7 +441,7 @@ def test_the_barrier_waits_for_the_record_of_a_joiner_we_just_served(monkeypatch
     seen = list(others)
     presence = presence_seeing(monkeypatch, [])
     monkeypatch.setattr(records, "fetch", lambda _dht, _run: ({r.peer_id: r for r in seen}, {}))
-    presence.announce(ROUND, ROUND - 1, "d", HONEST_SERVED)
+    presence.announce(ROUND, False, "d", HONEST_SERVED)
     presence.vouch("joiner", ROUND)
     threading.Timer(0.6, lambda: seen.append(honest("joiner"))).start()
     started = time.monotonic()
@@ -450,7 +450,7 @@ def test_the_barrier_waits_for_the_record_of_a_joiner_we_just_served(monkeypatch
     assert not presence.strangers_only(ROUND), "the joiner is worth a matchmaking window"
     # one that never shows up costs the grace (half the timeout here), once
     presence.vouch("taker", ROUND + 1)
-    presence.announce(ROUND + 1, ROUND, "d", HONEST_SERVED)
+    presence.announce(ROUND + 1, False, "d", HONEST_SERVED)
     seen[:] = [dataclasses.replace(r, round=ROUND + 1, ready_round=ROUND + 1) for r in others]
     started = time.monotonic()
     assert presence.wait_for_round(ROUND + 1, timeout=2, stop=threading.Event()) == \
@@ -518,8 +518,8 @@ def test_the_server_of_a_joiner_says_it_is_ready_only_once_the_joiner_is_in_view
     monkeypatch.setattr(records, "publish", lambda _dht, _run, record, _signer: stored.append(record))
     presence.compatible_peers(refresh=True)
     presence.vouch("joiner", ROUND)
-    presence.announce(ROUND, ROUND, "d", HONEST_SERVED)  # our inner phase is over, the joiner not in view
-    assert stored[-1].ready_round == ROUND - 1, "ready held back while the joiner has no record"
+    presence.announce(ROUND, True, "d", HONEST_SERVED)  # our inner phase is over, the joiner not in view
+    assert stored[-1].ready_round < ROUND, "ready held back while the joiner has no record"
     joined = threading.Timer(0.6, lambda: seen.append(honest("joiner", ready=False)))
     joined.start()
     readied = threading.Timer(1.5, lambda: seen.__setitem__(-1, honest("joiner")))
@@ -538,7 +538,7 @@ def test_the_server_of_a_joiner_says_it_is_ready_only_once_the_joiner_is_in_view
     presence.vouch("another", ROUND + 1)
     seen[:] = [dataclasses.replace(honest("third"), round=ROUND + 1, ready_round=ROUND + 1)]
     presence.compatible_peers(refresh=True)
-    presence.announce(ROUND + 1, ROUND + 1, "d", HONEST_SERVED)
+    presence.announce(ROUND + 1, True, "d", HONEST_SERVED)
     assert stored[-1].ready_round == ROUND
     stop = threading.Event()
     stop.set()
@@ -548,26 +548,43 @@ def test_the_server_of_a_joiner_says_it_is_ready_only_once_the_joiner_is_in_view
     presence.vouch("taker", ROUND + 2)
     seen[:] = [dataclasses.replace(honest("third"), round=ROUND + 2, ready_round=ROUND + 2)]
     presence.compatible_peers(refresh=True)
-    presence.announce(ROUND + 2, ROUND + 2, "d", HONEST_SERVED)
+    presence.announce(ROUND + 2, True, "d", HONEST_SERVED)
     assert stored[-1].ready_round == ROUND + 1
     started = time.monotonic()
     assert presence.wait_for_round(ROUND + 2, timeout=2, stop=threading.Event()) == Outcome.TOGETHER
     assert stored[-1].ready_round == ROUND + 2 and 1.0 <= time.monotonic() - started < 3.0
 
 
-def test_a_joiner_we_served_is_not_in_the_round_before_its_first(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """A joiner's record enters at its first round, ready for the one before, which it never trains.
-    Counted there, it was matchmade for in vain and spent its one newcomer grace in that round, so
-    that its true first round went without it (the server alone; the joiner behind, re-synced)."""
-    joiner = dataclasses.replace(honest("joiner", ready=False), round=ROUND + 1, ready_round=ROUND)
-    presence = presence_seeing(monkeypatch, [joiner])
+def test_a_joiner_is_in_no_round_before_its_first(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A joiner's record enters at its first round r. It said it was ready for r − 1, which it never
+    trains: its server counted it there, matchmade for it in vain (13 s + 5 s), spent its one newcomer
+    grace in that round, and went on alone in r (the joiner behind, re-synced; seen under eager at
+    0.5 s rounds). Its record now says the last inner phase it finished (none), and a record past a
+    round that never trained it is not waited for in it."""
+    entering = NodeRecord("joiner", "fp", ROUND + 1, -1, "d")
+    assert round_state([entering], ROUND) == Outcome.TOGETHER  # not waited for (before any proof too)
+    assert round_state([entering], ROUND + 1) == Outcome.WAITING  # its first round: waited for
+    presence = presence_seeing(monkeypatch, [entering])
     presence.vouch("joiner", ROUND + 1)  # it took the state of our round ROUND + 1
     started = time.monotonic()
-    assert presence.wait_for_round(ROUND, timeout=60, stop=threading.Event()) == Outcome.ALONE
+    assert presence.wait_for_round(ROUND, timeout=60, stop=threading.Event()) == Outcome.TOGETHER
     assert time.monotonic() - started < 1.0 and not presence.proofs.granted(ROUND)
-    assert presence.round_state(ROUND) == Outcome.ALONE
     # its first round: waited for as a newcomer, and together once it is ready
-    ready = dataclasses.replace(joiner, ready_round=ROUND + 1)
+    ready = dataclasses.replace(entering, ready_round=ROUND + 1)
     monkeypatch.setattr(records, "fetch", lambda _dht, _run: ({"joiner": ready}, {}))
     assert presence.wait_for_round(ROUND + 1, timeout=60, stop=threading.Event()) == Outcome.TOGETHER
     assert presence.proofs.granted(ROUND + 1) == {"joiner"}
+
+
+def test_our_record_says_the_last_inner_phase_we_finished(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Entering at a round, or re-synced past rounds, a node says it was ready for none of them."""
+    stored: list[NodeRecord] = []
+    presence = presence_seeing(monkeypatch, [])
+    monkeypatch.setattr(records, "publish", lambda _dht, _run, record, _signer: stored.append(record))
+    presence.announce(ROUND, False, "d", HONEST_SERVED)  # as `enter` does, after the state download
+    assert (stored[-1].round, stored[-1].ready_round) == (ROUND, -1)
+    presence.announce(ROUND, True, "d", HONEST_SERVED)
+    presence.announce(ROUND + 1, False, "d", HONEST_SERVED)
+    assert (stored[-1].round, stored[-1].ready_round) == (ROUND + 1, ROUND)
+    presence.announce(ROUND + 6, False, "d", HONEST_SERVED)  # a re-sync five rounds on
+    assert (stored[-1].round, stored[-1].ready_round) == (ROUND + 6, ROUND)

@@ -93,7 +93,7 @@ def test_exactly_one_member_of_a_split_pair_re_syncs_from_the_other(monkeypatch)
             theirs = dataclasses.replace(record(them, round_, f"{them}'s"), served_round=round_,
                                          served_digest=f"{them}'s")
             offline(monkeypatch, [theirs])
-            presence.announce(round_, round_ - 1, f"{us}'s", (round_, f"{us}'s"))
+            presence.announce(round_, False, f"{us}'s", (round_, f"{us}'s"))
             presence.compatible_peers(refresh=True)
             diverged = presence.diverged(round_, f"{us}'s", among=[us, them])
             assert presence.served_diverged([us, them]) == diverged
@@ -209,12 +209,12 @@ def test_our_record_keeps_both_threads_fields_and_exchanged_round_never_goes_bac
     presence.mark_exchanged(5)
     presence.mark_exchanged(3)  # an overlapped exchange's late report of an older round
     assert not published, "the exchanged round goes out with the next store, not one of its own"
-    presence.announce(5, 5, "d", (5, "s"))
+    presence.announce(5, True, "d", (5, "s"))
     assert published[-1].exchanged_round == 5
 
     def announcing() -> None:
         for round_ in range(6, 400):
-            presence.announce(round_, round_ - 1, "d", (round_, "s"))
+            presence.announce(round_, False, "d", (round_, "s"))
 
     def marking() -> None:
         for round_ in range(6, 400):
@@ -225,7 +225,7 @@ def test_our_record_keeps_both_threads_fields_and_exchanged_round_never_goes_bac
         thread.start()
     for thread in threads:
         thread.join()
-    presence.announce(400, 399, "d", (400, "s"))
+    presence.announce(400, False, "d", (400, "s"))
     exchanged = [r.exchanged_round for r in published]
     assert exchanged == sorted(exchanged), "exchanged_round went backwards"
     assert published[-1].exchanged_round == 399 and presence._record.round == 400
@@ -265,11 +265,11 @@ def test_the_state_we_announced_serving_is_compared_with_our_groups(monkeypatch)
         return dataclasses.replace(record(peer, 9, "d"), served_round=7, served_digest=served)
 
     presence = presence_seeing(monkeypatch, [serving("a", "theirs"), serving("b", "theirs")])
-    presence.announce(9, 9, "d", (7, "ours"))  # a round we averaged alone on our side only
+    presence.announce(9, True, "d", (7, "ours"))  # a round we averaged alone on our side only
     presence.compatible_peers(refresh=True)
     assert presence.served_diverged(["a", "b", "us"])
     assert not presence.served_diverged(["us"])
-    presence.announce(9, 9, "d", (7, "theirs"))
+    presence.announce(9, True, "d", (7, "theirs"))
     assert not presence.served_diverged(["a", "b", "us"])
 
 
