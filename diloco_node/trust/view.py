@@ -31,12 +31,12 @@ def round_state(others: Collection[NodeRecord], round_: int, counted: Collection
     still take part in the round's matchmaking."""
     if moved_on(proofs.deciding(others, counted), round_):
         return Outcome.BEHIND
+    # a record already past `round_` that never finished its inner phase (a joiner that entered
+    # later, a node that re-synced past it) takes no part in it: nothing to wait or matchmake for
+    others = [r for r in others if not r.round > round_ > r.ready_round]
     if not others:
         return Outcome.ALONE
-    # a record already past `round_` that never finished its inner phase (a joiner that entered
-    # later, a node that re-synced past it) takes no part in it: nothing to wait for
-    waited = [r for r in others if (counted is None or r.peer_id in counted or r.peer_id in newcomers)
-              and not (r.round > round_ > r.ready_round)]
+    waited = [r for r in others if counted is None or r.peer_id in counted or r.peer_id in newcomers]
     if all(r.ready_round >= round_ for r in waited):
         return Outcome.TOGETHER
     return Outcome.WAITING

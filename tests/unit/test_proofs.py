@@ -562,12 +562,13 @@ def test_a_joiner_is_in_no_round_before_its_first(monkeypatch) -> None:  # type:
     0.5 s rounds). Its record now says the last inner phase it finished (none), and a record past a
     round that never trained it is not waited for in it."""
     entering = NodeRecord("joiner", "fp", ROUND + 1, -1, "d")
-    assert round_state([entering], ROUND) == Outcome.TOGETHER  # not waited for (before any proof too)
+    assert round_state([entering], ROUND) == Outcome.ALONE  # not in it (before any proof too)
+    assert round_state([entering, honest("a", ready=False)], ROUND) == Outcome.WAITING
     assert round_state([entering], ROUND + 1) == Outcome.WAITING  # its first round: waited for
     presence = presence_seeing(monkeypatch, [entering])
     presence.vouch("joiner", ROUND + 1)  # it took the state of our round ROUND + 1
     started = time.monotonic()
-    assert presence.wait_for_round(ROUND, timeout=60, stop=threading.Event()) == Outcome.TOGETHER
+    assert presence.wait_for_round(ROUND, timeout=60, stop=threading.Event()) == Outcome.ALONE
     assert time.monotonic() - started < 1.0 and not presence.proofs.granted(ROUND)
     # its first round: waited for as a newcomer, and together once it is ready
     ready = dataclasses.replace(entering, ready_round=ROUND + 1)
