@@ -98,7 +98,7 @@ class Presence:
         self._record_lock = threading.Lock()
         self._record = NodeRecord(peer_id, fingerprint, 0, -1, "", admission=gate.token, client=client)
         self._served_in: dict[str, int] = {}  # joiners we served: the round we were at (JOINER_RECORD_SECONDS)
-        self._holding: int | None = None  # the round whose ready we hold back for such a joiner (hold_ready)
+        self._holding: int | None = None  # the round whose ready announce held back for such a joiner (_release_ready)
         self._stats: dict[str, Any] = {}
         # monotonic times of our last store of the record, read of the records, store of our config
         self._published_at = self._read_at = self._config_published_at = -math.inf

@@ -21,7 +21,7 @@ from diloco_node.trust.records import NodeRecord, canonical_digest
 def round_state(others: Collection[NodeRecord], round_: int, counted: Collection[str] | None = None,
                 newcomers: Collection[str] = ()) -> Outcome:
     """Where `others` stand on `round_`: behind (most of the counted ones already exchanged it, so
-    the run went on without us), alone (none is left), together (all the counted ones and the
+    the run went on without us), alone (none is left in it), together (all the counted ones and the
     `newcomers` finished their inner phase of it) or waiting.
 
     `counted`: the peers whose records decide (proofs.counted; None: all). Any peer can publish
