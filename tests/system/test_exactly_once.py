@@ -86,13 +86,14 @@ def attempts(spawn: NodeFactory, scenario: Callable[[Callable[..., NodeProcess]]
 
 
 # Rounds of 2 s (by time budget, whatever the load) and a joiner whose state (8 B/param, 3.7 MB)
-# takes ~8 s at its download cap, four rounds, while a round's payloads (int4, 0.46 B/param) take
-# ~1 s: the state arrives superseded and is caught up on the means of the rounds since
+# takes ~8 s at its download cap, longer than its server and the run wait for its record (half the
+# round timeout of 10 s: presence.JOINER_RECORD_SECONDS), while a round's payloads (int4,
+# 0.46 B/param) take ~1 s: the state arrives superseded and is caught up on the means of the rounds since
 # (docs/architecture.md §14), which must hold the ledger as well. More rounds than the others' (they
 # are shorter), for the joiner to join and then exchange a few.
-_STEPS = EXACT.index("--inner-steps")
-SLOW_JOINER = [*EXACT[:_STEPS], *EXACT[_STEPS + 2:], "--compression", "int4", "--round-seconds", "2",
-               "--max-outer-steps", "22"]
+_STEPS, _TIMEOUT = EXACT.index("--inner-steps"), EXACT.index("--round-timeout")
+SLOW_JOINER = [*EXACT[:_STEPS], *EXACT[_STEPS + 2:_TIMEOUT], *EXACT[_TIMEOUT + 2:], "--compression", "int4",
+               "--round-seconds", "2", "--max-outer-steps", "22", "--round-timeout", "10"]
 
 
 def test_every_mean_once_also_for_a_joiner(spawn: NodeFactory, tmp_path: Path) -> None:
