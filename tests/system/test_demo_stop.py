@@ -29,10 +29,17 @@ AFTERMATH = 10.0  # what a helper gets to go after its node exited (as NodeProce
 def stop_demo_when(reached: Callable[[list[int], str], bool], how: str, output: Path, timeout: float = 120) -> None:
     """Start a demo printing to `output`; once `reached(its processes, what it printed)` holds, stop
     it `how`; then no process of its tree may remain."""
-    with output.open("w") as sink:
-        demo = subprocess.Popen([sys.executable, "-m", "diloco_node", "demo", "--nodes", "2", "--rounds", "100",
-                                 "--inner-steps", "5"], stdout=sink, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # its own group, as a shell's foreground job
+    # SIGINT as a shell leaves it for a foreground job: a disposition of SIG_IGN in this process (as
+    # hivemind leaves it in a process that starts an averager) is inherited, and a Ctrl-C before the
+    # demo installs its handler was then lost: the demo trained on for 90 s (seen in the system tier)
+    previous = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        with output.open("w") as sink:
+            demo = subprocess.Popen([sys.executable, "-m", "diloco_node", "demo", "--nodes", "2", "--rounds", "100",
+                                     "--inner-steps", "5"], stdout=sink, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # its own group, as a shell's foreground job
+    finally:
+        signal.signal(signal.SIGINT, previous)
     seen: set[int] = set()
     try:
         deadline = time.monotonic() + timeout
