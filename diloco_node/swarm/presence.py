@@ -139,7 +139,7 @@ class Presence:
         matchmake for it there in vain and spend its newcomer grace (trust/view.py, round_state).
         Ready while a joiner we served at `round_` has no record of it yet, we say so only once
         the barrier has seen it (_release_ready)."""
-        hold = ready and bool(self._unseen_joiners(self._others_known(), round_, None))
+        hold = ready and bool(self._unseen_joiners(self._others(None, read=False), round_, None))
         with self._record_lock:
             self._holding = round_ if hold else None
             ready_round = round_ if ready and not hold else min(self._record.ready_round, round_ - 1)
@@ -420,12 +420,10 @@ class Presence:
             self.recent_peers()  # the partners' records, fresh (at most one read per 2 s)
         return spare
 
-    def _others_known(self) -> dict[str, NodeRecord]:
-        """The other live compatible nodes as of our last read (no DHT read)."""
-        return {p: r for p, r in self._live.items() if p != self.peer_id and r.fingerprint == self.fingerprint}
-
-    def _others(self, among: Collection[str] | None) -> dict[str, NodeRecord]:
-        return {p: r for p, r in self._fetch().items()
+    def _others(self, among: Collection[str] | None, read: bool = True) -> dict[str, NodeRecord]:
+        """The other live compatible nodes (of `among`), read now, or as of our last read (no DHT read)."""
+        found = self._fetch() if read else self._live
+        return {p: r for p, r in found.items()
                 if p != self.peer_id and r.fingerprint == self.fingerprint and (among is None or p in among)}
 
     def all_past(self, round_: int) -> bool:
