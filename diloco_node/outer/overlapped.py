@@ -9,6 +9,7 @@ So each fragment's momentum takes one step per P rounds, as each round's does wi
 from __future__ import annotations
 
 import logging
+import math
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
@@ -22,6 +23,13 @@ from diloco_node.outer.sync import Applied, PendingExchanges, correction, fresh_
 from diloco_node.outer.update import UpdateContext, exchanging
 from diloco_node.replica.layout import flatten
 from diloco_node.round import AverageResult, Outcome, Own, RoundReport
+
+# The longest mean of a round inherited from a state's server, in our own Δ's norms (per value, so
+# a round of another fragment compares alike): every other round's mean went through the group's
+# clip, but a server's group may be itself alone, or itself and one more identity of its own. An
+# honest server's round is as long as ours within its speed (4x under --round-seconds, §13); a
+# longer one is scaled down, and a server that lied then differs from us and is found `diverged`.
+INHERITED_CLIP_MULTIPLE = 4.0
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +70,7 @@ class OverlappedUpdate:
         self.dropped: dict[int, Future[Landed]] = {}
         self.settled: SettledCopy | None = None  # made from φ when nothing of ours is in it early
         self.last_group: tuple[str, ...] = ()  # of the last exchange of ours that landed
+        self.own_norm: float | None = None  # our last Δ's norm per value: what bounds an inherited mean
 
     def finish_round(self, round_: int, pseudo_gradient: torch.Tensor, tokens: float) -> RoundReport:
         ctx = self.ctx
@@ -71,7 +80,8 @@ class OverlappedUpdate:
         fresh = own.decoded if own.decoded is not None else torch.zeros(fragment.numel)
         self.pending.wait(round_ - 1, self.sync_timeout)
         self.pending.make_room(self.settle_timeout)
-        inherited = self._resolve_inherited()
+        self.own_norm = _norm_per_value(fresh) or self.own_norm
+        inherited = self._resolve_inherited(self.own_norm)
         diverged = self._diverged()
         # taking the landed exchanges and applying them is one step under φ's lock: a joiner's state
         # (served) sees each exchange either pending or applied, never neither
@@ -170,7 +180,7 @@ class OverlappedUpdate:
         the rounds a state download handed us in flight, too (a re-sync in the run's last round);
         with fragments, one for each fragment something is owed to."""
         self.pending.wait(None, self.settle_timeout)
-        inherited = self._resolve_inherited()
+        inherited = self._resolve_inherited(self.own_norm)
         with self.ctx.state.lock:
             self._settled_copy()
             self.inherited = []
@@ -203,10 +213,12 @@ class OverlappedUpdate:
         self.inherited = [(server, replace(applied, own=torch.zeros(self.ctx.fragment_of(applied.round).numel)))
                           for applied in in_flight]
 
-    def _resolve_inherited(self) -> list[tuple[Applied, Landed | None]]:
+    def _resolve_inherited(self, ours: float | None) -> list[tuple[Applied, Landed | None]]:
         """The means of the inherited rounds, fetched from their groups (a round that cannot be
-        fetched is lost for us, and says so). A round we averaged in ourselves (we re-synced while
-        its exchange ran) holds our payload too, which we fetch from our own offer."""
+        fetched is lost for us, and says so), each at most INHERITED_CLIP_MULTIPLE × `ours`, our own
+        Δ's norm per value (None or 0: none of ours to measure by, so a fetched mean is lost too).
+        A round we averaged in ourselves (we re-synced while its exchange ran) holds our payload
+        too, which we fetch from our own offer."""
         resolved: list[tuple[Applied, Landed | None]] = []
         for server, applied in self.inherited:
             if (own := self._own_mean(applied.round, server)) is not None:
@@ -214,6 +226,8 @@ class OverlappedUpdate:
                 continue
             gathered = self.ctx.swarm.gather_group_of(applied.round, server)
             mean = self.ctx.fragment_of(applied.round).averaging.mean_of(gathered, server)
+            if mean is not None:
+                mean = _bounded(mean, ours, applied.round, server)
             if mean is None:
                 logger.warning("round=%d could not fetch the mean our state's server had in flight; "
                                "that round is lost for us", applied.round)
@@ -263,3 +277,23 @@ def _mean(outcome: Landed | None) -> torch.Tensor | None:
     """The round's mean, None when it has none (failed, or only our own was missing)."""
     result = outcome.result if outcome is not None else None
     return result.mean if result is not None and result.group else None
+
+
+def _norm_per_value(delta: torch.Tensor) -> float | None:
+    """‖Δ‖ / √n: a norm that compares Δs of fragments of different sizes; None for no Δ (zeros)."""
+    value = float(delta.norm()) / math.sqrt(max(delta.numel(), 1))
+    return value if value > 0 and math.isfinite(value) else None
+
+
+def _bounded(mean: torch.Tensor, ours: float | None, round_: int, server: str) -> torch.Tensor | None:
+    """An inherited round's mean scaled down to INHERITED_CLIP_MULTIPLE × our own Δ's norm (per
+    value); None when we have none to measure it by."""
+    if ours is None:
+        return None
+    limit = INHERITED_CLIP_MULTIPLE * ours * math.sqrt(mean.numel())
+    length = float(mean.norm())
+    if length <= limit:
+        return mean
+    logger.warning("round=%d clipped the mean inherited from peer=%s: %.4g long, more than %g times our own Δ",
+                   round_, server[:60], length, INHERITED_CLIP_MULTIPLE)
+    return mean * (limit / length)

@@ -11,8 +11,12 @@ between them can move it. The bound is built only from what the node measured:
   F/(1 − μ) (Nesterov's g + μ·buf as well: (1 − μ + μ)/(1 − μ)), so r rounds move φ by at most
   r·F/(1 − μ), whatever the directions;
 - the rounds between us and a state are its round (and the rounds it has in flight) against ours,
-  but never more than our own clock allows: the time since φ last moved here over the shortest
+  but never more than our own clock allows: the time since our last outer step over the shortest
   round we measured (a server's round is its word; 2^40 rounds ahead would allow any state);
+- installs count against the same bound: the distance of every state installed since our last
+  outer step is taken off it, so one peer that makes us install again and again walks φ no farther
+  from where our own step left it than the rounds since can move it (each install measured from
+  the one before would let it walk without limit);
 - slack: REACH_SLACK on F (norms grow as the inner learning rate warms up) and REACH_BASE_ROUNDS
   more rounds (a split at the same round, one-sided exchange failures, overlapped modes' early Δ).
 
@@ -58,19 +62,21 @@ class Reach:
         self.momentum = momentum
         self._lock = threading.Lock()  # steps on the exchange thread (overlapped), installs on the round loop
         self._steps: deque[tuple[float, float, float]] = deque(maxlen=REACH_STEPS)  # (time, move, buffer)
-        self._moved_at = -math.inf  # monotonic time φ last moved here: a step or an install
+        self._stepped_at = -math.inf  # monotonic time of our last outer step
+        self._installed = 0.0  # how far the states installed since that step moved φ, summed
 
     def stepped(self, move: float, buffer: float) -> None:
         """An outer step whose force was `move` in φ's units and `buffer` in the momentum buffer's."""
         with self._lock:
             now = time.monotonic()
             self._steps.append((now, move, buffer))
-            self._moved_at = now
+            self._stepped_at = now
+            self._installed = 0.0
 
-    def installed(self) -> None:
-        """φ was replaced: the rounds to a next state count from now."""
+    def installed(self, distance: float) -> None:
+        """φ was replaced by a state `distance` from it: that much less is left until our next step."""
         with self._lock:
-            self._moved_at = time.monotonic()
+            self._installed += distance
 
     def measured(self) -> bool:
         """Whether we took an outer step since start: we hold φ of the run."""
@@ -84,15 +90,15 @@ class Reach:
             if not self._steps:
                 return None
             steps = list(self._steps)
-            moved_at = self._moved_at
+            stepped_at, installed = self._stepped_at, self._installed
         times = [at for at, _, _ in steps]
         periods = [later - earlier for earlier, later in zip(times, times[1:], strict=False) if later > earlier]
         if periods:
-            allowed = math.ceil((time.monotonic() - moved_at) / min(periods)) + 1
+            allowed = math.ceil((time.monotonic() - stepped_at) / min(periods)) + 1
         else:
             allowed = UNTIMED_ROUNDS
         rounds = min(max(gap, 0), allowed) + REACH_BASE_ROUNDS
         scale = REACH_SLACK / (1.0 - self.momentum)
         move = max(force for _, force, _ in steps)
         buffer = max(force for _, _, force in steps)
-        return Bound(rounds, rounds * move * scale, buffer * scale)
+        return Bound(rounds, max(0.0, rounds * move * scale - installed), buffer * scale)

@@ -74,14 +74,16 @@ class OuterState:
         with self.lock:
             return [p.clone() for p in self.phi]
 
-    def install(self, round_: int, phi: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor] | None) -> None:
+    def install(self, round_: int, phi: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor] | None,
+                distance: float = 0.0) -> None:
+        """Replace φ and the momentum by a state `distance` from φ (outer/reach.py counts it)."""
         with self.lock:
             for mine, value in zip(self.phi, phi, strict=True):
                 mine.copy_(value)
             self.optimizer.load_momentum(momentum)
             self.round = round_
             self.steps = 0
-        self.optimizer.reach.installed()
+        self.optimizer.reach.installed(distance)
 
     def momentum(self) -> list[torch.Tensor] | None:
         """A copy of the outer momentum, None before the first step."""
@@ -133,19 +135,21 @@ class OuterState:
             return None
         phi, momentum = unflatten(vectors[0], self.phi), unflatten(vectors[1], self.phi)
         has_momentum = bool(metadata.get("has_momentum"))
-        why = self.too_far(metadata["round"], [a.round for a in in_flight], phi, momentum if has_momentum else None)
+        why, distance = self.too_far(metadata["round"], [a.round for a in in_flight], phi,
+                                     momentum if has_momentum else None)
         if why is not None:
             logger.warning("refused state from peer=%s round=%d: %s (docs/architecture.md §9)",
                            metadata["server"][:60], metadata["round"], why)
             return None
-        self.install(metadata["round"], phi, momentum if has_momentum else None)
+        self.install(metadata["round"], phi, momentum if has_momentum else None, distance)
         return metadata["server"], in_flight
 
     def too_far(self, round_: int, in_flight: Sequence[int], phi: Sequence[torch.Tensor],
-                momentum: Sequence[torch.Tensor] | None) -> str | None:
+                momentum: Sequence[torch.Tensor] | None) -> tuple[str | None, float]:
         """Why a state at `round_` (with `in_flight` rounds not in its φ) is farther from ours than
         the rounds between can move φ under the clip (outer/reach.py), None when it is not, or when
-        we hold no φ of the run yet (no outer step taken since start: a joiner keeps nothing).
+        we hold no φ of the run yet (no outer step taken since start: a joiner keeps nothing); and
+        φ's distance to it (0 when not measured).
         Checked on the received tensors before they replace φ: one peer that claims the run moved on,
         or wins a tie, can move φ by at most what honest rounds could, never replace it."""
         with self.lock:
@@ -153,17 +157,18 @@ class OuterState:
             gap = max(abs(r - ours) for r in [round_, *in_flight])
             bound = self.optimizer.reach.bound(gap)
             if bound is None:
-                return None
+                return None, 0.0
             distance = math.sqrt(sum(float(torch.linalg.vector_norm(theirs - mine)) ** 2
                                      for mine, theirs in zip(self.phi, phi, strict=True)))
         buffer = norm(momentum) if momentum is not None else 0.0
         if not distance <= bound.distance:
             return (f"φ is {distance:.4g} from ours (round={ours}), beyond the {bound.distance:.4g} that "
-                    f"rounds={bound.rounds} can move it under the clip")
+                    f"rounds={bound.rounds} can move it under the clip, less the states installed since "
+                    "our last outer step"), distance
         if not buffer <= bound.momentum:
             return (f"its momentum's norm {buffer:.4g} is beyond the {bound.momentum:.4g} our recent means "
-                    "can build")
-        return None
+                    "can build"), distance
+        return None, distance
 
 
 def _in_flight(rounds: Any, round_: int, numel: int) -> list[Applied] | None:

@@ -12,7 +12,7 @@ import torch
 from diloco_node.outer import reach as reach_module
 from diloco_node.outer.diloco import OuterOptimizer
 from diloco_node.outer.noloco import NoLoCoOptimizer
-from diloco_node.outer.reach import REACH_STEPS, Reach
+from diloco_node.outer.reach import REACH_STEPS, Bound, Reach
 from diloco_node.outer.state import OuterState
 
 SHAPES = [(16, 8), (8,), (4, 4)]
@@ -175,6 +175,31 @@ def test_the_rounds_between_are_capped_by_our_own_clock(clock: Clock) -> None:
     clock.now += 10 * ROUND_SECONDS  # paused ten rounds (isolated): the run may be that far on
     far = reach.bound(10**9)
     assert far is not None and far.rounds == 10 + 1 + 2
-    reach.installed()  # a state installed now: rounds count from it
-    assert reach.bound(10**9) == reach.bound(1)
     assert bound is not None and bound.distance == pytest.approx(bound.rounds * 0.5 * 2.0 / (1 - 0.9))
+    reach.installed(3.0)  # a state installed now: the rounds still count from our last step, less its move
+    after = reach.bound(10**9)
+    assert after is not None and after.rounds == far.rounds and after.distance == pytest.approx(far.distance - 3.0)
+    reach.installed(10**6)
+    assert reach.bound(10**9) == Bound(far.rounds, 0.0, far.momentum)
+    reach.stepped(0.5, 0.5)  # our own step: installs before it no longer count
+    assert reach.bound(3) == bound
+
+
+def test_states_installed_one_after_another_walk_phi_no_farther_than_one_could(clock: Clock) -> None:
+    """One peer that makes us install its state again and again, each within the reach of the one
+    before, moves φ in all no farther from where our last outer step left it than one state could."""
+    ours = diloco(model())
+    run(ours, means(6))
+    start = ours.flat()
+    bound = ours.optimizer.reach.bound(3)
+    assert bound is not None
+    metadata, vectors = shared(ours)
+    direction = torch.ones(NUMEL) / NUMEL ** 0.5
+    taken = 0
+    for _ in range(40):
+        # each hop half the bound past the φ we hold now, one round on
+        hop_phi = ours.flat() + direction * (bound.distance / 2)
+        if ours.install_shared({**metadata, "round": ours.round + 1}, [hop_phi, vectors[1]], "fp") is not None:
+            taken += 1
+    assert taken <= 2
+    assert float((ours.flat() - start).norm()) <= bound.distance * (1 + 1e-6)

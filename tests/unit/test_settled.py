@@ -181,6 +181,8 @@ def test_a_state_taken_in_the_last_round_settles_the_rounds_its_server_had_in_fl
     assert metadata["in_flight"] == [2]
 
     joiner = node("eager", means)
+    joiner.finish_round(0, torch.randn(NUMEL, generator=generator), 100.0)  # a node of the run: its Δ
+    joiner.pending.wait(0, 5.0)
     installed = joiner.ctx.state.install_shared(metadata, vectors, "fp")
     assert installed is not None
     joiner.forget()
@@ -190,6 +192,38 @@ def test_a_state_taken_in_the_last_round_settles_the_rounds_its_server_had_in_fl
     assert server.settle() is not None
     assert torch.equal(joiner.ctx.state.flat(), server.ctx.state.served(server.served).phi)
     assert joiner.ctx.state.served(joiner.served).in_flight == []
+
+
+@pytest.mark.parametrize("huge", [False, True])
+def test_a_round_inherited_from_a_server_is_bounded_by_our_own_delta(huge: bool,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A server's round in flight may have been averaged by the server alone (or with one more
+    identity of its own), which no group clipped: its mean is scaled down to a few of our own Δs
+    when it is longer, and an honest one is taken whole (the same φ as the server's)."""
+    generator = torch.Generator().manual_seed(8)
+    means = [torch.randn(NUMEL, generator=generator) for _ in range(2)]
+    server = node("eager", means)
+    for round_ in range(2):
+        server.finish_round(round_, torch.randn(NUMEL, generator=generator), 100.0)
+        server.pending.wait(round_, 5.0)
+    metadata, vectors = server.ctx.state.shared("fp", "server", server.served)
+    assert metadata["in_flight"] == [1]
+    lied = [means[0], means[1] * (1e6 if huge else 1.0)]
+    joiner = node("eager", lied)
+    installed = joiner.ctx.state.install_shared(metadata, vectors, "fp")
+    assert installed is not None
+    joiner.inherit(*installed)
+    before = joiner.ctx.state.flat()
+    own = torch.randn(NUMEL, generator=generator) * 0.5 * float(means[1].norm()) / NUMEL ** 0.5
+    joiner.finish_round(2, own, 100.0)  # its first round: the inherited mean lands with it
+    moved = float((joiner.ctx.state.flat() - before).norm())
+    clipped = [r for r in caplog.records if "clipped the mean inherited" in r.getMessage()]
+    if huge:
+        assert clipped and moved < 100 * float(means[1].norm())
+    else:
+        assert not clipped
+        server.finish_round(2, own, 100.0)  # the server lands its own round 1 with the same Δ of ours
+        assert torch.equal(joiner.ctx.state.served(joiner.served).phi, server.ctx.state.served(server.served).phi)
 
 
 def test_a_state_the_run_moved_past_caught_up_on_the_means_since_is_the_servers_current_one() -> None:
