@@ -15,6 +15,7 @@ import math
 from collections import deque
 from collections.abc import Iterable
 
+from diloco_node.outer.aggregate import token_cap
 from diloco_node.trust.work import PEER_SPEEDUP
 
 # An inner phase that would start with less than this share of T left runs to the grid point after:
@@ -36,6 +37,10 @@ BARRIER_FLOOR = 2.0
 # than the slowest stops there; and a step timed absurdly short (a clock's hiccup) cannot make the
 # next step a whole round long.
 MAX_ACCUMULATION = int(PEER_SPEEDUP)
+# During the warmup one member's declared round moves our schedule on by at most this many of the
+# group's typical rounds: a pair 7.5x apart (tests/unit/test_budget.py) and 4:2:1:1 still leave the
+# warmup together, and one member claiming 64x cannot end everyone's warmup in a round.
+WARMUP_PACE_MULTIPLE = 8.0
 
 def deadline(now: float, seconds: float) -> float:
     """The end of the inner phase that starts at `now` on the swarm's clock: the first point k·T
@@ -57,10 +62,15 @@ def warmup_pace(step: int, own_steps: int, others_tokens: Iterable[float], token
     the fastest one instead of spending many rounds at a small lr, with a short Δ that becomes the
     median norm longer Δs are clipped to (docs/architecture.md §13, "Warmup"). Past the warmup the
     step is left alone: the decay follows the run's rounds. A declaration that is not a finite
-    positive number counts for nothing."""
+    positive number counts for nothing, and one counts for at most WARMUP_PACE_MULTIPLE × the
+    group's typical declaration (ours among them; the token cap's median, of two the smaller), so
+    one member that claims a huge round cannot end everyone's warmup at once."""
     if step >= warmup_steps:
         return step
-    fastest = max((t for t in others_tokens if math.isfinite(t) and t > 0), default=0.0)
+    declared = [t for t in others_tokens if math.isfinite(t) and t > 0]
+    if not declared:
+        return step
+    fastest = min(max(declared), WARMUP_PACE_MULTIPLE * token_cap([*declared, own_steps * tokens_per_step], None))
     return max(step, min(warmup_steps, step - own_steps + int(fastest // tokens_per_step)))
 
 

@@ -315,6 +315,8 @@ TOKENS_PER_STEP = 16 * 128
     (4, 4, [], 4),  # alone, or a butterfly member: no declarations
     (4, 4, [1 * TOKENS_PER_STEP], 4),  # slower members never hold us back
     (4, 4, [math.inf, math.nan, -1e9, 0.0], 4),  # a declaration that is no number of tokens counts for nothing
+    (4, 4, [64 * 4 * TOKENS_PER_STEP], 32),  # one member claiming 64x: at most 8x the typical (of two: ours)
+    (4, 4, [64 * 4 * TOKENS_PER_STEP, 4 * TOKENS_PER_STEP, 4 * TOKENS_PER_STEP], 32),  # 8x the median
 ])
 def test_warmup_goes_on_at_the_fastest_members_pace(step: int, own: int, others: list[float], expected: int) -> None:
     assert warmup_pace(step, own, others, TOKENS_PER_STEP, warmup_steps=50) == expected
