@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diloco_node.round import PartIn, PartSource, Reduced, part_bounds
+from diloco_node.swarm.exchange import MAX_SENDS_PER_PEER
 from diloco_node.swarm.messages import (
     MAX_GROUP,
     Told,
@@ -102,6 +103,8 @@ class _Round:
     owning: tuple[str, ...] = ()  # the part owners, in part order
     finished: bool = False  # our exchange of the round has ended: what we hold is all we will hold
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # `finished` is set: our hashes are final
+    # (peer, part) → averaged parts of it we began to send: at most MAX_SENDS_PER_PEER, as payloads
+    part_sends: dict[tuple[str, int], int] = field(default_factory=dict)
     told: dict[str, tuple[Told | None, ...]] = field(default_factory=dict)  # member → the part hashes it told us
     asked: set[str] = field(default_factory=set)  # members we answered our hashes to
     answered: asyncio.Event = field(default_factory=asyncio.Event)  # `asked` grew
@@ -532,8 +535,13 @@ class Butterfly(StreamService):
                 why = await self.loop.run_in_executor(None, self._may, peer, round_, token, rnd.group)
                 if why is not None:
                     self._refuse_once(peer, why, REFUSAL, round_, peer, why)
+                elif index in rnd.held and rnd.part_sends.get((peer, index), 0) >= MAX_SENDS_PER_PEER:
+                    why = f"sent part {index} {MAX_SENDS_PER_PEER} times already"
+                    self._refuse_once(peer, why, REFUSAL, round_, peer, why)
                 else:
                     averaged, report = self._served(rnd, index) if index in rnd.held else (b"", {})
+                    if averaged:
+                        rnd.part_sends[(peer, index)] = rnd.part_sends.get((peer, index), 0) + 1
                     answer = averaged, {**report, "group": list(rnd.group), "parts": len(rnd.owning)}
             sent = await self._answer(writer, answer)
             received += await asyncio.wait_for(reader.read(1), timeout=10) == RECEIVED

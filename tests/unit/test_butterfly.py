@@ -357,3 +357,49 @@ def test_once_the_group_is_known_only_its_members_pushes_are_held() -> None:
     from types import SimpleNamespace
 
     asyncio.run(main())
+
+
+def test_one_peer_gets_an_averaged_part_a_bounded_number_of_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An averaged part we hold goes to one peer at most MAX_SENDS_PER_PEER times a round (a fetch and
+    its retries), as a payload does; another peer still gets it. Before, a member or a joiner's
+    voucher could pull it as often as the stream limits allowed."""
+    import asyncio
+    import json
+
+    from diloco_node.swarm.butterfly import RECEIVED
+    from diloco_node.swarm.exchange import MAX_SENDS_PER_PEER
+    from diloco_node.swarm.streams import HEADER_LEN
+
+    class Writer(_Writer):
+        def __init__(self) -> None:
+            self.data = b""
+
+        def write(self, data: bytes) -> None:
+            self.data += data
+
+    def request() -> Any:
+        reader = asyncio.StreamReader()
+        for message in (json.dumps({"round": 5, "part": 0, "admission": ""}).encode(), b""):
+            reader.feed_data(len(message).to_bytes(HEADER_LEN, "big") + message)
+        reader.feed_data(RECEIVED)
+        reader.feed_eof()
+        return reader
+
+    part = b"p" * 1000
+
+    async def main() -> None:
+        butterfly = _butterfly(wait=30.0)
+        monkeypatch.setattr(butterfly, "_may", lambda *_: None)
+        monkeypatch.setattr(butterfly, "_served", lambda rnd, index: (part, {}))
+        rnd = butterfly._round(5)
+        rnd.group, rnd.owning, rnd.finished = ("a", "fake-00001"), ("a", "fake-00001"), True
+        rnd.held[0] = (part, {})
+        answers = []
+        for peer in [1] * (MAX_SENDS_PER_PEER + 3) + [2]:
+            writer = Writer()
+            await butterfly._serve_part(_pusher(peer), request(), writer)
+            answers.append(part in writer.data)
+        assert answers == [True] * MAX_SENDS_PER_PEER + [False] * 3 + [True]
+        assert len(rnd.part_sends) == 2
+
+    asyncio.run(main())
