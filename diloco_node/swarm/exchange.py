@@ -131,6 +131,11 @@ class PayloadExchange(StreamService):
                     "" if pace else f", not under the upload cap {format_rate(cap)} (its streams' share): "
                                     "served at the cap")
 
+    def in_group(self, peer: str) -> bool:
+        """Whether `peer` is in the group of a round whose offer we keep (Streams.trusted)."""
+        with self._offers_changed:
+            return any(offer.group is not None and peer in offer.group for offer in self._offers.values())
+
     def expect(self, round_: int, group: Sequence[str], ourselves: str, fetched: bool = True) -> None:
         """`group` (ourselves included) averages `round_`: each other member will fetch our payload
         (`fetched`; a butterfly's members do not, but a joiner may still ask us for the group)."""

@@ -81,6 +81,7 @@ class Swarm:
         self._streams = Streams(self._dht, Throttle(settings.upload_limit, settings.download_limit))
         self._exchange = PayloadExchange(self._streams, namespace, settings.max_payload_bytes,
                                          self._may_fetch_payload, self.gate.token)
+        self._streams.trusted = self._trusted
         self._exchange.attach()
         self._state_provider = state_provider
         self._sharing = threading.Event()
@@ -189,6 +190,13 @@ class Swarm:
         """`peers`' contributions passed our checks and went into the mean we applied in `round_`
         (the AverageResult's group): they are proven peers (trust/proofs.py)."""
         self._presence.prove(round_, peers)
+
+    def _trusted(self, peer: str) -> bool:
+        """Whether `peer` may take the stream slots strangers cannot (streams.Limits.reserved): a
+        peer proven within the last rounds, an anchor, a joiner we served, or a member of a group of
+        ours. A record is not enough: an open run's records are free."""
+        return (peer in self._presence.proofs.proven() or peer in self._presence.anchors
+                or self._presence.vouched(peer) or self._exchange.in_group(peer))
 
     def _may_fetch_payload(self, peer: str, round_: int, token: str, group: tuple[str, ...] | None) -> str | None:
         """Why `peer` may not fetch our payload of `round_` (None: it may). Once our group is known:

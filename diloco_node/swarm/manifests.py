@@ -47,7 +47,7 @@ MAX_HEADER_BYTES = 512  # a run id of 64 characters and a signature of 128 fit w
 READ_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 30.0  # starting our own p2p daemon and reaching the peer
 # a few asks per peer: joiners ask once, `run show` once
-MANIFEST_LIMITS = Limits(per_peer=2, total=16, rate=1.0, burst=4.0)
+MANIFEST_LIMITS = Limits(per_peer=2, total=16, rate=1.0, burst=4.0, reserved=4)
 
 
 class ManifestUnavailable(NodeError, RuntimeError):

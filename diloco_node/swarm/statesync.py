@@ -77,7 +77,7 @@ CatchUp = Callable[[str, SharedState, int, int], "SharedState | None"]
 MAX_SERVES = 2  # state transfers served at once, each holding at most one snapshot of φ and the momentum
 SNAPSHOT_REUSE_SECONDS = 5.0  # a serve under way lends its snapshot to requests this recent
 # one state request per peer at a time, and a few a second: a joiner asks each server once per retry
-STATE_LIMITS = Limits(per_peer=1, total=16, rate=1.0, burst=4.0)
+STATE_LIMITS = Limits(per_peer=1, total=16, rate=1.0, burst=4.0, reserved=4)
 MAX_METADATA_DEPTH = 3  # the header {"metadata": {"in_flight": [...]}}
 
 @dataclass

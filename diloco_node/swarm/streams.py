@@ -75,10 +75,12 @@ def parse_json(data: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """`data` as JSON; ValueError when it is not UTF-8 JSON, nests deeper than `max_depth`, or
     holds NaN or ±Infinity (numbers no message of ours carries).
 
-    Every JSON message a peer sends is parsed here, and only here (docs/architecture.md §9). The
-    bytes are decoded as UTF-8 first and the depth is checked on that text, the very text json.loads
-    then parses: given bytes, json.loads would itself detect and decode UTF-16 and UTF-32, which a
-    depth check on the raw bytes does not see, and a deep nest within any size limit would raise
+    Every JSON message a peer sends on our streams is parsed here (docs/architecture.md §9), but for
+    the run manifest a joiner fetches: manifest.parse reads that with the same checks at its own
+    depth (manifest.MAX_DEPTH), since manifest.py may not import swarm/ (§8). The bytes are decoded
+    as UTF-8 first and the depth is checked on that text, the very text json.loads then parses:
+    given bytes, json.loads would itself detect and decode UTF-16 and UTF-32, which a depth check
+    on the raw bytes does not see, and a deep nest within any size limit would raise
     RecursionError. Our own messages are json.dumps(...).encode(), UTF-8 without a BOM."""
     text = data.decode("utf-8")  # UnicodeDecodeError is a ValueError
     depth = 0
@@ -133,6 +135,7 @@ class _Served:
     task: asyncio.Task[Any] | None
     opened: float
     reader: SilenceWatch
+    trusted: bool  # took its slot as a peer we trust (Streams.trusted): gives it back to that pool
     evicted: bool = False
 
 
@@ -140,12 +143,18 @@ class _Served:
 class Limits:
     """How much of a handler one peer, and all peers together, may hold: streams open at once, and
     requests per second (a bucket of `burst` refilled at `rate`). Fresh peer ids get fresh buckets,
-    which is why `total` bounds them all."""
+    which is why `total` bounds them all; `reserved` of the total only peers we trust may take
+    (Streams.trusted), so strangers rotating fresh ids, however fast, never hold every slot."""
 
     per_peer: int = 4
     total: int = 64
     rate: float = 8.0
     burst: float = 32.0
+    reserved: int = 16
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.reserved < self.total:
+            raise ValueError(f"reserved streams {self.reserved} must leave strangers some of {self.total}")
 
 
 class StreamLimits:
@@ -154,14 +163,18 @@ class StreamLimits:
     def __init__(self, limits: Limits, capacity: int = MAX_TRACKED_PEERS):
         self.limits = limits
         self._open: dict[str, int] = {}
+        self._strangers = 0  # streams open for peers we do not trust, at most total − reserved
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # peer → (tokens, at)
         self._capacity = capacity
 
-    def admit(self, peer: str, now: float | None = None) -> str | None:
-        """Why a new stream from `peer` is refused now; None when it is taken (then `release` it)."""
+    def admit(self, peer: str, now: float | None = None, trusted: bool = False) -> str | None:
+        """Why a new stream from `peer` (`trusted`: Streams.trusted) is refused now; None when it is
+        taken (then `release` it alike)."""
         now = time.monotonic() if now is None else now
         if sum(self._open.values()) >= self.limits.total:
             return f"{self.limits.total} streams open already"
+        if not trusted and self._strangers >= self.limits.total - self.limits.reserved:
+            return f"{self._strangers} streams of peers we do not know open already"
         if self._open.get(peer, 0) >= self.limits.per_peer:
             return f"{self.limits.per_peer} of its streams open already"
         tokens, at = self._buckets.pop(peer, (self.limits.burst, now))
@@ -171,9 +184,11 @@ class StreamLimits:
         if tokens < 1.0:
             return f"more than {self.limits.rate:g} requests/s"
         self._open[peer] = self._open.get(peer, 0) + 1
+        self._strangers += not trusted
         return None
 
-    def release(self, peer: str) -> None:
+    def release(self, peer: str, trusted: bool = False) -> None:
+        self._strangers -= not trusted
         left = self._open.get(peer, 0) - 1
         if left > 0:
             self._open[peer] = left
@@ -183,9 +198,10 @@ class StreamLimits:
     def open_streams(self) -> int:
         return sum(self._open.values())
 
-    def full(self) -> bool:
-        """Whether every stream of the service's total is taken."""
-        return self.open_streams() >= self.limits.total
+    def full(self, trusted: bool = True) -> bool:
+        """Whether every stream a peer (`trusted` or not) may take is taken."""
+        return self.open_streams() >= self.limits.total or \
+            (not trusted and self._strangers >= self.limits.total - self.limits.reserved)
 
 
 class Streams:
@@ -197,6 +213,9 @@ class Streams:
     def __init__(self, dht: DHT, throttle: Throttle | None = None):
         self.throttle = throttle or Throttle()
         self.traffic = PeerTraffic()
+        # whether a peer may take the streams `Limits.reserved` keeps (the facade sets it: proven,
+        # anchors, joiners we served, our groups' members); called on the loop, so it must be cheap
+        self.trusted: Callable[[str], bool] = lambda peer: False
         self._counter_lock = threading.Lock()
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -273,15 +292,16 @@ class StreamService(ABC):
         async def limited(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             peer = str(info.peer_id)
             reader, writer = self._paced(reader, writer, peer)
-            why = self._limits.admit(peer)
-            if why is not None and self._limits.full() and self._evict_silent():
-                why = self._limits.admit(peer)
+            trusted = self.streams.trusted(peer)
+            why = self._limits.admit(peer, trusted=trusted)
+            if why is not None and self._limits.full(trusted) and self._evict_silent(trusted):
+                why = self._limits.admit(peer, trusted=trusted)
             if why is not None:
                 self._refuse_once(peer, why, "%s refused a stream from peer=%s: %s", self.name, peer, why,
                                   level=logging.INFO)
                 writer.close()
                 return
-            served = _Served(peer, asyncio.current_task(), time.monotonic(), SilenceWatch(reader))
+            served = _Served(peer, asyncio.current_task(), time.monotonic(), SilenceWatch(reader), trusted)
             self._streams_served.append(served)
             try:
                 await handler(info, cast(asyncio.StreamReader, served.reader), writer)
@@ -294,20 +314,21 @@ class StreamService(ABC):
             finally:
                 self._streams_served.remove(served)
                 if not served.evicted:  # an evicted stream gave its slot back when it was closed
-                    self._limits.release(peer)
+                    self._limits.release(peer, served.trusted)
         return limited
 
-    def _evict_silent(self) -> bool:
-        """Close the stream that has been silent longest, if one has been for SILENT_GRACE_SECONDS;
-        its slot is free at once. Whether one was closed."""
+    def _evict_silent(self, trusted: bool) -> bool:
+        """Close the stream that has been silent longest, if one has been for SILENT_GRACE_SECONDS
+        (for a stranger's new stream, one of a stranger's: the slots it may take); its slot is free
+        at once. Whether one was closed."""
         now = time.monotonic()
-        silent = [s for s in self._streams_served
-                  if s.reader.silent and not s.evicted and now - s.opened >= SILENT_GRACE_SECONDS]
+        silent = [s for s in self._streams_served if s.reader.silent and not s.evicted
+                  and (trusted or not s.trusted) and now - s.opened >= SILENT_GRACE_SECONDS]
         if not silent:
             return False
         oldest = min(silent, key=lambda s: s.opened)
         oldest.evicted = True
-        self._limits.release(oldest.peer)
+        self._limits.release(oldest.peer, oldest.trusted)
         if oldest.task is not None:
             oldest.task.cancel()
         self._refuse_once(oldest.peer, "silent", "%s closed a silent stream of peer=%s to serve another",

@@ -89,7 +89,7 @@ def test_the_depth_scan_is_linear_in_the_message() -> None:
 # --- stream limits ----------------------------------------------------------------------------
 
 def test_one_peer_holds_at_most_its_share_of_streams_and_requests() -> None:
-    limits = StreamLimits(Limits(per_peer=2, total=3, rate=1.0, burst=3.0))
+    limits = StreamLimits(Limits(per_peer=2, total=3, rate=1.0, burst=3.0, reserved=0))
     assert limits.admit(PEER, now=0.0) is None and limits.admit(PEER, now=0.0) is None
     assert "2 of its streams open" in str(limits.admit(PEER, now=0.0))
     limits.release(PEER)
@@ -261,16 +261,16 @@ def test_a_handler_cancelled_by_a_stop_ends_quietly_and_frees_its_slot() -> None
 
     unpaced = SimpleNamespace(reader=lambda r: r, writer=lambda w: w)
     uncounted = SimpleNamespace(count=lambda *_, **__: None)
-    streams = SimpleNamespace(p2p=None, loop=None, throttle=unpaced, traffic=uncounted)
+    streams = SimpleNamespace(p2p=None, loop=None, throttle=unpaced, traffic=uncounted, trusted=lambda peer: False)
     service = Serving(streams, "test")  # type: ignore[arg-type]
     writer = SimpleNamespace(close=lambda: closed.append(True))
     assert asyncio.run(service._limited(service._serve)(SimpleNamespace(peer_id="p"), None, writer)) is None
     assert closed == [True] and service._limits.open_streams() == 0
 
 
-def _silent_service(total: int):  # type: ignore[no-untyped-def]
+def _silent_service(total: int, reserved: int = 0, trusted=lambda peer: False):  # type: ignore[no-untyped-def]
     """A service whose handler reads one message and then holds the stream until `release` is set,
-    over fake unpaced streams."""
+    over fake unpaced streams; `reserved` of its streams for peers `trusted` says yes to."""
     from types import SimpleNamespace
 
     from diloco_node.swarm.streams import StreamService, receive
@@ -285,8 +285,9 @@ def _silent_service(total: int):  # type: ignore[no-untyped-def]
 
     unpaced = SimpleNamespace(reader=lambda r: r, writer=lambda w: w)
     uncounted = SimpleNamespace(count=lambda *_, **__: None)
-    streams = SimpleNamespace(p2p=None, loop=None, throttle=unpaced, traffic=uncounted)
-    service = Echo(streams, "echo", Limits(per_peer=4, total=total, rate=100.0, burst=100.0))  # type: ignore[arg-type]
+    streams = SimpleNamespace(p2p=None, loop=None, throttle=unpaced, traffic=uncounted, trusted=trusted)
+    service = Echo(streams, "echo", Limits(per_peer=4, total=total, rate=100.0, burst=100.0,  # type: ignore[arg-type]
+                                           reserved=reserved))
     return service, answered, release
 
 
@@ -369,3 +370,54 @@ def test_a_stream_stops_being_silent_once_its_first_message_is_in(chunks: list[b
         return watch.silent
 
     assert asyncio.run(scenario()) is False
+
+
+def test_strangers_rotating_fresh_ids_never_take_the_slots_of_peers_we_trust(monkeypatch: pytest.MonkeyPatch) -> None:
+    """100 fresh ids open 64 silent streams every second, each one just past the grace when the next
+    wave comes: every slot a stranger may take is always young or taken, and 0 of 10 honest fetches
+    were served. The slots `reserved` are for peers we trust (proven, anchors, joiners we served,
+    our groups' members: facade._trusted), and strangers' waves never reach them."""
+    from types import SimpleNamespace
+
+    from diloco_node.swarm import streams as streams_module
+
+    async def scenario() -> None:
+        service, answered, release = _silent_service(total=64, reserved=16,
+                                                      trusted=lambda peer: peer.startswith("member"))
+        clock = [1000.0]
+        monkeypatch.setattr(streams_module.time, "monotonic", lambda: clock[0])
+        tasks = []
+
+        def opened(peer: str, data: bytes = b"") -> None:
+            reader = asyncio.StreamReader()
+            reader.feed_data(data)
+            writer = SimpleNamespace(close=lambda: None)
+            tasks.append(asyncio.ensure_future(service._limited(service._serve)(SimpleNamespace(peer_id=peer),
+                                                                                 reader, writer)))
+
+        async def settle() -> None:
+            for _ in range(20):
+                await asyncio.sleep(0)
+
+        def message(n: int) -> bytes:
+            body = json.dumps({"n": n}).encode()
+            return len(body).to_bytes(8, "big") + body
+
+        wave = 0
+        for second in range(10):
+            clock[0] += streams_module.SILENT_GRACE_SECONDS
+            for _ in range(64):
+                opened(f"sybil{wave % 100}")
+                wave += 1
+            await settle()
+            assert service._limits._strangers <= 64 - 16
+            clock[0] += 0.01
+            opened(f"member{second}", message(second))
+            await settle()
+        assert sorted(json.loads(m)["n"] for m in answered) == list(range(10))
+        release.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(scenario())
