@@ -18,11 +18,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from diloco_node.trust.shown import TEXT_CHARS, shown
+
 MISSING = "-"
 PEER_ID_CHARS = 12  # enough to tell peers apart in a table; the full id is in the node section
-TEXT_CHARS = 160  # the most of one server-sent string shown (a multiaddr with its /p2p id is ~100)
 LABEL_CHARS = 64  # a label as records bound it (swarm/records.py): an honest one is never cut
-CUT = "..."
 _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 
@@ -61,31 +61,6 @@ def percent(fraction: Any) -> str:
 def decimal(value: Any, digits: int = 4) -> str:
     number = _number(value)
     return MISSING if number is None else f"{number:.{digits}f}"
-
-
-def _escaped(char: str) -> str:
-    """One character as the terminal may see it: printable ones as they are, the rest (control
-    characters, ESC, DEL, bidi overrides, line and paragraph separators) as repr writes them, and
-    the backslash doubled so an escape shown is never confused with the same text sent."""
-    if char == "\\":
-        return "\\\\"
-    return char if char.isprintable() else repr(char)[1:-1]
-
-
-def shown(value: Any, limit: int = TEXT_CHARS) -> str:
-    """A server-sent value as one safe line: escaped character by character, and cut to at most
-    `limit` characters, ending in '...' when cut (an escape is never cut in half)."""
-    string = str(value)
-    pieces = [_escaped(char) for char in string[:limit + 1]]  # each shows as ≥ 1 character
-    if len(string) <= limit and sum(map(len, pieces)) <= limit:
-        return "".join(pieces)
-    kept, length = [], 0
-    for piece in pieces:
-        if length + len(piece) > limit - len(CUT):
-            break
-        kept.append(piece)
-        length += len(piece)
-    return "".join(kept) + CUT
 
 
 def text(value: Any, limit: int = TEXT_CHARS) -> str:

@@ -46,6 +46,7 @@ from diloco_node.swarm import bounded
 from diloco_node.trust import admission
 from diloco_node.trust.peer_ids import peer_id_of_ssh_key
 from diloco_node.trust.records import NodeRecord, NodeValue, Token, parse_record
+from diloco_node.trust.shown import shown
 
 logger = logging.getLogger(__name__)
 
@@ -265,13 +266,14 @@ def option_of(key: str) -> str:
 
 def shown_value(value: Any, present: bool = True) -> str:
     """`value` as a refusal prints it: short, since one line holds several (a digest is cut to
-    SHOWN_HASH_CHARS, a key absent from a config is its default)."""
+    SHOWN_HASH_CHARS, a key absent from a config is its default), and escaped: it is a peer's text
+    (trust/shown.py)."""
     if not present:
         return "default"
     text = "none" if value is None else str(value)
     if len(text) > SHOWN_HASH_CHARS and all(c in "0123456789abcdefABCDEF" for c in text):
         return text[:SHOWN_HASH_CHARS] + "…"
-    return text if len(text) <= SHOWN_VALUE_CHARS else text[:SHOWN_VALUE_CHARS - 4] + "…"
+    return shown(text, SHOWN_VALUE_CHARS)
 
 
 def _option_difference(option: str, keys: list[str], ours: dict[str, Any], theirs: dict[str, Any]) -> str:

@@ -140,7 +140,8 @@ def test_a_refusal_for_many_keys_is_one_short_line_of_the_options_a_user_types()
     assert config_difference({"protocol": 4}, {"protocol": 5}) == "protocol version 5 (ours: 4)"
     assert config_difference({"min_group_size": 3}, {}) == "--min-group-size default (ours: 3)"
     assert config_difference({"model": "tiny"}, {"model": "tiny"}) == "unknown difference"
-    assert records.shown_value("ssh-rsa " + "A" * 300) == "ssh-rsa " + "A" * 12 + "…"
+    assert records.shown_value("ssh-rsa " + "A" * 300) == "ssh-rsa " + "A" * 13 + "..."
+    assert records.shown_value("\x1b[2Jpwned") == "\\x1b[2Jpwned"  # a peer's text reaches a terminal escaped
 
 
 def peer_at(peer: str, ready_round: int, exchanged_round: int = -1) -> NodeRecord:
