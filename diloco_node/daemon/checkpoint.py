@@ -378,7 +378,7 @@ class CheckpointStore:
     def _named_tensors(self) -> str | None:
         """The tensors file the current manifest names (None when there is none, or it is unreadable)."""
         try:
-            return str(json.loads((self.directory / CHECKPOINT_NAME).read_bytes())["tensors"])
+            return str(json.loads(_read_manifest(self.directory / CHECKPOINT_NAME))["tensors"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
 

@@ -318,3 +318,18 @@ def test_the_export_command_refuses_a_damaged_checkpoint_in_one_line(tmp_path: P
                            "--run-id", "r", str(tmp_path / "out")], capture_output=True, text=True, timeout=110)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith("diloco-node: error: checkpoint") and "lacks 'outer_params'" in done.stderr
+
+
+def test_a_save_beside_a_fifo_in_the_manifests_place_does_not_hang(tmp_path: Path) -> None:
+    """A save reads the current manifest to keep its tensors file: a FIFO there blocked that read for
+    good (it is read as a load reads it, a regular file or nothing), and the save replaces it."""
+    import os
+    import threading
+
+    os.mkfifo(tmp_path / "node.json")
+    store = CheckpointStore(tmp_path)
+    saving = threading.Thread(target=lambda: (store.save(state()), store.close()), daemon=True)
+    saving.start()
+    saving.join(30)
+    assert not saving.is_alive()
+    assert read_checkpoint(tmp_path) is not None
