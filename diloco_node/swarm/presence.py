@@ -42,6 +42,9 @@ ISOLATED_HEARTBEAT_SECONDS = 1.0
 TICK_SECONDS = 0.5  # how often the heartbeat thread checks whether a read or a refresh is due
 WAITING_LOG_SECONDS = 30.0
 REFUSALS_SHOWN = 4  # peers newly refused for their config, named one line each per read of the records
+# The run's configs value is read to say what differs at most this often: each read pulls the
+# whole value under our DHT lock, and fresh incompatible ids (free) could ask for one every look.
+CONFIG_READ_SECONDS = 30.0
 # Waits on the records (the barrier, peers at start-up) read them 0.3 s apart at first, backing off
 # to 1 s: a peer that arrives at once is seen at once, and a long wait costs a read a second, not three.
 FIRST_POLL_SECONDS = 0.3
@@ -102,6 +105,7 @@ class Presence:
         self._stats: dict[str, Any] = {}
         # monotonic times of our last store of the record, read of the records, store of our config
         self._published_at = self._read_at = self._config_published_at = -math.inf
+        self._configs_read_at = -math.inf  # monotonic time of our last read of the configs value (_log_refused)
         # peers refused for their config, and (peer, why) not admitted: each logged once. Records are
         # free, so both forget the least recent beyond MAX_TRACKED_PEERS (docs/architecture.md §9)
         self._refused = LRUSet()
@@ -495,7 +499,11 @@ class Presence:
         for peer in fingerprints:
             self._refused.add(peer)
         shown = list(fingerprints.items())[:REFUSALS_SHOWN]
-        differences = self._differences({fingerprint for _, fingerprint in shown})
+        if time.monotonic() - self._configs_read_at >= CONFIG_READ_SECONDS:
+            self._configs_read_at = time.monotonic()
+            differences = self._differences({fingerprint for _, fingerprint in shown})
+        else:  # read within CONFIG_READ_SECONDS: their fingerprints only
+            differences = {fingerprint: f"fingerprint={records.shown_value(fingerprint)}" for _, fingerprint in shown}
         for peer, fingerprint in shown:
             logger.warning("refused peer %s: incompatible config (%s)", peer, differences[fingerprint])
         if len(fingerprints) > len(shown):

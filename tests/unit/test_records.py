@@ -517,6 +517,13 @@ def test_fresh_refused_ids_cost_one_config_read_a_look_and_bounded_memory(monkey
     assert len(caplog.records) == presence_module.REFUSALS_SHOWN + 1
     assert "refused 9996 more peers" in caplog.records[-1].getMessage()
     assert len(presence._refused) == 100
+    # fresh ids again at the next look, and the one after: no more reads within CONFIG_READ_SECONDS
+    for wave in range(2):
+        offline(monkeypatch, [record("a", 5, "d"), *(dataclasses.replace(record(f"new{wave}-{i}", 5, "d"),
+                                                                          fingerprint=f"{wave}{i:015x}") for i in range(10))])
+        presence.compatible_peers(refresh=True)
+    assert reads == [presence_module.REFUSALS_SHOWN]
+    assert "refused peer new1-0: incompatible config (fingerprint=" in caplog.text
 
 
 def test_a_refusal_names_what_differs_or_that_the_config_is_unknown(monkeypatch) -> None:  # type: ignore[no-untyped-def]
