@@ -519,7 +519,8 @@ def test_fresh_refused_ids_cost_one_config_read_a_look_and_bounded_memory(monkey
     assert len(presence._refused) == 100
     # fresh ids again at the next look, and the one after: no more reads within CONFIG_READ_SECONDS
     for wave in range(2):
-        fresh = [dataclasses.replace(record(f"new{wave}-{i}", 5, "d"), fingerprint=f"{wave}{i:015x}") for i in range(10)]
+        fresh = [dataclasses.replace(record(f"new{wave}-{i}", 5, "d"), fingerprint=f"{wave}{i:015x}")
+                 for i in range(10)]
         offline(monkeypatch, [record("a", 5, "d"), *fresh])
         presence.compatible_peers(refresh=True)
     assert reads == [presence_module.REFUSALS_SHOWN]
