@@ -264,6 +264,7 @@ OPTIONAL_KEYS: dict[str, Callable[[Any], bool]] = {
     "outstanding": _is_outstanding,
     "export": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()),
     "drift": lambda v: True,  # Drift.restore checks it against φ and starts θ afresh when it does not fit
+    "reach": lambda v: True,  # Reach.restore checks it, and holds nothing measured when it is refused
 }
 
 

@@ -134,6 +134,9 @@ def resume(store: CheckpointStore, fingerprint: str, state: OuterState, replica:
     check_fits(saved, store.path, [p.shape for p in state.phi])
     with installing(store.path):
         state.install(saved["round"], saved["outer_params"], saved["momentum"])
+        # how far φ moved in our last rounds: a state downloaded after the resume is bounded by it (§9)
+        if "reach" in saved and not state.optimizer.reach.restore(saved["reach"]):
+            logger.warning("checkpoint's record of our last outer steps is damaged: the next state is taken unchecked")
         inner_step = 0
         if saved["format"] >= 2:
             replica.load_inner_state(saved["inner"])

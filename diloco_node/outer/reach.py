@@ -20,8 +20,10 @@ between them can move it. The bound is built only from what the node measured:
 - slack: REACH_SLACK on F (norms grow as the inner learning rate warms up) and REACH_BASE_ROUNDS
   more rounds (a split at the same round, one-sided exchange failures, overlapped modes' early Δ).
 
-A node that has taken no outer step since it started (a joiner, a node resumed from a checkpoint)
-has measured nothing and takes the state as before: it has no φ of the run to keep.
+A node resumed from a checkpoint holds the forces and times it saved (`saved`, `restore`: wall
+times, so the rounds its clock allows count the time it was down). A node that has taken no outer
+step of its own (a fresh joiner, or a checkpoint of an older version) has measured nothing and takes
+the state as before: it has no φ of the run to keep.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -78,6 +81,31 @@ class Reach:
         with self._lock:
             self._installed += distance
 
+    def saved(self) -> dict[str, Any]:
+        """What a checkpoint keeps of it: the recent steps (wall time, move, buffer), the time of the
+        last one and the installs since, on the wall clock (monotonic time does not survive a restart)."""
+        offset = time.time() - time.monotonic()
+        with self._lock:
+            return {"steps": [[at + offset, move, buffer] for at, move, buffer in self._steps],
+                    "installed": self._installed}
+
+    def restore(self, saved: Any) -> bool:
+        """Take back what `saved` gave (a checkpoint's, so checked: anything else is refused whole,
+        and we hold nothing measured, as a node of an older version did); whether it was taken."""
+        steps = saved.get("steps") if isinstance(saved, dict) else None
+        installed = saved.get("installed") if isinstance(saved, dict) else None
+        if not (isinstance(steps, list) and 0 < len(steps) <= REACH_STEPS and isinstance(installed, (int, float))
+                and _finite(installed)
+                and all(isinstance(step, list) and len(step) == 3 and all(map(_finite, step)) for step in steps)):
+            return False
+        offset = time.time() - time.monotonic()
+        with self._lock:
+            self._steps.clear()
+            self._steps.extend((at - offset, move, buffer) for at, move, buffer in steps)
+            self._stepped_at = self._steps[-1][0]
+            self._installed = float(installed)
+        return True
+
     def measured(self) -> bool:
         """Whether we took an outer step since start: we hold φ of the run."""
         with self._lock:
@@ -102,3 +130,8 @@ class Reach:
         move = max(force for _, force, _ in steps)
         buffer = max(force for _, _, force in steps)
         return Bound(rounds, max(0.0, rounds * move * scale - installed), buffer * scale)
+
+
+def _finite(value: Any) -> bool:
+    """A finite number, not negative (a force, a time, a distance), and no bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0

@@ -98,7 +98,7 @@ class OuterState:
             return {"round": self.round, "outer_params": [p.clone() for p in self.phi],
                     "momentum": ([m.clone() for m in self.optimizer.momentum_buffers()]
                                  if self.optimizer.has_momentum() else None),
-                    "digest": digest(self.phi)}
+                    "digest": digest(self.phi), "reach": self.optimizer.reach.saved()}
 
     def served(self, settled: Callable[[], Served | None]) -> Served:
         """The state a joiner gets from us: `settled` (overlapped modes: φ with only the landed

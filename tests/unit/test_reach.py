@@ -31,6 +31,9 @@ class Clock:
     def monotonic(self) -> float:
         return self.now
 
+    def time(self) -> float:  # the wall clock: another origin, the same pace
+        return self.now + 1.7e9
+
 
 @pytest.fixture(autouse=True)
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
@@ -203,3 +206,38 @@ def test_states_installed_one_after_another_walk_phi_no_farther_than_one_could(c
             taken += 1
     assert taken <= 2
     assert float((ours.flat() - start).norm()) <= bound.distance * (1 + 1e-6)
+
+
+def test_a_node_resumed_from_its_checkpoint_keeps_the_reach_of_its_last_steps(clock: Clock) -> None:
+    """A checkpoint keeps the forces and times of our last outer steps (as JSON, on the wall clock):
+    after a restart a far state is refused as before it, where a resumed node took any state."""
+    import json
+
+    ours = diloco(model())
+    run(ours, means(6))
+    checkpoint = json.loads(json.dumps(ours.saved()["reach"]))  # what the manifest holds
+    metadata, vectors = shared(ours)
+    far = [torch.full((NUMEL,), 0.5), vectors[1]]
+
+    clock.now += 5.0  # restarted within a round
+    resumed = diloco(model())
+    resumed.install(ours.round, ours.phi, None)
+    assert resumed.install_shared({**metadata, "round": ours.round + 1}, far, "fp") is not None  # nothing measured
+    resumed = diloco(model())
+    resumed.install(ours.round, ours.phi, None)
+    assert resumed.optimizer.reach.restore(checkpoint)
+    assert resumed.optimizer.reach.bound(3) == ours.optimizer.reach.bound(3)
+    assert resumed.install_shared({**metadata, "round": ours.round + 1}, far, "fp") is None
+    assert resumed.install_shared({**metadata, "round": ours.round + 1}, vectors, "fp") is not None
+
+
+@pytest.mark.parametrize("damaged", [None, [], {"steps": [], "installed": 0.0}, {"steps": [[1.0, 2.0]], "installed": 0},
+                                     {"steps": [[1.0, 2.0, float("nan")]], "installed": 0},
+                                     {"steps": [[1.0, 2.0, -3.0]], "installed": 0},
+                                     {"steps": [[1.0, 2.0, True]], "installed": 0},
+                                     {"steps": [[1.0, 2.0, 3.0]] * (REACH_STEPS + 1), "installed": 0},
+                                     {"steps": [[1.0, 2.0, 3.0]], "installed": "0"}, {"steps": "x", "installed": 0}])
+def test_a_damaged_record_of_our_steps_is_refused_whole(damaged: object) -> None:
+    reach = Reach(0.9)
+    assert not reach.restore(damaged)
+    assert reach.bound(3) is None
