@@ -35,7 +35,6 @@ from diloco_node.swarm.presence import Presence
 from diloco_node.swarm.reachability import DialBack
 from diloco_node.swarm.spread import RoundClock, Spread
 from diloco_node.swarm.statesync import (
-    AGREEMENT_WAIT_SECONDS,
     CatchUp,
     DisputedState,
     StateService,
@@ -49,6 +48,7 @@ from diloco_node.swarm.watchdog import Watchdog
 from diloco_node.trust import proofs
 from diloco_node.trust.admission import Gate
 from diloco_node.trust.records import NodeRecord
+from diloco_node.trust.state import AGREEMENT_WAIT_SECONDS
 
 logger = logging.getLogger(__name__)
 

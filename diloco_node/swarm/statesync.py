@@ -31,7 +31,13 @@ from diloco_node.replica.layout import digest
 from diloco_node.swarm.streams import HEADER_LEN, Limits, Streams, StreamService, parse_json, receive, send
 from diloco_node.telemetry.progress import Bar, Progress, terminal_bar
 from diloco_node.trust.records import NodeRecord, reference_state
-from diloco_node.trust.state import announced_states, catch_up_target, metadata_refusal, servers_in_order
+from diloco_node.trust.state import (
+    announced_states,
+    catch_up_target,
+    metadata_refusal,
+    servers_in_order,
+    state_refusal,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +58,6 @@ SHARE_POLL_SECONDS = 0.1
 NOT_SHARING = "it is not sharing its state now"  # a blocking node mid-exchange: asked again, not demoted
 SETUP_SECONDS = 10.0  # beyond the transfer at LEAST_RATE: connecting, the server's snapshot
 STATE_RETRY_SECONDS = 1.0  # between state downloads that found no peer sharing
-# how long a joiner waits for two nodes to announce the same state before taking one unchecked:
-# a few rounds, for nodes one round apart to meet
-AGREEMENT_WAIT_SECONDS = 30.0
 AGREEMENT_POLLS, AGREEMENT_POLL_SECONDS = 10, 0.5  # reading the records again after a download
 # A state the run has moved past while it downloaded is caught up on in at most this many passes
 # (the run goes on while the means are fetched; each pass fetches fewer rounds; how far behind a
@@ -379,12 +382,10 @@ def agreement(shared: SharedState, peers: Callable[[], dict[str, NodeRecord]], s
         if stop.wait(AGREEMENT_POLL_SECONDS):
             break
     # unchecked, but not a state every server has moved past (it arrived late: caught_up's to catch up)
-    if reference is None and time.monotonic() - started > AGREEMENT_WAIT_SECONDS and got[0] >= min(served):
+    why = state_refusal(got, reference, served, time.monotonic() - started)
+    if why is None:
         logger.warning("no two peers announce the same state; taking one unchecked")
-        return None
-    wanted = "no state two nodes agree on" if reference is None else \
-        f"settled round {reference[0]}, digest {reference[1]}"
-    return f"its state (settled round {got[0]}, digest {got[1]}) is not the run's ({wanted})"
+    return why
 
 
 def agreed_records(peers: Callable[[], dict[str, NodeRecord]],

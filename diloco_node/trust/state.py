@@ -5,8 +5,8 @@ swarm/statesync.py downloads, serves and checks φ's digest; which records choos
 trust/view.py's (`RunView.state_sources`) and which state they agree on trust/records.py's
 (`reference_state`). Here: in which order the servers are asked (`servers_in_order`), what of a
 server's metadata outside the digest is believed (`metadata_refusal`), the distinct states the
-records announce (`announced_states`), and when a server may name the rounds a state is caught up
-on (`catch_up_target`).
+records announce (`announced_states`), when a server may name the rounds a state is caught up
+on (`catch_up_target`), and whether a downloaded state is the run's (`state_refusal`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ CATCH_UP_ROUNDS = 10
 # announcing and our read (a solo node of a test runs several a second), a lie of 10^30 does not
 MAX_ROUNDS_AHEAD = 16
 MAX_ROUNDS_IN_FLIGHT = 8  # above what any server holds (outer/state.py checks the exact bound)
+# How long a joiner waits for two nodes to announce the same state before taking one unchecked:
+# a few rounds, for nodes one round apart to meet
+AGREEMENT_WAIT_SECONDS = 30.0
 
 
 def lower_median(rounds: Sequence[int]) -> int:
@@ -86,3 +89,18 @@ def catch_up_target(got: tuple[int, str], reference: tuple[int, str] | None, ser
     if reference is None or server is None or (server.served_round, server.served_digest) != reference:
         return None
     return reference[0] if 0 < reference[0] - got[0] <= CATCH_UP_ROUNDS else None
+
+
+def state_refusal(got: tuple[int, str], reference: tuple[int, str] | None, served: Sequence[int],
+                  waited: float) -> str | None:
+    """Why a downloaded state (`got`: its settled round and digest) is not to be taken, None when it
+    is: it is the state the records agree on (`reference`); or no two nodes agreed on any after
+    `waited` > AGREEMENT_WAIT_SECONDS seconds and it is not one every server has moved past (the
+    rounds the records serve: `served`), so it is taken unchecked (the caller says so)."""
+    if got == reference:
+        return None
+    if reference is None and waited > AGREEMENT_WAIT_SECONDS and got[0] >= min(served, default=got[0]):
+        return None
+    wanted = "no state two nodes agree on" if reference is None else \
+        f"settled round {reference[0]}, digest {reference[1]}"
+    return f"its state (settled round {got[0]}, digest {got[1]}) is not the run's ({wanted})"

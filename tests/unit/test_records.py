@@ -16,6 +16,7 @@ from diloco_node.swarm.matchmaking import Matchmaker
 from diloco_node.swarm.presence import Presence
 from diloco_node.swarm.records import config_difference
 from diloco_node.swarm.statesync import agreement
+from diloco_node.trust import state as trust_state
 from diloco_node.trust.admission import Claims, Gate, sign
 from diloco_node.trust.records import NodeRecord, canonical_digest, reference_state, tie_order
 from diloco_node.trust.state import servers_in_order
@@ -360,11 +361,11 @@ def test_a_joiner_takes_the_state_most_records_announce(monkeypatch) -> None:  #
     split = {"a": others["a"], "liar": serving("liar", 10**6, "fake")}
     assert "no state two nodes agree on" in str(agrees(({"round": 7}, [phi, momentum]), split))
     assert agreement(({"round": 7}, [phi, momentum]), lambda: split,
-                     now - statesync.AGREEMENT_WAIT_SECONDS - 1, never) is None
+                     now - trust_state.AGREEMENT_WAIT_SECONDS - 1, never) is None
     assert reference_state(split.values()) is None
     # but never one every server has moved past: a state that arrived late is caught up on, or refused
     assert "no state two nodes agree on" in str(agreement(({"round": 5}, [phi, momentum]), lambda: split,
-                                                          now - statesync.AGREEMENT_WAIT_SECONDS - 1, never))
+                                                          now - trust_state.AGREEMENT_WAIT_SECONDS - 1, never))
     assert reference_state([others["a"]]) == (7, honest)  # one node alone serves the run's state
     two_liars = [*others.values(), serving("liar2", 10**6, "fake")]
     assert reference_state(two_liars) is None  # a tie never goes to the later round
