@@ -45,7 +45,7 @@ from diloco_node.swarm.streams import Streams
 from diloco_node.swarm.throttle import Throttle
 from diloco_node.swarm.transfer import Transfer
 from diloco_node.swarm.watchdog import Watchdog
-from diloco_node.trust import proofs
+from diloco_node.trust import proofs, view
 from diloco_node.trust.admission import Gate
 from diloco_node.trust.records import NodeRecord
 from diloco_node.trust.state import AGREEMENT_WAIT_SECONDS
@@ -199,24 +199,25 @@ class Swarm:
                 or self._presence.vouched(peer) or self._exchange.in_group(peer))
 
     def _may_fetch_payload(self, peer: str, round_: int, token: str, group: tuple[str, ...] | None) -> str | None:
-        """Why `peer` may not fetch our payload of `round_` (None: it may). Once our group is known:
-        its members, and joiners a member vouched for (they complete rounds their server had in
-        flight). Before: any verified node of the run, since our matchmaking may still be running
-        or have failed one-sided (matchmaking.py), and joiners we served: they complete the rounds we
-        had in flight, and their first record may not have reached us yet."""
+        """Why `peer` may not fetch our payload of `round_` (None: it may): the gate's admission,
+        then trust/view.fetch_refusal, with the records as they are here. A joiner we served is
+        verified before its first record reaches us; a fresh vouch may not have reached our last
+        look at the records, which are read again for it."""
         if why := self.gate.refusal(peer, token):
             return why
-        if group is None:
-            verified = self._presence.vouched(peer) or self._presence.known(peer) or \
-                self._presence.recent_peers().get(peer)
-            return None if verified else "not a verified node of this run"
-        if peer in group:
-            return None
-        for refresh in (False, True):  # a fresh vouch may not have reached our last look at the records
-            vouchers = self._presence.recent_peers() if refresh else self._presence.compatible_peers()
-            if any(peer in vouchers[member].vouched for member in group if member in vouchers):
-                return None
-        return "not a member of the round's group"
+
+        def verified() -> bool:
+            return bool(self._presence.vouched(peer) or self._presence.known(peer)
+                        or self._presence.recent_peers().get(peer))
+
+        def vouched_by_member() -> bool:
+            assert group is not None
+            for vouchers in (self._presence.compatible_peers(), self._presence.recent_peers()):
+                if any(peer in vouchers[member].vouched for member in group if member in vouchers):
+                    return True
+            return False
+
+        return view.fetch_refusal(peer, group, verified, vouched_by_member)
 
     # --- rounds: the transport (round.Transport) ----------------------------------------------
 

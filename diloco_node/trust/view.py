@@ -228,3 +228,18 @@ class RunView:
     def _of(self, who: Collection[str] | None) -> dict[str, NodeRecord]:
         """The records of `who` (all when None), ourselves excluded."""
         return {p: r for p, r in self.found.items() if p != self.me and (who is None or p in who)}
+
+
+def fetch_refusal(peer: str, group: Collection[str] | None, verified: Callable[[], bool],
+                  vouched_by_member: Callable[[], bool]) -> str | None:
+    """Why `peer` may not fetch our payload, an averaged part or push to us for a round whose group
+    (ourselves included) is `group` (None: not known yet); None when it may. Before the group is
+    known: any verified node of the run (`verified`: its record, or we served it our state), since
+    our matchmaking may still run or have failed on one side only. Once it is known: its members,
+    and joiners a member vouched for (`vouched_by_member`: they complete rounds their server had in
+    flight). The two questions are asked only when needed: each may read the DHT."""
+    if group is None:
+        return None if verified() else "not a verified node of this run"
+    if peer in group or vouched_by_member():
+        return None
+    return "not a member of the round's group"

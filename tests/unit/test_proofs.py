@@ -429,6 +429,29 @@ def test_a_joiner_we_served_fetches_our_payload_before_its_record_reaches_us(mon
     assert Swarm._may_fetch_payload(seam, "stranger", 3, "", None) == "not a verified node of this run"  # type: ignore[arg-type]
 
 
+def test_who_may_fetch_a_rounds_payload_is_one_rule_asked_lazily() -> None:
+    """trust/view.fetch_refusal: before the group is known any verified node, after it its members
+    and joiners a member vouched for; each question (a DHT read) asked only when the answer needs it."""
+    from diloco_node.trust.view import fetch_refusal
+
+    asked: list[str] = []
+
+    def answer(name: str, value: bool):  # type: ignore[no-untyped-def]
+        return lambda: asked.append(name) or value
+
+    assert fetch_refusal("a", None, answer("verified", True), answer("vouched", False)) is None
+    assert fetch_refusal("x", None, answer("verified", False), answer("vouched", True)) == \
+        "not a verified node of this run"
+    assert asked == ["verified", "verified"]
+    asked.clear()
+    assert fetch_refusal("a", ("a", "b"), answer("verified", False), answer("vouched", False)) is None
+    assert asked == []  # a member: nothing to read
+    assert fetch_refusal("j", ("a", "b"), answer("verified", True), answer("vouched", True)) is None
+    assert fetch_refusal("x", ("a", "b"), answer("verified", True), answer("vouched", False)) == \
+        "not a member of the round's group"
+    assert asked == ["vouched", "vouched"]
+
+
 @pytest.mark.parametrize("alone", [False, True])
 def test_the_barrier_waits_for_the_record_of_a_joiner_we_just_served(monkeypatch, alone: bool) -> None:  # type: ignore[no-untyped-def]
     """A joiner publishes its record only once our state is installed; a barrier that went on
