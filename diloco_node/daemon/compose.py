@@ -1,6 +1,7 @@
-"""The composition root: the one place that builds a node's parts and wires swarm/ and outer/
-together (docs/architecture.md §2). Nothing else constructs a Swarm, an outer update or the
-telemetry; node.py only runs rounds with what is built here.
+"""The composition root: it builds a node's parts and wires swarm/ and outer/ together
+(docs/architecture.md §2, §7). Nothing else constructs a Swarm, an outer update or the telemetry;
+startup.py builds the replica and a permissioned run's gate, and the Swarm builds its own parts
+(the DHT, presence, streams, services); node.py only runs rounds with what is built here.
 """
 
 from __future__ import annotations
