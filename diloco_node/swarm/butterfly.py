@@ -42,6 +42,9 @@ from diloco_node.round import PartIn, PartSource, Reduced, part_bounds
 from diloco_node.swarm.exchange import MAX_SENDS_PER_PEER
 from diloco_node.swarm.messages import (
     MAX_GROUP,
+    DigestsRequest,
+    PartRequest,
+    Push,
     Told,
     parse_digests_request,
     parse_part_request,
@@ -279,8 +282,7 @@ class Butterfly(StreamService):
         """The parts of which the members other than their owner hold one sealed version (ours, or
         fetched now from a member that holds it)."""
         ours = self._hashes(rnd)
-        request = json.dumps({"round": round_, "admission": self._token,
-                              "digests": self._on_wire(ours)}).encode()
+        request = DigestsRequest(round_, self._token, tuple(ours)).encode()
         deadline = self.loop.time() + COMPARE_SECONDS
 
         async def ask(peer: str) -> None:
@@ -368,9 +370,8 @@ class Butterfly(StreamService):
         """Our part `index` to its owner, with the norms of all our parts (the same list to every owner);
         its answer is the averaged part with its report and seal (None: failed or empty)."""
         payload = source.encode(*bounds[index]) if source.encode is not None else b""
-        request = json.dumps({"round": round_, "part": index, "group": list(group), "admission": self._token,
-                              "tokens": source.tokens if payload else 0.0, "norm": source.norm,
-                              "norms": list(source.norms(bounds)) if payload else []}).encode()
+        request = Push(round_, index, tuple(group), source.tokens if payload else 0.0, source.norm, self._token,
+                       tuple(source.norms(bounds)) if payload else ()).encode()
         try:
             averaged, report = await self._ask(owner, self._reduce_name, request, payload, deadline)
             return (averaged, report) if averaged else None
@@ -402,7 +403,7 @@ class Butterfly(StreamService):
         """Ask `holders` in turn for part `index` until one gives what its owner sealed (hashing to
         `want` when given); the member that did, None when none. Each is given an equal share of
         the time left, so one that stalls cannot use up the others' turns."""
-        request = json.dumps({"round": round_, "part": index, "group": list(group), "admission": self._token}).encode()
+        request = PartRequest(round_, index, self._token).encode()
         for turn, peer in enumerate(holders):
             share = (deadline - self.loop.time()) / (len(holders) - turn)
             try:
@@ -437,7 +438,7 @@ class Butterfly(StreamService):
         its exchange of that round has ended (a part it lacks was skipped by its group); None before,
         and for a group of more than `max_group` (the run's bound: no more parts are asked for)."""
         deadline = self.loop.time() + timeout
-        request = json.dumps({"round": round_, "part": 0, "admission": self._token}).encode()
+        request = PartRequest(round_, 0, self._token).encode()
         averaged, report = await self._ask(peer, self._part_name, request, b"", deadline)
         group, count = report.get("group"), report.get("parts")
         if not (isinstance(group, list) and all(isinstance(p, str) for p in group) and isinstance(count, int)
@@ -445,7 +446,7 @@ class Butterfly(StreamService):
             return None
         parts = {0: (averaged, _without_serving_keys(report))} if averaged else {}
         for index in range(1, count):
-            request = json.dumps({"round": round_, "part": index, "admission": self._token}).encode()
+            request = PartRequest(round_, index, self._token).encode()
             averaged, report = await self._ask(peer, self._part_name, request, b"", deadline)
             if averaged:
                 parts[index] = averaged, _without_serving_keys(report)

@@ -26,7 +26,7 @@ from typing import Any
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from diloco_node.rates import format_rate
-from diloco_node.swarm.messages import MAX_DECLARED, parse_payload_request, peer_ids
+from diloco_node.swarm.messages import MAX_DECLARED, PayloadRequest, parse_payload_request, peer_ids
 from diloco_node.swarm.spread import Spread, pace_for, send_paced
 from diloco_node.swarm.streams import HEADER_LEN, PEER_FAILURES, Streams, StreamService, parse_json, receive, send
 from diloco_node.swarm.throttle import TokenBucket
@@ -270,10 +270,7 @@ class PayloadExchange(StreamService):
     async def _fetch_once(self, peer: str, round_: int, timeout: float, group_only: bool = False) -> Fetched | None:
         reader, writer = await self._open(peer, self.name, timeout)
         try:
-            asked: dict[str, Any] = {"round": round_, "admission": self._token}
-            if group_only:
-                asked["group_only"] = True
-            request = json.dumps(asked).encode()
+            request = PayloadRequest(round_, self._token, group_only).encode()
             await send(writer, request)
             meta = await receive(reader, MAX_META_BYTES, timeout)
             payload = await receive(reader, self._max_payload, timeout)

@@ -11,6 +11,7 @@ trust/state.py's metadata_refusal); the payload answer's metadata in exchange.py
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +66,11 @@ class PayloadRequest:
     token: str
     group_only: bool = False  # the offer's tokens and group, no payload: a joiner polling for a group
 
+    def encode(self) -> bytes:
+        """As the fetcher sends it (parse_payload_request reads it back)."""
+        return json.dumps({"round": self.round, "admission": self.token,
+                           **({"group_only": True} if self.group_only else {})}).encode()
+
 
 def parse_payload_request(data: bytes) -> PayloadRequest | str:
     fields = _object(data)
@@ -88,6 +94,11 @@ class Push:
     norm: float
     token: str
     norms: tuple[float, ...] = ()  # the pusher's norm of each part, the same list to every owner (§3)
+
+    def encode(self) -> bytes:
+        """As the pusher sends it (parse_push reads it back)."""
+        return json.dumps({"round": self.round, "part": self.part, "group": list(self.group), "admission": self.token,
+                           "tokens": self.tokens, "norm": self.norm, "norms": list(self.norms)}).encode()
 
 
 def parse_push(data: bytes) -> Push | str:
@@ -118,6 +129,10 @@ class PartRequest:
     part: int
     token: str
 
+    def encode(self) -> bytes:
+        """As a member or a joiner sends it (parse_part_request reads it back)."""
+        return json.dumps({"round": self.round, "part": self.part, "admission": self.token}).encode()
+
 
 def parse_part_request(data: bytes) -> PartRequest | str:
     fields = _object(data)
@@ -147,6 +162,11 @@ class DigestsRequest:
     round: int
     token: str
     digests: tuple[Told | None, ...]  # one per part; None for a part it lacks
+
+    def encode(self) -> bytes:
+        """As a member sends it (parse_digests_request reads it back)."""
+        return json.dumps({"round": self.round, "admission": self.token,
+                           "digests": [told.to_wire() if told else None for told in self.digests]}).encode()
 
 
 def told_list(value: Any, count: int) -> tuple[Told | None, ...] | None:

@@ -145,15 +145,16 @@ def test_parse_json_refuses_with_value_error_only(rng: random.Random) -> None:
 
 @fuzzed
 def test_payload_requests(rng: random.Random) -> None:
-    data = encoded(rng, message(rng, {"round": 3, "admission": ""}))
+    sent = messages.PayloadRequest(3, "", group_only=rng.random() < 0.5).encode()  # as exchange.py sends it
+    data = encoded(rng, message(rng, json.loads(sent)))
     asked = messages.parse_payload_request(data)
     assert isinstance(asked, str) or (0 <= asked.round <= messages.MAX_ROUND and isinstance(asked.token, str))
 
 
 @fuzzed
 def test_butterfly_pushes(rng: random.Random) -> None:
-    data = encoded(rng, message(rng, {"round": 3, "part": 1, "group": [PEER, OTHER], "tokens": 10.0, "norm": 1.5,
-                                      "admission": ""}))
+    sent = messages.Push(3, 1, (PEER, OTHER), 10.0, 1.5, "").encode()  # as butterfly.py pushes a part
+    data = encoded(rng, message(rng, json.loads(sent)))
     push = messages.parse_push(data)
     if not isinstance(push, str):
         assert math.isfinite(push.tokens) and math.isfinite(push.norm) and 0 <= push.part < len(push.group)
@@ -162,7 +163,8 @@ def test_butterfly_pushes(rng: random.Random) -> None:
 
 @fuzzed
 def test_part_requests(rng: random.Random) -> None:
-    data = encoded(rng, message(rng, {"round": 3, "part": 1, "admission": ""}))
+    sent = messages.PartRequest(3, 1, "").encode()  # as butterfly.py asks for a part
+    data = encoded(rng, message(rng, json.loads(sent)))
     assert isinstance(messages.parse_part_request(data), (str, messages.PartRequest))
 
 
@@ -183,8 +185,8 @@ def test_owner_reports(rng: random.Random) -> None:
 
 @fuzzed
 def test_butterfly_pushes_with_part_norms(rng: random.Random) -> None:
-    data = encoded(rng, message(rng, {"round": 3, "part": 0, "group": [PEER, OTHER], "tokens": 10.0, "norm": 1.5,
-                                      "norms": [0.9, 1.2], "admission": ""}))
+    sent = messages.Push(3, 0, (PEER, OTHER), 10.0, 1.5, "", (0.9, 1.2)).encode()
+    data = encoded(rng, message(rng, json.loads(sent)))
     push = messages.parse_push(data)
     if not isinstance(push, str):
         assert all(math.isfinite(n) and 0 <= n <= messages.MAX_DECLARED for n in push.norms)
@@ -195,14 +197,18 @@ HASH = "ab" * 32
 
 OWNER_KEY = rsa.generate_private_key(public_exponent=65537, key_size=2048)
 OWNER = peer_id_of_public_key(OWNER_KEY.public_key())
-SEAL = Sealer(OWNER_KEY).seal(b"signed").to_wire()
+SEALED = Sealer(OWNER_KEY).seal(b"signed")
+SEAL = SEALED.to_wire()
 
 
 @fuzzed
 def test_butterfly_hash_requests(rng: random.Random) -> None:
     """Each told hash that parses goes on to the seal check, which must answer, not raise."""
-    entry = message(rng, {"hash": HASH, "seal": message(rng, SEAL) if rng.random() < 0.5 else SEAL})
-    data = encoded(rng, message(rng, {"round": 3, "admission": "", "digests": [entry, None]}))
+    sent = json.loads(messages.DigestsRequest(3, "", (messages.Told(HASH, SEALED), None)).encode())  # butterfly.py's
+    if rng.random() < 0.5:
+        sent["digests"][0]["seal"] = message(rng, sent["digests"][0]["seal"])
+    sent["digests"][0] = message(rng, sent["digests"][0])
+    data = encoded(rng, message(rng, sent))
     asked = messages.parse_digests_request(data)
     if not isinstance(asked, str):
         for told in asked.digests:
