@@ -44,6 +44,7 @@ from diloco_node.config import ConfigError, NodeConfig, build_config, model_shap
 from diloco_node.errors import NodeError
 from diloco_node.fingerprint import PROTOCOL
 from diloco_node.trust.admission import MAX_SIGNATURE_CHARS, public_key_text, sign_bytes, signature_refusal
+from diloco_node.trust.shown import shown
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -55,6 +56,7 @@ FORMAT = 1
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_TEXT_BYTES = 12 << 20  # one file's text
 MAX_DEPTH = 4  # {"settings": {...}} nests 2 deep; {"model": {...}} too
+MAX_CONFIG_DEPTH = 16  # a model's config.json (a text in the manifest): Hugging Face configs nest 3 or 4 deep
 MANIFEST_NAME = "run.json"  # beside the checkpoint: checkpoint_dir/<run_id>/run.json
 SIGNATURE_NAME = "run.sig"  # the run owner's signature of run.json, beside it
 # what the owner signs: this line, then the manifest's canonical bytes (an admission token signs a
@@ -163,7 +165,7 @@ class Manifest:
 
     def summary(self, parameters_shown: int | None = None) -> str:
         """The one line a joiner prints of what it took."""
-        s = self.settings
+        s = {key: field.default for key, field in NodeConfig.model_fields.items()} | self.settings  # left out: default
         rounds = f"T={s['round_seconds']:g}s" if s.get("round_seconds") is not None else f"H={s['inner_steps']}"
         if s.get("speed_spent") == "batch":  # H steps whose batch each node sizes to T (§13)
             rounds += f", H={s['inner_steps']} by batch"
@@ -336,8 +338,17 @@ class ServedSignature:
 # --- parsing (what a peer sent, or our own copy on disk) --------------------------------------
 
 
-def _depth_ok(text: str) -> bool:
-    """Whether `text` nests at most MAX_DEPTH deep (outside strings): json.loads recurses per level."""
+def _json_object(text: str) -> bool:
+    """Whether a model's config.json text is a JSON object nested at most MAX_CONFIG_DEPTH deep."""
+    try:
+        return _depth_ok(text, MAX_CONFIG_DEPTH) and isinstance(json.loads(text, parse_constant=_refuse_constant),
+                                                                dict)
+    except ValueError:
+        return False
+
+
+def _depth_ok(text: str, max_depth: int = MAX_DEPTH) -> bool:
+    """Whether `text` nests at most `max_depth` deep (outside strings): json.loads recurses per level."""
     depth, in_string, escaped = 0, False, False
     for char in text:
         if in_string:
@@ -346,7 +357,7 @@ def _depth_ok(text: str) -> bool:
             in_string = True
         elif char in "[{":
             depth += 1
-            if depth > MAX_DEPTH:
+            if depth > max_depth:
                 return False
         elif char in "]}":
             depth -= 1
@@ -441,6 +452,9 @@ def parse(data: bytes) -> Manifest:
     model_digest = _hex(model.get("digest"), HEX64, "model digest", optional=config is None)
     if config is not None and sha256(config) != model_digest:
         raise ManifestError("the model's config.json does not match the manifest's digest: refused")
+    if config is not None and not _json_object(config):
+        raise ManifestError(f"malformed manifest: the model's config.json is not a JSON object nested at most "
+                            f"{MAX_CONFIG_DEPTH} deep")
     parameters = model.get("parameters")
     if isinstance(parameters, bool) or not isinstance(parameters, int) or not 0 < parameters < 1 << 50:
         raise ManifestError("malformed manifest: parameters is not a count")
@@ -481,9 +495,9 @@ def _same(key: str, given: Any, run: Any) -> bool:
     return bool(value == run)
 
 
-def _shown(value: Any) -> str:
-    text = "none" if value is None else str(value)
-    return text if len(text) <= 40 else text[:37] + "…"
+def _shown(value: Any, limit: int = 40) -> str:
+    """A peer's value in one of our lines: escaped (trust/shown.py) and cut."""
+    return shown("none" if value is None else str(value), limit)
 
 
 def conflict(option: str, run_value: Any, given: Any) -> ManifestConflict:
@@ -533,22 +547,31 @@ def take(manifest: Manifest, given: dict[str, Any], directory: Path) -> NodeConf
     values: dict[str, Any] = {**manifest.settings, "run_id": manifest.run_id}
     if manifest.data is not None:
         values["data"] = manifest.data
-    values.update(materialize(manifest, directory))
-    values.update({key: value for key, value in given.items() if key not in ("model", "tokenizer")})
-    if "model" in given or "tokenizer" in given:
-        _check_model_and_tokenizer(manifest, given, values)
-    if values.get("round_seconds") is not None and values.get("speed_spent", "steps") == "steps":
-        values.pop("inner_steps", None)
     try:
+        values.update(materialize(manifest, directory))
+        values.update({key: value for key, value in given.items() if key not in ("model", "tokenizer")})
+        if "model" in given or "tokenizer" in given:
+            _check_model_and_tokenizer(manifest, given, values)
+        if values.get("round_seconds") is not None and values.get("speed_spent", "steps") == "steps":
+            values.pop("inner_steps", None)
         cfg = build_config(values, f"run {manifest.run_id}'s manifest")
+        fields = cfg.fingerprint_fields()  # reads the model's config.json through transformers
+        fingerprint = cfg.fingerprint()
+    except (ManifestError, ManifestConflict):
+        raise
     except ConfigError as exc:
-        raise ManifestError(f"the run's manifest does not make a config here: {exc}") from None
-    if manifest.data_kind == "local" and (own := cfg.fingerprint_fields().get("eval_data")) != manifest.eval_digest:
+        raise ManifestError(f"the run's manifest does not make a config here: {_shown(exc, 400)}") from None
+    except (ValueError, TypeError, AttributeError, IndexError, KeyError, RecursionError) as exc:
+        # a peer's model config.json read by transformers (any JSON object passes the digest): its
+        # parsers raise whatever a hostile value makes them, and the joiner must end in one line
+        raise ManifestError(f"the run's model config cannot be read here ({type(exc).__name__}: "
+                            f"{_shown(exc, 200)})") from None
+    if manifest.data_kind == "local" and (own := fields.get("eval_data")) != manifest.eval_digest:
         raise ManifestConflict(f"--data: the run's held-out split digest is {manifest.eval_digest}, "
                                f"'{given['data']}' gives {own}: pass a copy of the run's data")
-    if cfg.fingerprint() != manifest.fingerprint:
+    if fingerprint != manifest.fingerprint:
         raise ManifestError(f"the config taken from run {manifest.run_id}'s manifest has fingerprint "
-                            f"{cfg.fingerprint()}, not the {manifest.fingerprint} the manifest names: refused")
+                            f"{fingerprint}, not the {manifest.fingerprint} the manifest names: refused")
     return cfg
 
 

@@ -15,7 +15,7 @@ from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 
 from diloco_node.errors import NodeError
-from diloco_node.swarm import identity, records
+from diloco_node.swarm import identity, records, serializer
 from diloco_node.swarm.reachability import detect
 from diloco_node.trust.admission import Gate
 from diloco_node.trust.seals import Sealer
@@ -63,6 +63,7 @@ def start_dht(settings: SwarmSettings) -> tuple[DHT, RSASignatureValidator, Seal
     """Start hivemind's DHT under our libp2p identity, with the signer of our records and the sealer
     of our butterfly parts, both holding that identity's key; a first contact that fails is
     retried, since busy peers answer late."""
+    serializer.bound()  # before the DHT's helper process is forked: one peer's store could kill it
     path = settings.identity or identity.ephemeral()
     try:
         identity.create(path)
@@ -104,6 +105,7 @@ def is_client(settings: SwarmSettings, dht: DHT, namespace: str) -> bool:
 
 def publish_revocation(initial_peers: Sequence[str], run_id: str, token: str, owner: Ed25519PublicKey) -> None:
     """Store the owner's revocation `token` in the run's DHT (reached through `initial_peers`)."""
+    serializer.bound()
     try:
         dht = DHT(initial_peers=list(initial_peers), start=True, client_mode=True, startup_timeout=30,
                   record_validators=records.validators(run_id, RSASignatureValidator(), owner))

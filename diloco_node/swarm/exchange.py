@@ -290,8 +290,9 @@ class PayloadExchange(StreamService):
 def _parse_meta(meta: Any) -> tuple[float, tuple[str, ...] | None]:
     """A peer's (tokens, group) for its payload; ValueError on anything else."""
     tokens = meta.get("tokens") if isinstance(meta, dict) else None
-    if isinstance(tokens, bool) or not isinstance(tokens, (int, float)) or not math.isfinite(tokens) \
-            or not 0 < tokens <= MAX_DECLARED:
+    # in range before math.isfinite, which raises OverflowError for an int beyond a float's range
+    if isinstance(tokens, bool) or not isinstance(tokens, (int, float)) or not 0 < tokens <= MAX_DECLARED \
+            or not math.isfinite(tokens):
         raise ValueError(f"payload tokens {str(tokens)[:20]!r} are not a positive number in range")
     group = meta.get("group")
     members = peer_ids(group) if group is not None else None

@@ -33,7 +33,8 @@ def _round(value: Any) -> int | None:
 
 
 def _declared(value: Any) -> float | None:
-    if type(value) not in (int, float) or not math.isfinite(value) or not 0 <= value <= MAX_DECLARED:
+    # compared before math.isfinite, which raises OverflowError for an int beyond a float's range
+    if type(value) not in (int, float) or not 0 <= value <= MAX_DECLARED or not math.isfinite(value):
         return None
     return float(value)
 

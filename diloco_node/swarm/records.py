@@ -253,6 +253,7 @@ OPTION_OF_KEY = {"tokenizer": "--tokenizer", "eval_data": "--data", "protocol": 
 SHOWN_OPTIONS = 3  # options a refusal spells out; the rest are counted ("and N more")
 SHOWN_ENTRIES = 2  # entries of one model's config spelled out when both sides name the same model
 SHOWN_HASH_CHARS = 12  # a digest is cut to this many characters: enough to tell two apart
+SHOWN_KEY_CHARS = 64  # a peer's config key, escaped: ours are all shorter
 SHOWN_VALUE_CHARS = 24  # any other value longer than this is cut (a run owner's key, a long path)
 
 
@@ -294,7 +295,10 @@ def config_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> str:
     """What makes two fingerprinted configs incompatible, as one short line of the options that set
     them (`--model hf:llama (ours: tiny); --tokenizer 026b1f2a3c4d… (ours: default) and 2 more options`): a
     joiner refused for 25 internal keys could not tell what to change (docs/architecture.md §4).
-    The run's value first, ours in brackets; the protocol version, model and data options first."""
+    The run's value first, ours in brackets; the protocol version, model and data options first. A
+    peer's key that is no text (its config came through msgpack) is an option of its own, shown escaped."""
+    theirs = {shown(key if isinstance(key, str) else repr(key), SHOWN_KEY_CHARS): value
+              for key, value in theirs.items()}
     keys = [*ours, *(key for key in theirs if key not in ours)]
     by_option: dict[str, list[str]] = {}
     for key in keys:
@@ -306,6 +310,6 @@ def config_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> str:
     options = sorted(by_option, key=lambda option: first.index(option) if option in first else len(first))
     if not options:
         return "unknown difference"
-    shown = [_option_difference(option, by_option[option], ours, theirs) for option in options[:SHOWN_OPTIONS]]
-    more = len(options) - len(shown)
-    return "; ".join(shown) + (f" and {more} more options" if more else "")
+    lines = [_option_difference(option, by_option[option], ours, theirs) for option in options[:SHOWN_OPTIONS]]
+    more = len(options) - len(lines)
+    return "; ".join(lines) + (f" and {more} more options" if more else "")

@@ -127,6 +127,9 @@ def parse_header(data: bytes, max_vectors: int) -> tuple[dict[str, Any], int]:
     return metadata, count
 
 
+MAX_ANNOUNCED_RATE = 1e15  # bytes/s: beyond any link (a larger int, 10**400, has no float at all)
+
+
 def announced_rate(data: bytes) -> float | None:
     """The rate (bytes/s) a server's answer header says it serves at; None when it names none
     (uncapped) or the header is malformed (parse_header refuses that)."""
@@ -135,7 +138,7 @@ def announced_rate(data: bytes) -> float | None:
     except ValueError:
         return None
     rate = header.get("rate") if isinstance(header, dict) else None
-    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 < rate < float("inf"):
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 < rate < MAX_ANNOUNCED_RATE:
         return None
     return float(rate)
 

@@ -41,6 +41,7 @@ REPLICATE_TIMEOUT = 60.0
 # something malformed (parsers raise ValueError); each ends that request with one log line.
 PEER_FAILURES = (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError)
 MAX_JSON_DEPTH = 8  # our messages nest 3 deep at most; json.loads recurses once per level
+MAX_INT_DIGITS = 20  # our integers (rounds, sizes, seeds) fit 64 bits; any larger one is a peer's lie
 # A stream whose first message has not fully arrived this long after it opened may be closed to make
 # room for a new one once the service's streams are all taken: our own requests arrive within
 # milliseconds, so only silent streams go, and silence no longer holds every slot (16 fresh ids x 4
@@ -73,7 +74,9 @@ async def receive(reader: asyncio.StreamReader, limit: int, timeout: float) -> b
 
 def parse_json(data: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """`data` as JSON; ValueError when it is not UTF-8 JSON, nests deeper than `max_depth`, or
-    holds NaN or ±Infinity (numbers no message of ours carries).
+    holds NaN or ±Infinity, or an integer of more than MAX_INT_DIGITS digits (numbers no message of
+    ours carries: 10**400 passed every type check and raised OverflowError wherever a float of it was
+    taken, in a push, an owner's report, a payload's meta and a state server's rate).
 
     Every JSON message a peer sends on our streams is parsed here (docs/architecture.md §9), but for
     the run manifest a joiner fetches: manifest.parse reads that with the same checks at its own
@@ -88,11 +91,17 @@ def parse_json(data: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
         depth += 1 if bracket in "[{" else -1
         if depth > max_depth:
             raise ValueError(f"JSON nested deeper than {max_depth}")
-    return json.loads(text, parse_constant=_refuse_constant)  # ValueError (JSONDecodeError)
+    return json.loads(text, parse_constant=_refuse_constant, parse_int=_bounded_int)  # ValueError (JSONDecodeError)
 
 
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"JSON constant {name} refused")
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"JSON integer of more than {MAX_INT_DIGITS} digits refused")
+    return int(text)
 
 
 class SilenceWatch:

@@ -31,10 +31,11 @@ def peer_id_of_public_key(key: rsa.RSAPublicKey) -> str:
 def peer_id_of_ssh_key(text: bytes) -> str | None:
     """The peer id of the RSA public key in OpenSSH text (as a record's subkey carries it,
     swarm/records.py's `bound_peer_id`); None when the text holds no RSA key — also for a key type
-    cryptography does not know (`ssh-foo …` raises UnsupportedAlgorithm, which a peer can write)."""
+    cryptography does not know (`ssh-foo …` raises UnsupportedAlgorithm, which a peer can write) or
+    an encoding of a known one it does not read (an ECDSA key's compressed point: NotImplementedError)."""
     try:
         key = serialization.load_ssh_public_key(text)
-    except (ValueError, TypeError, UnsupportedAlgorithm):
+    except (ValueError, TypeError, UnsupportedAlgorithm, NotImplementedError):
         return None
     return peer_id_of_public_key(key) if isinstance(key, rsa.RSAPublicKey) else None
 
