@@ -323,6 +323,36 @@ def test_hivemind_msgpack_on_tuples_nested_deep() -> None:
     assert done.returncode == 0, done.stderr.decode(errors="replace")[-300:]
 
 
+STORE_NESTED = """
+import sys, time
+from diloco_node.swarm import serializer
+if sys.argv[1] == "bound":
+    serializer.bound()  # as swarm/dht.py's start_dht does before the DHT starts
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+node = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+peer = DHT(start=True, initial_peers=[str(m) for m in node.get_visible_maddrs()], client_mode=True)
+nested = 1
+for _ in range(400):
+    nested = (nested,)
+peer.store("key", 1, get_dht_time() + 60, subkey=nested)  # any peer may store under any key
+time.sleep(2)
+print("alive" if node.is_alive() else "dead")
+node.shutdown()
+peer.shutdown()
+"""
+
+
+@pytest.mark.parametrize("bound", [False, True])
+def test_one_store_of_tuples_nested_deep_leaves_a_nodes_dht_alive(bound: bool) -> None:
+    """Real DHTs: one store whose subkey is 400 tuples nested killed the node's DHT helper process
+    (and with it the node); with the bound in place it is refused and the DHT lives on."""
+    done = subprocess.run([sys.executable, "-c", STORE_NESTED, "bound" if bound else "none"], capture_output=True,
+                          timeout=180)
+    assert done.stdout.decode().strip().splitlines()[-1:] == (["alive"] if bound else ["dead"]), \
+        done.stderr.decode(errors="replace")[-500:]
+
+
 # --- the run's records as the DHT hands them over (swarm/records.py fetch, fetch_revocations) -----
 
 RECORD = NodeRecord(IDENTITY_PEER, "0123456789abcdef", 3, 2, "0123456789abcdef").to_wire()  # `publish`'s value
