@@ -150,8 +150,8 @@ def _config_of_run(ctx: click.Context, config_file: str | None, values: dict[str
     given = given_values(ctx, config_file, values)
     if given.get("manifest", "auto") == "off":
         return resolve_config(ctx, config_file, values)
-    from diloco_node import manifest
     from diloco_node.config import build_config
+    from diloco_node.train import manifest
 
     defaults = NodeConfig.model_fields
     checkpoint_dir = str(given.get("checkpoint_dir", defaults["checkpoint_dir"].default))
@@ -210,7 +210,7 @@ def run() -> None:
 def _manifest_at(address: str, run_id: str | None) -> Any:
     """The manifest a node serves at ADDRESS (a peer multiaddr), or a run.json (with the run.sig beside
     it), as it is: its signature, if any, not checked."""
-    from diloco_node import manifest
+    from diloco_node.train import manifest
 
     if Path(address).is_file():
         return manifest.read_local(Path(address))
@@ -254,7 +254,7 @@ def run_sign(owner_key: Path, run_id: str | None, checkpoint_dir: str, address: 
 
     Example: diloco-node run sign --owner-key owner.key /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
     """
-    from diloco_node import manifest
+    from diloco_node.train import manifest
     from diloco_node.trust.admission import load_owner_key
 
     if not checkpoint_dir:

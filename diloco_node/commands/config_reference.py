@@ -3,7 +3,7 @@
 The Field descriptions (config/sections.py) are the one source of what an option means: `--help` shows
 them (cli.py) and this page is printed from them, never edited by hand. A row per key: its flag
 and environment variable, its default (config.unset_default where the Field's own would not say
-what a node runs with), whose value it is in a run (manifest.py's lists: what `take` holds a
+what a node runs with), whose value it is in a run (train/manifest.py's lists: what `take` holds a
 joiner to) and its description as `--help` gives it (config.describe). After changing a Field:
 
     python -m diloco_node.commands.config_reference > docs/config-reference.md
@@ -17,7 +17,7 @@ import json
 import re
 
 from diloco_node.config import SECTIONS, NodeConfig, describe, unset_default
-from diloco_node.manifest import RUN_LEVEL, SCHEDULE
+from diloco_node.train.manifest import RUN_LEVEL, SCHEDULE
 
 REGENERATE = "python -m diloco_node.commands.config_reference > docs/config-reference.md"
 PAGE = "docs/config-reference.md"

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from diloco_node import manifest
 from diloco_node.codec import Codec, CodecConfig, codec_config_of, make_codec, max_payload_bytes
 from diloco_node.config import ConfigError, NodeConfig
 from diloco_node.daemon.budget import barrier_timeout
@@ -37,6 +36,7 @@ from diloco_node.telemetry.planning import Planner
 from diloco_node.telemetry.rounds import RoundReporter
 from diloco_node.telemetry.server import StatusServer, announced_hosts
 from diloco_node.telemetry.wire import WireMeter
+from diloco_node.train import manifest
 from diloco_node.train.model import build_model
 from diloco_node.trust.admission import Gate
 from diloco_node.trust.state import CATCH_UP_ROUNDS

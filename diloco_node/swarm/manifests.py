@@ -28,7 +28,8 @@ from typing import Any, NamedTuple
 from hivemind.p2p import P2P, PeerID
 
 from diloco_node.errors import NodeError
-from diloco_node.manifest import (
+from diloco_node.swarm.streams import PEER_FAILURES, Limits, Streams, StreamService, parse_json, receive, send
+from diloco_node.train.manifest import (
     MAX_MANIFEST_BYTES,
     Manifest,
     ManifestError,
@@ -37,7 +38,6 @@ from diloco_node.manifest import (
     check_signed,
     parse,
 )
-from diloco_node.swarm.streams import PEER_FAILURES, Limits, Streams, StreamService, parse_json, receive, send
 
 logger = logging.getLogger(__name__)
 

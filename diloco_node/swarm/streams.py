@@ -80,7 +80,7 @@ def parse_json(data: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
 
     Every JSON message a peer sends on our streams is parsed here (docs/architecture.md §9), but for
     the run manifest a joiner fetches: manifest.parse reads that with the same checks at its own
-    depth (manifest.MAX_DEPTH), since manifest.py may not import swarm/ (§8). The bytes are decoded
+    depth (manifest.MAX_DEPTH), since train/manifest.py may not import swarm/ (§8). The bytes are decoded
     as UTF-8 first and the depth is checked on that text, the very text json.loads then parses:
     given bytes, json.loads would itself detect and decode UTF-16 and UTF-32, which a depth check
     on the raw bytes does not see, and a deep nest within any size limit would raise

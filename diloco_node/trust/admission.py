@@ -9,7 +9,7 @@ A token carries its kind, so a revocation can never pass for an admission.
 
 Token: `dn1.<base64url JSON claims>.<base64url signature over the JSON bytes>`.
 
-The owner also signs the run's manifest (`diloco-node run sign`, manifest.py): a detached signature,
+The owner also signs the run's manifest (`diloco-node run sign`, train/manifest.py): a detached signature,
 base64url like a token's, over a context line and the manifest's canonical bytes (`sign_bytes`,
 `signature_refusal`). A token's signed bytes are a JSON object and a manifest's start with that
 context, so neither can pass for the other.

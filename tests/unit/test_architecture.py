@@ -75,8 +75,9 @@ def rule(name: str, sources: Iterable[str], forbidden: Iterable[str] = (),
 # math or wire: neither swarm/, outer/ nor codec/, neither hivemind nor torch. daemon/ (the node's
 # process) composes every room and commands/ (the command line's commands) may use it; no room
 # below them imports either, and the node's process imports no command. The root's shared modules
-# (lru.py, procs.py, forks.py) stay below every room that imports them; manifest.py, which the CLI,
-# the composition root and swarm/manifests.py share, reads only the config, the leaves and train/.
+# (lru.py, procs.py, forks.py) stay below every room that imports them. The run manifest
+# (train/manifest.py: what a run trains, which the CLI, the composition root and swarm/manifests.py
+# share) is train/'s, and reads the config, the leaves and trust/ (the owner's signature).
 LEAVES = ("errors", "fingerprint", "rates", "registry")
 TRUST_READS = ("round", "config", "lru", *LEAVES)
 ENTRY = ("cli", "__main__")  # the entry points: they may import every room
@@ -94,7 +95,6 @@ RULES = (
     rule("rooms ↛ daemon, commands", [*ENTRY, "daemon", "commands"], ["daemon", "commands"], others=True),
     rule("daemon ↛ commands", ["daemon"], ["commands"]),
     rule("shared leaves ↛ domain", ["lru", "procs", "forks"], allowed=["errors"]),
-    rule("manifest ↛ domain but train, trust", ["manifest"], allowed=["config", "train", "trust", *LEAVES]),
 )
 
 
@@ -196,7 +196,8 @@ BAD_IMPORTS = {
                                  "    from diloco_node.outer.update import RoundReport\n", 4),
     "train ↛ swarm": ("train/shares.py", "def f():\n    import diloco_node.swarm.records as r\n    return r\n", 2),
     "codec ↛ swarm": ("codec/wire.py", "from ..swarm import streams\n", 1),
-    "config ↛ domain": ("config.py", "from diloco_node.errors import NodeError\nfrom diloco_node import manifest\n", 2),
+    "config ↛ domain": ("config.py", "from diloco_node.errors import NodeError\n"
+                                     "from diloco_node.train import manifest\n", 2),
     "leaves ↛ domain": ("fingerprint.py", "import json\nfrom .codec import CODECS\n", 2),
     "round ↛ domain": ("round.py", "import torch\nfrom diloco_node.swarm.dht import SwarmSettings\n", 2),
     "trust ↛ swarm, outer, codec, hivemind, torch": ("trust/proofs.py", "from diloco_node.round import Outcome\n"
@@ -206,8 +207,6 @@ BAD_IMPORTS = {
     "daemon ↛ commands": ("daemon/node.py", "from diloco_node.daemon.checkpoint import export_info\n"
                           "from diloco_node.commands.export import export\n", 2),
     "shared leaves ↛ domain": ("forks.py", "import os\nfrom diloco_node.telemetry.server import StatusServer\n", 2),
-    "manifest ↛ domain but train, trust": ("manifest.py", "from diloco_node.config import NodeConfig\n"
-                                    "from diloco_node.swarm.manifests import fetch\n", 2),
 }
 
 
@@ -263,12 +262,13 @@ def test_checker_allows_what_rules_allow(tmp_path: Path) -> None:
                                       "from diloco_node import config, lru\n",
         f"{PACKAGE}/cli.py": "from diloco_node.daemon.runner import run_node\nfrom diloco_node.commands import demo\n",
         f"{PACKAGE}/commands/export.py": "from diloco_node.daemon.checkpoint import read_checkpoint\n",
-        f"{PACKAGE}/daemon/compose.py": "from diloco_node import manifest\nfrom diloco_node.swarm import Swarm\n"
+        f"{PACKAGE}/daemon/compose.py": "from diloco_node.train import manifest\nfrom diloco_node.swarm import Swarm\n"
                                         "from .lifecycle import StopSignals\n",
-        f"{PACKAGE}/swarm/manifests.py": "from diloco_node.manifest import Manifest\n",
+        f"{PACKAGE}/swarm/manifests.py": "from diloco_node.train.manifest import Manifest\n",
         f"{PACKAGE}/telemetry/server.py": "from diloco_node.forks import close_in_helpers\n",
-        f"{PACKAGE}/manifest.py": "from diloco_node.config import NodeConfig\n"
-                                  "from diloco_node.train import tokenizer\n",
+        f"{PACKAGE}/train/manifest.py": "from diloco_node.config import NodeConfig\n"
+                                        "from diloco_node.train import tokenizer\n"
+                                        "from diloco_node.trust import admission\n",
     })
     assert all(not violations(root, checked) for checked in RULES)
 

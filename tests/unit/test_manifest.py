@@ -11,10 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diloco_node import manifest
 from diloco_node.config import NodeConfig
-from diloco_node.manifest import Manifest, ManifestConflict, ManifestError, build, parse, take
 from diloco_node.swarm.manifests import parse_header
+from diloco_node.train import manifest
+from diloco_node.train.manifest import Manifest, ManifestConflict, ManifestError, build, parse, take
 from diloco_node.train.tokenizer import train_tokenizer
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -21,11 +21,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diloco_node import manifest
 from diloco_node.cli import main
 from diloco_node.config import NodeConfig
-from diloco_node.manifest import Manifest, ManifestError, ServedSignature, check_signed
 from diloco_node.swarm.manifests import parse_header
+from diloco_node.train import manifest
+from diloco_node.train.manifest import Manifest, ManifestError, ServedSignature, check_signed
 from diloco_node.trust import admission
 from diloco_node.trust.admission import AdmissionError, Claims, parse_public_key, public_key_text, signature_refusal
 

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from hivemind import DHT
 
-from diloco_node import manifest
 from diloco_node.config import NodeConfig
 from diloco_node.swarm.manifests import HANDLER, ManifestService, ManifestUnavailable, fetch
 from diloco_node.swarm.streams import Streams, receive, send
+from diloco_node.train import manifest
 
 Handler = Callable[[Any, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

@@ -13,11 +13,11 @@ import torch
 from diloco_node.config import NodeConfig, build_config
 from diloco_node.daemon.budget import MAX_ACCUMULATION, StepClock, accumulation, next_batches
 from diloco_node.daemon.node import Node
-from diloco_node.manifest import ManifestConflict, build, take
 from diloco_node.outer.aggregate import Contribution, aggregate, removed_share
 from diloco_node.replica.base import ReplicaSettings, settings_of
 from diloco_node.replica.single import SingleReplica
 from diloco_node.train.inner import InnerConfig, InnerTrainer
+from diloco_node.train.manifest import ManifestConflict, build, take
 from diloco_node.train.model import build_model
 from diloco_node.trust.work import PEER_SPEEDUP
 from tests.unit.test_config import _error
