@@ -25,7 +25,6 @@ from hivemind.dht.validation import DHTRecord
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diloco_node import manifest
 from diloco_node.codec import CodecConfig, CodecError, make_codec, wire
 from diloco_node.config import NodeConfig
 from diloco_node.outer import verify
@@ -40,6 +39,7 @@ from diloco_node.swarm.statesync import (
     parse_request,
 )
 from diloco_node.swarm.streams import parse_json
+from diloco_node.train import manifest
 from diloco_node.trust import records as trust_records
 from diloco_node.trust.admission import MAX_SIGNATURE_CHARS, Claims, Gate, sign
 from diloco_node.trust.peer_ids import peer_id_of_public_key

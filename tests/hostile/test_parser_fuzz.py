@@ -40,7 +40,6 @@ from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
-from diloco_node import manifest
 from diloco_node.config import NodeConfig
 from diloco_node.fingerprint import PROTOCOL, fingerprint_of
 from diloco_node.swarm import bounded, reachability, records, statesync
@@ -48,6 +47,7 @@ from diloco_node.swarm import manifests as manifest_wire
 from diloco_node.swarm.butterfly import MAX_REPORT_BYTES, RECEIVED, Butterfly, digest
 from diloco_node.swarm.messages import MAX_GROUP
 from diloco_node.swarm.streams import HEADER_LEN, parse_json
+from diloco_node.train import manifest
 from diloco_node.trust.peer_ids import peer_id_of_public_key, peer_id_of_ssh_key
 from diloco_node.trust.records import NodeRecord
 from diloco_node.trust.seals import Sealer

@@ -15,7 +15,7 @@ import pytest
 
 from diloco_node.commands.launch import NodeProcess
 from diloco_node.config import NodeConfig
-from diloco_node.manifest import MANIFEST_NAME, build, read_local, write_local
+from diloco_node.train.manifest import MANIFEST_NAME, build, read_local, write_local
 from diloco_node.train.tokenizer import train_tokenizer
 from harness.bench import free_port
 from tests.integration.conftest import NodeFactory

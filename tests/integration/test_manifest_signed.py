@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from diloco_node.cli import main
 from diloco_node.commands.launch import NodeProcess
-from diloco_node.manifest import MANIFEST_NAME, SIGNATURE_NAME, read_local
+from diloco_node.train.manifest import MANIFEST_NAME, SIGNATURE_NAME, read_local
 from tests.integration.conftest import NodeFactory
 
 pytestmark = pytest.mark.integration
