@@ -42,6 +42,7 @@ MAX_ACCUMULATION = int(PEER_SPEEDUP)
 # warmup together, and one member claiming 64x cannot end everyone's warmup in a round.
 WARMUP_PACE_MULTIPLE = 8.0
 
+
 def deadline(now: float, seconds: float) -> float:
     """The end of the inner phase that starts at `now` on the swarm's clock: the first point k·T
     (k an integer) at least MIN_SHARE·T after `now`."""

@@ -82,8 +82,8 @@ class Reach:
             self._installed += distance
 
     def saved(self) -> dict[str, Any]:
-        """What a checkpoint keeps of it: the recent steps (wall time, move, buffer), the time of the
-        last one and the installs since, on the wall clock (monotonic time does not survive a restart)."""
+        """What a checkpoint keeps of it: the recent steps (wall time, move, buffer) and the distance
+        installed since the last, on the wall clock (monotonic time does not survive a restart)."""
         offset = time.time() - time.monotonic()
         with self._lock:
             return {"steps": [[at + offset, move, buffer] for at, move, buffer in self._steps],
