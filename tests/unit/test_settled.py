@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -168,16 +169,21 @@ def test_a_joiner_of_the_served_state_holds_every_mean_once() -> None:
     assert joiner.ctx.state.install_shared(metadata, [*vectors, vectors[0]], "fp") is None
 
 
+def serving(sync: str, means: list[torch.Tensor], generator: torch.Generator) -> tuple[OverlappedUpdate, Any]:
+    """A node that has run a round for each of `means` (its own Δs random), and the state it serves."""
+    server = node(sync, means)
+    for round_ in range(len(means)):
+        server.finish_round(round_, torch.randn(NUMEL, generator=generator), 100.0)
+        server.pending.wait(round_, 5.0)
+    return server, server.ctx.state.shared("fp", "server", server.served)
+
+
 def test_a_state_taken_in_the_last_round_settles_the_rounds_its_server_had_in_flight() -> None:
     """A node that re-syncs in the run's last round (its φ differed) takes a state whose last round
     is in flight, and settles at once: that round's mean is in its φ, as in its server's."""
     generator = torch.Generator().manual_seed(7)
     means = [torch.randn(NUMEL, generator=generator) for _ in range(3)]
-    server = node("eager", means)
-    for round_ in range(3):
-        server.finish_round(round_, torch.randn(NUMEL, generator=generator), 100.0)
-        server.pending.wait(round_, 5.0)
-    metadata, vectors = server.ctx.state.shared("fp", "server", server.served)
+    server, (metadata, vectors) = serving("eager", means, generator)
     assert metadata["in_flight"] == [2]
 
     joiner = node("eager", means)
@@ -202,11 +208,7 @@ def test_a_round_inherited_from_a_server_is_bounded_by_our_own_delta(huge: bool,
     when it is longer, and an honest one is taken whole (the same φ as the server's)."""
     generator = torch.Generator().manual_seed(8)
     means = [torch.randn(NUMEL, generator=generator) for _ in range(2)]
-    server = node("eager", means)
-    for round_ in range(2):
-        server.finish_round(round_, torch.randn(NUMEL, generator=generator), 100.0)
-        server.pending.wait(round_, 5.0)
-    metadata, vectors = server.ctx.state.shared("fp", "server", server.served)
+    server, (metadata, vectors) = serving("eager", means, generator)
     assert metadata["in_flight"] == [1]
     lied = [means[0], means[1] * (1e6 if huge else 1.0)]
     joiner = node("eager", lied)
