@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from diloco_node.config import ConfigError, NodeConfig, build_config, model_shape
 from diloco_node.errors import NodeError
 from diloco_node.fingerprint import PROTOCOL
+from diloco_node.train.tokenizer import vocabulary_digest
 from diloco_node.trust.admission import MAX_SIGNATURE_CHARS, public_key_text, sign_bytes, signature_refusal
 from diloco_node.trust.shown import shown
 
@@ -169,13 +170,23 @@ class Manifest:
         rounds = f"T={s['round_seconds']:g}s" if s.get("round_seconds") is not None else f"H={s['inner_steps']}"
         if s.get("speed_spent") == "batch":  # H steps whose batch each node sizes to T (§13)
             rounds += f", H={s['inner_steps']} by batch"
-        tokenizer = "bytes" if self.tokenizer is None else f"tokenizer.json {self.tokenizer_digest[:12]}"  # type: ignore[index]
+        tokenizer = "bytes" if self.tokenizer is None else f"digest {self.vocabulary_digest}"
         data = {"embedded": "the embedded corpus", "hub": str(self.data),
                 "local": f"local {self.data} (eval {str(self.eval_digest)[:12]})"}[self.data_kind]
         signed = ", signed by the run owner" if self.signature_state() == "signed by the run owner" else ""
         return (f"took run {self.run_id}: model {self.model_label} ({parameters_shown or self.parameters:,} "
                 f"parameters), tokenizer {tokenizer}, codec {s['compression']}, sync {s['sync']}, {rounds}, "
                 f"data {data} (fingerprint {self.fingerprint}{signed})")
+
+    @property
+    def vocabulary_digest(self) -> str:
+        """The tokenizer's digest as `diloco-node tokenizer train` prints it and the fingerprint holds
+        (train/tokenizer.py): what a user compares, where the file's sha256 checks the bytes."""
+        try:
+            spec = json.loads(self.tokenizer or "")
+        except ValueError:
+            return "unreadable"
+        return vocabulary_digest(spec) if isinstance(spec, dict) else "unreadable"
 
     @property
     def model_label(self) -> str:
@@ -191,7 +202,7 @@ class Manifest:
                  f"model {self.model_label}, {self.parameters:,} parameters"
                  + (f", config.json sha256 {self.model_digest}" if self.model_digest else ""),
                  "tokenizer bytes (vocabulary 256)" if self.tokenizer is None else
-                 f"tokenizer tokenizer.json sha256 {self.tokenizer_digest}",
+                 f"tokenizer digest {self.vocabulary_digest}, tokenizer.json sha256 {self.tokenizer_digest}",
                  {"embedded": "data the embedded corpus", "hub": f"data {self.data} (a hub dataset, streamed)",
                   "local": f"data local files '{self.data}' (a joiner passes --data PATH to a copy; held-out "
                            f"split digest {self.eval_digest})"}[self.data_kind]]

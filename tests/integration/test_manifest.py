@@ -44,7 +44,7 @@ def test_join_with_only_peer_takes_the_run(spawn: NodeFactory, tmp_path: Path) -
     assert shown.returncode == 0, shown.stderr[-2000:]
     text = shown.stdout
     assert text.startswith(f"run {RUN}\n"), text
-    for part in ("llama-2m (hf:llama)", "tokenizer tokenizer.json sha256 ", "data the embedded corpus",
+    for part in ("llama-2m (hf:llama)", ", tokenizer.json sha256 ", "tokenizer digest ", "data the embedded corpus",
                  "inner_steps = 5", 'compression = "int8"', 'sync = "blocking"'):
         assert part in text, (part, text)
     assert seconds < 90, seconds
@@ -63,7 +63,7 @@ def test_join_with_only_peer_takes_the_run(spawn: NodeFactory, tmp_path: Path) -
     try:
         b.wait_until(lambda: any(line.startswith("took run ") for line in b.stdout_lines), 120, "taking the run")
         took = next(line for line in b.stdout_lines if line.startswith("took run "))
-        for part in (f"took run {RUN}: model llama-2m (hf:llama) (", "parameters), tokenizer tokenizer.json ",
+        for part in (f"took run {RUN}: model llama-2m (hf:llama) (", "parameters), tokenizer digest ",
                      "codec int8", "sync blocking", "H=5", "data the embedded corpus", f"from {address}"):
             assert part in took, (part, took)
         assert read_local(checkpoints / RUN / MANIFEST_NAME).run_id == RUN

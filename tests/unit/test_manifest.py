@@ -198,12 +198,14 @@ def test_summary_and_show(hf_run: tuple[NodeConfig, Manifest]) -> None:
     m = hf_run[1]
     line = m.summary()
     assert "\n" not in line
-    for part in ("took run hand", "llama-2m (hf:llama)", "1,705,600 parameters", m.tokenizer_digest[:12],  # type: ignore[index]
+    vocabulary = hf_run[0].fingerprint_fields()["tokenizer"]  # what `tokenizer train` printed for it
+    for part in ("took run hand", "llama-2m (hf:llama)", "1,705,600 parameters", f"tokenizer digest {vocabulary}",
                  "codec int8", "sync blocking", "H=7", "the embedded corpus"):
         assert part in line, (part, line)
     assert "T=30s" in tiny_manifest(round_seconds=30.0).summary()
     shown = m.show()
-    assert shown.startswith("run hand\n") and f"sha256 {m.tokenizer_digest}" in shown and 'sync = "blocking"' in shown
+    assert shown.startswith("run hand\n") and f"tokenizer digest {vocabulary}, tokenizer.json sha256 " \
+        f"{m.tokenizer_digest}" in shown and 'sync = "blocking"' in shown
 
 
 # --- fuzz: nothing a peer sends raises anything but ManifestError -------------------------------
