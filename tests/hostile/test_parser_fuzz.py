@@ -102,7 +102,7 @@ def any_key(rng: Any, keys: tuple[Any, ...] = ()) -> Any:
 def nest(rng: Any, keys: tuple[Any, ...]) -> Any:
     """A nest around msgpack's (1023) and Python's (1000) recursion limits; tuples (msgpack ext
     types) only 100 deep: hivemind's msgpack crashes the process on a few hundred
-    (test_hivemind_msgpack_on_tuples_nested_deep)."""
+    (test_hivemind_msgpack_on_extension_types_nested_deep)."""
     value: Any = rng.choice(keys) if keys else 1
     shape = rng.randrange(3)
     for _ in range(rng.choice([50, 100]) if shape == 1 else rng.choice([50, 500, 990, 1000, 1023, 1500])):
@@ -302,14 +302,18 @@ def test_an_ecdsa_key_with_a_compressed_point() -> None:
     assert peer_id_of_ssh_key(COMPRESSED_POINT) is None
 
 
-NESTED_TUPLES = """
+NESTED = """
+import sys
 import msgpack
 from hivemind.dht.protocol import DHTProtocol
 from diloco_node.swarm import serializer
 serializer.bound()  # what swarm/dht.py does before the DHT starts
-data = msgpack.packb(1)
-for _ in range(400):  # 1,936 bytes: a tuple (ext type 0x40) holding a tuple ... holding 1
-    data = msgpack.packb(msgpack.ExtType(0x40, b"\\x91" + data))
+data = msgpack.packb([1, 0.0, []])
+for _ in range(400):  # a tuple (ext 0x40) or a dictionary value (ext 0x50, decoded by loads again) in each
+    if sys.argv[1] == "tuple":
+        data = msgpack.packb(msgpack.ExtType(0x40, b"\\x91" + data))
+    else:
+        data = msgpack.packb([msgpack.ExtType(0x50, data), 0.0, []], use_bin_type=True)
 try:
     DHTProtocol.serializer.loads(data)
 except (ValueError, RecursionError):
@@ -317,9 +321,11 @@ except (ValueError, RecursionError):
 """
 
 
-def test_hivemind_msgpack_on_tuples_nested_deep() -> None:
-    """Run in a process of its own: the crash takes the process."""
-    done = subprocess.run([sys.executable, "-c", NESTED_TUPLES], capture_output=True, timeout=120)
+@pytest.mark.parametrize("kind", ["tuple", "dictionary"])
+def test_hivemind_msgpack_on_extension_types_nested_deep(kind: str) -> None:
+    """Run in a process of its own: the crash (SIGSEGV) takes the process. Every extension type
+    counts: bounding tuples alone left 240 nested dictionary values (3.6 KB) a crash."""
+    done = subprocess.run([sys.executable, "-c", NESTED, kind], capture_output=True, timeout=120)
     assert done.returncode == 0, done.stderr.decode(errors="replace")[-300:]
 
 
