@@ -81,9 +81,10 @@ class OuterState:
             for mine, value in zip(self.phi, phi, strict=True):
                 mine.copy_(value)
             self.optimizer.load_momentum(momentum)
+            moved_on = round_ - self.round
             self.round = round_
             self.steps = 0
-        self.optimizer.reach.installed(distance)
+        self.optimizer.reach.installed(distance, moved_on)
 
     def momentum(self) -> list[torch.Tensor] | None:
         """A copy of the outer momentum, None before the first step."""

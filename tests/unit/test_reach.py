@@ -12,7 +12,7 @@ import torch
 from diloco_node.outer import reach as reach_module
 from diloco_node.outer.diloco import OuterOptimizer
 from diloco_node.outer.noloco import NoLoCoOptimizer
-from diloco_node.outer.reach import REACH_STEPS, Bound, Reach
+from diloco_node.outer.reach import REACH_BASE_ROUNDS, REACH_STEPS, Bound, Reach
 from diloco_node.outer.state import OuterState
 
 SHAPES = [(16, 8), (8,), (4, 4)]
@@ -179,10 +179,10 @@ def test_the_rounds_between_are_capped_by_our_own_clock(clock: Clock) -> None:
     far = reach.bound(10**9)
     assert far is not None and far.rounds == 10 + 1 + 2
     assert bound is not None and bound.distance == pytest.approx(bound.rounds * 0.5 * 2.0 / (1 - 0.9))
-    reach.installed(3.0)  # a state installed now: the rounds still count from our last step, less its move
+    reach.installed(3.0, 2)  # a state 2 rounds on installed now: the rounds count from our last step, less its move
     after = reach.bound(10**9)
     assert after is not None and after.rounds == far.rounds and after.distance == pytest.approx(far.distance - 3.0)
-    reach.installed(10**6)
+    reach.installed(10**6, 0)
     assert reach.bound(10**9) == Bound(far.rounds, 0.0, far.momentum)
     reach.stepped(0.5, 0.5)  # our own step: installs before it no longer count
     assert reach.bound(3) == bound
@@ -231,13 +231,38 @@ def test_a_node_resumed_from_its_checkpoint_keeps_the_reach_of_its_last_steps(cl
     assert resumed.install_shared({**metadata, "round": ours.round + 1}, vectors, "fp") is not None
 
 
-@pytest.mark.parametrize("damaged", [None, [], {"steps": [], "installed": 0.0}, {"steps": [[1.0, 2.0]], "installed": 0},
+@pytest.mark.parametrize("damaged", [None, [], {"steps": [[1.0, 2.0]], "installed": 0},
                                      {"steps": [[1.0, 2.0, float("nan")]], "installed": 0},
                                      {"steps": [[1.0, 2.0, -3.0]], "installed": 0},
                                      {"steps": [[1.0, 2.0, True]], "installed": 0},
                                      {"steps": [[1.0, 2.0, 3.0]] * (REACH_STEPS + 1), "installed": 0},
-                                     {"steps": [[1.0, 2.0, 3.0]], "installed": "0"}, {"steps": "x", "installed": 0}])
+                                     {"steps": "x", "installed": 0}, {"steps": [[1.0, 2.0, 3.0], "x"]}])
 def test_a_damaged_record_of_our_steps_is_refused_whole(damaged: object) -> None:
     reach = Reach(0.9)
     assert not reach.restore(damaged)
     assert reach.bound(3) is None
+
+
+def test_an_empty_record_is_nothing_measured_and_a_time_ahead_of_ours_is_now(clock: Clock) -> None:
+    """A checkpoint taken before our first outer step keeps no step (honest: delayed's first round);
+    a step timed ahead of our clock (set back since) counts as taken now, never as rounds owed."""
+    reach = Reach(0.9)
+    assert reach.restore({"steps": []}) and reach.bound(3) is None
+    ahead = clock.time() + 3600
+    assert reach.restore({"steps": [[ahead, 1.0, 1.0], [ahead + 60, 1.0, 1.0]]})
+    bound = reach.bound(5)
+    assert bound is not None and bound.rounds >= 1 + REACH_BASE_ROUNDS and bound.distance > 0
+
+
+def test_an_honest_node_that_re_syncs_round_after_round_is_not_refused(clock: Clock) -> None:
+    """A slow node, behind every round, re-syncs again and again without an outer step of its own:
+    each state is the run's, farther on each time. The installs' rounds count with their distances,
+    so the run's whole way since our last step stays allowed (before: the 6th was refused)."""
+    ours, run_state = diloco(model()), diloco(model())
+    steps = means(1) * 30  # one direction every round: momentum builds, φ moves as far as it can
+    run(ours, steps[:6])
+    run(run_state, steps[:6])
+    for hop in range(8):  # the run moves on 2 rounds, and we take its state without stepping ourselves
+        run(run_state, steps[6 + 2 * hop:8 + 2 * hop])
+        metadata, vectors = shared(run_state)
+        assert ours.install_shared(metadata, vectors, "fp") is not None, hop
