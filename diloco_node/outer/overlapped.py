@@ -27,9 +27,11 @@ from diloco_node.round import AverageResult, Outcome, Own, RoundReport
 # The longest mean of a round inherited from a state's server, in our own Δ's norms (per value, so
 # a round of another fragment compares alike): every other round's mean went through the group's
 # clip, but a server's group may be itself alone, or itself and one more identity of its own. An
-# honest server's round is as long as ours within its speed (4x under --round-seconds, §13); a
-# longer one is scaled down, and a server that lied then differs from us and is found `diverged`.
-INHERITED_CLIP_MULTIPLE = 4.0
+# honest server's round is about as long as ours: speeds 4x apart under --round-seconds (§13), a
+# joiner's first phase a quarter of a round (MIN_SHARE), fragments whose values moved unevenly; 16
+# leaves that room. A longer one is scaled down, and a server that lied then differs from us and
+# is found `diverged` (a re-sync: the whole cost of its lie), where it had moved φ by 3e7.
+INHERITED_CLIP_MULTIPLE = 16.0
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +218,8 @@ class OverlappedUpdate:
     def _resolve_inherited(self, ours: float | None) -> list[tuple[Applied, Landed | None]]:
         """The means of the inherited rounds, fetched from their groups (a round that cannot be
         fetched is lost for us, and says so), each at most INHERITED_CLIP_MULTIPLE × `ours`, our own
-        Δ's norm per value (None or 0: none of ours to measure by, so a fetched mean is lost too).
+        Δ's norm per value (None: no Δ of ours yet, as a joiner whose state came after its round's
+        deadline: taken as it is, since a lie then costs us a re-sync and no more).
         A round we averaged in ourselves (we re-synced while its exchange ran) holds our payload
         too, which we fetch from our own offer."""
         resolved: list[tuple[Applied, Landed | None]] = []
@@ -285,11 +288,11 @@ def _norm_per_value(delta: torch.Tensor) -> float | None:
     return value if value > 0 and math.isfinite(value) else None
 
 
-def _bounded(mean: torch.Tensor, ours: float | None, round_: int, server: str) -> torch.Tensor | None:
+def _bounded(mean: torch.Tensor, ours: float | None, round_: int, server: str) -> torch.Tensor:
     """An inherited round's mean scaled down to INHERITED_CLIP_MULTIPLE × our own Δ's norm (per
-    value); None when we have none to measure it by."""
+    value); as it is while we have none to measure it by."""
     if ours is None:
-        return None
+        return mean
     limit = INHERITED_CLIP_MULTIPLE * ours * math.sqrt(mean.numel())
     length = float(mean.norm())
     if length <= limit:

@@ -192,9 +192,10 @@ class Presence:
 
     def vouched(self, peer: str) -> bool:
         """Whether `peer` took our state (see `vouch`; the same last MAX_VOUCHED peers our record
-        lists), known here before the joiner's first record reaches us or ours reaches the DHT."""
-        with self._record_lock:
-            return peer in self._served_in
+        lists), known here before the joiner's first record reaches us or ours reaches the DHT.
+        Read without the record's lock, which a store to the DHT holds for seconds: the streams'
+        loop asks it for every stream it admits (facade._trusted), and one `in` on a dict is atomic."""
+        return peer in self._served_in
 
     def prove(self, round_: int, peers: Collection[str]) -> None:
         """`peers`' checked contributions went into the mean we applied in `round_` (trust/proofs.py); our

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import re
 import threading
 import time
@@ -91,11 +92,19 @@ def parse_json(data: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
         depth += 1 if bracket in "[{" else -1
         if depth > max_depth:
             raise ValueError(f"JSON nested deeper than {max_depth}")
-    return json.loads(text, parse_constant=_refuse_constant, parse_int=_bounded_int)  # ValueError (JSONDecodeError)
+    return json.loads(text, parse_constant=_refuse_constant, parse_int=_bounded_int,
+                      parse_float=_finite_float)  # ValueError (JSONDecodeError)
 
 
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"JSON constant {name} refused")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 is a float literal json reads as inf
+        raise ValueError(f"JSON number {text[:20]} beyond a float's range refused")
+    return value
 
 
 def _bounded_int(text: str) -> int:

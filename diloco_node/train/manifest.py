@@ -184,7 +184,7 @@ class Manifest:
         (train/tokenizer.py): what a user compares, where the file's sha256 checks the bytes."""
         try:
             spec = json.loads(self.tokenizer or "")
-        except ValueError:
+        except (ValueError, RecursionError):  # a peer's text, before `take` reads it
             return "unreadable"
         return vocabulary_digest(spec) if isinstance(spec, dict) else "unreadable"
 
