@@ -5,6 +5,7 @@ The swarm and the averaging are stand-ins for their seams; the ledger and the op
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from typing import Any
 
@@ -217,7 +218,8 @@ def test_a_round_inherited_from_a_server_is_bounded_by_our_own_delta(huge: bool,
     joiner.inherit(*installed)
     before = joiner.ctx.state.flat()
     own = torch.randn(NUMEL, generator=generator) * 0.5 * float(means[1].norm()) / NUMEL ** 0.5
-    joiner.finish_round(2, own, 100.0)  # its first round: the inherited mean lands with it
+    with caplog.at_level(logging.WARNING, logger="diloco_node.outer.overlapped"):  # whatever an earlier test set
+        joiner.finish_round(2, own, 100.0)  # its first round: the inherited mean lands with it
     moved = float((joiner.ctx.state.flat() - before).norm())
     clipped = [r for r in caplog.records if "clipped the mean inherited" in r.getMessage()]
     if huge:
