@@ -202,8 +202,8 @@ def test_a_state_taken_in_the_last_round_settles_the_rounds_its_server_had_in_fl
 
 
 @pytest.mark.parametrize("huge", [False, True])
-def test_a_round_inherited_from_a_server_is_bounded_by_our_own_delta(huge: bool,
-                                                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_a_round_inherited_from_a_server_is_bounded_by_our_own_delta(huge: bool, caplog: pytest.LogCaptureFixture,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A server's round in flight may have been averaged by the server alone (or with one more
     identity of its own), which no group clipped: its mean is scaled down to a few of our own Δs
     when it is longer, and an honest one is taken whole (the same φ as the server's)."""
@@ -218,7 +218,9 @@ def test_a_round_inherited_from_a_server_is_bounded_by_our_own_delta(huge: bool,
     joiner.inherit(*installed)
     before = joiner.ctx.state.flat()
     own = torch.randn(NUMEL, generator=generator) * 0.5 * float(means[1].norm()) / NUMEL ** 0.5
-    with caplog.at_level(logging.WARNING, logger="diloco_node.outer.overlapped"):  # whatever an earlier test set
+    # whatever an earlier test left (a level, or a logging config that disabled existing loggers)
+    monkeypatch.setattr(logging.getLogger("diloco_node.outer.overlapped"), "disabled", False)
+    with caplog.at_level(logging.WARNING, logger="diloco_node.outer.overlapped"):
         joiner.finish_round(2, own, 100.0)  # its first round: the inherited mean lands with it
     moved = float((joiner.ctx.state.flat() - before).norm())
     clipped = [r for r in caplog.records if "clipped the mean inherited" in r.getMessage()]
