@@ -182,11 +182,11 @@ class Manifest:
     def vocabulary_digest(self) -> str:
         """The tokenizer's digest as `diloco-node tokenizer train` prints it and the fingerprint holds
         (train/tokenizer.py): what a user compares, where the file's sha256 checks the bytes."""
-        try:
+        try:  # a peer's text, before `take` reads it: any JSON, a lone surrogate (UnicodeError), a deep nest
             spec = json.loads(self.tokenizer or "")
-        except (ValueError, RecursionError):  # a peer's text, before `take` reads it
+            return vocabulary_digest(spec) if isinstance(spec, dict) else "unreadable"
+        except (ValueError, RecursionError):
             return "unreadable"
-        return vocabulary_digest(spec) if isinstance(spec, dict) else "unreadable"
 
     @property
     def model_label(self) -> str:
