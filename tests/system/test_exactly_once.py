@@ -105,6 +105,10 @@ def test_every_mean_once_also_for_a_joiner(spawn: NodeFactory, tmp_path: Path) -
         c = start("c", *SLOW_JOINER, "--download-limit", "4mbit", peer=a)
         c.wait_exit(timeout=240)
         assert "settled round=22" in c.log_text(), c.log_text()[-3000:]
+        if lone_rounds(a, 0) or lone_rounds(b, 0):
+            # #16 split a and b before c came: no two servers agreed, and c took a state unchecked
+            # instead of catching one up; `attempts` runs the scenario once more
+            return [(a, 0), (b, 0), (c, 0)]
         assert "caught up on the means of those rounds" in c.log_text(), c.log_text()[-3000:]
         assert 2 <= (c.joined_round or 0) <= 20, c.log_text()[-2000:]
         return [(a, 0), (b, 0), (c, 0)]
