@@ -51,6 +51,7 @@ from diloco_node.swarm.messages import (
     parse_push,
     parse_report,
     told_list,
+    told_on_wire,
 )
 from diloco_node.swarm.streams import HEADER_LEN, PEER_FAILURES, Streams, StreamService, receive, send
 from diloco_node.trust.seals import Seal, Sealer, parse_seal, sealed_by, sealed_versions, statement
@@ -272,10 +273,6 @@ class Butterfly(StreamService):
 
     def _hashes(self, rnd: _Round) -> list[Told | None]:
         return [Told(digest(rnd.held[i]), rnd.seals[i]) if i in rnd.held else None for i in range(len(rnd.owning))]
-
-    @staticmethod
-    def _on_wire(hashes: list[Told | None]) -> list[dict[str, Any] | None]:
-        return [told.to_wire() if told else None for told in hashes]
 
     async def _compare(self, round_: int, rnd: _Round, group: tuple[str, ...], owning: tuple[str, ...],
                        ourselves: str) -> list[int]:
@@ -570,7 +567,7 @@ class Butterfly(StreamService):
                 if rnd.group is not None and peer in rnd.group:
                     if len(asked.digests) == len(rnd.owning):
                         rnd.told.setdefault(peer, asked.digests)
-                    answer = {"digests": self._on_wire(self._hashes(rnd))}
+                    answer = {"digests": told_on_wire(self._hashes(rnd))}
             sent = await self._answer(writer, (b"", answer))
             self._count(sent=sent, received=received)
             sent = received = 0

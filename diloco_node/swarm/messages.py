@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,7 +168,12 @@ class DigestsRequest:
     def encode(self) -> bytes:
         """As a member sends it (parse_digests_request reads it back)."""
         return json.dumps({"round": self.round, "admission": self.token,
-                           "digests": [told.to_wire() if told else None for told in self.digests]}).encode()
+                           "digests": told_on_wire(self.digests)}).encode()
+
+
+def told_on_wire(told: Sequence[Told | None]) -> list[dict[str, Any] | None]:
+    """Parts' hashes as a request or an answer carries them (told_list reads them back)."""
+    return [entry.to_wire() if entry else None for entry in told]
 
 
 def told_list(value: Any, count: int) -> tuple[Told | None, ...] | None:
