@@ -350,10 +350,14 @@ class ServedSignature:
 
 
 def _json_object(text: str) -> bool:
-    """Whether a model's config.json text is a JSON object nested at most MAX_CONFIG_DEPTH deep."""
+    """Whether a model's config.json text is a JSON object nested at most MAX_CONFIG_DEPTH deep whose
+    texts are all UTF-8: a `\\ud800` escape inside it loads as a lone surrogate, which transformers
+    then writes into a warning that no UTF-8 log can print."""
     try:
-        return _depth_ok(text, MAX_CONFIG_DEPTH) and isinstance(json.loads(text, parse_constant=_refuse_constant),
-                                                                dict)
+        if not _depth_ok(text, MAX_CONFIG_DEPTH):
+            return False
+        loaded = json.loads(text, parse_constant=_refuse_constant)
+        return isinstance(loaded, dict) and _encodes(json.dumps(loaded, ensure_ascii=False))
     except ValueError:
         return False
 
@@ -464,8 +468,8 @@ def parse(data: bytes) -> Manifest:
     if config is not None and sha256(config) != model_digest:
         raise ManifestError("the model's config.json does not match the manifest's digest: refused")
     if config is not None and not _json_object(config):
-        raise ManifestError(f"malformed manifest: the model's config.json is not a JSON object nested at most "
-                            f"{MAX_CONFIG_DEPTH} deep")
+        raise ManifestError(f"malformed manifest: the model's config.json is not a JSON object of UTF-8 texts "
+                            f"nested at most {MAX_CONFIG_DEPTH} deep")
     parameters = model.get("parameters")
     if isinstance(parameters, bool) or not isinstance(parameters, int) or not 0 < parameters < 1 << 50:
         raise ManifestError("malformed manifest: parameters is not a count")

@@ -802,7 +802,7 @@ def _model_config(**changes: Any) -> str:
     pytest.param("[" * 5000, id="nested-5000-deep"),  # refused by parse already
     pytest.param(_model_config(dtype=1e20), id="dtype-1e20"),
     pytest.param(_model_config(dtype=1.5), id="dtype-1.5"),
-    pytest.param(_model_config(model_type="\ud800"), id="model_type-lone-surrogate"),
+    pytest.param(_model_config(model_type="\ud800"), id="model_type-lone-surrogate"),  # refused by parse now
 ])
 def test_a_manifest_whose_model_config_crashes_take(config: str, tmp_path: Path) -> None:
     """A peer's manifest whose model config.json passes parse (its digest matches): take must refuse it
@@ -817,6 +817,14 @@ def test_a_manifest_whose_model_config_is_no_object_is_refused() -> None:
     for text in ("[]", "not json", "[" * 5000):
         with pytest.raises(manifest.ManifestError, match="not a JSON object"):
             with_model_config(text)
+
+
+def test_a_manifest_whose_model_config_escapes_a_lone_surrogate_is_refused() -> None:
+    """`"\\ud800"` is valid JSON text but loads as no UTF-8 text: passed on, transformers logged it in a
+    warning, which a UTF-8 log cannot print (a "Logging error" traceback; pytest-xdist's worker died
+    on the report in CI)."""
+    with pytest.raises(manifest.ManifestError, match="UTF-8 texts"):
+        with_model_config('{"model_type": "llama", "rope_type": "\\ud800"}')
 
 
 def test_a_manifest_without_inner_steps_is_summed_up(tmp_path: Path) -> None:
