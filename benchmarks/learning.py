@@ -23,7 +23,9 @@ Rows (`--rows`, ';'-separated):
   cosine spans F x the budget (default 1: DDP's, so that the two decay alike). `speeds=4/2/1/1`
   (not a NodeConfig field): the workers' speeds over the slowest's, spent as `spent=steps` (s·H steps
   a round) or `spent=batch` (H steps of s batches), at equal wall-clock: rounds; tokens per worker are
-  then the first (fastest) worker's (harness/simulator.py; docs/architecture.md §13):
+  then the first (fastest) worker's (harness/simulator.py; docs/architecture.md §13). `inner_state=reset`
+  (not a NodeConfig field, no node does it): each round starts the inner AdamW's moments afresh
+  instead of carrying them over:
 
     .venv/bin/python benchmarks/learning.py run --rows "4:10:sync=blocking,speeds=4/2/1/1,spent=steps;\
         4:10:sync=blocking,speeds=4/2/1/1,spent=batch" --seeds 0
@@ -96,14 +98,18 @@ def parse_row(text: str) -> dict[str, Any]:
     schedule = float(options.pop("schedule", 1.0))
     speeds = tuple(int(s) for s in str(options.pop("speeds", "")).split("/") if s)
     spent = str(options.pop("spent", "steps"))
-    if speeds and len(speeds) != workers or spent not in ("steps", "batch"):
-        raise SystemExit(f"learning: row {text!r}: speeds needs one speed per worker, spent steps or batch")
+    inner_state = str(options.pop("inner_state", "keep"))
+    if speeds and len(speeds) != workers or spent not in ("steps", "batch") or inner_state not in ("keep", "reset"):
+        raise SystemExit(f"learning: row {text!r}: speeds needs one speed per worker, spent steps or batch, "
+                         "inner_state keep or reset")
     NodeConfig.model_validate({**options, "inner_steps": h})  # a wrong key or value fails before any job runs
     text_options = " ".join(f"{k}={v}" for k, v in sorted(options.items()))
     text_options += f" cosine {schedule:g}x" if schedule != 1.0 else ""
     text_options += f" speeds {'/'.join(map(str, speeds))} spent on {spent}" if speeds else ""
+    text_options += " inner state reset each round" if inner_state == "reset" else ""
     return {"kind": "diloco", "workers": workers, "h": h, "options": options, "schedule": schedule,
             **({"speeds": list(speeds), "spent": spent} if speeds else {}),
+            **({"inner_state": inner_state} if inner_state == "reset" else {}),
             "label": f"M={workers} H={h} {text_options}".strip()}
 
 
@@ -152,7 +158,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                      max_outer_steps=max(1, round(row["schedule"] * args["steps"] / per_round)))
         curve = simulate(cfg, peers(row["workers"], seed), rounds,
                          on_round=lambda tokens, c: tokens >= budget_tokens and reached(c, target),
-                         speeds=tuple(row.get("speeds", ())), spent=row.get("spent", "steps"))
+                         speeds=tuple(row.get("speeds", ())), spent=row.get("spent", "steps"),
+                         inner_state=row.get("inner_state", "keep"))
     return {"key": key_of(row, seed, args), "row": row, "seed": seed, "curve": curve.as_json(),
             "seconds": time.monotonic() - started, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 

@@ -138,9 +138,13 @@ class MemoryTransport:
 class Worker:
     """One simulated node: its parts as compose.build makes them, its replica, and its round."""
 
-    def __init__(self, cfg: NodeConfig, peer_id: str, room: Room, phi: list[torch.Tensor], batches: int = 1):
+    def __init__(self, cfg: NodeConfig, peer_id: str, room: Room, phi: list[torch.Tensor], batches: int = 1,
+                 inner_state: str = "keep"):
         self.cfg, self.peer_id = cfg, peer_id
         self.batches = batches  # batches per inner step: a faster worker's under --speed-spent batch
+        # keep: the inner AdamW's moments carry from round to round, as a node's do; reset: each round
+        # starts them afresh (a measurement of the alternative only: no node does it)
+        self.inner_state = inner_state
         self.parts = build(cfg)
         self.state = self.parts.state
         with torch.no_grad():  # the run's φ, as a joiner downloads it from the node that started the run
@@ -161,6 +165,8 @@ class Worker:
         `batches` batches."""
         with self.state.lock:
             self.replica.load(self.drift.start(self.state.phi))
+        if self.inner_state == "reset":
+            self.replica.trainer.optimizer.state.clear()
         losses = []
         for _ in range(self.cfg.round_inner_steps(self.state.round)):
             losses.append(self.replica.train_step(self.stream_seed, self.position, self.batches))
@@ -207,17 +213,20 @@ class Curve:
 
 def simulate(cfg: NodeConfig, peers: list[str], rounds: int, evaluate: bool = True,
              on_round: Callable[[int, Curve], bool] | None = None, speeds: tuple[int, ...] = (),
-             spent: str = "steps") -> Curve:
+             spent: str = "steps", inner_state: str = "keep") -> Curve:
     """`rounds` rounds of len(peers) workers on `cfg` (each worker's seed: cfg.seed; its data stream
     from its peer id, as a node's). Stops early when `on_round` returns True. φ starts as a node
     with `cfg` builds it. `speeds`: each worker's speed over the slowest's, spent on steps or on
-    batch (the module's docstring); the curve's tokens are the first worker's."""
+    batch (the module's docstring); the curve's tokens are the first worker's. `inner_state`: keep
+    (a node's way) or reset the inner optimizer's moments at each round (Worker)."""
+    if inner_state not in ("keep", "reset"):
+        raise ValueError(f"the inner state is kept or reset, not {inner_state}")
     torch.set_num_threads(max(1, cfg.threads))
     cfg = cfg.model_copy(update={"checkpoint_dir": ""})  # a simulated worker keeps no checkpoint
     room = Room(peers, cfg.run_id, cfg.group_size if cfg.algorithm == "noloco" else None)
     phi = build(cfg).state.phi
     configs = [worker_config(cfg, speed, spent) for speed in speeds or (1,) * len(peers)]
-    workers = [Worker(own, peer, room, phi, batches)
+    workers = [Worker(own, peer, room, phi, batches, inner_state)
                for peer, (own, batches) in zip(peers, configs, strict=True)]
     curve, started = Curve(label=""), time.monotonic()
     try:

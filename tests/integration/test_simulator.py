@@ -35,3 +35,18 @@ def test_simulator_digests_equal_real_nodes(spawn: NodeFactory, sync: str, compr
     # a round's record names the round φ reached: 1 after the first
     real = [[node.rounds[round_].digest for node in (first, second)] for round_ in range(1, ROUNDS + 1)]
     assert curve.digests == real
+
+
+def test_inner_state_reset_starts_each_round_with_fresh_moments() -> None:
+    """`inner_state=reset` (benchmarks/learning.py's measurement of the alternative): the first round
+    is a node's (no moments yet either way); from the second the moments start afresh, so φ differs."""
+    cfg = NodeConfig.model_validate({
+        "run_id": "itest", "sync": "blocking", "seq_len": 64, "batch_size": 8, "eval_batches": 2,
+        "warmup_steps": 5, "threads": 1, "inner_steps": H, "max_outer_steps": ROUNDS, "compression": "none"})
+    peers = ["12D3KooW" + "A" * 44, "12D3KooW" + "B" * 44]
+    kept = simulate(cfg, peers, 2, evaluate=False)
+    reset = simulate(cfg, peers, 2, evaluate=False, inner_state="reset")
+    assert kept.digests[0] == reset.digests[0]
+    assert kept.digests[1] != reset.digests[1]
+    with pytest.raises(ValueError, match="kept or reset"):
+        simulate(cfg, peers, 1, inner_state="forget")
