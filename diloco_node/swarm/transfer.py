@@ -17,6 +17,7 @@ from diloco_node.swarm.matchmaking import GROUP_POLL_SECONDS
 from diloco_node.swarm.presence import Presence
 from diloco_node.swarm.spread import Spread
 from diloco_node.swarm.streams import Streams
+from diloco_node.trust.view import catch_up_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -122,9 +123,12 @@ class Transfer:
         if probe is None or probe.group is None or member not in probe.group:
             return Gathered(Outcome.ALONE, round_)
         group = probe.group
-        if len(group) > self.group_bound():  # nothing of it fetched: the round is lost for us, and said so
-            logger.warning("round=%d peer=%s names a group of %d, more than this run's %d: its mean is not "
-                           "completed", round_, member, len(group), self.group_bound())
+        if any(self._presence.known(peer) is None for peer in group if peer != self.peer_id):
+            self._presence.compatible_peers(refresh=True)  # one read: a member may have joined since the last
+        refusal = catch_up_refusal(group, self.peer_id, self.group_bound(),
+                                   lambda peer: self._presence.known(peer) is not None)
+        if refusal:  # nothing of it fetched: the round is lost for us, and said so
+            logger.warning("round=%d peer=%s %s: its mean is not completed", round_, member, refusal)
             return Gathered(Outcome.ALONE, round_)
         if self.by_butterfly(group):
             return self._parts_held_by(member, round_, deadline)

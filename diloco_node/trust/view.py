@@ -243,3 +243,17 @@ def fetch_refusal(peer: str, group: Collection[str] | None, verified: Callable[[
     if peer in group or vouched_by_member():
         return None
     return "not a member of the round's group"
+
+
+def catch_up_refusal(group: Collection[str], me: str, bound: int, known: Callable[[str], bool]) -> str | None:
+    """Why a joiner may not complete a round from the group its state's server names for it (the
+    server's word alone); None when it may. Every member named is fetched and decoded at once, so
+    the group may be no larger than the run's groups (`bound`: NoLoCo's --group-size, else the most
+    a config lets a run ask) and no larger than the run as we see it: each member other than us a
+    node of the run we know (`known`: its verified record, live or left within its time to live)."""
+    if len(group) > bound:
+        return f"names a group of {len(group)}, more than this run's {bound}"
+    strangers = [peer for peer in group if peer != me and not known(peer)]
+    if strangers:
+        return f"names {len(strangers)} peer(s) that are no nodes of this run we know"
+    return None

@@ -44,9 +44,26 @@ class Exchange:
         return None if "me" in self.gone else self.offered("me")
 
 
-def transfer(exchange: Exchange) -> Transfer:
+class Presence:
+    """The run's records as we read them: every peer is a node of the run but `strangers`;
+    `appearing`: peers whose record a fresh read finds."""
+
+    def __init__(self, strangers: tuple[str, ...] = (), appearing: tuple[str, ...] = ()) -> None:
+        self.strangers, self.appearing, self.reads = set(strangers) | set(appearing), set(appearing), 0
+
+    def known(self, peer: str) -> object | None:
+        return None if peer in self.strangers else object()
+
+    def compatible_peers(self, refresh: bool = False) -> dict[str, object]:
+        if refresh:
+            self.reads += 1
+            self.strangers -= self.appearing
+        return {}
+
+
+def transfer(exchange: Exchange, presence: Presence | None = None) -> Transfer:
     settings = SwarmSettings("run", "fp", {}, [], [], [], 1.0, 1.0, 1 << 20)
-    return Transfer(settings, "me", False, 4, None, None, exchange, None)  # type: ignore[arg-type]
+    return Transfer(settings, "me", False, 4, presence or Presence(), None, exchange, None)  # type: ignore[arg-type]
 
 
 def payloads(gathered: Any) -> dict[str, bytes]:
@@ -102,5 +119,20 @@ def test_a_catch_up_group_larger_than_the_runs_is_refused_before_any_payload_is_
     assert transfer(at_bound).group_of(7, "a").outcome == Outcome.TOGETHER  # an honest group at the bound
     assert len(at_bound.payloads_fetched) == MAX_RUN_GROUP
     noloco = Transfer(SwarmSettings("run", "fp", {}, [], [], [], 1.0, 1.0, 1 << 20, group_size=4), "me", False, 4,
-                      None, None, HugeGroup(5), None)  # type: ignore[arg-type]
+                      Presence(), None, HugeGroup(5), None)  # type: ignore[arg-type]
     assert noloco.group_bound() == 4 and noloco.group_of(7, "a").outcome == Outcome.ALONE
+
+
+def test_a_catch_up_group_naming_peers_we_do_not_know_is_refused_before_any_payload_is_fetched() -> None:
+    """Within the bound, a server could still name 63 ids of its own making, each then fetched: every
+    member must be a node of the run whose record we hold (read once more before refusing: one that
+    joined since our last read is found)."""
+    exchange, presence = HugeGroup(8), Presence(strangers=("fake-003",))
+    assert transfer(exchange, presence).group_of(7, "a").outcome == Outcome.ALONE
+    assert exchange.payloads_fetched == [] and presence.reads == 1
+    joined = Presence(appearing=("fake-003",))
+    assert transfer(HugeGroup(8), joined).group_of(7, "a").outcome == Outcome.TOGETHER
+    assert joined.reads == 1
+    everyone = Presence()
+    assert transfer(HugeGroup(8), everyone).group_of(7, "a").outcome == Outcome.TOGETHER
+    assert everyone.reads == 0  # records we hold cost no read
