@@ -194,9 +194,12 @@ class Swarm:
     def _trusted(self, peer: str) -> bool:
         """Whether `peer` may take the stream slots strangers cannot (streams.Limits.reserved): a
         peer proven within the last rounds, an anchor, a joiner we served, or a member of a group of
-        ours. A record is not enough: an open run's records are free."""
+        ours; in a permissioned run also any node whose verified record we hold, since that record
+        carries the owner's admission (a joiner asking for our state among them). In an open run a
+        record is not enough: its records are free."""
         return (peer in self._presence.proofs.proven() or peer in self._presence.anchors
-                or self._presence.vouched(peer) or self._exchange.in_group(peer))
+                or self._presence.vouched(peer) or self._exchange.in_group(peer)
+                or (self.gate.permissioned and self._presence.known(peer) is not None))
 
     def _may_fetch_payload(self, peer: str, round_: int, token: str, group: tuple[str, ...] | None) -> str | None:
         """Why `peer` may not fetch our payload of `round_` (None: it may): the gate's admission,

@@ -421,3 +421,22 @@ def test_strangers_rotating_fresh_ids_never_take_the_slots_of_peers_we_trust(mon
         await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("permissioned", [False, True])
+def test_a_node_with_a_record_takes_the_reserved_slots_only_in_a_permissioned_run(permissioned: bool) -> None:
+    """A joiner is proven to nobody yet: in an open run its record is free and it stays a stranger;
+    in a permissioned run its record carries the owner's admission, so strangers rotating fresh ids
+    cannot keep it from our state (facade._trusted)."""
+    from types import SimpleNamespace
+
+    from diloco_node.swarm.facade import Swarm
+
+    records = {"joiner": object()}
+    facade = SimpleNamespace(
+        gate=SimpleNamespace(permissioned=permissioned),
+        _exchange=SimpleNamespace(in_group=lambda peer: False),
+        _presence=SimpleNamespace(proofs=SimpleNamespace(proven=lambda: set()), anchors=set(),
+                                  vouched=lambda peer: False, known=records.get))
+    assert Swarm._trusted(facade, "joiner") is permissioned  # type: ignore[arg-type]
+    assert Swarm._trusted(facade, "sybil") is False  # type: ignore[arg-type]
