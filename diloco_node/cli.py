@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 from click.core import ParameterSource
 
-from diloco_node.config import DEFAULT_STATUS_PORT, NodeConfig, describe, load_config, unset_default
+from diloco_node.config import DEFAULT_STATUS_PORT, FIELDS, NodeConfig, describe, load_config, unset_default
 from diloco_node.errors import NodeError
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ class Commands(click.Group):
 
 
 def _option_for(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    field = NodeConfig.model_fields[name]
+    field = FIELDS[name]
     flag = "--" + name.replace("_", "-")
     envvar = f"DILOCO_{name.upper()}"
     is_list = field.annotation == list[str]
@@ -64,7 +64,7 @@ def _option_for(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
 def node_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    for name in reversed(list(NodeConfig.model_fields)):
+    for name in reversed(list(FIELDS)):  # every section's fields, in SECTIONS' order
         func = _option_for(name)(func)
     return click.option("--config", "config_file", type=str, envvar="DILOCO_CONFIG",
                         help="TOML file with any of these options as keys")(func)
@@ -153,8 +153,7 @@ def _config_of_run(ctx: click.Context, config_file: str | None, values: dict[str
     from diloco_node.config import build_config
     from diloco_node.train import manifest
 
-    defaults = NodeConfig.model_fields
-    checkpoint_dir = str(given.get("checkpoint_dir", defaults["checkpoint_dir"].default))
+    checkpoint_dir = str(given.get("checkpoint_dir", FIELDS["checkpoint_dir"].default))
     peers = list(given.get("peer") or [])
     # a node that names neither a peer nor a run starts a run of its own: no earlier run's copy is taken
     local = manifest.find_local(checkpoint_dir, given.get("run_id")) if peers or "run_id" in given else None

@@ -189,8 +189,9 @@ def make_codec(cfg: CodecConfig) -> Codec:
 
 def codec_config_of(cfg: NodeConfig) -> CodecConfig:
     """The codec a node's config asks for."""
-    return CodecConfig(name=cfg.compression, zstd={"auto": None, "on": True, "off": False}[cfg.zstd],
-                       **{key: getattr(cfg, key) for key in _DEFAULTS})
+    codec = cfg.codec
+    return CodecConfig(name=codec.compression, zstd={"auto": None, "on": True, "off": False}[codec.zstd],
+                       **{key: getattr(codec, key) for key in _DEFAULTS})
 
 
 def _check(cfg: NodeConfig) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 
-from diloco_node.config import SECTIONS, NodeConfig, describe, unset_default
+from diloco_node.config import FIELDS, SECTIONS, describe, unset_default
 from diloco_node.train.manifest import RUN_LEVEL, SCHEDULE
 
 REGENERATE = "python -m diloco_node.commands.config_reference > docs/config-reference.md"
@@ -63,7 +63,7 @@ def default_cell(name: str) -> str:
     words = unset_default(name)
     if words is not None:
         return _markdown(words)
-    value = NodeConfig.model_fields[name].get_default(call_default_factory=True)
+    value = FIELDS[name].get_default(call_default_factory=True)
     return "unset" if value is None else f"`{json.dumps(value, ensure_ascii=False)}`"
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.fields import FieldInfo
 
 from diloco_node.config.defaults import (
     DEFAULT_STATUS_PORT,
@@ -366,3 +367,7 @@ SECTIONS: dict[str, type[Section]] = {
     "swarm": Swarm, "inputs": Inputs, "local": Local, "inner": Inner, "outer": Outer, "averaging": Averaging,
     "noloco": NoLoCo, "codec": Codec, "persistence": Persistence, "permission": Permission,
 }
+
+# Every setting by its flat name (the flag, the env var, the TOML key), and the section that holds it
+FIELDS: dict[str, FieldInfo] = {key: field for model in SECTIONS.values() for key, field in model.model_fields.items()}
+SECTION_OF: dict[str, str] = {key: name for name, model in SECTIONS.items() for key in model.model_fields}

@@ -124,10 +124,11 @@ def data_identity(cfg: Any) -> dict[str, str]:
     given, the eval split's digest when --data is (the default corpus is Python's own stdlib, which
     differs between Python versions: fingerprinting it would split runs by Python version)."""
     fields: dict[str, str] = {}
-    if cfg.tokenizer:
-        fields["tokenizer"] = load_tokenizer(cfg.tokenizer).digest
-    if cfg.data:
-        fields["eval_data"] = digest_of(_source(cfg.data, cfg.tokenizer, cfg.text_column).eval)
+    inputs = cfg.inputs
+    if inputs.tokenizer:
+        fields["tokenizer"] = load_tokenizer(inputs.tokenizer).digest
+    if inputs.data:
+        fields["eval_data"] = digest_of(_source(inputs.data, inputs.tokenizer, inputs.text_column).eval)
     return fields
 
 

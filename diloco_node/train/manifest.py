@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from diloco_node.config import ConfigError, NodeConfig, build_config, model_shape
+from diloco_node.config import FIELDS, ConfigError, NodeConfig, build_config, model_shape
 from diloco_node.errors import NodeError
 from diloco_node.fingerprint import PROTOCOL
 from diloco_node.train.tokenizer import vocabulary_digest
@@ -166,7 +166,7 @@ class Manifest:
 
     def summary(self, parameters_shown: int | None = None) -> str:
         """The one line a joiner prints of what it took."""
-        s = {key: field.default for key, field in NodeConfig.model_fields.items()} | self.settings  # left out: default
+        s = {key: field.default for key, field in FIELDS.items()} | self.settings  # left out: default
         rounds = f"T={s['round_seconds']:g}s" if s.get("round_seconds") is not None else f"H={s['inner_steps']}"
         if s.get("speed_spent") == "batch":  # H steps whose batch each node sizes to T (§13)
             rounds += f", H={s['inner_steps']} by batch"
@@ -228,7 +228,8 @@ def build(cfg: NodeConfig, parameters: int) -> Manifest:
         from diloco_node.train.tokenizer import tokenizer_file
 
         tokenizer_text = tokenizer_file(cfg.tokenizer).read_text(encoding="utf-8")
-    settings = {key: getattr(cfg, key) for key in (*SCHEDULE, *CHECKED)}
+    flat = cfg.flat()
+    settings = {key: flat[key] for key in (*SCHEDULE, *CHECKED)}
     for key, default in OMITTED_AT.items():
         if settings[key] == default:
             del settings[key]
@@ -501,7 +502,7 @@ def _same(key: str, given: Any, run: Any) -> bool:
     from pydantic import TypeAdapter, ValidationError
 
     try:
-        annotation: Any = NodeConfig.model_fields[key].annotation
+        annotation: Any = FIELDS[key].annotation
         value = TypeAdapter(annotation).validate_python(given, strict=False)
     except ValidationError:
         return False  # not even of the option's type
