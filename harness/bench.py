@@ -81,8 +81,8 @@ def work_dir(prefix: str) -> Iterator[Path]:
 
 def inner_config(cfg: NodeConfig, total_steps: int) -> InnerConfig:
     """What Node builds for a run of `total_steps` = max_outer_steps * inner_steps."""
-    return InnerConfig(lr=cfg.inner_lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
-                       total_steps=total_steps, grad_clip=cfg.grad_clip)
+    return InnerConfig(lr=cfg.inner.inner_lr, weight_decay=cfg.inner.weight_decay, warmup_steps=cfg.inner.warmup_steps,
+                       total_steps=total_steps, grad_clip=cfg.inner.grad_clip)
 
 
 def free_port() -> int:

@@ -54,9 +54,9 @@ def ddp_worker(rank: int, port: int, steps: int, eval_every: int, queue: Any) ->
     store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
     cfg = NodeConfig.model_validate({"sync": "blocking"})
-    dataset = ByteDataset(load_corpus(cfg.data), cfg.seq_len)
-    eval_batches = dataset.eval_batches(cfg.batch_size, cfg.eval_batches)
-    model = build_model(cfg.model, cfg.seed)
+    dataset = ByteDataset(load_corpus(cfg.inputs.data), cfg.inputs.seq_len)
+    eval_batches = dataset.eval_batches(cfg.inputs.batch_size, cfg.inputs.eval_batches)
+    model = build_model(cfg.inputs.model, cfg.inputs.seed)
     reduced = [0]  # elements all-reduced during the current step
 
     def average_gradient(param: torch.Tensor) -> None:
@@ -74,7 +74,7 @@ def ddp_worker(rank: int, port: int, steps: int, eval_every: int, queue: Any) ->
     losses, grad_bytes = [], []
     started = time.monotonic()
     for step in range(steps):
-        x, y = dataset.train_batch(cfg.batch_size, 1000 + rank, step)
+        x, y = dataset.train_batch(cfg.inputs.batch_size, 1000 + rank, step)
         reduced[0] = 0
         losses.append(trainer.train_step(x, y))
         grad_bytes.append(reduced[0] * 4)  # fp32 gradients
@@ -111,7 +111,7 @@ def run_ddp(steps: int, eval_every: int, cfg: NodeConfig, timeout: float) -> dic
         raise RuntimeError(f"DDP worker failed: exit codes {[w.exitcode for w in workers]}")
     params = result["parameters"]
     ring_per_step = ring_all_reduce_bytes(params, WORLD)
-    tokens_per_step = cfg.batch_size * cfg.seq_len
+    tokens_per_step = cfg.inputs.batch_size * cfg.inputs.seq_len
     return {
         "method": "ddp", "H": 1, "steps_per_worker": steps, **result,
         "tokens_per_node": [steps * tokens_per_step] * WORLD,
@@ -132,12 +132,12 @@ def worker_data(overrides: dict[str, Any]) -> tuple[NodeConfig, Any, Any]:
     tokenizer, seq_len, batch_size, ... as NodeConfig fields): the node's own data path (train/data.py)."""
     cfg = NodeConfig.model_validate(overrides)
     if not overrides:
-        dataset = ByteDataset(load_corpus(cfg.data), cfg.seq_len)
-        return (cfg, lambda seed, step: dataset.train_batch(cfg.batch_size, seed, step),
-                lambda: dataset.eval_batches(cfg.batch_size, cfg.eval_batches))
-    data = open_data(cfg.data, cfg.tokenizer, cfg.seq_len, cfg.text_column)
-    return (cfg, lambda seed, step: data.train_batch(cfg.batch_size, seed, step),
-            lambda: data.eval_batches(cfg.batch_size, cfg.eval_batches))
+        dataset = ByteDataset(load_corpus(cfg.inputs.data), cfg.inputs.seq_len)
+        return (cfg, lambda seed, step: dataset.train_batch(cfg.inputs.batch_size, seed, step),
+                lambda: dataset.eval_batches(cfg.inputs.batch_size, cfg.inputs.eval_batches))
+    data = open_data(cfg.inputs.data, cfg.inputs.tokenizer, cfg.inputs.seq_len, cfg.inputs.text_column)
+    return (cfg, lambda seed, step: data.train_batch(cfg.inputs.batch_size, seed, step),
+            lambda: data.eval_batches(cfg.inputs.batch_size, cfg.inputs.eval_batches))
 
 
 def link_worker(rank: int, master: str, port: int, steps: int, eval_every: int = 0, world: int = WORLD,
@@ -156,7 +156,7 @@ def link_worker(rank: int, master: str, port: int, steps: int, eval_every: int =
     store = dist.TCPStore(master, port, world, is_master=rank == 0, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
     cfg, train_batch, make_eval = worker_data(overrides or {})
-    model = build_model(cfg.model, cfg.seed)
+    model = build_model(cfg.inputs.model, cfg.inputs.seed)
     forward = logits_of(model)
     communicating = [0.0]  # seconds spent inside all-reduce during the current step
 

@@ -150,13 +150,13 @@ class Worker:
         with torch.no_grad():  # the run's φ, as a joiner downloads it from the node that started the run
             for mine, run in zip(self.state.phi, phi, strict=True):
                 mine.copy_(run)
-        transport = MemoryTransport(room, peer_id, cfg.min_group_size)
+        transport = MemoryTransport(room, peer_id, cfg.averaging.min_group_size)
         ctx = UpdateContext(self.state, make_fragments(self.parts, peer_id), transport, self.parts.telemetry,
                             threading.Event(), threading.Event())
         self.update = make_update(cfg, ctx)
         self.replica = SingleReplica(settings_of(cfg))
         self.drift = Drift(self.parts.runs)
-        self.stream_seed = data_stream_seed(peer_id, cfg.seed)
+        self.stream_seed = data_stream_seed(peer_id, cfg.inputs.seed)
         self.position = 0
         self.replica.prepare_data(self.stream_seed, self.position)
 
@@ -175,7 +175,7 @@ class Worker:
 
     def tokens(self, losses: list[float]) -> float:
         """What a round of `losses` inner steps trained: steps × batches × batch × seq_len."""
-        return float(len(losses) * self.batches * self.cfg.batch_size * self.cfg.seq_len)
+        return float(len(losses) * self.batches * self.cfg.inputs.batch_size * self.cfg.inputs.seq_len)
 
     def finish_round(self, losses: list[float]) -> RoundReport:
         """Δ = φ − θ, then the outer update (node.Node.run_round after the inner phase)."""
@@ -221,9 +221,9 @@ def simulate(cfg: NodeConfig, peers: list[str], rounds: int, evaluate: bool = Tr
     (a node's way) or reset the inner optimizer's moments at each round (Worker)."""
     if inner_state not in ("keep", "reset"):
         raise ValueError(f"the inner state is kept or reset, not {inner_state}")
-    torch.set_num_threads(max(1, cfg.threads))
+    torch.set_num_threads(max(1, cfg.local.threads))
     cfg = cfg.model_copy(update={"checkpoint_dir": ""})  # a simulated worker keeps no checkpoint
-    room = Room(peers, cfg.run_id, cfg.group_size if cfg.algorithm == "noloco" else None)
+    room = Room(peers, cfg.swarm.run_id, cfg.noloco.group_size if cfg.noloco.algorithm == "noloco" else None)
     phi = build(cfg).state.phi
     configs = [worker_config(cfg, speed, spent) for speed in speeds or (1,) * len(peers)]
     workers = [Worker(own, peer, room, phi, batches, inner_state)
@@ -261,7 +261,7 @@ def worker_config(cfg: NodeConfig, speed: int, spent: str) -> tuple[NodeConfig, 
         raise ValueError(f"speed is spent on steps or batch, not {spent}")
     if spent == "batch" or speed == 1:
         return cfg, speed
-    return cfg.model_copy(update={"inner_steps": cfg.inner_steps * speed}), 1
+    return cfg.model_copy(update={"inner_steps": cfg.inner.inner_steps * speed}), 1
 
 
 def _evaluate_all(workers: list[Worker], digests: list[str]) -> list[float]:
@@ -301,20 +301,20 @@ def data_parallel(cfg: NodeConfig, peers: list[str], steps: int, eval_every: int
     """DDP over len(peers) workers (one worker: training alone): each step one batch of every
     worker's stream at the same position, gradients averaged, the node's AdamW and schedule (its
     total: `steps`). Tokens per worker on the curve."""
-    torch.set_num_threads(max(1, cfg.threads))
+    torch.set_num_threads(max(1, cfg.local.threads))
     # the schedule spans `steps`; no checkpoint
     run = cfg.model_copy(update={"inner_steps": steps, "max_outer_steps": 1, "checkpoint_dir": ""})
     replica = SingleReplica(settings_of(run))
     replica.load(build(run).state.phi)
-    seeds = [data_stream_seed(peer, cfg.seed) for peer in peers]
+    seeds = [data_stream_seed(peer, cfg.inputs.seed) for peer in peers]
     data = replica.dataset.dataset  # each stream by position, without the node's prefetch of one stream
     curve, started = Curve(label=""), time.monotonic()
     curve.points.append((0, [replica.evaluate()]))
     for step in range(steps):
-        batches = [data.batch(cfg.batch_size, seed, step) for seed in seeds]
+        batches = [data.batch(cfg.inputs.batch_size, seed, step) for seed in seeds]
         replica.trainer.train_step(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
         if (step + 1) % eval_every == 0 or step + 1 == steps:
-            curve.points.append(((step + 1) * cfg.batch_size * cfg.seq_len, [replica.evaluate()]))
+            curve.points.append(((step + 1) * cfg.inputs.batch_size * cfg.inputs.seq_len, [replica.evaluate()]))
             if on_eval is not None and on_eval(step + 1, curve):
                 break
     curve.seconds = time.monotonic() - started

@@ -70,16 +70,16 @@ class NodeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    swarm: Swarm = Field(default_factory=Swarm)
-    inputs: Inputs = Field(default_factory=Inputs)
-    local: Local = Field(default_factory=Local)
-    inner: Inner = Field(default_factory=Inner)
-    outer: Outer = Field(default_factory=Outer)
-    averaging: Averaging = Field(default_factory=Averaging)
-    noloco: NoLoCo = Field(default_factory=NoLoCo)
-    codec: Codec = Field(default_factory=Codec)
-    persistence: Persistence = Field(default_factory=Persistence)
-    permission: Permission = Field(default_factory=Permission)
+    swarm: Swarm
+    inputs: Inputs
+    local: Local
+    inner: Inner
+    outer: Outer
+    averaging: Averaging
+    noloco: NoLoCo
+    codec: Codec
+    persistence: Persistence
+    permission: Permission
 
     @model_validator(mode="before")
     @classmethod

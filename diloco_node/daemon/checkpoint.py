@@ -274,13 +274,13 @@ def export_info(cfg: NodeConfig) -> dict[str, str]:
     from diloco_node.train.hf import HFSpec
     from diloco_node.train.model import resolve_model
 
-    spec = resolve_model(cfg.model)
+    spec = resolve_model(cfg.inputs.model)
     tokenizer = getattr(cfg, "tokenizer", None) or ""
     if tokenizer:
         from diloco_node.train.tokenizer import tokenizer_file
 
         tokenizer = str(tokenizer_file(tokenizer).resolve())
-    return {"model": cfg.model, "config": spec.config_json if isinstance(spec, HFSpec) else "",
+    return {"model": cfg.inputs.model, "config": spec.config_json if isinstance(spec, HFSpec) else "",
             "tokenizer": tokenizer}
 
 

@@ -70,24 +70,24 @@ class Parts:
 
 def build(cfg: NodeConfig) -> Parts:
     """Everything that needs neither a peer nor a local rank; nothing is started yet."""
-    gossip = cfg.algorithm == "noloco"
-    phi = [p.detach().clone().float() for p in build_model(cfg.model, cfg.seed, cfg.init).parameters()]
-    optimizer = NoLoCoOptimizer(phi, cfg.noloco_alpha, cfg.noloco_beta, cfg.consensus_weight) if gossip \
-        else OuterOptimizer(phi, cfg.outer_lr, cfg.outer_momentum)
+    gossip = cfg.noloco.algorithm == "noloco"
+    phi = [p.detach().clone().float() for p in build_model(cfg.inputs.model, cfg.inputs.seed, cfg.inputs.init).parameters()]
+    optimizer = NoLoCoOptimizer(phi, cfg.noloco.noloco_alpha, cfg.noloco.noloco_beta, cfg.consensus_weight) if gossip \
+        else OuterOptimizer(phi, cfg.outer.outer_lr, cfg.outer.outer_momentum)
     state = OuterState(phi, optimizer)
-    if cfg.fragments > len(phi):  # config cannot count tensors without building the model
-        raise ConfigError(f"fragments {cfg.fragments} is more than the model's {len(phi)} parameter tensors: "
+    if cfg.outer.fragments > len(phi):  # config cannot count tensors without building the model
+        raise ConfigError(f"fragments {cfg.outer.fragments} is more than the model's {len(phi)} parameter tensors: "
                           "a fragment holds whole tensors")
-    runs = split([p.numel() for p in phi], cfg.fragments)
+    runs = split([p.numel() for p in phi], cfg.outer.fragments)
     # NoLoCo's consensus term needs the group's φ itself: it has no error feedback to hide
     # quantization, so it travels exactly (fp32) with codec none and as fp16 otherwise.
-    phi_codec = make_codec(CodecConfig(name="none" if cfg.compression == "none" else "fp16")) if gossip else None
-    telemetry = Telemetry(run_id=cfg.run_id, model=cfg.model, parameters=state.numel, compression=cfg.compression,
-                          algorithm=cfg.algorithm, label=cfg.label, parallel=cfg.parallel,
-                          local_ranks=cfg.local_ranks, isolated=False, outer_step=0, inner_step=0, peers=1,
+    phi_codec = make_codec(CodecConfig(name="none" if cfg.codec.compression == "none" else "fp16")) if gossip else None
+    telemetry = Telemetry(run_id=cfg.swarm.run_id, model=cfg.inputs.model, parameters=state.numel, compression=cfg.codec.compression,
+                          algorithm=cfg.noloco.algorithm, label=cfg.swarm.label, parallel=cfg.local.parallel,
+                          local_ranks=cfg.local.local_ranks, isolated=False, outer_step=0, inner_step=0, peers=1,
                           upload_limit_bytes_per_second=cfg.upload_rate,
                           download_limit_bytes_per_second=cfg.download_rate,
-                          group_size=0, fragments=cfg.fragments)
+                          group_size=0, fragments=cfg.outer.fragments)
     def on_sample(sent: int, received: int) -> None:
         egress, ingress = wire.rates() or (None, None)
         telemetry.update(wire_bytes_sent=sent, wire_bytes_received=received,
@@ -97,38 +97,38 @@ def build(cfg: NodeConfig) -> Parts:
     telemetry.refresh_with(wire.refresh)
     # a joiner downloads φ and the momentum, fp32, at our upload cap shared by the transfers served at once;
     # NoLoCo's joiners take any state as it comes (nothing to catch up to): no line about serving it
-    planner = Planner(cfg.upload_rate, cfg.download_rate, cfg.butterfly_from, cfg.round_timeout,
+    planner = Planner(cfg.upload_rate, cfg.download_rate, cfg.butterfly_from, cfg.swarm.round_timeout,
                       MAX_SHARED_VECTORS * 4 * state.numel, 0 if gossip else cfg.upload_rate / MAX_SERVES,
                       CATCH_UP_ROUNDS) \
         if cfg.upload_rate or cfg.download_rate else None
-    return Parts(cfg=cfg, state=state, codecs=[make_codec(codec_config_of(cfg)) for _ in range(cfg.fragments)],
+    return Parts(cfg=cfg, state=state, codecs=[make_codec(codec_config_of(cfg)) for _ in range(cfg.outer.fragments)],
                  runs=runs, phi_codec=phi_codec,
                  signals=StopSignals(), telemetry=telemetry,
-                 server=StatusServer(telemetry, *cfg.status_host_port, announced_hosts(cfg.announce)),
-                 wire=wire, reporter=RoundReporter(telemetry, wire, cfg.label, gossip, planner,
+                 server=StatusServer(telemetry, *cfg.status_host_port, announced_hosts(cfg.swarm.announce)),
+                 wire=wire, reporter=RoundReporter(telemetry, wire, cfg.swarm.label, gossip, planner,
                                                    caps=(float(cfg.upload_rate), float(cfg.download_rate)),
-                                                   batch_tokens=cfg.batch_size * cfg.seq_len),
-                 events=Events(cfg.events),
-                 store=CheckpointStore(cfg.checkpoint_path) if cfg.checkpoint_path else None, gate=Gate(cfg.run_id))
+                                                   batch_tokens=cfg.inputs.batch_size * cfg.inputs.seq_len),
+                 events=Events(cfg.persistence.events),
+                 store=CheckpointStore(cfg.checkpoint_path) if cfg.checkpoint_path else None, gate=Gate(cfg.swarm.run_id))
 
 
 def attach_swarm(parts: Parts, shared_state: Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]) -> Swarm:
     """Join the swarm and wire the outer update to it: outer/ drives the swarm as its round.Transport."""
-    cfg, gossip = parts.cfg, parts.cfg.algorithm == "noloco"
+    cfg, gossip = parts.cfg, parts.cfg.noloco.algorithm == "noloco"
     served = manifest.served(cfg, parts.state.numel)
-    signature_file = manifest.signature_path(manifest.local_path(cfg.checkpoint_dir, cfg.run_id)) \
-        if cfg.checkpoint_dir else None
+    signature_file = manifest.signature_path(manifest.local_path(cfg.persistence.checkpoint_dir, cfg.swarm.run_id)) \
+        if cfg.persistence.checkpoint_dir else None
     settings = SwarmSettings(
-        run_id=cfg.run_id, fingerprint=cfg.fingerprint(), config=cfg.fingerprint_fields(),
-        initial_peers=cfg.peer, listen=cfg.listen, announce=cfg.announce, matchmaking_time=cfg.matchmaking_time,
-        round_timeout=cfg.round_timeout,
+        run_id=cfg.swarm.run_id, fingerprint=cfg.fingerprint(), config=cfg.fingerprint_fields(),
+        initial_peers=cfg.swarm.peer, listen=cfg.swarm.listen, announce=cfg.swarm.announce, matchmaking_time=cfg.swarm.matchmaking_time,
+        round_timeout=cfg.swarm.round_timeout,
         # NoLoCo's payload carries φ after Δ: two encoded vectors
         max_payload_bytes=(2 if gossip else 1) * max_payload_bytes(parts.state.numel),
-        group_size=cfg.group_size if gossip else None, identity=cfg.identity_path, gate=parts.gate,
-        butterfly_from=cfg.butterfly_from, butterfly_possible=cfg.butterfly_possible, reachability=cfg.reachability,
-        min_group_size=cfg.min_group_size, upload_limit=cfg.upload_rate, download_limit=cfg.download_rate,
-        barrier_timeout=barrier_timeout(cfg.round_budget, cfg.round_timeout) if cfg.round_budget else None,
-        manifest=served, manifest_signature=manifest.ServedSignature(served, cfg.run_owner, signature_file))
+        group_size=cfg.noloco.group_size if gossip else None, identity=cfg.identity_path, gate=parts.gate,
+        butterfly_from=cfg.butterfly_from, butterfly_possible=cfg.butterfly_possible, reachability=cfg.averaging.reachability,
+        min_group_size=cfg.averaging.min_group_size, upload_limit=cfg.upload_rate, download_limit=cfg.download_rate,
+        barrier_timeout=barrier_timeout(cfg.round_budget, cfg.swarm.round_timeout) if cfg.round_budget else None,
+        manifest=served, manifest_signature=manifest.ServedSignature(served, cfg.permission.run_owner, signature_file))
     swarm = parts.swarm = Swarm(settings, parts.state.numel, shared_state, MAX_SHARED_VECTORS)
     # our streams' rates per peer, live in /api/status and /metrics (docs/architecture.md §14, "Shown")
     parts.telemetry.refresh_with(lambda: parts.telemetry.update(**swarm.peer_rates()))
@@ -145,8 +145,8 @@ def attach_swarm(parts: Parts, shared_state: Callable[[], tuple[dict[str, Any], 
 def make_fragments(parts: Parts, peer_id: str) -> Fragments:
     """The run's fragments (docs/architecture.md §15), each averaged with its own codec."""
     cfg, numels = parts.cfg, [p.numel() for p in parts.state.phi]
-    averagings = [Averaging(codec, sum(numels[i] for i in run), peer_id, parts.phi_codec, cfg.aggregator,
-                            cfg.max_tokens_per_round or None, cfg.part_align if cfg.butterfly_possible else None,
-                            cfg.weighting)
+    averagings = [Averaging(codec, sum(numels[i] for i in run), peer_id, parts.phi_codec, cfg.averaging.aggregator,
+                            cfg.averaging.max_tokens_per_round or None, cfg.part_align if cfg.butterfly_possible else None,
+                            cfg.averaging.weighting)
                   for codec, run in zip(parts.codecs, parts.runs, strict=True)]
     return Fragments(numels, parts.runs, averagings)

@@ -40,7 +40,7 @@ class Node:
         self.state, self.telemetry, self.events = parts.state, parts.telemetry, parts.events
         self.stop_requested = parts.signals.requested
         self.inner_step = self.data_position = 0
-        self.stream_seed = self.cfg.seed
+        self.stream_seed = self.cfg.inputs.seed
         self.joined = False  # start-up finished: φ is the run's (or ours to start it) and worth saving
         self.failure: str | None = None  # a local rank failed: nothing of this run is saved
         self.revoked = False  # the run owner revoked our admission: we stopped
@@ -57,8 +57,8 @@ class Node:
         self.claims = DeclaredWork()  # peers' declared tokens against their own published throughput (trust/work.py)
         # fragments under an overlapping sync: each round's payload is served across the next round's
         # inner phase, not in one burst (docs/architecture.md §15); blocking would wait for it instead
-        self.round_clock = RoundClock(self.cfg.round_budget, self.cfg.round_timeout) \
-            if self.cfg.fragments > 1 and self.cfg.sync != "blocking" and self.cfg.algorithm == "diloco" else None
+        self.round_clock = RoundClock(self.cfg.round_budget, self.cfg.swarm.round_timeout) \
+            if self.cfg.outer.fragments > 1 and self.cfg.outer.sync != "blocking" and self.cfg.noloco.algorithm == "diloco" else None
 
     @property
     def swarm(self) -> Swarm:
@@ -70,7 +70,7 @@ class Node:
         did not fit in memory at one sequence, 2 when our admission was revoked."""
         try:
             while self.joined and not self.stop_requested.is_set():
-                if self.cfg.max_outer_steps and self.state.round >= self.cfg.max_outer_steps:
+                if self.cfg.outer.max_outer_steps and self.state.round >= self.cfg.outer.max_outer_steps:
                     break
                 self.run_round()
             if self.joined and not self.helper_failure:  # without the swarm nothing in flight can finish
@@ -109,7 +109,7 @@ class Node:
         delta = flatten(self.drift.delta(self.state.phi, self.replica.theta() or []))
         # tokens 0: no payload, we still take the group's mean (outer/averaging.py); the tokens we trained,
         # steps × their batches (docs/architecture.md §13), so a larger batch weighs as its tokens
-        tokens = float(self.round_batches * self.cfg.batch_size * self.cfg.seq_len)
+        tokens = float(self.round_batches * self.cfg.inputs.batch_size * self.cfg.inputs.seq_len)
         exchanged = self.state.round  # and its fragment (docs/architecture.md §15), for the round record
         report = self.parts.update.finish_round(exchanged, delta, tokens)
         if report.outcome not in (Outcome.BEHIND, Outcome.STOPPED):
@@ -134,7 +134,7 @@ class Node:
             self.sync_from_peers()
         self._finish_round(losses, report, RoundTiming(computed - started, time.monotonic() - computed,
                                                        data_wait=self.data_wait, moved_at=time.time()),
-                           fragment=exchanged % self.cfg.fragments)
+                           fragment=exchanged % self.cfg.outer.fragments)
         self.announce(ready=False)
         # after announcing, so our own row carries this round's stats
         self.parts.reporter.swarm_table(self.swarm.peer_stats(), self.swarm.peer_id, self.replica.peak_memory())
@@ -148,7 +148,7 @@ class Node:
             return
         declared = dict(result.declared)
         paced = warmup_pace(self.inner_step, steps, (declared[peer] for peer in credible if peer in declared),
-                            self.cfg.batch_size * self.cfg.seq_len, self.cfg.warmup_steps)
+                            self.cfg.inputs.batch_size * self.cfg.inputs.seq_len, self.cfg.inner.warmup_steps)
         if paced > self.inner_step:
             assert self.replica is not None
             self.inner_step = paced
@@ -173,7 +173,7 @@ class Node:
         matchmake with; with nothing trained it is in the group at once and takes the mean
         (docs/architecture.md §13). Only peers that decide count (trust/view.py). In a pair the one
         proven partner decides alone, and could say so every round (docs/trust.md)."""
-        if not self.cfg.round_seconds or not self.swarm.past_inner_phase(self.state.round):
+        if not self.cfg.inner.round_seconds or not self.swarm.past_inner_phase(self.state.round):
             return False
         logger.info("round=%d the run's inner phase of this round is over: taking the group's mean "
                     "without training", self.state.round)
@@ -216,8 +216,8 @@ class Node:
         with a fixed H: a node that fitted fewer last round catches up here, at the same point as the others."""
         assert self.replica is not None
         if not self.cfg.steps_agreed:
-            self.replica.set_progress(self.state.round / self.cfg.max_outer_steps if self.cfg.max_outer_steps else 0.0)
-        elif self.cfg.round_seconds and self.inner_step < (start := self.cfg.inner_steps_before(self.state.round)):
+            self.replica.set_progress(self.state.round / self.cfg.outer.max_outer_steps if self.cfg.outer.max_outer_steps else 0.0)
+        elif self.cfg.inner.round_seconds and self.inner_step < (start := self.cfg.inner_steps_before(self.state.round)):
             self.inner_step = start
             self.replica.advance_schedule(start)
 
@@ -225,9 +225,9 @@ class Node:
         """The batches the inner phase's next step trains, `steps` taken; 0: the phase is over. One, H
         times, or under --round-seconds while one fits before `end`; under --speed-spent batch the
         round's H steps, each of as many batches as fit (budget.next_batches)."""
-        if not self.cfg.round_seconds:
+        if not self.cfg.inner.round_seconds:
             return int(steps < self.cfg.round_inner_steps(self.state.round))
-        if self.cfg.speed_spent == "batch":
+        if self.cfg.inner.speed_spent == "batch":
             return next_batches(self.swarm.clock(), end, steps, self.cfg.round_inner_steps(self.state.round),
                                 self.step_clock)
         return int(self.step_clock.fits(self.swarm.clock(), end))
@@ -243,7 +243,7 @@ class Node:
         self.swarm.publish_stats(self.parts.reporter.peer_stats(record))
         logger.info("%s", record.log_line())
         self.events.emit("round", **record.event())
-        if self.parts.store and self.cfg.checkpoint_every and self.state.round % self.cfg.checkpoint_every == 0:
+        if self.parts.store and self.cfg.persistence.checkpoint_every and self.state.round % self.cfg.persistence.checkpoint_every == 0:
             self.save_checkpoint()
 
     def _settle(self) -> None:
@@ -280,8 +280,8 @@ class Node:
         self.swarm.stop_sharing()
         # DiLoCo nodes serve the same state (φ under blocking, the settled copy when overlapped),
         # so the one downloaded must be the one most nodes announce; NoLoCo's φ differs by design
-        received = self.swarm.download_state(STATE_DOWNLOAD_TIMEOUT + self.cfg.round_timeout, self.stop_requested,
-                                             check_digest=self.cfg.algorithm != "noloco",
+        received = self.swarm.download_state(STATE_DOWNLOAD_TIMEOUT + self.cfg.swarm.round_timeout, self.stop_requested,
+                                             check_digest=self.cfg.noloco.algorithm != "noloco",
                                              held=self.served() if fresh else None, catch_up=self.parts.catch_up)
         if received is None:
             return False
@@ -295,7 +295,7 @@ class Node:
         # A joiner's learning-rate schedule follows the run's progress, not its own step count. Under
         # --round-seconds that progress is the round (set each inner phase): it skips the warmup only.
         self.inner_step = max(self.inner_step, self.cfg.inner_steps_before(self.state.round)
-                              if self.cfg.steps_agreed else self.cfg.warmup_steps if self.state.round else 0)
+                              if self.cfg.steps_agreed else self.cfg.inner.warmup_steps if self.state.round else 0)
         self.replica.advance_schedule(self.inner_step)
         logger.info("synced state from peers round=%d digest=%s", self.state.round, self.state.digest())
         self.events.emit("synced", round=self.state.round, digest=self.state.digest())

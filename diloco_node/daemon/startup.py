@@ -58,8 +58,8 @@ def _start(node: Node) -> None:
     isolate_forked_children()
     if cfg.identity_path:
         peer_id = identity.create(cfg.identity_path)  # an unusable key file fails here, before anything
-        if cfg.run_owner:
-            parts.gate = Gate(cfg.run_id, parse_public_key(cfg.run_owner), load_token(cfg.admission))
+        if cfg.permission.run_owner:
+            parts.gate = Gate(cfg.swarm.run_id, parse_public_key(cfg.permission.run_owner), load_token(cfg.permission.admission))
             if why := parts.gate.own_refusal(peer_id):
                 raise AdmissionError(why)
     # local ranks are processes of their own: started before hivemind forks anything (ranks.py)
@@ -77,7 +77,7 @@ def _start(node: Node) -> None:
     assert parts.update is not None
     parts.update.restore(outstanding or [])
     if outstanding is None:  # a fresh node gets its own data order, derived from its identity
-        node.stream_seed = data_stream_seed(swarm.peer_id, cfg.seed)
+        node.stream_seed = data_stream_seed(swarm.peer_id, cfg.inputs.seed)
     swarm.check_compatible()
     # A resumed checkpoint the run has moved past would only send stale work; one that still
     # holds our Δs awaiting their rounds' means (a crash under eager) lacks those means, which
@@ -90,9 +90,9 @@ def _start(node: Node) -> None:
     node.replica.prepare_data(node.stream_seed, node.data_position)
     swarm.enter(node.state.round, node.state.digest(), node.served())  # announces us
     swarm.share_state()
-    if cfg.min_peers > 1:
-        node.say(f"waiting for {cfg.min_peers} nodes in run {cfg.run_id}")
-        if not swarm.wait_for_peers(cfg.min_peers, node.stop_requested):
+    if cfg.swarm.min_peers > 1:
+        node.say(f"waiting for {cfg.swarm.min_peers} nodes in run {cfg.swarm.run_id}")
+        if not swarm.wait_for_peers(cfg.swarm.min_peers, node.stop_requested):
             return
     node.joined = True
     telemetry = node.telemetry
@@ -101,9 +101,9 @@ def _start(node: Node) -> None:
                      eval_loss=node.evaluate(), model_digest=node.state.digest())
     snapshot = telemetry.snapshot()
     telemetry.update(eval_loss_initial=snapshot["eval_loss"])
-    logger.info("joined run=%s round=%d eval_loss=%.4f parameters=%d digest=%s", cfg.run_id, node.state.round,
+    logger.info("joined run=%s round=%d eval_loss=%.4f parameters=%d digest=%s", cfg.swarm.run_id, node.state.round,
                 snapshot["eval_loss"], snapshot["parameters"], snapshot["model_digest"])
-    node.events.emit("joined", run_id=cfg.run_id, round=node.state.round, eval_loss=snapshot["eval_loss"],
+    node.events.emit("joined", run_id=cfg.swarm.run_id, round=node.state.round, eval_loss=snapshot["eval_loss"],
                      parameters=snapshot["parameters"], digest=snapshot["model_digest"], peer_id=swarm.peer_id)
 
 

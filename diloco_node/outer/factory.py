@@ -15,6 +15,6 @@ def make_update(cfg: NodeConfig, ctx: UpdateContext) -> OuterUpdate:
     optimizer = ctx.state.optimizer
     if isinstance(optimizer, NoLoCoOptimizer):
         return GossipUpdate(ctx, optimizer)
-    if cfg.sync == "blocking":
+    if cfg.outer.sync == "blocking":
         return BlockingUpdate(ctx, optimizer)
     return OverlappedUpdate(ctx, optimizer, cfg)

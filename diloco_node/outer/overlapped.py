@@ -59,9 +59,9 @@ class Landed:
 class OverlappedUpdate:
     def __init__(self, ctx: UpdateContext, optimizer: OuterOptimizer, cfg: NodeConfig):
         self.ctx, self.optimizer = ctx, optimizer
-        self.mode, self.proxy, self.sync_timeout = cfg.sync, cfg.eager_proxy, cfg.sync_timeout
+        self.mode, self.proxy, self.sync_timeout = cfg.outer.sync, cfg.outer.eager_proxy, cfg.outer.sync_timeout
         # settling has no next round to go on with: it waits as long as an exchange can take
-        self.settle_timeout = max(cfg.sync_timeout, cfg.round_timeout)
+        self.settle_timeout = max(cfg.outer.sync_timeout, cfg.swarm.round_timeout)
         self.pending: PendingExchanges[Landed] = PendingExchanges()
         self.last_share: float | None = None
         self.restored: list[Applied] = []  # from a checkpoint: applied at their fragment's next step, as averaged alone

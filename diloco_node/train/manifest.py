@@ -221,26 +221,26 @@ class Manifest:
 def build(cfg: NodeConfig, parameters: int) -> Manifest:
     """The manifest of the run `cfg` configures (its φ has `parameters` parameters)."""
     fields = cfg.fingerprint_fields()  # the tokenizer's and the eval split's digests are read here
-    shape = model_shape(cfg.model)
+    shape = model_shape(cfg.inputs.model)
     config_json = getattr(shape, "config_json", None)
     tokenizer_text = None
-    if cfg.tokenizer:
+    if cfg.inputs.tokenizer:
         from diloco_node.train.tokenizer import tokenizer_file
 
-        tokenizer_text = tokenizer_file(cfg.tokenizer).read_text(encoding="utf-8")
+        tokenizer_text = tokenizer_file(cfg.inputs.tokenizer).read_text(encoding="utf-8")
     flat = cfg.flat()
     settings = {key: flat[key] for key in (*SCHEDULE, *CHECKED)}
     for key, default in OMITTED_AT.items():
         if settings[key] == default:
             del settings[key]
-    if cfg.round_seconds is not None and cfg.speed_spent == "steps":
+    if cfg.inner.round_seconds is not None and cfg.inner.speed_spent == "steps":
         del settings["inner_steps"]  # a round is T seconds: H is not the run's
-    return Manifest(run_id=cfg.run_id, protocol=PROTOCOL, fingerprint=cfg.fingerprint(), settings=settings,
-                    model=_model_name(cfg.model),
+    return Manifest(run_id=cfg.swarm.run_id, protocol=PROTOCOL, fingerprint=cfg.fingerprint(), settings=settings,
+                    model=_model_name(cfg.inputs.model),
                     model_config=config_json, model_digest=sha256(config_json) if config_json else None,
                     parameters=parameters, tokenizer=tokenizer_text,
                     tokenizer_digest=sha256(tokenizer_text) if tokenizer_text is not None else None,
-                    data=cfg.data, eval_digest=fields.get("eval_data"))
+                    data=cfg.inputs.data, eval_digest=fields.get("eval_data"))
 
 
 def served(cfg: NodeConfig, parameters: int) -> Manifest:
@@ -248,7 +248,7 @@ def served(cfg: NodeConfig, parameters: int) -> Manifest:
     node's fingerprint), so that every node of a run serves the first node's, names and data source
     included; else its own (`build`)."""
     own = build(cfg, parameters)
-    path = find_local(cfg.checkpoint_dir, cfg.run_id)
+    path = find_local(cfg.persistence.checkpoint_dir, cfg.swarm.run_id)
     if path is not None:
         try:
             taken = read_local(path)
