@@ -68,12 +68,12 @@ START_ATTEMPTS = 2  # a pair that never joins is stopped and started again, once
 
 def sample_pseudo_gradient(cfg: NodeConfig, steps: int) -> torch.Tensor:
     """Δ = φ − θ after `steps` inner AdamW steps from the initial model, flattened (fp32)."""
-    dataset = ByteDataset(load_corpus(cfg.data), cfg.seq_len)
-    model = build_model(cfg.model, cfg.seed)
+    dataset = ByteDataset(load_corpus(cfg.inputs.data), cfg.inputs.seq_len)
+    model = build_model(cfg.inputs.model, cfg.inputs.seed)
     outer = [p.detach().clone().float() for p in model.parameters()]
     trainer = InnerTrainer(model, inner_config(cfg, 0))
     for step in range(steps):
-        trainer.train_step(*dataset.train_batch(cfg.batch_size, cfg.seed, step))
+        trainer.train_step(*dataset.train_batch(cfg.inputs.batch_size, cfg.inputs.seed, step))
     return torch.cat([d.reshape(-1) for d in pseudo_gradient(outer, list(model.parameters()))]).contiguous()
 
 
@@ -124,7 +124,7 @@ def run_throughput(cfg: NodeConfig, runs: dict[str, list[str]], min_seconds: flo
         torch.set_num_threads(threads)
     return {"sample": {"steps": SAMPLE_STEPS, "numel": flat.numel(), "l2_norm": float(flat.norm()),
                        "abs_max": float(flat.abs().max()), "abs_mean": float(flat.abs().mean()),
-                       "topk_energy_fraction": topk_energy(flat, cfg.topk_chunk, cfg.topk_k)},
+                       "topk_energy_fraction": topk_energy(flat, cfg.codec.topk_chunk, cfg.codec.topk_k)},
             "threads": 1, "seconds": time.monotonic() - started, "codecs": per_codec}
 
 
@@ -158,7 +158,7 @@ def run_codec(label: str, flags: list[str], h: int, rounds: int, cfg: NodeConfig
 def summarize(label: str, codec: str, h: int, rounds: int, cfg: NodeConfig, logs: list[dict[str, Any]],
               wall: float, lo_node: int | None) -> dict[str, Any]:
     params = logs[0]["joined"]["parameters"]
-    tokens_per_step = cfg.batch_size * cfg.seq_len
+    tokens_per_step = cfg.inputs.batch_size * cfg.inputs.seq_len
     exchanged = [r for log in logs for r in log["rounds"] if r["group_size"] > 1]
     if any("payload" not in r for log in logs for r in log["rounds"]):
         raise RuntimeError("a round line has no payload= / codec_seconds=; did the log format change?")
@@ -239,14 +239,14 @@ def format_raw_length(name: str, cfg: NodeConfig) -> str:
     if name in ("fp16", "bf16"):
         return "2"
     if name == "int8":
-        return f"1 + 2/{cfg.block_size} = {1 + 2 / cfg.block_size:.3f}"
+        return f"1 + 2/{cfg.codec.block_size} = {1 + 2 / cfg.codec.block_size:.3f}"
     if name == "int4":
-        return f"0.5 + 2/{cfg.block_size} = {0.5 + 2 / cfg.block_size:.3f}"
+        return f"0.5 + 2/{cfg.codec.block_size} = {0.5 + 2 / cfg.codec.block_size:.3f}"
     if name == "sign":
-        return (f"{cfg.sign_keep:g}·(2 + {cfg.sign_block}/8)/{cfg.sign_block} = "
-                f"{cfg.sign_keep * (2 + cfg.sign_block / 8) / cfg.sign_block:.3f}")
-    per_chunk = 2 + cfg.topk_k * (1 + cfg.topk_bits / 8)
-    return f"(2 + {cfg.topk_k}·(1 + {cfg.topk_bits}/8))/{cfg.topk_chunk} = {per_chunk / cfg.topk_chunk:.3f}"
+        return (f"{cfg.codec.sign_keep:g}·(2 + {cfg.codec.sign_block}/8)/{cfg.codec.sign_block} = "
+                f"{cfg.codec.sign_keep * (2 + cfg.codec.sign_block / 8) / cfg.codec.sign_block:.3f}")
+    per_chunk = 2 + cfg.codec.topk_k * (1 + cfg.codec.topk_bits / 8)
+    return f"(2 + {cfg.codec.topk_k}·(1 + {cfg.codec.topk_bits}/8))/{cfg.codec.topk_chunk} = {per_chunk / cfg.codec.topk_chunk:.3f}"
 
 
 def run_config(res: dict[str, Any]) -> NodeConfig:
@@ -266,8 +266,8 @@ def gap_reason(res: dict[str, Any], payload: dict[str, Any], max_bpp: float) -> 
     if not SPECS[name].feedback:
         return (f"quantization error (rel. L2 error {err:.3f} per round trip) is not fed back; error "
                 f"feedback as {' and '.join(FEEDBACK)} have, or a smaller --block-size, would reduce it")
-    if cfg.outer_momentum > 0:
-        return (f"error feedback (β = {cfg.ef_decay:g}) under outer Nesterov momentum {cfg.outer_momentum:g}: "
+    if cfg.outer.outer_momentum > 0:
+        return (f"error feedback (β = {cfg.codec.ef_decay:g}) under outer Nesterov momentum {cfg.outer.outer_momentum:g}: "
                 "the residual sends each value late, and momentum then keeps pushing what was already sent, so φ "
                 f"overshoots and stalls ({curve}; rel. L2 error {err:.2f} per round trip); error feedback in "
                 "place of momentum (" + " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in FEEDBACK_OUTER.items())
@@ -275,11 +275,11 @@ def gap_reason(res: dict[str, Any], payload: dict[str, Any], max_bpp: float) -> 
     sample = payload["throughput"]["sample"]
     if name == "topk":
         return (f"AdamW's pseudo-gradient is spread almost evenly (max |Δ| = "
-                f"{sample['abs_max'] / sample['abs_mean']:.1f}x the mean |Δ|), so {cfg.topk_k} of {cfg.topk_chunk} "
+                f"{sample['abs_max'] / sample['abs_mean']:.1f}x the mean |Δ|), so {cfg.codec.topk_k} of {cfg.codec.topk_chunk} "
                 f"values per chunk carry little of its energy (rel. L2 error {err:.2f} per round trip) and error "
                 f"feedback sends the rest rounds late ({curve}); sign bits of whole blocks carry more per byte")
-    keep_max = max_bpp * cfg.sign_block / (2 + cfg.sign_block / 8)
-    return (f"{cfg.sign_keep:g} of the blocks per round as sign × mean |x| (rel. L2 error {err:.2f} per round "
+    keep_max = max_bpp * cfg.codec.sign_block / (2 + cfg.codec.sign_block / 8)
+    return (f"{cfg.codec.sign_keep:g} of the blocks per round as sign × mean |x| (rel. L2 error {err:.2f} per round "
             f"trip); error feedback sends the rest a round or more late ({curve}). More blocks per round "
             f"(--sign-keep) cost bytes: {max_bpp} B/param allows about {keep_max:.2f}")
 
@@ -361,13 +361,13 @@ def notes(payload: dict[str, Any]) -> str:
     results, tp = payload["results"], payload["throughput"]
     first = results[0]
     lines = [
-        f"Model `{cfg.model}` ({first['parameters']:,} parameters), {WORLD} nodes of the real CLI on loopback, "
-        f"H = {config['H']} inner steps x {config['rounds']} rounds, batch {cfg.batch_size} x seq {cfg.seq_len} "
+        f"Model `{cfg.inputs.model}` ({first['parameters']:,} parameters), {WORLD} nodes of the real CLI on loopback, "
+        f"H = {config['H']} inner steps x {config['rounds']} rounds, batch {cfg.inputs.batch_size} x seq {cfg.inputs.seq_len} "
         f"bytes, embedded corpus; tokens per node {pair(sorted({t for r in results for t in r['tokens_per_node']}))}"
-        f" for every codec (from the logs). Codec options: block {cfg.block_size}, top-k {cfg.topk_k} of "
-        f"{cfg.topk_chunk} ({cfg.topk_bits}-bit values), sign: the {cfg.sign_keep:g} of {cfg.sign_block}-value blocks "
-        f"of largest norm, zstd `{cfg.zstd}` (level {cfg.zstd_level}). Outer step: Nesterov, lr {cfg.outer_lr:g}, "
-        f"momentum {cfg.outer_momentum:g}; {' and '.join(FEEDBACK)} take error feedback in place of momentum where "
+        f" for every codec (from the logs). Codec options: block {cfg.codec.block_size}, top-k {cfg.codec.topk_k} of "
+        f"{cfg.codec.topk_chunk} ({cfg.codec.topk_bits}-bit values), sign: the {cfg.codec.sign_keep:g} of {cfg.codec.sign_block}-value blocks "
+        f"of largest norm, zstd `{cfg.codec.zstd}` (level {cfg.codec.zstd_level}). Outer step: Nesterov, lr {cfg.outer.outer_lr:g}, "
+        f"momentum {cfg.outer.outer_momentum:g}; {' and '.join(FEEDBACK)} take error feedback in place of momentum where "
         f"these are unset: momentum {FEEDBACK_OUTER['outer_momentum']:g}, lr {FEEDBACK_OUTER['outer_lr']:g}, "
         f"error-feedback β = {FEEDBACK_OUTER['ef_decay']:g}.",
         "payload B/param/round: the encoded pseudo-gradient with its wire header, the median round over both "
@@ -381,7 +381,7 @@ def notes(payload: dict[str, Any]) -> str:
         "(its own payload and each peer's). Rel. L2 error: |D(C(Δ)) − Δ| / |Δ| for one round trip (top-k: its "
         "first round, before error feedback has anything to return).",
         "Codec share of round: Σ codec_seconds / Σ round seconds over both nodes' logs; a round here also waits "
-        f"matchmaking_time ({cfg.matchmaking_time:g} s) for its group, so the share against compute alone is higher.",
+        f"matchmaking_time ({cfg.swarm.matchmaking_time:g} s) for its group, so the share against compute alone is higher.",
     ]
     variants = [f"{res['label']} `{' '.join(res['flags'])}`" for res in results
                 if res.get("flags", ["--compression", res["codec"]]) != ["--compression", res["codec"]]]

@@ -52,7 +52,7 @@ def measure(label: str, values: dict[str, object], steps: int, stream: str | Non
         replica.dataset = NodeData(TokenDataset(
             Source([], replica.dataset.dataset.source.eval, stream=lambda: datasets.load_dataset(
                 "json", data_files=stream, split="train", streaming=True), skip=0),
-            cfg.seq_len, replica.dataset.dataset.tokenizer, "stream"))
+            cfg.inputs.seq_len, replica.dataset.dataset.tokenizer, "stream"))
     replica.load([p.detach().clone() for p in replica.model.parameters()])
     METER.reset()  # this case's figures only
     if prepared:  # as start-up does once it knows the data position, then its eval at join
@@ -68,7 +68,7 @@ def measure(label: str, values: dict[str, object], steps: int, stream: str | Non
     # the producer alone: how fast the prefetch makes batches when nothing else runs
     data = replica.dataset
     produced = time.perf_counter()
-    batches = data.dataset.batches(cfg.batch_size, 8, 0)  # another node's order, from its start
+    batches = data.dataset.batches(cfg.inputs.batch_size, 8, 0)  # another node's order, from its start
     for _ in range(steps):
         next(batches)
     producer = steps / (time.perf_counter() - produced)

@@ -60,7 +60,7 @@ def run_diloco(h: int, rounds: int, cfg: NodeConfig, work: Path, timeout: float)
 
 def summarize_diloco(h: int, rounds: int, cfg: NodeConfig, logs: list[dict[str, Any]], wall: float,
                      lo_node: int | None) -> dict[str, Any]:
-    tokens_per_step = cfg.batch_size * cfg.seq_len
+    tokens_per_step = cfg.inputs.batch_size * cfg.inputs.seq_len
     params = logs[0]["joined"]["parameters"]
     final = [log["rounds"][-1] for log in logs]
     sent = [sum(r["sent"] for r in log["rounds"]) for log in logs]
@@ -110,8 +110,8 @@ def markdown(results: list[dict[str, Any]]) -> str:
 def notes(results: list[dict[str, Any]], cfg: NodeConfig) -> str:
     ddp = results[0]
     lines = [
-        f"Model `{cfg.model}` ({ddp['parameters']:,} parameters), batch {cfg.batch_size} x seq {cfg.seq_len} bytes, "
-        f"{WORLD} workers/nodes, embedded corpus, eval on the nodes' {cfg.eval_batches} held-out batches.",
+        f"Model `{cfg.inputs.model}` ({ddp['parameters']:,} parameters), batch {cfg.inputs.batch_size} x seq {cfg.inputs.seq_len} bytes, "
+        f"{WORLD} workers/nodes, embedded corpus, eval on the nodes' {cfg.inputs.eval_batches} held-out batches.",
         f"DDP: {ddp['steps_per_worker']} steps per worker, gradients all-reduced every step; bytes sent are the "
         "standard ring all-reduce cost 2(M-1)/M x numel x 4 B per step (measured gradient payload: "
         f"{ddp['grad_bytes_per_step'][0]:,} B per rank per step). DiLoCo: bytes from the nodes' per-round logs (fp32 "

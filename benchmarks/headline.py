@@ -144,7 +144,7 @@ def node_method(islands: Islands, sampler: WireSampler, args: argparse.Namespace
 
 def tokens_per_worker_step() -> int:
     cfg = NodeConfig()
-    return cfg.batch_size * cfg.seq_len
+    return cfg.inputs.batch_size * cfg.inputs.seq_len
 
 
 def reach(method: dict[str, Any], target: float, ddp: dict[str, Any] | None) -> None:
@@ -290,8 +290,8 @@ def notes(payload: dict[str, Any]) -> str:
     ddp = run_["methods"][0]
     cfg = NodeConfig()
     lines = [
-        f"Model `{cfg.model}` ({ddp['run'].get('parameters', 462336):,} parameters), batch {cfg.batch_size} x seq "
-        f"{cfg.seq_len} bytes per worker step, embedded corpus, {cfg.eval_batches} held-out eval batches, one torch "
+        f"Model `{cfg.inputs.model}` ({ddp['run'].get('parameters', 462336):,} parameters), batch {cfg.inputs.batch_size} x seq "
+        f"{cfg.inputs.seq_len} bytes per worker step, embedded corpus, {cfg.inputs.eval_batches} held-out eval batches, one torch "
         f"thread per process, 2 islands (one worker / node each). DDP: {args['steps']} steps, the node's AdamW "
         f"and warmup+cosine schedule over them, eval every {args['eval_every']} steps. DiLoCo / NoLoCo: up to "
         f"{args['max_token_factor']:g}x DDP's tokens, the schedule over their own steps.",

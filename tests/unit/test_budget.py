@@ -205,20 +205,20 @@ def test_fragments_move_one_at_a_time_each_every_t_on_the_grid(exchange: float) 
     seconds = cfg.round_budget
     assert seconds == 2.0
     now, ends, moved = 1_795_000_000.3, [], []  # moved: (round, fragment) in the order they exchanged
-    for round_ in range(3 * cfg.fragments):
+    for round_ in range(3 * cfg.outer.fragments):
         end = deadline(now, seconds)
         ends.append(end)
-        moved.append((round_, round_ % cfg.fragments))  # Fragments.of_round (outer/fragments.py)
+        moved.append((round_, round_ % cfg.outer.fragments))  # Fragments.of_round (outer/fragments.py)
         now = end + exchange  # the exchange of this round's fragment, then the next inner phase
     gap = (1 if exchange <= (1 - MIN_SHARE) * seconds else 2) * seconds
     assert {round(b - a, 6) for a, b in zip(ends, ends[1:], strict=False)} == {gap}
     assert all(math.isclose(end / seconds, round(end / seconds), abs_tol=1e-9) for end in ends)  # on the grid
-    for fragment in range(cfg.fragments):  # each fragment moves every P rounds: every T when exchanges fit
+    for fragment in range(cfg.outer.fragments):  # each fragment moves every P rounds: every T when exchanges fit
         own = [ends[r] for r, f in moved if f == fragment]
-        assert {round(b - a, 6) for a, b in zip(own, own[1:], strict=False)} == {cfg.fragments * gap}
+        assert {round(b - a, 6) for a, b in zip(own, own[1:], strict=False)} == {cfg.outer.fragments * gap}
     # each window of P consecutive rounds exchanges every fragment once
-    assert all(sorted(f for _, f in moved[r:r + cfg.fragments]) == list(range(cfg.fragments))
-               for r in range(len(moved) - cfg.fragments + 1))
+    assert all(sorted(f for _, f in moved[r:r + cfg.outer.fragments]) == list(range(cfg.outer.fragments))
+               for r in range(len(moved) - cfg.outer.fragments + 1))
 
 
 # --- weights in the mean -------------------------------------------------------------------------

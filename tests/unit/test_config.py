@@ -36,7 +36,7 @@ def _error(values: dict[str, Any]) -> str:
 def test_defaults_are_valid() -> None:
     cfg = build_config({})
     assert cfg == NodeConfig()
-    assert cfg.inner_steps == 50 and cfg.outer_lr == 0.7 and cfg.outer_momentum == 0.6 and cfg.sync == "eager"
+    assert cfg.inner.inner_steps == 50 and cfg.outer.outer_lr == 0.7 and cfg.outer.outer_momentum == 0.6 and cfg.outer.sync == "eager"
     assert cfg.status_host_port == ("127.0.0.1", 7780)
 
 
@@ -72,8 +72,8 @@ def test_bad_value_names_the_key(values: dict[str, Any], key: str, words: str) -
 def test_seq_len_above_preset_limit() -> None:
     message = _error({"model": "tiny", "seq_len": 257})
     assert "seq_len" in message and "256" in message and "tiny" in message
-    assert build_config({"model": "tiny", "seq_len": 256}).seq_len == 256  # the limit itself is fine
-    assert build_config({"model": "small", "seq_len": 512}).seq_len == 512
+    assert build_config({"model": "tiny", "seq_len": 256}).inputs.seq_len == 256  # the limit itself is fine
+    assert build_config({"model": "small", "seq_len": 512}).inputs.seq_len == 512
 
 
 def test_unknown_key() -> None:
@@ -83,7 +83,7 @@ def test_unknown_key() -> None:
 
 def test_valid_peers_and_status_pass() -> None:
     cfg = build_config({"peer": [PEER_A, PEER_B], "status": "0.0.0.0:0", "listen": ["/ip4/127.0.0.1/tcp/0"]})
-    assert cfg.peer == [PEER_A, PEER_B]
+    assert cfg.swarm.peer == [PEER_A, PEER_B]
     assert cfg.status_host_port == ("0.0.0.0", 0)
 
 
@@ -94,9 +94,9 @@ def test_toml_file_values_and_dashed_keys(tmp_path: Path) -> None:
     path = tmp_path / "run.toml"
     path.write_text(f'inner-steps = 7\nouter_lr = 0.5\npeer = ["{PEER_A}"]\n')
     cfg = load_config(str(path), {"outer_lr": 0.25})
-    assert cfg.inner_steps == 7
-    assert cfg.outer_lr == 0.25  # overrides (env and flags) beat the file
-    assert cfg.peer == [PEER_A]
+    assert cfg.inner.inner_steps == 7
+    assert cfg.outer.outer_lr == 0.25  # overrides (env and flags) beat the file
+    assert cfg.swarm.peer == [PEER_A]
 
 
 def test_unknown_key_in_toml_file(tmp_path: Path) -> None:
@@ -279,27 +279,27 @@ def test_bad_env_value_is_one_line_exit_2() -> None:
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "configs").glob("*.toml")), ids=lambda p: p.name)
 def test_shipped_configs_are_valid(path: Path) -> None:
-    assert load_config(str(path), {}).model
+    assert load_config(str(path), {}).inputs.model
 
 
 def test_unset_sync_follows_the_algorithm() -> None:
-    assert load_config(None, {}).sync == "eager"
-    assert load_config(None, {"algorithm": "noloco"}).sync == "blocking"
-    assert load_config(None, {"sync": "delayed"}).sync == "delayed"
+    assert load_config(None, {}).outer.sync == "eager"
+    assert load_config(None, {"algorithm": "noloco"}).outer.sync == "blocking"
+    assert load_config(None, {"sync": "delayed"}).outer.sync == "delayed"
 
 
 def test_unset_outer_momentum_follows_the_sync_mode(tmp_path: Path) -> None:
-    assert load_config(None, {"sync": "blocking"}).outer_momentum == 0.9
-    assert load_config(None, {"algorithm": "noloco"}).outer_momentum == 0.9
-    assert load_config(None, {}).outer_momentum == 0.6
-    assert load_config(None, {"sync": "eager"}).outer_momentum == 0.6
-    assert load_config(None, {"sync": "eager", "outer_momentum": 0.8}).outer_momentum == 0.8
-    assert load_config(None, {"sync": "delayed"}).outer_momentum == 0.0
-    assert load_config(None, {"sync": "delayed", "outer_momentum": 0.9}).outer_momentum == 0.9
+    assert load_config(None, {"sync": "blocking"}).outer.outer_momentum == 0.9
+    assert load_config(None, {"algorithm": "noloco"}).outer.outer_momentum == 0.9
+    assert load_config(None, {}).outer.outer_momentum == 0.6
+    assert load_config(None, {"sync": "eager"}).outer.outer_momentum == 0.6
+    assert load_config(None, {"sync": "eager", "outer_momentum": 0.8}).outer.outer_momentum == 0.8
+    assert load_config(None, {"sync": "delayed"}).outer.outer_momentum == 0.0
+    assert load_config(None, {"sync": "delayed", "outer_momentum": 0.9}).outer.outer_momentum == 0.9
     path = tmp_path / "node.toml"
     path.write_text('sync = "eager"\nouter_momentum = 0.95\n')
-    assert load_config(str(path), {}).outer_momentum == 0.95
-    assert load_config(str(path), {"sync": "blocking"}).outer_momentum == 0.95
+    assert load_config(str(path), {}).outer.outer_momentum == 0.95
+    assert load_config(str(path), {"sync": "blocking"}).outer.outer_momentum == 0.95
     # peers must agree on the proxy only where it is used
     assert "eager_proxy" in load_config(None, {"sync": "eager"}).fingerprint_fields()
     assert "eager_proxy" not in load_config(None, {"sync": "blocking"}).fingerprint_fields()
@@ -309,12 +309,12 @@ def test_error_feedback_codecs_take_its_outer_settings_where_unset() -> None:
     for codec in ("topk", "sign"):
         for sync in ("blocking", "eager", "delayed"):
             cfg = load_config(None, {"compression": codec, "sync": sync})
-            assert (cfg.outer_momentum, cfg.outer_lr, cfg.ef_decay) == (0.0, 2.0, 0.95)
+            assert (cfg.outer.outer_momentum, cfg.outer.outer_lr, cfg.codec.ef_decay) == (0.0, 2.0, 0.95)
         cfg = load_config(None, {"compression": codec, "outer_momentum": 0.9, "outer_lr": 0.7, "ef_decay": 1.0})
-        assert (cfg.outer_momentum, cfg.outer_lr, cfg.ef_decay) == (0.9, 0.7, 1.0)  # what is set stays
+        assert (cfg.outer.outer_momentum, cfg.outer.outer_lr, cfg.codec.ef_decay) == (0.9, 0.7, 1.0)  # what is set stays
         noloco = load_config(None, {"compression": codec, "algorithm": "noloco"})
-        assert (noloco.outer_momentum, noloco.outer_lr, noloco.ef_decay) == (0.9, 0.7, 1.0)
-    assert load_config(None, {"compression": "int4", "sync": "blocking"}).outer_lr == 0.7
+        assert (noloco.outer.outer_momentum, noloco.outer.outer_lr, noloco.codec.ef_decay) == (0.9, 0.7, 1.0)
+    assert load_config(None, {"compression": "int4", "sync": "blocking"}).outer.outer_lr == 0.7
     # peers on the same codec flags agree; a peer that sets DiLoCo's outer optimizer does not meet them
     assert build_config({"compression": "sign"}).fingerprint() != build_config(
         {"compression": "sign", "outer_momentum": 0.9, "outer_lr": 0.7}).fingerprint()
@@ -322,7 +322,7 @@ def test_error_feedback_codecs_take_its_outer_settings_where_unset() -> None:
 
 def test_noloco_options_and_their_fingerprint() -> None:
     noloco = build_config({"algorithm": "noloco"})
-    assert noloco.consensus_weight == noloco.noloco_alpha == 0.7 and noloco.group_size == 2
+    assert noloco.consensus_weight == noloco.noloco.noloco_alpha == 0.7 and noloco.noloco.group_size == 2
     assert build_config({"algorithm": "noloco", "noloco_gamma": 0.2}).consensus_weight == 0.2
     for change in ({"noloco_beta": 0.3}, {"noloco_gamma": 0.2}, {"noloco_alpha": 0.5}, {"group_size": 3}):
         assert build_config({"algorithm": "noloco", **change}).fingerprint() != noloco.fingerprint()
@@ -453,9 +453,9 @@ def test_unknown_presets_and_codecs_are_named_with_the_known_ones() -> None:
 
 
 def test_micro_batch_size_takes_a_count_or_auto() -> None:
-    assert build_config({"micro_batch_size": "auto"}).micro_batch_size == "auto"
-    assert build_config({"micro_batch_size": "4", "batch_size": 8}).micro_batch_size == 4  # text from a flag
-    assert build_config({"micro_batch_size": 0}).micro_batch_size == 0  # the whole batch at once
+    assert build_config({"micro_batch_size": "auto"}).local.micro_batch_size == "auto"
+    assert build_config({"micro_batch_size": "4", "batch_size": 8}).local.micro_batch_size == 4  # text from a flag
+    assert build_config({"micro_batch_size": 0}).local.micro_batch_size == 0  # the whole batch at once
     for bad in (-1, "abc", 2.5, True, "", "-1"):
         with pytest.raises(ConfigError, match="invalid value for 'micro_batch_size': .* nor auto"):
             build_config({"micro_batch_size": bad})
@@ -484,16 +484,16 @@ def test_min_group_size_is_an_integer_from_2_named_in_one_line(value: Any) -> No
 
 
 def test_min_group_size_is_fingerprinted_and_its_default_leaves_the_fingerprint_alone() -> None:
-    assert build_config({}).min_group_size == 2
+    assert build_config({}).averaging.min_group_size == 2
     assert build_config({"min_group_size": 2}).fingerprint() == build_config({}).fingerprint()
     assert build_config({"min_group_size": 3}).fingerprint() != build_config({}).fingerprint()
-    assert build_config({"min_group_size": "3"}).min_group_size == 3  # as a flag or env var gives it
+    assert build_config({"min_group_size": "3"}).averaging.min_group_size == 3  # as a flag or env var gives it
 
 
 def test_noloco_groups_cannot_be_smaller_than_the_minimum() -> None:
     message = _error({"algorithm": "noloco", "group_size": 2, "min_group_size": 3})
     assert "group_size 2" in message and "min_group_size 3" in message
-    assert build_config({"algorithm": "noloco", "group_size": 3, "min_group_size": 3}).min_group_size == 3
+    assert build_config({"algorithm": "noloco", "group_size": 3, "min_group_size": 3}).averaging.min_group_size == 3
 
 
 @pytest.mark.parametrize("flag", ["1", "x"])

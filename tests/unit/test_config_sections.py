@@ -90,7 +90,7 @@ def test_config_prints_a_file_that_reads_back_to_the_same_config(tmp_path: Path)
     path.write_text(printed)
     assert _config(["--config", str(path)]) == printed
     cfg = build_config(read_toml(str(path)))
-    assert cfg.label == "zé \"1\"" and cfg.outer_lr == 2.0  # as given, and as it follows the codec
+    assert cfg.swarm.label == "zé \"1\"" and cfg.outer.outer_lr == 2.0  # as given, and as it follows the codec
 
 
 @pytest.mark.parametrize(("data", "line"), [

@@ -81,7 +81,7 @@ def test_any_p_consecutive_rounds_run_h_inner_steps(inner_steps: int, fragments:
 
 def test_one_fragment_is_h_steps_a_round() -> None:
     cfg = NodeConfig(inner_steps=50)
-    assert cfg.fragments == 1
+    assert cfg.outer.fragments == 1
     assert [cfg.round_inner_steps(r) for r in range(3)] == [50, 50, 50]
     assert cfg.inner_steps_before(7) == 350
 

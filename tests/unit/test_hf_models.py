@@ -96,7 +96,7 @@ def test_the_fingerprint_covers_the_architecture_not_the_file(tmp_path: Path) ->
 def test_presets_resolve_by_name() -> None:
     spec = resolve_model("llama-2m")
     assert (spec.model_type, spec.vocab_size, spec.n_layer) == ("llama", 4096, 6)  # type: ignore[union-attr]
-    assert build_config({"model": "llama-20m"}).model == "llama-20m"
+    assert build_config({"model": "llama-20m"}).inputs.model == "llama-20m"
 
 
 @pytest.mark.parametrize(("values", "message"), [

@@ -91,7 +91,7 @@ def test_an_architecture_the_pipeline_cannot_split_is_refused_in_one_line(tmp_pa
     assert "gpt2, llama, mistral" in message and "\n" not in message
     accepted = build_config({"model": model_path(tmp_path, "qwen2"), "parallel": "pipeline", "local_ranks": 2,
                              "seq_len": 16})
-    assert accepted.parallel == "pipeline"
+    assert accepted.local.parallel == "pipeline"
 
 
 def test_a_model_without_one_list_of_its_layers_has_no_parts(tmp_path: Path) -> None:

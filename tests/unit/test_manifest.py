@@ -68,10 +68,10 @@ def test_taken_config_has_the_run_fingerprint(hf_run: tuple[NodeConfig, Manifest
            "status": "127.0.0.1:0", "label": "eu", "micro_batch_size": "2", "checkpoint_dir": str(tmp_path)}
     taken = take(parse(m.encode()), own, tmp_path / "hand")
     assert taken.fingerprint() == cfg.fingerprint()
-    assert (taken.run_id, taken.inner_steps, taken.seq_len, taken.compression) == ("hand", 7, 64, "int8")
-    assert (taken.threads, taken.label, taken.micro_batch_size) == (1, "eu", 2)  # node-level: the user's
-    assert Path(taken.model).read_text() == m.model_config  # the config.json, written as the manifest holds it
-    assert (Path(str(taken.tokenizer)) / "tokenizer.json").read_text() == m.tokenizer
+    assert (taken.swarm.run_id, taken.inner.inner_steps, taken.inputs.seq_len, taken.codec.compression) == ("hand", 7, 64, "int8")
+    assert (taken.local.threads, taken.swarm.label, taken.local.micro_batch_size) == (1, "eu", 2)  # node-level: the user's
+    assert Path(taken.inputs.model).read_text() == m.model_config  # the config.json, written as the manifest holds it
+    assert (Path(str(taken.inputs.tokenizer)) / "tokenizer.json").read_text() == m.tokenizer
 
 
 def test_schedule_given_overrides_and_same_values_pass(hf_run: tuple[NodeConfig, Manifest], tmp_path: Path) -> None:
@@ -79,7 +79,7 @@ def test_schedule_given_overrides_and_same_values_pass(hf_run: tuple[NodeConfig,
     # flags travel as text: the run's own values given again are no conflict
     taken = take(m, {"inner_steps": "3", "sync": "blocking", "compression": "int8", "outer_lr": "0.7",
                      "run_id": "hand", "model": "llama-2m"}, tmp_path)
-    assert taken.inner_steps == 3 and taken.fingerprint() == m.fingerprint
+    assert taken.inner.inner_steps == 3 and taken.fingerprint() == m.fingerprint
 
 
 # --- refusals ---------------------------------------------------------------------------------
@@ -297,7 +297,7 @@ def test_join_takes_the_copy_beside_the_checkpoint_offline(hf_run: tuple[NodeCon
     assert done.exit_code == 0, done.output
     assert done.stdout.startswith("took run hand: ") and str(manifest.local_path(str(tmp_path / "ck"), "hand")) \
         in done.stdout
-    assert started[0].fingerprint() == m.fingerprint and started[0].threads == 1
+    assert started[0].fingerprint() == m.fingerprint and started[0].local.threads == 1
     # the same with --run-id alone (no peer at all); a conflicting run-level flag is one line, exit 2
     done = CliRunner().invoke(main, ["join", "--run-id", "hand", "--checkpoint-dir", str(tmp_path / "ck")])
     assert done.exit_code == 0 and started[1].fingerprint() == m.fingerprint
@@ -307,7 +307,7 @@ def test_join_takes_the_copy_beside_the_checkpoint_offline(hf_run: tuple[NodeCon
         "diloco-node: error: --compression: the run's is int8, given none (leave it out to take the run's)\n"
     # naming neither a peer nor a run starts a run of one's own: the earlier run's copy is not taken
     done = CliRunner().invoke(main, ["join", "--checkpoint-dir", str(tmp_path / "ck")])
-    assert done.exit_code == 0 and "took run" not in done.stdout and started[-1].run_id == "diloco-default"
+    assert done.exit_code == 0 and "took run" not in done.stdout and started[-1].swarm.run_id == "diloco-default"
 
 
 def test_a_peer_without_a_manifest_stops_only_a_joiner_that_did_not_name_its_run(
@@ -331,7 +331,7 @@ def test_a_peer_without_a_manifest_stops_only_a_joiner_that_did_not_name_its_run
     common = ["--peer", peer, "--checkpoint-dir", str(tmp_path / "ck")]
     done = CliRunner().invoke(main, ["join", *common, "--run-id", "mine", "--compression", "int4"])
     assert done.exit_code == 0, done.output
-    assert started[0].run_id == "mine" and started[0].compression == "int4" and "took run" not in done.stdout
+    assert started[0].swarm.run_id == "mine" and started[0].codec.compression == "int4" and "took run" not in done.stdout
     assert not (tmp_path / "ck" / "mine" / manifest.MANIFEST_NAME).exists()  # nothing taken, nothing written
     done = CliRunner().invoke(main, ["join", *common])
     assert done.exit_code == 2 and len(started) == 1

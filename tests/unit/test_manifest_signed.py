@@ -405,7 +405,7 @@ def test_a_permissioned_joiner_that_named_its_run_still_joins_past_a_peer_servin
     assert done.exit_code == 0, done.output
     assert warned == [f"no run manifest taken from {PEER}: it serves no manifest (a node of an older version?); "
                       "joining run perm with the options given"]
-    assert started[0].compression == "int8" and started[0].run_owner == OWNER
+    assert started[0].codec.compression == "int8" and started[0].permission.run_owner == OWNER
     assert not manifest.local_path(str(tmp_path / "ck"), "perm").exists()
 
 

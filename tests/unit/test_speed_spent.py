@@ -185,7 +185,7 @@ def test_batch_needs_the_deadline_and_takes_h_from_inner_steps() -> None:
     assert "--round-seconds" in _error({"speed_spent": "batch"})
     assert "not both" in _error({"round_seconds": 16.0, "inner_steps": 8})  # under steps, as before
     cfg = build_config(BATCH)
-    assert (cfg.inner_steps, cfg.round_budget, cfg.steps_agreed) == (8, 16.0, True)
+    assert (cfg.inner.inner_steps, cfg.round_budget, cfg.steps_agreed) == (8, 16.0, True)
     assert cfg.round_inner_steps(0) == 8
     assert "pipeline" in _error({**BATCH, "parallel": "pipeline", "local_ranks": 2})
     assert "speed_spent" in _error({**BATCH, "speed_spent": "tokens"})
@@ -279,8 +279,8 @@ def test_the_simulator_spends_a_workers_speed_on_steps_or_on_batch() -> None:
     from harness.simulator import worker_config
 
     cfg = NodeConfig(inner_steps=10)
-    assert (worker_config(cfg, 4, "steps")[0].inner_steps, worker_config(cfg, 4, "steps")[1]) == (40, 1)
-    assert (worker_config(cfg, 4, "batch")[0].inner_steps, worker_config(cfg, 4, "batch")[1]) == (10, 4)
+    assert (worker_config(cfg, 4, "steps")[0].inner.inner_steps, worker_config(cfg, 4, "steps")[1]) == (40, 1)
+    assert (worker_config(cfg, 4, "batch")[0].inner.inner_steps, worker_config(cfg, 4, "batch")[1]) == (10, 4)
     with pytest.raises(ValueError, match="steps or batch"):
         worker_config(cfg, 2, "tokens")
 
