@@ -246,7 +246,8 @@ def format_raw_length(name: str, cfg: NodeConfig) -> str:
         return (f"{cfg.codec.sign_keep:g}·(2 + {cfg.codec.sign_block}/8)/{cfg.codec.sign_block} = "
                 f"{cfg.codec.sign_keep * (2 + cfg.codec.sign_block / 8) / cfg.codec.sign_block:.3f}")
     per_chunk = 2 + cfg.codec.topk_k * (1 + cfg.codec.topk_bits / 8)
-    return f"(2 + {cfg.codec.topk_k}·(1 + {cfg.codec.topk_bits}/8))/{cfg.codec.topk_chunk} = {per_chunk / cfg.codec.topk_chunk:.3f}"
+    chunk = cfg.codec.topk_chunk
+    return f"(2 + {cfg.codec.topk_k}·(1 + {cfg.codec.topk_bits}/8))/{chunk} = {per_chunk / chunk:.3f}"
 
 
 def run_config(res: dict[str, Any]) -> NodeConfig:
@@ -267,7 +268,8 @@ def gap_reason(res: dict[str, Any], payload: dict[str, Any], max_bpp: float) -> 
         return (f"quantization error (rel. L2 error {err:.3f} per round trip) is not fed back; error "
                 f"feedback as {' and '.join(FEEDBACK)} have, or a smaller --block-size, would reduce it")
     if cfg.outer.outer_momentum > 0:
-        return (f"error feedback (β = {cfg.codec.ef_decay:g}) under outer Nesterov momentum {cfg.outer.outer_momentum:g}: "
+        return (f"error feedback (β = {cfg.codec.ef_decay:g}) under outer Nesterov momentum "
+                f"{cfg.outer.outer_momentum:g}: "
                 "the residual sends each value late, and momentum then keeps pushing what was already sent, so φ "
                 f"overshoots and stalls ({curve}; rel. L2 error {err:.2f} per round trip); error feedback in "
                 "place of momentum (" + " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in FEEDBACK_OUTER.items())
@@ -275,7 +277,8 @@ def gap_reason(res: dict[str, Any], payload: dict[str, Any], max_bpp: float) -> 
     sample = payload["throughput"]["sample"]
     if name == "topk":
         return (f"AdamW's pseudo-gradient is spread almost evenly (max |Δ| = "
-                f"{sample['abs_max'] / sample['abs_mean']:.1f}x the mean |Δ|), so {cfg.codec.topk_k} of {cfg.codec.topk_chunk} "
+                f"{sample['abs_max'] / sample['abs_mean']:.1f}x the mean |Δ|), so {cfg.codec.topk_k} of "
+                f"{cfg.codec.topk_chunk} "
                 f"values per chunk carry little of its energy (rel. L2 error {err:.2f} per round trip) and error "
                 f"feedback sends the rest rounds late ({curve}); sign bits of whole blocks carry more per byte")
     keep_max = max_bpp * cfg.codec.sign_block / (2 + cfg.codec.sign_block / 8)
@@ -362,12 +365,16 @@ def notes(payload: dict[str, Any]) -> str:
     first = results[0]
     lines = [
         f"Model `{cfg.inputs.model}` ({first['parameters']:,} parameters), {WORLD} nodes of the real CLI on loopback, "
-        f"H = {config['H']} inner steps x {config['rounds']} rounds, batch {cfg.inputs.batch_size} x seq {cfg.inputs.seq_len} "
+        f"H = {config['H']} inner steps x {config['rounds']} rounds, batch {cfg.inputs.batch_size} x seq "
+        f"{cfg.inputs.seq_len} "
         f"bytes, embedded corpus; tokens per node {pair(sorted({t for r in results for t in r['tokens_per_node']}))}"
         f" for every codec (from the logs). Codec options: block {cfg.codec.block_size}, top-k {cfg.codec.topk_k} of "
-        f"{cfg.codec.topk_chunk} ({cfg.codec.topk_bits}-bit values), sign: the {cfg.codec.sign_keep:g} of {cfg.codec.sign_block}-value blocks "
-        f"of largest norm, zstd `{cfg.codec.zstd}` (level {cfg.codec.zstd_level}). Outer step: Nesterov, lr {cfg.outer.outer_lr:g}, "
-        f"momentum {cfg.outer.outer_momentum:g}; {' and '.join(FEEDBACK)} take error feedback in place of momentum where "
+        f"{cfg.codec.topk_chunk} ({cfg.codec.topk_bits}-bit values), sign: the {cfg.codec.sign_keep:g} of "
+        f"{cfg.codec.sign_block}-value blocks "
+        f"of largest norm, zstd `{cfg.codec.zstd}` (level {cfg.codec.zstd_level}). Outer step: Nesterov, lr "
+        f"{cfg.outer.outer_lr:g}, "
+        f"momentum {cfg.outer.outer_momentum:g}; {' and '.join(FEEDBACK)} take error feedback in place of "
+        f"momentum where "
         f"these are unset: momentum {FEEDBACK_OUTER['outer_momentum']:g}, lr {FEEDBACK_OUTER['outer_lr']:g}, "
         f"error-feedback β = {FEEDBACK_OUTER['ef_decay']:g}.",
         "payload B/param/round: the encoded pseudo-gradient with its wire header, the median round over both "
@@ -381,7 +388,8 @@ def notes(payload: dict[str, Any]) -> str:
         "(its own payload and each peer's). Rel. L2 error: |D(C(Δ)) − Δ| / |Δ| for one round trip (top-k: its "
         "first round, before error feedback has anything to return).",
         "Codec share of round: Σ codec_seconds / Σ round seconds over both nodes' logs; a round here also waits "
-        f"matchmaking_time ({cfg.swarm.matchmaking_time:g} s) for its group, so the share against compute alone is higher.",
+        f"matchmaking_time ({cfg.swarm.matchmaking_time:g} s) for its group, so the share against compute alone "
+        f"is higher.",
     ]
     variants = [f"{res['label']} `{' '.join(res['flags'])}`" for res in results
                 if res.get("flags", ["--compression", res["codec"]]) != ["--compression", res["codec"]]]
@@ -611,10 +619,10 @@ def main() -> None:
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "total_seconds": time.monotonic() - started,
         "config": {"H": args.inner_steps, "rounds": args.rounds, "nodes": WORLD, "equal_tokens": len(tokens) == 1,
-                   **cfg.model_dump(include={"model", "seq_len", "batch_size", "eval_batches", "seed", "inner_lr",
-                                             "warmup_steps", "weight_decay", "grad_clip", "outer_lr",
-                                             "outer_momentum", "matchmaking_time", "block_size", "topk_chunk",
-                                             "topk_k", "ef_decay", "zstd", "zstd_level"})},
+                   **{key: value for key, value in cfg.flat().items() if key in {
+                       "model", "seq_len", "batch_size", "eval_batches", "seed", "inner_lr", "warmup_steps",
+                       "weight_decay", "grad_clip", "outer_lr", "outer_momentum", "matchmaking_time", "block_size",
+                       "topk_chunk", "topk_k", "ef_decay", "zstd", "zstd_level"}}},
         "targets": {"codecs": {k: {"max_bytes_per_param": v[0], "max_eval_loss_gap_percent": v[1]}
                                for k, v in TARGETS.items()},
                     "max_codec_share_percent": CODEC_SHARE_TARGET},

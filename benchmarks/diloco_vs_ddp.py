@@ -110,7 +110,8 @@ def markdown(results: list[dict[str, Any]]) -> str:
 def notes(results: list[dict[str, Any]], cfg: NodeConfig) -> str:
     ddp = results[0]
     lines = [
-        f"Model `{cfg.inputs.model}` ({ddp['parameters']:,} parameters), batch {cfg.inputs.batch_size} x seq {cfg.inputs.seq_len} bytes, "
+        f"Model `{cfg.inputs.model}` ({ddp['parameters']:,} parameters), batch {cfg.inputs.batch_size} x seq "
+        f"{cfg.inputs.seq_len} bytes, "
         f"{WORLD} workers/nodes, embedded corpus, eval on the nodes' {cfg.inputs.eval_batches} held-out batches.",
         f"DDP: {ddp['steps_per_worker']} steps per worker, gradients all-reduced every step; bytes sent are the "
         "standard ring all-reduce cost 2(M-1)/M x numel x 4 B per step (measured gradient payload: "
@@ -162,9 +163,9 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace, cfg: 
         "benchmark": NAME, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "total_seconds": total_seconds,
-        "config": cfg.model_dump(include={"model", "seq_len", "batch_size", "eval_batches", "seed", "inner_lr",
-                                          "warmup_steps", "weight_decay", "grad_clip", "outer_lr",
-                                          "outer_momentum", "matchmaking_time"}),
+        "config": {key: value for key, value in cfg.flat().items() if key in {
+            "model", "seq_len", "batch_size", "eval_batches", "seed", "inner_lr", "warmup_steps", "weight_decay",
+            "grad_clip", "outer_lr", "outer_momentum", "matchmaking_time"}},
         "machine": machine_info(),
         "results": results,
     }

@@ -222,7 +222,7 @@ def simulate(cfg: NodeConfig, peers: list[str], rounds: int, evaluate: bool = Tr
     if inner_state not in ("keep", "reset"):
         raise ValueError(f"the inner state is kept or reset, not {inner_state}")
     torch.set_num_threads(max(1, cfg.local.threads))
-    cfg = cfg.model_copy(update={"checkpoint_dir": ""})  # a simulated worker keeps no checkpoint
+    cfg = cfg.replaced(checkpoint_dir="")  # a simulated worker keeps no checkpoint
     room = Room(peers, cfg.swarm.run_id, cfg.noloco.group_size if cfg.noloco.algorithm == "noloco" else None)
     phi = build(cfg).state.phi
     configs = [worker_config(cfg, speed, spent) for speed in speeds or (1,) * len(peers)]
@@ -261,7 +261,7 @@ def worker_config(cfg: NodeConfig, speed: int, spent: str) -> tuple[NodeConfig, 
         raise ValueError(f"speed is spent on steps or batch, not {spent}")
     if spent == "batch" or speed == 1:
         return cfg, speed
-    return cfg.model_copy(update={"inner_steps": cfg.inner.inner_steps * speed}), 1
+    return cfg.replaced(inner_steps=cfg.inner.inner_steps * speed), 1
 
 
 def _evaluate_all(workers: list[Worker], digests: list[str]) -> list[float]:
@@ -303,7 +303,7 @@ def data_parallel(cfg: NodeConfig, peers: list[str], steps: int, eval_every: int
     total: `steps`). Tokens per worker on the curve."""
     torch.set_num_threads(max(1, cfg.local.threads))
     # the schedule spans `steps`; no checkpoint
-    run = cfg.model_copy(update={"inner_steps": steps, "max_outer_steps": 1, "checkpoint_dir": ""})
+    run = cfg.replaced(inner_steps=steps, max_outer_steps=1, checkpoint_dir="")
     replica = SingleReplica(settings_of(run))
     replica.load(build(run).state.phi)
     seeds = [data_stream_seed(peer, cfg.inputs.seed) for peer in peers]

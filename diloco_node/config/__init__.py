@@ -21,7 +21,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from diloco_node.config.defaults import (
     AUTO_BUTTERFLY_FROM,
@@ -52,8 +52,9 @@ from diloco_node.errors import NodeError
 from diloco_node.fingerprint import PROTOCOL, fingerprint_of
 from diloco_node.registry import CODEC_CHECK, CODECS, DATA_IDENTITY, MODEL_PRESETS, TOKENIZER_VOCAB, Registry
 
-__all__ = ["DEFAULT_STATUS_PORT", "FEEDBACK_OUTER", "SECTIONS", "ConfigError", "FIELDS", "NodeConfig", "SECTION_OF", "build_config",
-           "as_toml", "describe", "flat_keys", "load_config", "model_shape", "read_toml", "unset_default"]
+__all__ = ["DEFAULT_STATUS_PORT", "FEEDBACK_OUTER", "FIELDS", "SECTIONS", "SECTION_OF", "ConfigError", "NodeConfig",
+           "build_config", "as_toml", "describe", "flat_keys", "load_config", "model_shape", "read_toml",
+           "unset_default"]
 
 
 class ConfigError(NodeError, ValueError):
@@ -142,16 +143,18 @@ class NodeConfig(BaseModel):
         if self.noloco.algorithm == "noloco" and self.outer.sync != "blocking":
             raise ValueError(f"algorithm noloco runs with sync blocking only, not {self.outer.sync} (its small groups "
                              "already keep exchanges short)")
-        if self.noloco.algorithm == "noloco" and self.noloco.group_size < self.averaging.min_group_size:
-            raise ValueError(f"group_size {self.noloco.group_size} is below min_group_size {self.averaging.min_group_size}: no "
-                             "drawn group could ever average")
+        noloco, smallest = self.noloco, self.averaging.min_group_size
+        if noloco.algorithm == "noloco" and noloco.group_size < smallest:
+            raise ValueError(f"group_size {noloco.group_size} is below min_group_size {smallest}: no drawn group "
+                             "could ever average")
         return self
 
     @model_validator(mode="after")
     def _fragments_have_steps(self) -> NodeConfig:
-        if self.steps_agreed and self.outer.fragments > self.inner.inner_steps:  # by time alone: rounds of T/P seconds
-            raise ValueError(f"fragments {self.outer.fragments} is more than inner_steps {self.inner.inner_steps}: each round "
-                             "runs H/P inner steps, so some rounds would train nothing")
+        fragments, steps = self.outer.fragments, self.inner.inner_steps
+        if self.steps_agreed and fragments > steps:  # by time alone: rounds of T/P seconds
+            raise ValueError(f"fragments {fragments} is more than inner_steps {steps}: each round runs H/P inner "
+                             "steps, so some rounds would train nothing")
         return self
 
     @model_validator(mode="after")
@@ -187,7 +190,8 @@ class NodeConfig(BaseModel):
         identities parts to own (docs/architecture.md §9); there the operator must ask for it."""
         if self._no_butterfly() is not None:
             return False
-        return self.averaging.exchange == "butterfly" or (self.averaging.exchange == "auto" and bool(self.permission.run_owner))
+        exchange = self.averaging.exchange
+        return exchange == "butterfly" or (exchange == "auto" and bool(self.permission.run_owner))
 
     @property
     def butterfly_from(self) -> int | None:

@@ -71,7 +71,8 @@ class Parts:
 def build(cfg: NodeConfig) -> Parts:
     """Everything that needs neither a peer nor a local rank; nothing is started yet."""
     gossip = cfg.noloco.algorithm == "noloco"
-    phi = [p.detach().clone().float() for p in build_model(cfg.inputs.model, cfg.inputs.seed, cfg.inputs.init).parameters()]
+    inputs = cfg.inputs
+    phi = [p.detach().clone().float() for p in build_model(inputs.model, inputs.seed, inputs.init).parameters()]
     optimizer = NoLoCoOptimizer(phi, cfg.noloco.noloco_alpha, cfg.noloco.noloco_beta, cfg.consensus_weight) if gossip \
         else OuterOptimizer(phi, cfg.outer.outer_lr, cfg.outer.outer_momentum)
     state = OuterState(phi, optimizer)
@@ -82,7 +83,8 @@ def build(cfg: NodeConfig) -> Parts:
     # NoLoCo's consensus term needs the group's φ itself: it has no error feedback to hide
     # quantization, so it travels exactly (fp32) with codec none and as fp16 otherwise.
     phi_codec = make_codec(CodecConfig(name="none" if cfg.codec.compression == "none" else "fp16")) if gossip else None
-    telemetry = Telemetry(run_id=cfg.swarm.run_id, model=cfg.inputs.model, parameters=state.numel, compression=cfg.codec.compression,
+    telemetry = Telemetry(run_id=cfg.swarm.run_id, model=inputs.model, parameters=state.numel,
+                          compression=cfg.codec.compression,
                           algorithm=cfg.noloco.algorithm, label=cfg.swarm.label, parallel=cfg.local.parallel,
                           local_ranks=cfg.local.local_ranks, isolated=False, outer_step=0, inner_step=0, peers=1,
                           upload_limit_bytes_per_second=cfg.upload_rate,
@@ -109,7 +111,8 @@ def build(cfg: NodeConfig) -> Parts:
                                                    caps=(float(cfg.upload_rate), float(cfg.download_rate)),
                                                    batch_tokens=cfg.inputs.batch_size * cfg.inputs.seq_len),
                  events=Events(cfg.persistence.events),
-                 store=CheckpointStore(cfg.checkpoint_path) if cfg.checkpoint_path else None, gate=Gate(cfg.swarm.run_id))
+                 store=CheckpointStore(cfg.checkpoint_path) if cfg.checkpoint_path else None,
+                 gate=Gate(cfg.swarm.run_id))
 
 
 def attach_swarm(parts: Parts, shared_state: Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]) -> Swarm:
@@ -120,12 +123,14 @@ def attach_swarm(parts: Parts, shared_state: Callable[[], tuple[dict[str, Any], 
         if cfg.persistence.checkpoint_dir else None
     settings = SwarmSettings(
         run_id=cfg.swarm.run_id, fingerprint=cfg.fingerprint(), config=cfg.fingerprint_fields(),
-        initial_peers=cfg.swarm.peer, listen=cfg.swarm.listen, announce=cfg.swarm.announce, matchmaking_time=cfg.swarm.matchmaking_time,
+        initial_peers=cfg.swarm.peer, listen=cfg.swarm.listen, announce=cfg.swarm.announce,
+        matchmaking_time=cfg.swarm.matchmaking_time,
         round_timeout=cfg.swarm.round_timeout,
         # NoLoCo's payload carries φ after Δ: two encoded vectors
         max_payload_bytes=(2 if gossip else 1) * max_payload_bytes(parts.state.numel),
         group_size=cfg.noloco.group_size if gossip else None, identity=cfg.identity_path, gate=parts.gate,
-        butterfly_from=cfg.butterfly_from, butterfly_possible=cfg.butterfly_possible, reachability=cfg.averaging.reachability,
+        butterfly_from=cfg.butterfly_from, butterfly_possible=cfg.butterfly_possible,
+        reachability=cfg.averaging.reachability,
         min_group_size=cfg.averaging.min_group_size, upload_limit=cfg.upload_rate, download_limit=cfg.download_rate,
         barrier_timeout=barrier_timeout(cfg.round_budget, cfg.swarm.round_timeout) if cfg.round_budget else None,
         manifest=served, manifest_signature=manifest.ServedSignature(served, cfg.permission.run_owner, signature_file))
@@ -146,7 +151,8 @@ def make_fragments(parts: Parts, peer_id: str) -> Fragments:
     """The run's fragments (docs/architecture.md §15), each averaged with its own codec."""
     cfg, numels = parts.cfg, [p.numel() for p in parts.state.phi]
     averagings = [Averaging(codec, sum(numels[i] for i in run), peer_id, parts.phi_codec, cfg.averaging.aggregator,
-                            cfg.averaging.max_tokens_per_round or None, cfg.part_align if cfg.butterfly_possible else None,
+                            cfg.averaging.max_tokens_per_round or None,
+                            cfg.part_align if cfg.butterfly_possible else None,
                             cfg.averaging.weighting)
                   for codec, run in zip(parts.codecs, parts.runs, strict=True)]
     return Fragments(numels, parts.runs, averagings)

@@ -58,7 +58,8 @@ class Node:
         # fragments under an overlapping sync: each round's payload is served across the next round's
         # inner phase, not in one burst (docs/architecture.md §15); blocking would wait for it instead
         self.round_clock = RoundClock(self.cfg.round_budget, self.cfg.swarm.round_timeout) \
-            if self.cfg.outer.fragments > 1 and self.cfg.outer.sync != "blocking" and self.cfg.noloco.algorithm == "diloco" else None
+            if self.cfg.outer.fragments > 1 and self.cfg.outer.sync != "blocking" \
+            and self.cfg.noloco.algorithm == "diloco" else None
 
     @property
     def swarm(self) -> Swarm:
@@ -216,8 +217,10 @@ class Node:
         with a fixed H: a node that fitted fewer last round catches up here, at the same point as the others."""
         assert self.replica is not None
         if not self.cfg.steps_agreed:
-            self.replica.set_progress(self.state.round / self.cfg.outer.max_outer_steps if self.cfg.outer.max_outer_steps else 0.0)
-        elif self.cfg.inner.round_seconds and self.inner_step < (start := self.cfg.inner_steps_before(self.state.round)):
+            rounds = self.cfg.outer.max_outer_steps
+            self.replica.set_progress(self.state.round / rounds if rounds else 0.0)
+        elif self.cfg.inner.round_seconds and \
+                self.inner_step < (start := self.cfg.inner_steps_before(self.state.round)):
             self.inner_step = start
             self.replica.advance_schedule(start)
 
@@ -243,7 +246,8 @@ class Node:
         self.swarm.publish_stats(self.parts.reporter.peer_stats(record))
         logger.info("%s", record.log_line())
         self.events.emit("round", **record.event())
-        if self.parts.store and self.cfg.persistence.checkpoint_every and self.state.round % self.cfg.persistence.checkpoint_every == 0:
+        every = self.cfg.persistence.checkpoint_every
+        if self.parts.store and every and self.state.round % every == 0:
             self.save_checkpoint()
 
     def _settle(self) -> None:

@@ -59,7 +59,9 @@ def _start(node: Node) -> None:
     if cfg.identity_path:
         peer_id = identity.create(cfg.identity_path)  # an unusable key file fails here, before anything
         if cfg.permission.run_owner:
-            parts.gate = Gate(cfg.swarm.run_id, parse_public_key(cfg.permission.run_owner), load_token(cfg.permission.admission))
+            permission = cfg.permission
+            parts.gate = Gate(cfg.swarm.run_id, parse_public_key(permission.run_owner),
+                              load_token(permission.admission))
             if why := parts.gate.own_refusal(peer_id):
                 raise AdmissionError(why)
     # local ranks are processes of their own: started before hivemind forks anything (ranks.py)

@@ -55,19 +55,20 @@ class ReplicaSettings:
 
 def settings_of(cfg: NodeConfig) -> ReplicaSettings:
     """The replica's part of a node's config, with each local rank's device resolved (DeviceError if missing)."""
-    devices = resolve_devices(cfg.local.device, cfg.local.devices, cfg.local.local_ranks)
+    inputs, inner, local = cfg.inputs, cfg.inner, cfg.local
+    devices = resolve_devices(local.device, local.devices, local.local_ranks)
     return ReplicaSettings(
-        model=cfg.inputs.model, seed=cfg.inputs.seed, init=cfg.inputs.init, data=cfg.inputs.data, seq_len=cfg.inputs.seq_len, batch_size=cfg.inputs.batch_size,
-        eval_batches=cfg.inputs.eval_batches, inner_lr=cfg.inner.inner_lr, warmup_steps=cfg.inner.warmup_steps,
-        weight_decay=cfg.inner.weight_decay, grad_clip=cfg.inner.grad_clip,
+        model=inputs.model, seed=inputs.seed, init=inputs.init, data=inputs.data, seq_len=inputs.seq_len,
+        batch_size=inputs.batch_size, eval_batches=inputs.eval_batches, inner_lr=inner.inner_lr,
+        warmup_steps=inner.warmup_steps, weight_decay=inner.weight_decay, grad_clip=inner.grad_clip,
         # under --round-seconds a node's step count depends on its speed: the decay follows the rounds;
         # with --speed-spent batch every node runs H steps a round, as with a fixed H (§13)
         total_steps=cfg.inner_steps_before(cfg.outer.max_outer_steps) if cfg.steps_agreed else 0,
-        precision=resolve_precision(cfg.local.precision, devices),
-        compile=cfg.local.compile == "on", parallel=cfg.local.parallel,
-        micro_batch_size=cfg.local.micro_batch_size if isinstance(cfg.local.micro_batch_size, int) else 0,
-        micro_batch_auto=cfg.local.micro_batch_size == "auto",
-        devices=devices, threads=cfg.rank_threads(), tokenizer=cfg.inputs.tokenizer, text_column=cfg.inputs.text_column)
+        precision=resolve_precision(local.precision, devices),
+        compile=local.compile == "on", parallel=local.parallel,
+        micro_batch_size=local.micro_batch_size if isinstance(local.micro_batch_size, int) else 0,
+        micro_batch_auto=local.micro_batch_size == "auto",
+        devices=devices, threads=cfg.rank_threads(), tokenizer=inputs.tokenizer, text_column=inputs.text_column)
 
 
 def resolve_precision(precision: str, devices: tuple[str, ...]) -> str:

@@ -176,12 +176,12 @@ def test_every_codec_keeps_its_wire_ids_and_header_parameters() -> None:
 
 
 def test_each_specs_parameters_and_defaults_are_the_configs() -> None:
-    from diloco_node.config import NodeConfig
+    from diloco_node.config import FIELDS
 
     for spec in SPECS.values():
         assert spec.feedback == (spec.name in FEEDBACK) != spec.dense
         for key in spec.knobs:
-            field = NodeConfig.model_fields[key]
+            field = FIELDS[key]
             assert key not in spec.params or field.get_default(call_default_factory=True) == spec.params[key], key
         assert spec.blocks is None or spec.blocks in spec.params
 

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from diloco_node.cli import main
-from diloco_node.config import ConfigError, NodeConfig, build_config, load_config
+from diloco_node.config import FIELDS, ConfigError, NodeConfig, build_config, load_config
 
 PEER_ID = "12D3KooWJZCFWqQH4SvZLraL276kcU6ZvaLyacnJUdUc1t4Cx8AZ"
 PEER_A = f"/ip4/10.0.0.1/tcp/4001/p2p/{PEER_ID}"
@@ -36,7 +36,8 @@ def _error(values: dict[str, Any]) -> str:
 def test_defaults_are_valid() -> None:
     cfg = build_config({})
     assert cfg == NodeConfig()
-    assert cfg.inner.inner_steps == 50 and cfg.outer.outer_lr == 0.7 and cfg.outer.outer_momentum == 0.6 and cfg.outer.sync == "eager"
+    assert cfg.inner.inner_steps == 50 and cfg.outer.outer_lr == 0.7
+    assert cfg.outer.outer_momentum == 0.6 and cfg.outer.sync == "eager"
     assert cfg.status_host_port == ("127.0.0.1", 7780)
 
 
@@ -264,7 +265,7 @@ def test_defaults_printed_without_any_input() -> None:
     result = _cli_config()
     assert result.returncode == 0, result.stderr
     values, fingerprint = _parse(result.stdout)
-    expected = NodeConfig().model_dump(exclude_none=True)
+    expected = {key: value for key, value in NodeConfig().flat().items() if value is not None}
     assert values == expected
     assert fingerprint == NodeConfig().fingerprint()
 
@@ -311,7 +312,8 @@ def test_error_feedback_codecs_take_its_outer_settings_where_unset() -> None:
             cfg = load_config(None, {"compression": codec, "sync": sync})
             assert (cfg.outer.outer_momentum, cfg.outer.outer_lr, cfg.codec.ef_decay) == (0.0, 2.0, 0.95)
         cfg = load_config(None, {"compression": codec, "outer_momentum": 0.9, "outer_lr": 0.7, "ef_decay": 1.0})
-        assert (cfg.outer.outer_momentum, cfg.outer.outer_lr, cfg.codec.ef_decay) == (0.9, 0.7, 1.0)  # what is set stays
+        # what is set stays
+        assert (cfg.outer.outer_momentum, cfg.outer.outer_lr, cfg.codec.ef_decay) == (0.9, 0.7, 1.0)
         noloco = load_config(None, {"compression": codec, "algorithm": "noloco"})
         assert (noloco.outer.outer_momentum, noloco.outer.outer_lr, noloco.codec.ef_decay) == (0.9, 0.7, 1.0)
     assert load_config(None, {"compression": "int4", "sync": "blocking"}).outer.outer_lr == 0.7
@@ -373,7 +375,7 @@ def test_every_fingerprint_key_is_named_by_the_option_that_sets_it() -> None:
     without an option of the same name must be mapped, or the refusal would name a flag that is not."""
     from diloco_node.swarm.records import option_of
 
-    flags = {"--" + name.replace("_", "-") for name in NodeConfig.model_fields}
+    flags = {"--" + name.replace("_", "-") for name in FIELDS}
     for values in ({}, {"algorithm": "noloco"}, {"sync": "eager"}, {"compression": "topk"}, {"compression": "int8"},
                    {"min_group_size": 3, "weighting": "equal", "fragments": 2, "exchange": "allgather"},
                    {"round_seconds": 30.0}, {"round_seconds": 30.0, "speed_spent": "batch"}):

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from diloco_node.cli import main
 from diloco_node.commands import config_reference
-from diloco_node.config import NodeConfig, describe, unset_default
+from diloco_node.config import FIELDS, describe, unset_default
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ def test_the_committed_page_is_what_the_generator_prints() -> None:
 
 def test_every_key_has_its_row_with_its_flag_and_environment_variable() -> None:
     page = config_reference.page()
-    for key in NodeConfig.model_fields:
+    for key in FIELDS:
         flag = "--" + key.replace("_", "-")
         assert f"| `{key}` | `{flag}`<br>`DILOCO_{key.upper()}` |" in page, key
 

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from diloco_node.cli import main
-from diloco_node.config import SECTIONS, ConfigError, NodeConfig, build_config, flat_keys, read_toml
+from diloco_node.config import FIELDS, SECTIONS, ConfigError, NodeConfig, build_config, flat_keys, read_toml
 from diloco_node.trust.admission import generate_owner_key
 
 PEER = "/ip4/10.0.0.1/tcp/4001/p2p/12D3KooWJZCFWqQH4SvZLraL276kcU6ZvaLyacnJUdUc1t4Cx8AZ"
@@ -24,9 +24,9 @@ LEFT_OUT = {"tokenizer"}
 
 def test_the_sections_hold_every_key_once() -> None:
     keys = [key for section in SECTIONS.values() for key in section.model_fields]
-    assert sorted(keys) == sorted(NodeConfig.model_fields) and len(keys) == len(set(keys))
-    assert not set(SECTIONS) & set(NodeConfig.model_fields)  # a section's table never hides a key
-    assert list(NodeConfig.model_fields) == keys  # --help and the reference follow the sections
+    assert list(FIELDS) == keys and len(keys) == len(set(keys))  # --help and the reference follow the sections
+    assert not set(SECTIONS) & set(FIELDS)  # a section's table never hides a key
+    assert list(NodeConfig.model_fields) == list(SECTIONS)  # NodeConfig holds the sections, in their order
 
 
 def every_setting(tmp_path: Path) -> dict[str, Any]:
@@ -34,7 +34,7 @@ def every_setting(tmp_path: Path) -> dict[str, Any]:
     the printed config says which keys were given, so a spelling that is gone shows as a default."""
     data = tmp_path / "corpus.txt"
     data.write_text("some text to train on\n" * 50)
-    values = {key: field.get_default(call_default_factory=True) for key, field in NodeConfig.model_fields.items()}
+    values = {key: field.get_default(call_default_factory=True) for key, field in FIELDS.items()}
     values.update(peer=[PEER], announce=["/ip4/192.0.2.1/tcp/4001"], data=str(data), label="west",
                   round_seconds=5.0, speed_spent="batch", inner_steps=7, noloco_gamma=0.3, seq_len=64,
                   batch_size=4, outer_lr=0.5, outer_momentum=0.4, sync="blocking", compression="int8",

@@ -54,7 +54,7 @@ def settings(model: str, **changes: Any) -> ReplicaSettings:
 def test_each_architecture_builds_trains_and_fits_the_config(tmp_path: Path, kind: str) -> None:
     path = model_dir(tmp_path, kind)
     cfg = config(**{"model": path, "parallel": "fsdp", "local_ranks": 2, "batch_size": 4})
-    assert config(**{"model": path, "parallel": "pipeline", "local_ranks": 2}).parallel == "pipeline"
+    assert config(**{"model": path, "parallel": "pipeline", "local_ranks": 2}).local.parallel == "pipeline"
     assert cfg.fingerprint_fields()["model"] == f"hf:{kind}"
     model = build_model(path, seed=0)
     assert model.config._attn_implementation == "sdpa"

@@ -68,8 +68,10 @@ def test_taken_config_has_the_run_fingerprint(hf_run: tuple[NodeConfig, Manifest
            "status": "127.0.0.1:0", "label": "eu", "micro_batch_size": "2", "checkpoint_dir": str(tmp_path)}
     taken = take(parse(m.encode()), own, tmp_path / "hand")
     assert taken.fingerprint() == cfg.fingerprint()
-    assert (taken.swarm.run_id, taken.inner.inner_steps, taken.inputs.seq_len, taken.codec.compression) == ("hand", 7, 64, "int8")
-    assert (taken.local.threads, taken.swarm.label, taken.local.micro_batch_size) == (1, "eu", 2)  # node-level: the user's
+    assert (taken.swarm.run_id, taken.inner.inner_steps, taken.inputs.seq_len, taken.codec.compression) == \
+        ("hand", 7, 64, "int8")
+    # node-level: the user's
+    assert (taken.local.threads, taken.swarm.label, taken.local.micro_batch_size) == (1, "eu", 2)
     assert Path(taken.inputs.model).read_text() == m.model_config  # the config.json, written as the manifest holds it
     assert (Path(str(taken.inputs.tokenizer)) / "tokenizer.json").read_text() == m.tokenizer
 
@@ -331,7 +333,8 @@ def test_a_peer_without_a_manifest_stops_only_a_joiner_that_did_not_name_its_run
     common = ["--peer", peer, "--checkpoint-dir", str(tmp_path / "ck")]
     done = CliRunner().invoke(main, ["join", *common, "--run-id", "mine", "--compression", "int4"])
     assert done.exit_code == 0, done.output
-    assert started[0].swarm.run_id == "mine" and started[0].codec.compression == "int4" and "took run" not in done.stdout
+    assert started[0].swarm.run_id == "mine" and started[0].codec.compression == "int4"
+    assert "took run" not in done.stdout
     assert not (tmp_path / "ck" / "mine" / manifest.MANIFEST_NAME).exists()  # nothing taken, nothing written
     done = CliRunner().invoke(main, ["join", *common])
     assert done.exit_code == 2 and len(started) == 1

@@ -378,7 +378,7 @@ def test_a_peer_claiming_the_run_permissioned_does_not_lock_out_a_joiner_that_na
     done, started = _join_taking(served, tmp_path, monkeypatch, "--run-id", "perm", "--compression", "int8",
                                  admission=())
     assert done.exit_code == 0 and len(started) == 1, done.output
-    assert started[0].compression == "int8" and started[0].run_owner == ""
+    assert started[0].codec.compression == "int8" and started[0].permission.run_owner == ""
     assert warned == [f"no run manifest taken from {PEER}: {refusal(served, '')}; "
                       "joining run perm with the options given"]
     assert not manifest.local_path(str(tmp_path / "ck"), "perm").exists()
@@ -414,7 +414,7 @@ def test_a_permissioned_joiner_takes_a_signed_manifest_and_keeps_its_signature(
     done, started = _join_taking(SIGNED, tmp_path, monkeypatch, "--run-owner", OWNER)
     assert done.exit_code == 0, done.output
     assert done.stdout.startswith("took run perm: ") and "signed by the run owner), from " in done.stdout
-    assert started[0].fingerprint() == SIGNED.fingerprint and started[0].run_owner == OWNER
+    assert started[0].fingerprint() == SIGNED.fingerprint and started[0].permission.run_owner == OWNER
     path = manifest.local_path(str(tmp_path / "ck"), "perm")
     assert manifest.read_local(path).signature == SIGNED.signature  # it serves the signature in turn
     # another owner's key given: the signed manifest of this run is not that owner's
