@@ -214,7 +214,7 @@ class Curve:
 def simulate(cfg: NodeConfig, peers: list[str], rounds: int, evaluate: bool = True,
              on_round: Callable[[int, Curve], bool] | None = None, speeds: tuple[int, ...] = (),
              spent: str = "steps", inner_state: str = "keep") -> Curve:
-    """`rounds` rounds of len(peers) workers on `cfg` (each worker's seed: cfg.seed; its data stream
+    """`rounds` rounds of len(peers) workers on `cfg` (each worker's seed: cfg.inputs.seed; its data stream
     from its peer id, as a node's). Stops early when `on_round` returns True. φ starts as a node
     with `cfg` builds it. `speeds`: each worker's speed over the slowest's, spent on steps or on
     batch (the module's docstring); the curve's tokens are the first worker's. `inner_state`: keep

@@ -424,7 +424,7 @@ def test_importing_config_loads_no_domain_module() -> None:
 def test_validation_reads_the_owners_values_whatever_was_imported_first() -> None:
     code = ("from diloco_node.config import build_config; "
             "cfg = build_config({'model': 'small', 'compression': 'topk', 'run_owner': '', 'peer': []}); "
-            "print(cfg.part_align, cfg.outer_momentum, cfg.topk_k, sorted(cfg.codec_fingerprint()))")
+            "print(cfg.part_align, cfg.outer.outer_momentum, cfg.codec.topk_k, sorted(cfg.codec_fingerprint()))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=CLI_TIMEOUT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["1", "0.0", "8", "['compression',", "'topk_bits',", "'topk_chunk',",
