@@ -92,12 +92,13 @@ class NodeConfig(BaseModel):
             return data
         flat, stray = _flattened(data)
         nested: dict[str, Any] = {name: dict(stray.get(name, {})) for name in SECTIONS}
+        others: dict[str, Any] = {}
         for key, value in _defaults_that_follow(flat).items():
             if key in SECTION_OF:
                 nested[SECTION_OF[key]][key] = value
             else:
-                nested[key] = value
-        return nested
+                others[key] = value
+        return nested | others
 
     @model_validator(mode="after")
     def _admission_fits(self) -> NodeConfig:
@@ -501,7 +502,8 @@ def build_config(values: dict[str, Any], source: str = "options") -> NodeConfig:
         error = exc.errors()[0]
         loc = error["loc"][1:] if len(error["loc"]) > 1 and error["loc"][0] in SECTIONS else error["loc"]
         key = ".".join(str(part) for part in loc) or "config"  # a setting's flat name, not its section's
-        if error["type"] == "extra_forbidden":
+        # a section's name given a value (not its table) is no setting either: flat keys are the interface
+        if error["type"] == "extra_forbidden" or (error["type"] == "model_type" and len(error["loc"]) == 1):
             raise ConfigError(f"unknown config key '{key}' in {source}") from None
         message = error["msg"].removeprefix("Value error, ")
         if not loc:  # a check across several keys: the message names them

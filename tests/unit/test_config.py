@@ -505,3 +505,180 @@ def test_bad_min_group_size_flag_is_one_line_exit_2(flag: str) -> None:
     assert result.stderr.splitlines() == [result.stderr.strip()]
     assert result.stderr.startswith("diloco-node: error:") and "min_group_size" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
+
+
+# --- sections (cfg.outer.outer_lr) and the flat names that stay the interface ------------------
+
+
+def _every_setting_changed(tmp_path: Path) -> dict[str, Any]:
+    """A value other than its default for every setting but LEFT_OUT_OF_SPELLINGS, valid together: a
+    spelling that were lost would leave its default, and the given-keys check would show it."""
+    from diloco_node.trust.admission import generate_owner_key
+
+    data = tmp_path / "corpus.txt"
+    data.write_text("some text to train on\n" * 50)
+    return {
+        # swarm
+        "run_id": "spelled", "peer": [PEER_A], "listen": ["/ip4/127.0.0.1/tcp/4100"],
+        "announce": ["/ip4/192.0.2.1/tcp/4001"], "manifest": "off", "label": "west", "status": "127.0.0.1:7799",
+        "min_peers": 2, "round_timeout": 30.0, "matchmaking_time": 2.0, "upload_limit": "5mbit",
+        "download_limit": "10mbit",
+        # inputs
+        "model": "small", "data": str(data), "text_column": "body", "seq_len": 64, "batch_size": 4,
+        "eval_batches": 3, "seed": 5,
+        # local
+        "device": "cpu", "threads": 2, "parallel": "fsdp", "local_ranks": 2, "devices": "cpu,cpu",
+        "precision": "fp32", "compile": "on", "micro_batch_size": 1,
+        # inner
+        "inner_steps": 7, "round_seconds": 5.0, "speed_spent": "batch", "inner_lr": 1e-3, "warmup_steps": 3,
+        "weight_decay": 0.05, "grad_clip": 0.5,
+        # outer
+        "outer_lr": 0.5, "outer_momentum": 0.4, "sync": "blocking", "eager_proxy": "share", "sync_timeout": 60.0,
+        "max_outer_steps": 9, "fragments": 2,
+        # averaging
+        "aggregator": "trimmed", "weighting": "equal", "reachability": "public", "exchange": "allgather",
+        "max_tokens_per_round": 1000, "min_group_size": 3,
+        # noloco
+        "algorithm": "noloco", "group_size": 4, "noloco_alpha": 0.6, "noloco_beta": 0.4, "noloco_gamma": 0.3,
+        # codec
+        "compression": "int8", "block_size": 32, "topk_chunk": 128, "topk_k": 4, "topk_bits": 4, "sign_block": 128,
+        "sign_keep": 0.5, "ef_decay": 0.9, "zstd": "off", "zstd_level": 5,
+        # persistence
+        "checkpoint_dir": str(tmp_path / "ck"), "events": str(tmp_path / "events.jsonl"), "checkpoint_every": 2,
+        "identity": str(tmp_path / "id.key"),
+        # permission
+        "run_owner": generate_owner_key(tmp_path / "owner.key"), "admission": "dn1.a.b",
+    }
+
+
+# init pretrained needs a model directory with weights; a tokenizer needs a trained tokenizer.json (both are
+# spelled through the same code as every other key: test_config_sections, test_data_input, test_model_input)
+LEFT_OUT_OF_SPELLINGS = {"init", "tokenizer"}
+
+
+def _joined_with(monkeypatch: pytest.MonkeyPatch, args: list[str], env: dict[str, str] | None = None) -> NodeConfig:
+    """The NodeConfig `diloco-node join` would run with: the real CLI, run_node stubbed."""
+    started: list[NodeConfig] = []
+    monkeypatch.setattr("diloco_node.daemon.runner.run_node", lambda cfg: started.append(cfg) or 0)
+    monkeypatch.setattr("diloco_node.cli.setup_logging", lambda level: None)
+    unset: dict[str, str | None] = {k: None for k in os.environ if k.startswith("DILOCO_")}
+    done = CliRunner().invoke(main, ["join", *args], env={**unset, **(env or {})})
+    assert done.exit_code == 0, done.output
+    assert len(started) == 1
+    return started[0]
+
+
+def test_every_old_spelling_sets_its_setting_read_through_its_section(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flag --<key-with-dashes>, the env var DILOCO_<KEY> and the TOML key (flat, dashed, or under its
+    [section] table) each set the same value, which reads back as cfg.<section>.<key>."""
+    from diloco_node.config import SECTION_OF, SECTIONS
+
+    values = _every_setting_changed(tmp_path)
+    assert set(values) == set(FIELDS) - LEFT_OUT_OF_SPELLINGS  # every setting, none forgotten
+    expected = build_config(values)
+    for key, value in values.items():
+        assert FIELDS[key].get_default(call_default_factory=True) != getattr(expected, SECTION_OF[key]).__dict__[key], \
+            f"{key}: its default, so a lost spelling would not show"
+    flags: list[str] = []
+    env: dict[str, str] = {}
+    for key, value in values.items():
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            flags += ["--" + key.replace("_", "-"), str(item)]
+        env[f"DILOCO_{key.upper()}"] = " ".join(str(item) for item in items)
+    flat = tmp_path / "flat.toml"
+    flat.write_text("".join(f"{key} = {json.dumps(value)}\n" for key, value in values.items()))
+    dashed = tmp_path / "dashed.toml"
+    dashed.write_text("".join(f"{key.replace('_', '-')} = {json.dumps(value)}\n" for key, value in values.items()))
+    tables = tmp_path / "tables.toml"
+    tables.write_text("".join(f"[{name}]\n" + "".join(f"{key} = {json.dumps(values[key])}\n"
+                                                       for key in section.model_fields if key in values)
+                              for name, section in SECTIONS.items()))
+    spelled = {"flags": _joined_with(monkeypatch, flags), "env": _joined_with(monkeypatch, [], env),
+               **{path.name: _joined_with(monkeypatch, ["--config", str(path)]) for path in (flat, dashed, tables)}}
+    for how, cfg in spelled.items():
+        for key in values:
+            section = getattr(cfg, SECTION_OF[key])
+            assert getattr(section, key) == getattr(getattr(expected, SECTION_OF[key]), key), (how, key)
+            assert key in section.model_fields_set, (how, key)  # given, not a default
+        assert cfg == expected and cfg.fingerprint() == expected.fingerprint(), how
+    # a few read through their sections by name, as the code reads them
+    cfg = spelled["flags"]
+    assert (cfg.outer.outer_lr, cfg.inner.inner_steps, cfg.swarm.run_id, cfg.codec.compression) == \
+        (0.5, 7, "spelled", "int8")
+    assert (cfg.swarm.peer, cfg.local.micro_batch_size, cfg.noloco.noloco_gamma) == ([PEER_A], 1, 0.3)
+
+
+def test_flat_sectioned_and_section_model_input_build_the_same_config() -> None:
+    from diloco_node.config.sections import Codec, Outer
+
+    flat = NodeConfig.model_validate({"outer_lr": 1.1, "inner_steps": 3, "compression": "int8"})
+    nested = NodeConfig.model_validate({"outer": {"outer_lr": 1.1}, "inner": {"inner_steps": 3},
+                                        "codec": {"compression": "int8"}})
+    models = NodeConfig(outer=Outer(outer_lr=1.1), inner_steps=3, codec=Codec(compression="int8"))
+    assert flat == nested == models
+    assert flat.outer.outer_lr == 1.1 and flat.inner.inner_steps == 3 and flat.codec.compression == "int8"
+    # the defaults that follow read the flat keys, however they were given: sync follows the algorithm,
+    # momentum follows sync, and an error-feedback codec takes FEEDBACK_OUTER where unset
+    for cfg in (NodeConfig(algorithm="noloco"), NodeConfig(noloco={"algorithm": "noloco"})):
+        assert cfg.outer.sync == "blocking" and cfg.outer.outer_momentum == 0.9
+    for cfg in (NodeConfig(compression="sign"), NodeConfig(codec={"compression": "sign"})):
+        assert (cfg.outer.outer_momentum, cfg.outer.outer_lr, cfg.codec.ef_decay) == (0.0, 2.0, 0.95)
+    assert NodeConfig(devices="cpu,cpu", parallel="fsdp").local.local_ranks == 2
+    # what was given (or follows from it) is each section's own fields set, flat in `given`
+    assert "inner_steps" in flat.inner.model_fields_set and "inner_lr" not in flat.inner.model_fields_set
+    assert {"outer_lr", "inner_steps", "compression", "sync", "outer_momentum"} == set(flat.given)
+    assert NodeConfig.model_validate(flat.flat()) == flat  # the flat dict reads back as the same config
+
+
+def test_nested_input_refuses_what_flat_input_refuses_naming_the_flat_key() -> None:
+    assert _error({"outer": {"no_such_key": 1}}) == "unknown config key 'no_such_key' in options"
+    assert _error({"outer": {"inner_steps": 3}}) == "unknown config key 'inner_steps' in options"  # not its section
+    assert _error({"bogus": 1}) == "unknown config key 'bogus' in options"
+    assert _error({"outer": 0.7}) == "unknown config key 'outer' in options"
+    message = _error({"outer": {"outer_lr": 0}})
+    assert message.startswith("invalid value for 'outer_lr':") and "greater than 0" in message
+    assert _error({"inner_steps": 0}).startswith("invalid value for 'inner_steps':")  # the flat key, no section
+    assert "given twice" in _error({"outer_lr": 0.5, "outer": {"outer_lr": 0.6}})
+
+
+def test_replaced_swaps_flat_keys_as_model_copy_did() -> None:
+    cfg = build_config({"inner_steps": 9, "compression": "sign"})
+    copy = cfg.replaced(checkpoint_dir="", inner_steps=4, max_outer_steps=1)
+    assert (copy.persistence.checkpoint_dir, copy.inner.inner_steps, copy.outer.max_outer_steps) == ("", 4, 1)
+    assert copy.codec == cfg.codec and copy.outer.outer_lr == cfg.outer.outer_lr == 2.0  # the rest as it was
+    assert cfg.inner.inner_steps == 9 and cfg.persistence.checkpoint_dir == "checkpoints"  # frozen: a copy
+    assert {"checkpoint_dir", "max_outer_steps"} <= copy.given
+    with pytest.raises(KeyError, match="no_such_key"):
+        cfg.replaced(no_such_key=1)
+
+
+# Fingerprints computed on main before NodeConfig was nested (flat NodeConfig, commit 768f5d2):
+# `NodeConfig.model_validate(values).fingerprint(), .checkpoint_fingerprint()`.
+MAIN_FINGERPRINTS = [
+    ({}, "1263e060383735ae", "00a2e6c9266c8bac"),
+    ({"inner_steps": 7}, "1263e060383735ae", "00a2e6c9266c8bac"),
+    ({"compression": "sign", "outer_lr": 1.5}, "6c6a6fe8a19f40a2", "9b974f0fa7250f0f"),
+    ({"algorithm": "noloco", "group_size": 3}, "aa1445b2241c4ecd", "691d96995b3d5735"),
+    ({"round_seconds": 30.0, "speed_spent": "batch", "inner_steps": 20, "fragments": 2, "weighting": "equal",
+      "min_group_size": 3, "exchange": "allgather"}, "beda9b4b1dcc57c9", "025412b323346364"),
+]
+
+
+@pytest.mark.parametrize(("values", "fingerprint", "checkpoint"), MAIN_FINGERPRINTS)
+def test_the_fingerprint_is_the_flat_configs(values: dict[str, Any], fingerprint: str, checkpoint: str) -> None:
+    cfg = NodeConfig.model_validate(values)
+    assert (cfg.fingerprint(), cfg.checkpoint_fingerprint()) == (fingerprint, checkpoint)
+
+
+def test_flat_is_what_model_dump_was() -> None:
+    """Every setting by its flat name, in --help's order (what manifests, checkpoints and files hold);
+    values as on main (`NodeConfig.model_validate(...).model_dump()` of the flat NodeConfig)."""
+    cfg = NodeConfig.model_validate({"compression": "sign", "outer_lr": 1.5})
+    flat = cfg.flat()
+    assert list(flat) == list(FIELDS)
+    assert {key: flat[key] for key in ("outer_lr", "outer_momentum", "sync", "ef_decay", "compression",
+                                       "inner_steps", "listen", "peer", "tokenizer", "noloco_gamma")} == {
+        "outer_lr": 1.5, "outer_momentum": 0.0, "sync": "eager", "ef_decay": 0.95, "compression": "sign",
+        "inner_steps": 50, "listen": ["/ip4/0.0.0.0/tcp/0"], "peer": [], "tokenizer": None, "noloco_gamma": None}
