@@ -577,7 +577,7 @@ def test_every_old_spelling_sets_its_setting_read_through_its_section(
     values = _every_setting_changed(tmp_path)
     assert set(values) == set(FIELDS) - LEFT_OUT_OF_SPELLINGS  # every setting, none forgotten
     expected = build_config(values)
-    for key, value in values.items():
+    for key in values:
         assert FIELDS[key].get_default(call_default_factory=True) != getattr(expected, SECTION_OF[key]).__dict__[key], \
             f"{key}: its default, so a lost spelling would not show"
     flags: list[str] = []
