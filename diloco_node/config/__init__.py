@@ -1,11 +1,19 @@
 """Node configuration: every setting, its default and its validation.
 
 The settings are grouped by concern in config/sections.py (one model per section: swarm, inputs,
-local, inner, outer, averaging, noloco, codec, persistence, permission); NodeConfig is all of them,
-with the checks across sections, the fingerprint and the loading of flags, environment and files.
+local, inner, outer, averaging, noloco, codec, persistence, permission); NodeConfig holds one field
+per section, named as in SECTIONS, and the code reads a setting through its section
+(`cfg.outer.outer_lr`, `cfg.inner.inner_steps`). NodeConfig keeps the checks across sections, what
+is derived from several (butterfly_from, round_inner_steps, ...), the fingerprint and the loading
+of flags, environment and files.
 
-The CLI builds its options from these fields, so a key in a TOML file, an env var DILOCO_<KEY>
-and a flag --<key> always mean the same thing. Precedence: flag > env > file > default.
+A setting keeps one flat name everywhere outside the code: the flag --outer-lr, the env var
+DILOCO_OUTER_LR, the TOML key outer_lr (also under its table [outer]), and the key in manifests,
+checkpoints and the fingerprint. NodeConfig is built from those flat keys (`NodeConfig._by_section`
+distributes them, after `_defaults_that_follow` has read them), and `flat()` gives them back; FIELDS
+lists every setting by that name and SECTION_OF its section. The CLI builds its options from FIELDS,
+so a key in a TOML file, an env var DILOCO_<KEY> and a flag --<key> always mean the same thing.
+Precedence: flag > env > file > default.
 
 A leaf (docs/architecture.md, import rules): it imports no domain module. What only a package
 knows (its model presets, codecs and their default parameters, how to check a multiaddr or a
@@ -484,12 +492,12 @@ def as_toml(cfg: NodeConfig) -> str:
     """`cfg` as a config file, a table per section (SECTIONS): what was given (or follows from what was:
     `_defaults_that_follow`) as keys, the defaults as comments, unset keys left out. Read back
     (read_toml), it is the same config: a default left a comment stays one that follows the others."""
-    given = cfg.given
+    given, flat = cfg.given, cfg.flat()
     lines: list[str] = []
-    for name in SECTIONS:
+    for name, section in SECTIONS.items():
         lines.append(f"[{name}]")
-        lines += [f"{'' if key in given else '# '}{key} = {json.dumps(value)}"
-                  for key, value in getattr(cfg, name).model_dump().items() if value is not None]
+        lines += [f"{'' if key in given else '# '}{key} = {json.dumps(flat[key])}"
+                  for key in section.model_fields if flat[key] is not None]
         lines.append("")
     return "\n".join(lines)
 

@@ -1,10 +1,12 @@
 """NodeConfig's settings by concern: one model per section, holding its fields, their descriptions
 and the checks that read that section alone (checks across sections are NodeConfig's, config/__init__.py).
 
-NodeConfig is all of them at once, so every setting keeps its one flat name (`cfg.outer_lr`, the flag
---outer-lr, DILOCO_OUTER_LR, the TOML key outer_lr) while a file may also group keys under a section's
-table (`[outer]`); SECTIONS names them in --help's order. The field order inside a section is --help's
-and the configuration reference's.
+NodeConfig holds one of each, under the name SECTIONS gives it, so the code reads a setting through
+its section (`cfg.outer.outer_lr`). A field's name is the setting's one flat name everywhere else (the
+flag --outer-lr, DILOCO_OUTER_LR, the TOML key outer_lr, the key in manifests and the fingerprint),
+so no two sections share a field name and none is a section's; a file may also group keys under a
+section's table (`[outer]`). SECTIONS names the sections in --help's order; the field order inside a
+section is --help's and the configuration reference's. FIELDS and SECTION_OF index them by flat name.
 """
 
 from __future__ import annotations

@@ -275,7 +275,7 @@ def export_info(cfg: NodeConfig) -> dict[str, str]:
     from diloco_node.train.model import resolve_model
 
     spec = resolve_model(cfg.inputs.model)
-    tokenizer = getattr(cfg, "tokenizer", None) or ""
+    tokenizer = cfg.inputs.tokenizer or ""
     if tokenizer:
         from diloco_node.train.tokenizer import tokenizer_file
 
