@@ -278,9 +278,9 @@ def gap_reason(res: dict[str, Any], payload: dict[str, Any], max_bpp: float) -> 
     if name == "topk":
         return (f"AdamW's pseudo-gradient is spread almost evenly (max |Δ| = "
                 f"{sample['abs_max'] / sample['abs_mean']:.1f}x the mean |Δ|), so {cfg.codec.topk_k} of "
-                f"{cfg.codec.topk_chunk} "
-                f"values per chunk carry little of its energy (rel. L2 error {err:.2f} per round trip) and error "
-                f"feedback sends the rest rounds late ({curve}); sign bits of whole blocks carry more per byte")
+                f"{cfg.codec.topk_chunk} values per chunk carry little of its energy (rel. L2 error {err:.2f} per "
+                f"round trip) and error feedback sends the rest rounds late ({curve}); sign bits of whole blocks "
+                "carry more per byte")
     keep_max = max_bpp * cfg.codec.sign_block / (2 + cfg.codec.sign_block / 8)
     return (f"{cfg.codec.sign_keep:g} of the blocks per round as sign × mean |x| (rel. L2 error {err:.2f} per round "
             f"trip); error feedback sends the rest a round or more late ({curve}). More blocks per round "
@@ -366,15 +366,13 @@ def notes(payload: dict[str, Any]) -> str:
     lines = [
         f"Model `{cfg.inputs.model}` ({first['parameters']:,} parameters), {WORLD} nodes of the real CLI on loopback, "
         f"H = {config['H']} inner steps x {config['rounds']} rounds, batch {cfg.inputs.batch_size} x seq "
-        f"{cfg.inputs.seq_len} "
-        f"bytes, embedded corpus; tokens per node {pair(sorted({t for r in results for t in r['tokens_per_node']}))}"
+        f"{cfg.inputs.seq_len} bytes, embedded corpus; tokens per node "
+        f"{pair(sorted({t for r in results for t in r['tokens_per_node']}))}"
         f" for every codec (from the logs). Codec options: block {cfg.codec.block_size}, top-k {cfg.codec.topk_k} of "
         f"{cfg.codec.topk_chunk} ({cfg.codec.topk_bits}-bit values), sign: the {cfg.codec.sign_keep:g} of "
-        f"{cfg.codec.sign_block}-value blocks "
-        f"of largest norm, zstd `{cfg.codec.zstd}` (level {cfg.codec.zstd_level}). Outer step: Nesterov, lr "
-        f"{cfg.outer.outer_lr:g}, "
-        f"momentum {cfg.outer.outer_momentum:g}; {' and '.join(FEEDBACK)} take error feedback in place of "
-        f"momentum where "
+        f"{cfg.codec.sign_block}-value blocks of largest norm, zstd `{cfg.codec.zstd}` (level "
+        f"{cfg.codec.zstd_level}). Outer step: Nesterov, lr {cfg.outer.outer_lr:g}, momentum "
+        f"{cfg.outer.outer_momentum:g}; {' and '.join(FEEDBACK)} take error feedback in place of momentum where "
         f"these are unset: momentum {FEEDBACK_OUTER['outer_momentum']:g}, lr {FEEDBACK_OUTER['outer_lr']:g}, "
         f"error-feedback β = {FEEDBACK_OUTER['ef_decay']:g}.",
         "payload B/param/round: the encoded pseudo-gradient with its wire header, the median round over both "
@@ -389,7 +387,7 @@ def notes(payload: dict[str, Any]) -> str:
         "first round, before error feedback has anything to return).",
         "Codec share of round: Σ codec_seconds / Σ round seconds over both nodes' logs; a round here also waits "
         f"matchmaking_time ({cfg.swarm.matchmaking_time:g} s) for its group, so the share against compute alone "
-        f"is higher.",
+        "is higher.",
     ]
     variants = [f"{res['label']} `{' '.join(res['flags'])}`" for res in results
                 if res.get("flags", ["--compression", res["codec"]]) != ["--compression", res["codec"]]]

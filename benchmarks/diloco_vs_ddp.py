@@ -111,8 +111,8 @@ def notes(results: list[dict[str, Any]], cfg: NodeConfig) -> str:
     ddp = results[0]
     lines = [
         f"Model `{cfg.inputs.model}` ({ddp['parameters']:,} parameters), batch {cfg.inputs.batch_size} x seq "
-        f"{cfg.inputs.seq_len} bytes, "
-        f"{WORLD} workers/nodes, embedded corpus, eval on the nodes' {cfg.inputs.eval_batches} held-out batches.",
+        f"{cfg.inputs.seq_len} bytes, {WORLD} workers/nodes, embedded corpus, eval on the nodes' "
+        f"{cfg.inputs.eval_batches} held-out batches.",
         f"DDP: {ddp['steps_per_worker']} steps per worker, gradients all-reduced every step; bytes sent are the "
         "standard ring all-reduce cost 2(M-1)/M x numel x 4 B per step (measured gradient payload: "
         f"{ddp['grad_bytes_per_step'][0]:,} B per rank per step). DiLoCo: bytes from the nodes' per-round logs (fp32 "

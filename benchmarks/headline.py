@@ -291,10 +291,9 @@ def notes(payload: dict[str, Any]) -> str:
     cfg = NodeConfig()
     lines = [
         f"Model `{cfg.inputs.model}` ({ddp['run'].get('parameters', 462336):,} parameters), batch "
-        f"{cfg.inputs.batch_size} x seq "
-        f"{cfg.inputs.seq_len} bytes per worker step, embedded corpus, {cfg.inputs.eval_batches} held-out eval "
-        f"batches, one torch "
-        f"thread per process, 2 islands (one worker / node each). DDP: {args['steps']} steps, the node's AdamW "
+        f"{cfg.inputs.batch_size} x seq {cfg.inputs.seq_len} bytes per worker step, embedded corpus, "
+        f"{cfg.inputs.eval_batches} held-out eval batches, one torch thread per process, 2 islands (one worker / "
+        f"node each). DDP: {args['steps']} steps, the node's AdamW "
         f"and warmup+cosine schedule over them, eval every {args['eval_every']} steps. DiLoCo / NoLoCo: up to "
         f"{args['max_token_factor']:g}x DDP's tokens, the schedule over their own steps.",
         "Time to target: from launching the method's processes (start-up, DHT and joining included) to the "
