@@ -480,8 +480,8 @@ def flat_keys(data: dict[str, Any], source: str) -> dict[str, Any]:
             continue
         for inner_key, inner_value in value.items():
             field = inner_key.replace("-", "_")
-            if field not in SECTIONS[name].model_fields:
-                home = next((section for section, model in SECTIONS.items() if field in model.model_fields), None)
+            if SECTION_OF.get(field) != name:
+                home = SECTION_OF.get(field)
                 raise ConfigError(f"config key '{field}' in [{name}] of {source}: " +
                                   (f"it belongs in [{home}]" if home else "no such key"))
             add(field, inner_value, f"in [{name}]")
