@@ -253,7 +253,14 @@ def catch_up_refusal(group: Collection[str], me: str, bound: int, known: Callabl
     node of the run we know (`known`: its verified record, live or left within its time to live)."""
     if len(group) > bound:
         return f"names a group of {len(group)}, more than this run's {bound}"
-    strangers = [peer for peer in group if peer != me and not known(peer)]
-    if strangers:
+    if strangers := strangers_in(group, me, known):
         return f"names {len(strangers)} peer(s) that are no nodes of this run we know"
     return None
+
+
+def strangers_in(group: Collection[str], me: str, known: Callable[[str], bool]) -> list[str]:
+    """The members of a group, us aside, that are no nodes of the run we know (`known`: a verified
+    record of this run, live or left within its time to live). We average with no group that has
+    one, however it reached us (hivemind's matchmaking admits anyone, a peer may name any group):
+    each member's payload would be taken into our mean."""
+    return [peer for peer in group if peer != me and not known(peer)]

@@ -188,6 +188,7 @@ def member_seam(exchange: PayloadExchange, peer_id: str, verified: Callable[[str
     return SimpleNamespace(_exchange=exchange, _streams=exchange.streams, peer_id=peer_id,
                            settings=SimpleNamespace(round_timeout=10.0),
                            presence=SimpleNamespace(known=lambda peer, refresh=False: verified(peer)),
+                           _verified=verified,
                            _butterfly=SimpleNamespace(claimed_group=no_butterfly_group),
                            _anyone_may_still_fetch=lambda round_: others_may_fetch)
 
