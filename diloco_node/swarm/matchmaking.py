@@ -28,7 +28,6 @@ from diloco_node.swarm.groups import SPARE_KEY, group_key, random_groups
 from diloco_node.swarm.pacing import pace_leader_search
 from diloco_node.swarm.presence import Presence
 from diloco_node.swarm.streams import Streams
-from diloco_node.trust.view import strangers_in
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +166,7 @@ class Matchmaker:
                 break
             if claimed := self._streams.run(self._butterfly.claimed_group(round_, self.peer_id), timeout=5):
                 others = [p for p in claimed if p != self.peer_id]
-                if self._butterfly_for(round_, claimed) is None or strangers_in(others, self.peer_id, self._verified):
+                if self._butterfly_for(round_, claimed) is None or self.presence.strangers_in(others):
                     logger.warning("round=%d ignored the butterfly group pushed to us: not all verified nodes",
                                    round_)
                     return [], {}
@@ -184,7 +183,7 @@ class Matchmaker:
         others = [p for p in first.group if p != self.peer_id]
         # The group a fetcher names is taken only if every member is a verified node of the run and
         # names the same group: one peer cannot point us at a group of its own making.
-        if strangers_in(others, self.peer_id, self._verified):
+        if self.presence.strangers_in(others):
             logger.warning("round=%d ignored the group peer=%s named: not all verified nodes", round_, fetchers[0])
             return [], {}
         fetched.update(self._exchange.fetch_all([p for p in others if p not in fetched], round_,
@@ -246,15 +245,11 @@ class Matchmaker:
                 continue
             if not (isinstance(info, dict) and info.get("round") == round_):
                 logger.warning("round=%d ignored peer=%s: malformed group metadata", round_, peer)
-            elif strangers_in([str(peer)], self.peer_id, self._verified):
+            elif self.presence.strangers_in([str(peer)]):  # hivemind's matchmaking admits anyone
                 logger.warning("round=%d ignored peer=%s in our group: no verified record of this run", round_, peer)
             else:
                 group.append(str(peer))
         return group, True
-
-    def _verified(self, peer: str) -> bool:
-        """Whether `peer` is a node of the run we know (its record read again when we have none)."""
-        return bool(self.presence.known(peer, refresh=True))
 
     def shutdown(self, graceful: bool = True) -> None:
         """`graceful`: let the averager unregister its handlers from p2pd; not when a helper died

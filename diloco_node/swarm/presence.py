@@ -26,7 +26,7 @@ from diloco_node.swarm.isolation import Isolation
 from diloco_node.trust import proofs
 from diloco_node.trust.admission import Gate
 from diloco_node.trust.records import MAX_VOUCHED, NodeRecord
-from diloco_node.trust.view import RunView, round_state
+from diloco_node.trust.view import RunView, round_state, strangers_in
 
 logger = logging.getLogger(__name__)
 
@@ -230,6 +230,13 @@ class Presence:
         if refresh and peer not in self._live and peer not in self._departed:
             self._fetch()
         return self._live.get(peer) or self._departed.get(peer)
+
+    def strangers_in(self, group: Collection[str]) -> list[str]:
+        """trust/view.strangers_in over our records, read once more first when a member is missing
+        (it may have joined since our last read): one DHT read at most, however many ids `group` names."""
+        if any(self.known(peer) is None for peer in group if peer != self.peer_id):
+            self._fetch()
+        return strangers_in(group, self.peer_id, lambda peer: self.known(peer) is not None)
 
     def recent_peers(self) -> dict[str, NodeRecord]:
         """compatible_peers, the records read again unless read within UNKNOWN_PEER_READ_SECONDS

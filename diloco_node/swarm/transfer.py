@@ -123,14 +123,13 @@ class Transfer:
         if probe is None or probe.group is None or member not in probe.group:
             return Gathered(Outcome.ALONE, round_)
         group = probe.group
-        if any(self._presence.known(peer) is None for peer in group if peer != self.peer_id):
-            self._presence.compatible_peers(refresh=True)  # one read: a member may have joined since the last
-        refusal = catch_up_refusal(group, self.peer_id, self.group_bound(),
-                                   lambda peer: self._presence.known(peer) is not None)
+        butterfly = self.by_butterfly(group)
+        refusal = catch_up_refusal(group, self.group_bound(),
+                                   lambda: () if butterfly else self._presence.strangers_in(group))
         if refusal:  # nothing of it fetched: the round is lost for us, and said so
             logger.warning("round=%d peer=%s %s: its mean is not completed", round_, member, refusal)
             return Gathered(Outcome.ALONE, round_)
-        if self.by_butterfly(group):
+        if butterfly:
             return self._parts_held_by(member, round_, deadline)
         others = [peer for peer in group if peer != self.peer_id]
         fetched = self._exchange.fetch_all(others, round_, self.settings.round_timeout)

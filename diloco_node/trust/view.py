@@ -245,16 +245,18 @@ def fetch_refusal(peer: str, group: Collection[str] | None, verified: Callable[[
     return "not a member of the round's group"
 
 
-def catch_up_refusal(group: Collection[str], me: str, bound: int, known: Callable[[str], bool]) -> str | None:
+def catch_up_refusal(group: Collection[str], bound: int, strangers: Callable[[], Collection[str]]) -> str | None:
     """Why a joiner may not complete a round from the group its state's server names for it (the
-    server's word alone); None when it may. Every member named is fetched and decoded at once, so
-    the group may be no larger than the run's groups (`bound`: NoLoCo's --group-size, else the most
-    a config lets a run ask) and no larger than the run as we see it: each member other than us a
-    node of the run we know (`known`: its verified record, live or left within its time to live)."""
+    server's word alone); None when it may. The group may be no larger than the run's groups
+    (`bound`: NoLoCo's --group-size, else the most a config lets a run ask), and when its members'
+    payloads are fetched (all-gather), each is then decoded at once: every member must be a node
+    of the run we know (`strangers`: strangers_in over our records; asked only after the bound,
+    since it may read the DHT). A butterfly round's parts come from the server alone, so there the
+    bound is all (a member that left since does not matter)."""
     if len(group) > bound:
         return f"names a group of {len(group)}, more than this run's {bound}"
-    if strangers := strangers_in(group, me, known):
-        return f"names {len(strangers)} peer(s) that are no nodes of this run we know"
+    if unknown := strangers():
+        return f"names {len(unknown)} peer(s) that are no nodes of this run we know"
     return None
 
 

@@ -187,8 +187,8 @@ def member_seam(exchange: PayloadExchange, peer_id: str, verified: Callable[[str
     butterfly group pushing to it (tests/system/test_scale.py runs those)."""
     return SimpleNamespace(_exchange=exchange, _streams=exchange.streams, peer_id=peer_id,
                            settings=SimpleNamespace(round_timeout=10.0),
-                           presence=SimpleNamespace(known=lambda peer, refresh=False: verified(peer)),
-                           _verified=verified,
+                           presence=SimpleNamespace(known=lambda peer, refresh=False: verified(peer),
+                                                    strangers_in=lambda group: [p for p in group if not verified(p)]),
                            _butterfly=SimpleNamespace(claimed_group=no_butterfly_group),
                            _anyone_may_still_fetch=lambda round_: others_may_fetch)
 

@@ -46,19 +46,17 @@ class Exchange:
 
 class Presence:
     """The run's records as we read them: every peer is a node of the run but `strangers`;
-    `appearing`: peers whose record a fresh read finds."""
+    `appearing`: peers whose record a fresh read finds (Presence.strangers_in reads once when one
+    is missing)."""
 
     def __init__(self, strangers: tuple[str, ...] = (), appearing: tuple[str, ...] = ()) -> None:
         self.strangers, self.appearing, self.reads = set(strangers) | set(appearing), set(appearing), 0
 
-    def known(self, peer: str) -> object | None:
-        return None if peer in self.strangers else object()
-
-    def compatible_peers(self, refresh: bool = False) -> dict[str, object]:
-        if refresh:
+    def strangers_in(self, group: tuple[str, ...]) -> list[str]:
+        if any(peer in self.strangers for peer in group if peer != "me"):
             self.reads += 1
             self.strangers -= self.appearing
-        return {}
+        return [peer for peer in group if peer != "me" and peer in self.strangers]
 
 
 def transfer(exchange: Exchange, presence: Presence | None = None) -> Transfer:
@@ -129,10 +127,46 @@ def test_a_catch_up_group_naming_peers_we_do_not_know_is_refused_before_any_payl
     joined since our last read is found)."""
     exchange, presence = HugeGroup(8), Presence(strangers=("fake-003",))
     assert transfer(exchange, presence).group_of(7, "a").outcome == Outcome.ALONE
-    assert exchange.payloads_fetched == [] and presence.reads == 1
+    assert exchange.payloads_fetched == [] and presence.reads == 1  # one read, whatever the group names
     joined = Presence(appearing=("fake-003",))
     assert transfer(HugeGroup(8), joined).group_of(7, "a").outcome == Outcome.TOGETHER
     assert joined.reads == 1
     everyone = Presence()
     assert transfer(HugeGroup(8), everyone).group_of(7, "a").outcome == Outcome.TOGETHER
     assert everyone.reads == 0  # records we hold cost no read
+
+
+def test_a_butterfly_round_is_completed_from_its_server_alone_though_a_member_left() -> None:
+    """A butterfly round's averaged parts come from the server alone: a member that left since
+    (its record expired while a slow state download ran) costs the joiner nothing, and the group
+    is not read against our records (a refusal there refused the whole state downloaded)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    async def fetch_parts(peer: str, round_: int, timeout: float, max_group: int) -> Any:
+        return GROUP, {0: (b"part", None)}
+
+    presence = Presence(strangers=("b",))
+    settings = SwarmSettings("run", "fp", {}, [], [], [], 1.0, 1.0, 1 << 20, butterfly_from=2)
+    streams = SimpleNamespace(run=lambda coroutine, timeout: asyncio.run(coroutine))
+    butterfly = Transfer(settings, "me", False, 4, presence, streams, Exchange(),  # type: ignore[arg-type]
+                         SimpleNamespace(fetch_parts=fetch_parts))  # type: ignore[arg-type]
+    gathered = butterfly.group_of(7, "a")
+    assert gathered.outcome == Outcome.TOGETHER and presence.reads == 0
+
+
+def test_the_members_of_a_named_group_cost_one_record_read_however_many() -> None:
+    """Presence.strangers_in (matchmaking's groups, a catch-up group): a group naming 255 ids we do
+    not know reads the run's records once, not once per id (each read parses up to 1,024 records
+    under the DHT lock, on the round's thread)."""
+    from types import SimpleNamespace
+
+    from diloco_node.swarm.presence import Presence as RealPresence
+
+    reads: list[int] = []
+    records = {"a": object()}
+    presence = SimpleNamespace(peer_id="me", known=records.get, _fetch=lambda: reads.append(1))
+    group = ["me", "a", *(f"fake-{i:03d}" for i in range(254))]
+    assert len(RealPresence.strangers_in(presence, group)) == 254  # type: ignore[arg-type]
+    assert reads == [1]
+    assert RealPresence.strangers_in(presence, ["me", "a"]) == [] and reads == [1]  # type: ignore[arg-type]
