@@ -40,7 +40,7 @@ class CodecSpec:
     # (wire.DTYPE_BITS; `dtype` stands when the parameter is out of range, which the length check refuses)
     bits: int | str
     summary: str  # what it sends, one line, {param} standing for a parameter's default: see `description`
-    # the parameters a receiver needs to decode, with their defaults: fingerprinted (config.codec_fingerprint),
+    # the parameters a receiver needs to decode, with their defaults: fingerprinted (config.Codec.codec_fingerprint),
     # and a header naming other values is refused (wire.unpack)
     params: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     header: tuple[str, ...] = ()  # the CodecConfig attributes the header carries as param_a, param_b (else 0)

@@ -115,7 +115,7 @@ class NodeConfig(BaseModel):
             raise ValueError("a run with --run-owner needs this node's --admission (ask the run owner for one)")
         if admission and not run_owner:
             raise ValueError("--admission needs the --run-owner it was issued under")
-        if run_owner and self.identity_path is None:
+        if run_owner and self.persistence.identity_path is None:
             raise ValueError("a run with --run-owner needs a lasting peer id, which the owner admits: "
                              "give --identity PATH (or keep --checkpoint-dir)")
         return self
@@ -280,37 +280,6 @@ class NodeConfig(BaseModel):
         return self.model_copy(update={name: getattr(self, name).model_copy(update=values)
                                        for name, values in by_section.items()})
 
-    # what the sections derive from their own settings, read here as before
-    @property
-    def upload_rate(self) -> float:
-        return self.swarm.upload_rate
-
-    @property
-    def download_rate(self) -> float:
-        return self.swarm.download_rate
-
-    @property
-    def status_host_port(self) -> tuple[str, int]:
-        return self.swarm.status_host_port
-
-    @property
-    def identity_path(self) -> Path | None:
-        return self.persistence.identity_path
-
-    @property
-    def consensus_weight(self) -> float:
-        return self.noloco.consensus_weight
-
-    @property
-    def part_align(self) -> int:
-        return self.codec.part_align
-
-    def codec_fingerprint(self) -> dict[str, Any]:
-        return self.codec.codec_fingerprint()
-
-    def rank_threads(self) -> int:
-        return self.local.rank_threads()
-
     @property
     def checkpoint_path(self) -> Path | None:
         persistence = self.persistence
@@ -367,7 +336,7 @@ class NodeConfig(BaseModel):
         if self.noloco.algorithm == "noloco":
             # every node draws the round's groups itself: with another size it would draw others
             return {"group_size": self.noloco.group_size, "noloco_alpha": self.noloco.noloco_alpha,
-                    "noloco_beta": self.noloco.noloco_beta, "noloco_gamma": self.consensus_weight}
+                    "noloco_beta": self.noloco.noloco_beta, "noloco_gamma": self.noloco.consensus_weight}
         return {"outer_lr": self.outer.outer_lr, "outer_momentum": self.outer.outer_momentum,
                 **({"eager_proxy": self.outer.eager_proxy} if self.outer.sync == "eager" else {})}
 

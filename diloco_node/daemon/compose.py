@@ -73,7 +73,8 @@ def build(cfg: NodeConfig) -> Parts:
     gossip = cfg.noloco.algorithm == "noloco"
     inputs = cfg.inputs
     phi = [p.detach().clone().float() for p in build_model(inputs.model, inputs.seed, inputs.init).parameters()]
-    optimizer = NoLoCoOptimizer(phi, cfg.noloco.noloco_alpha, cfg.noloco.noloco_beta, cfg.consensus_weight) if gossip \
+    noloco = cfg.noloco
+    optimizer = NoLoCoOptimizer(phi, noloco.noloco_alpha, noloco.noloco_beta, noloco.consensus_weight) if gossip \
         else OuterOptimizer(phi, cfg.outer.outer_lr, cfg.outer.outer_momentum)
     state = OuterState(phi, optimizer)
     if cfg.outer.fragments > len(phi):  # config cannot count tensors without building the model
@@ -87,8 +88,8 @@ def build(cfg: NodeConfig) -> Parts:
                           compression=cfg.codec.compression,
                           algorithm=cfg.noloco.algorithm, label=cfg.swarm.label, parallel=cfg.local.parallel,
                           local_ranks=cfg.local.local_ranks, isolated=False, outer_step=0, inner_step=0, peers=1,
-                          upload_limit_bytes_per_second=cfg.upload_rate,
-                          download_limit_bytes_per_second=cfg.download_rate,
+                          upload_limit_bytes_per_second=cfg.swarm.upload_rate,
+                          download_limit_bytes_per_second=cfg.swarm.download_rate,
                           group_size=0, fragments=cfg.outer.fragments)
     def on_sample(sent: int, received: int) -> None:
         egress, ingress = wire.rates() or (None, None)
@@ -99,16 +100,16 @@ def build(cfg: NodeConfig) -> Parts:
     telemetry.refresh_with(wire.refresh)
     # a joiner downloads φ and the momentum, fp32, at our upload cap shared by the transfers served at once;
     # NoLoCo's joiners take any state as it comes (nothing to catch up to): no line about serving it
-    planner = Planner(cfg.upload_rate, cfg.download_rate, cfg.butterfly_from, cfg.swarm.round_timeout,
-                      MAX_SHARED_VECTORS * 4 * state.numel, 0 if gossip else cfg.upload_rate / MAX_SERVES,
+    planner = Planner(cfg.swarm.upload_rate, cfg.swarm.download_rate, cfg.butterfly_from, cfg.swarm.round_timeout,
+                      MAX_SHARED_VECTORS * 4 * state.numel, 0 if gossip else cfg.swarm.upload_rate / MAX_SERVES,
                       CATCH_UP_ROUNDS) \
-        if cfg.upload_rate or cfg.download_rate else None
+        if cfg.swarm.upload_rate or cfg.swarm.download_rate else None
     return Parts(cfg=cfg, state=state, codecs=[make_codec(codec_config_of(cfg)) for _ in range(cfg.outer.fragments)],
                  runs=runs, phi_codec=phi_codec,
                  signals=StopSignals(), telemetry=telemetry,
-                 server=StatusServer(telemetry, *cfg.status_host_port, announced_hosts(cfg.swarm.announce)),
+                 server=StatusServer(telemetry, *cfg.swarm.status_host_port, announced_hosts(cfg.swarm.announce)),
                  wire=wire, reporter=RoundReporter(telemetry, wire, cfg.swarm.label, gossip, planner,
-                                                   caps=(float(cfg.upload_rate), float(cfg.download_rate)),
+                                                   caps=(float(cfg.swarm.upload_rate), float(cfg.swarm.download_rate)),
                                                    batch_tokens=cfg.inputs.batch_size * cfg.inputs.seq_len),
                  events=Events(cfg.persistence.events),
                  store=CheckpointStore(cfg.checkpoint_path) if cfg.checkpoint_path else None,
@@ -128,10 +129,11 @@ def attach_swarm(parts: Parts, shared_state: Callable[[], tuple[dict[str, Any], 
         round_timeout=cfg.swarm.round_timeout,
         # NoLoCo's payload carries φ after Δ: two encoded vectors
         max_payload_bytes=(2 if gossip else 1) * max_payload_bytes(parts.state.numel),
-        group_size=cfg.noloco.group_size if gossip else None, identity=cfg.identity_path, gate=parts.gate,
+        group_size=cfg.noloco.group_size if gossip else None, identity=cfg.persistence.identity_path, gate=parts.gate,
         butterfly_from=cfg.butterfly_from, butterfly_possible=cfg.butterfly_possible,
         reachability=cfg.averaging.reachability,
-        min_group_size=cfg.averaging.min_group_size, upload_limit=cfg.upload_rate, download_limit=cfg.download_rate,
+        min_group_size=cfg.averaging.min_group_size,
+        upload_limit=cfg.swarm.upload_rate, download_limit=cfg.swarm.download_rate,
         barrier_timeout=barrier_timeout(cfg.round_budget, cfg.swarm.round_timeout) if cfg.round_budget else None,
         manifest=served, manifest_signature=manifest.ServedSignature(served, cfg.permission.run_owner, signature_file))
     swarm = parts.swarm = Swarm(settings, parts.state.numel, shared_state, MAX_SHARED_VECTORS)
@@ -152,7 +154,7 @@ def make_fragments(parts: Parts, peer_id: str) -> Fragments:
     cfg, numels = parts.cfg, [p.numel() for p in parts.state.phi]
     averagings = [Averaging(codec, sum(numels[i] for i in run), peer_id, parts.phi_codec, cfg.averaging.aggregator,
                             cfg.averaging.max_tokens_per_round or None,
-                            cfg.part_align if cfg.butterfly_possible else None,
+                            cfg.codec.part_align if cfg.butterfly_possible else None,
                             cfg.averaging.weighting)
                   for codec, run in zip(parts.codecs, parts.runs, strict=True)]
     return Fragments(numels, parts.runs, averagings)

@@ -17,8 +17,8 @@ def say(line: str) -> None:
 
 
 def run_node(cfg: NodeConfig) -> int:
-    if cfg.rank_threads():
-        torch.set_num_threads(cfg.rank_threads())
+    if cfg.local.rank_threads():
+        torch.set_num_threads(cfg.local.rank_threads())
     node = None
     try:
         node = Node(build(cfg), say=say)

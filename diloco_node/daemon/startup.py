@@ -56,8 +56,8 @@ def _start(node: Node) -> None:
     parts, cfg = node.parts, node.cfg
     parts.signals.install()
     isolate_forked_children()
-    if cfg.identity_path:
-        peer_id = identity.create(cfg.identity_path)  # an unusable key file fails here, before anything
+    if cfg.persistence.identity_path:
+        peer_id = identity.create(cfg.persistence.identity_path)  # an unusable key file fails here, before anything
         if cfg.permission.run_owner:
             permission = cfg.permission
             parts.gate = Gate(cfg.swarm.run_id, parse_public_key(permission.run_owner),

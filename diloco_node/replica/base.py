@@ -68,7 +68,7 @@ def settings_of(cfg: NodeConfig) -> ReplicaSettings:
         compile=local.compile == "on", parallel=local.parallel,
         micro_batch_size=local.micro_batch_size if isinstance(local.micro_batch_size, int) else 0,
         micro_batch_auto=local.micro_batch_size == "auto",
-        devices=devices, threads=cfg.rank_threads(), tokenizer=inputs.tokenizer, text_column=inputs.text_column)
+        devices=devices, threads=cfg.local.rank_threads(), tokenizer=inputs.tokenizer, text_column=inputs.text_column)
 
 
 def resolve_precision(precision: str, devices: tuple[str, ...]) -> str:

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from diloco_node.cli import main
 from diloco_node.config import FIELDS, ConfigError, NodeConfig, build_config, load_config
+from tests.unit.test_config_sections import spellings
 
 PEER_ID = "12D3KooWJZCFWqQH4SvZLraL276kcU6ZvaLyacnJUdUc1t4Cx8AZ"
 PEER_A = f"/ip4/10.0.0.1/tcp/4001/p2p/{PEER_ID}"
@@ -38,7 +39,7 @@ def test_defaults_are_valid() -> None:
     assert cfg == NodeConfig()
     assert cfg.inner.inner_steps == 50 and cfg.outer.outer_lr == 0.7
     assert cfg.outer.outer_momentum == 0.6 and cfg.outer.sync == "eager"
-    assert cfg.status_host_port == ("127.0.0.1", 7780)
+    assert cfg.swarm.status_host_port == ("127.0.0.1", 7780)
 
 
 @pytest.mark.parametrize(
@@ -85,7 +86,7 @@ def test_unknown_key() -> None:
 def test_valid_peers_and_status_pass() -> None:
     cfg = build_config({"peer": [PEER_A, PEER_B], "status": "0.0.0.0:0", "listen": ["/ip4/127.0.0.1/tcp/0"]})
     assert cfg.swarm.peer == [PEER_A, PEER_B]
-    assert cfg.status_host_port == ("0.0.0.0", 0)
+    assert cfg.swarm.status_host_port == ("0.0.0.0", 0)
 
 
 # --- TOML files -------------------------------------------------------------------------------
@@ -324,8 +325,8 @@ def test_error_feedback_codecs_take_its_outer_settings_where_unset() -> None:
 
 def test_noloco_options_and_their_fingerprint() -> None:
     noloco = build_config({"algorithm": "noloco"})
-    assert noloco.consensus_weight == noloco.noloco.noloco_alpha == 0.7 and noloco.noloco.group_size == 2
-    assert build_config({"algorithm": "noloco", "noloco_gamma": 0.2}).consensus_weight == 0.2
+    assert noloco.noloco.consensus_weight == noloco.noloco.noloco_alpha == 0.7 and noloco.noloco.group_size == 2
+    assert build_config({"algorithm": "noloco", "noloco_gamma": 0.2}).noloco.consensus_weight == 0.2
     for change in ({"noloco_beta": 0.3}, {"noloco_gamma": 0.2}, {"noloco_alpha": 0.5}, {"group_size": 3}):
         assert build_config({"algorithm": "noloco", **change}).fingerprint() != noloco.fingerprint()
     # the outer lr is not used by noloco
@@ -424,7 +425,8 @@ def test_importing_config_loads_no_domain_module() -> None:
 def test_validation_reads_the_owners_values_whatever_was_imported_first() -> None:
     code = ("from diloco_node.config import build_config; "
             "cfg = build_config({'model': 'small', 'compression': 'topk', 'run_owner': '', 'peer': []}); "
-            "print(cfg.part_align, cfg.outer.outer_momentum, cfg.codec.topk_k, sorted(cfg.codec_fingerprint()))")
+            "print(cfg.codec.part_align, cfg.outer.outer_momentum, cfg.codec.topk_k, "
+            "sorted(cfg.codec.codec_fingerprint()))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=CLI_TIMEOUT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["1", "0.0", "8", "['compression',", "'topk_bits',", "'topk_chunk',",
@@ -437,7 +439,8 @@ def test_the_codecs_defaults_are_the_configs() -> None:
     assert codec_config_of(NodeConfig()) == CodecConfig()
     assert codec_config_of(NodeConfig(compression="int8", block_size=128, zstd="off")) == \
         CodecConfig(name="int8", block_size=128, zstd=False)
-    assert NodeConfig(compression="int4").part_align == 64 and NodeConfig(compression="sign").part_align == 1
+    assert NodeConfig(compression="int4").codec.part_align == 64
+    assert NodeConfig(compression="sign").codec.part_align == 1
 
 
 def test_unknown_presets_and_codecs_are_named_with_the_known_ones() -> None:
@@ -572,7 +575,7 @@ def test_every_old_spelling_sets_its_setting_read_through_its_section(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The flag --<key-with-dashes>, the env var DILOCO_<KEY> and the TOML key (flat, dashed, or under its
     [section] table) each set the same value, which reads back as cfg.<section>.<key>."""
-    from diloco_node.config import SECTION_OF, SECTIONS
+    from diloco_node.config import SECTION_OF
 
     values = _every_setting_changed(tmp_path)
     assert set(values) == set(FIELDS) - LEFT_OUT_OF_SPELLINGS  # every setting, none forgotten
@@ -580,23 +583,9 @@ def test_every_old_spelling_sets_its_setting_read_through_its_section(
     for key in values:
         assert FIELDS[key].get_default(call_default_factory=True) != getattr(expected, SECTION_OF[key]).__dict__[key], \
             f"{key}: its default, so a lost spelling would not show"
-    flags: list[str] = []
-    env: dict[str, str] = {}
-    for key, value in values.items():
-        items = value if isinstance(value, list) else [value]
-        for item in items:
-            flags += ["--" + key.replace("_", "-"), str(item)]
-        env[f"DILOCO_{key.upper()}"] = " ".join(str(item) for item in items)
-    flat = tmp_path / "flat.toml"
-    flat.write_text("".join(f"{key} = {json.dumps(value)}\n" for key, value in values.items()))
-    dashed = tmp_path / "dashed.toml"
-    dashed.write_text("".join(f"{key.replace('_', '-')} = {json.dumps(value)}\n" for key, value in values.items()))
-    tables = tmp_path / "tables.toml"
-    tables.write_text("".join(f"[{name}]\n" + "".join(f"{key} = {json.dumps(values[key])}\n"
-                                                       for key in section.model_fields if key in values)
-                              for name, section in SECTIONS.items()))
+    flags, env, files = spellings(values, tmp_path)
     spelled = {"flags": _joined_with(monkeypatch, flags), "env": _joined_with(monkeypatch, [], env),
-               **{path.name: _joined_with(monkeypatch, ["--config", str(path)]) for path in (flat, dashed, tables)}}
+               **{path.name: _joined_with(monkeypatch, ["--config", str(path)]) for path in files}}
     for how, cfg in spelled.items():
         for key in values:
             section = getattr(cfg, SECTION_OF[key])

@@ -54,28 +54,33 @@ def _config(args: list[str], env: dict[str, str] | None = None) -> str:
     return done.stdout
 
 
-def test_every_flag_environment_variable_and_toml_spelling_gives_the_same_config(tmp_path: Path) -> None:
-    values = every_setting(tmp_path)
+def spellings(values: dict[str, Any], folder: Path) -> tuple[list[str], dict[str, str], list[Path]]:
+    """Every spelling of `values` (by flat key): the flags --<key-with-dashes>, the environment variables
+    DILOCO_<KEY>, and three TOML files written into `folder`, keyed flat, dashed, and under each key's
+    [section] table. A list value is its flag repeated, and its items joined by spaces in its variable."""
     flags: list[str] = []
     env: dict[str, str] = {}
     for key, value in values.items():
-        flag, variable = "--" + key.replace("_", "-"), f"DILOCO_{key.upper()}"
         items = value if isinstance(value, list) else [value]
         for item in items:
-            flags += [flag, str(item)]
-        env[variable] = " ".join(str(item) for item in items)
-    by_flags = _config(flags)
-    assert _config([], env) == by_flags
-
-    flat = tmp_path / "flat.toml"
+            flags += ["--" + key.replace("_", "-"), str(item)]
+        env[f"DILOCO_{key.upper()}"] = " ".join(str(item) for item in items)
+    flat = folder / "flat.toml"
     flat.write_text("".join(f"{key} = {json.dumps(value)}\n" for key, value in values.items()))
-    dashed = tmp_path / "dashed.toml"
+    dashed = folder / "dashed.toml"
     dashed.write_text("".join(f"{key.replace('_', '-')} = {json.dumps(value)}\n" for key, value in values.items()))
-    tables = tmp_path / "tables.toml"
+    tables = folder / "tables.toml"
     tables.write_text("".join(f"[{name}]\n" + "".join(f"{key} = {json.dumps(values[key])}\n"
                                                        for key in section.model_fields if key in values)
                               for name, section in SECTIONS.items()))
-    for path in (flat, dashed, tables):
+    return flags, env, [flat, dashed, tables]
+
+
+def test_every_flag_environment_variable_and_toml_spelling_gives_the_same_config(tmp_path: Path) -> None:
+    flags, env, files = spellings(every_setting(tmp_path), tmp_path)
+    by_flags = _config(flags)
+    assert _config([], env) == by_flags
+    for path in files:
         assert _config(["--config", str(path)]) == by_flags, path.name
     # every key was given: the printed file holds no default left as a comment but the one left out
     commented = [line for line in by_flags.splitlines() if line.startswith("# ") and " = " in line]
