@@ -102,6 +102,8 @@ class Presence:
         self._record = NodeRecord(peer_id, fingerprint, 0, -1, "", admission=gate.token, client=client)
         self._served_in: dict[str, int] = {}  # joiners we served: the round we were at (JOINER_RECORD_SECONDS)
         self._holding: int | None = None  # the round whose ready announce held back for such a joiner (_release_ready)
+        # (round, digest, served) of a round we began training while the last one's ready was held
+        self._deferred: tuple[int, str, tuple[int, str]] | None = None
         self._stats: dict[str, Any] = {}
         # monotonic times of our last store of the record, read of the records, store of our config
         self._published_at = self._read_at = self._config_published_at = -math.inf
@@ -145,11 +147,20 @@ class Presence:
         the barrier has seen it (_release_ready)."""
         hold = ready and bool(self._unseen_joiners(self._others(None, read=False), round_, None))
         with self._record_lock:
-            self._holding = round_ if hold else None
+            if not ready and self._holding is not None and self._holding < round_:
+                # Overlapped modes train the next round while the held one's barrier runs. A record at
+                # `round_` never ready for the held round reads as one that skipped it (trust/view.py,
+                # round_state), and the run would go on without us: the release publishes this one.
+                self._deferred = (round_, digest, served)
+                return
+            self._holding, self._deferred = (round_ if hold else None), None
             ready_round = round_ if ready and not hold else min(self._record.ready_round, round_ - 1)
-            self._record = dataclasses.replace(self._record, round=round_, ready_round=ready_round, digest=digest,
-                                               served_round=served[0], served_digest=served[1], stats=self._stats)
-            self._publish()
+            self._announce(round_, ready_round, digest, served)
+
+    def _announce(self, round_: int, ready_round: int, digest: str, served: tuple[int, str]) -> None:
+        self._record = dataclasses.replace(self._record, round=round_, ready_round=ready_round, digest=digest,
+                                           served_round=served[0], served_digest=served[1], stats=self._stats)
+        self._publish()
 
     def _release_ready(self, round_: int) -> None:
         """Say that we are ready for `round_` after all, if announce held it back. Why it holds: the
@@ -162,7 +173,10 @@ class Presence:
             if self._holding != round_:
                 return
             self._holding = None
-            if self._record.round == round_ and self._record.ready_round < round_:
+            if self._deferred is not None:  # the round we train now, its held predecessor ready
+                (training, digest, served), self._deferred = self._deferred, None
+                self._announce(training, round_, digest, served)
+            elif self._record.round == round_ and self._record.ready_round < round_:
                 self._record = dataclasses.replace(self._record, ready_round=round_)
                 self._publish()
 
@@ -181,7 +195,8 @@ class Presence:
         first (our record's by default)."""
         with self._record_lock:
             self._served_in.pop(peer, None)
-            self._served_in[peer] = self._record.round if round_ is None else round_
+            now = self._deferred[0] if self._deferred is not None else self._record.round
+            self._served_in[peer] = now if round_ is None else round_
             while len(self._served_in) > MAX_VOUCHED:
                 del self._served_in[next(iter(self._served_in))]
             if self._record.vouched[-1:] == (peer,):

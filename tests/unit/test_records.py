@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
+from diloco_node.round import Outcome
 from diloco_node.swarm import identity, records, statesync
 from diloco_node.swarm.groups import random_groups
 from diloco_node.swarm.matchmaking import Matchmaker
@@ -589,3 +590,28 @@ def test_records_stored_to_outlive_any_node_s_are_passed_over(monkeypatch) -> No
     dht = SimpleNamespace(get=lambda key, latest, return_future: answered(ValueWithExpiration(stored, now + 60)))
     live, _ = records.fetch(dht, "run")  # type: ignore[arg-type]
     assert set(live) == {"honest", "skewed"}  # a node whose clock runs ahead within the skew still counts
+
+
+def test_a_server_training_on_while_its_ready_is_held_for_a_joiner_is_not_read_as_skipping_it(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Eager: the node that served a joiner holds its ready for round 4 until the joiner's record shows
+    (the barrier's _release_ready) while its main thread already trains round 5. Its record once read
+    round=5 ready_round=3, which its partner took for a node that skipped round 4: the partner went on
+    alone, and the two matchmade different rounds from then on (seen in CI: test_exactly_once)."""
+    published: list[NodeRecord] = []
+    offline(monkeypatch, [record("partner", 4, "d")])
+    monkeypatch.setattr(records, "publish", lambda _dht, _run, rec, _signer: published.append(rec))
+    presence = Presence(SimpleNamespace(), "us", "run", "fp", {}, SimpleNamespace(), None, Gate("run"))  # type: ignore[arg-type]
+    presence.compatible_peers(refresh=True)
+    presence.announce(3, True, "d3", (3, "s3"))
+    presence.announce(4, False, "d4", (4, "s4"))
+    presence.vouch("joiner")  # served at round 4; its record does not show yet
+    presence.announce(4, True, "d4", (4, "s4"))
+    assert presence._holding == 4 and published[-1].ready_round == 3
+    presence.announce(5, False, "d5", (5, "s5"))  # the main thread trains on
+    seen = published[-1]
+    assert round_state([seen], 4) == Outcome.WAITING, f"round {seen.round} ready {seen.ready_round} reads as a skip"
+    presence._release_ready(4)  # the joiner shows, or its grace ends
+    assert (published[-1].round, published[-1].ready_round, published[-1].digest) == (5, 4, "d5")
+    assert round_state([published[-1]], 4) == Outcome.TOGETHER
+    presence.announce(5, True, "d5", (5, "s5"))  # nothing held any more: as before
+    assert (published[-1].round, published[-1].ready_round) == (5, 5)
