@@ -29,6 +29,10 @@ FIRST_DIAL_DELAY = 1.0
 # per contact); at 5 s a 60-s cut's node took 12 s to notice the link was back (test_partition)
 MAX_DIAL_DELAY = 2.0
 REMEMBER_SECONDS = 30.0  # how often a connected node notes its peers' addresses
+# How often an isolated node says it still is: a paused node that logs nothing looks hung, and one
+# whose only peers crashed for good waits until its owner restarts it (a restart knows no peers,
+# so it goes on alone once their records have expired)
+REMIND_SECONDS = 600.0
 
 
 class Isolation:
@@ -46,6 +50,7 @@ class Isolation:
         self._dial_delay = FIRST_DIAL_DELAY
         self._next_dial = 0.0
         self._next_remember = 0.0
+        self._next_remind = 0.0
 
     def observe(self, others: Collection[str], departed: Collection[str]) -> None:
         """One heartbeat's view: the other live nodes of the run, and those that left recently."""
@@ -72,8 +77,14 @@ class Isolation:
         if self.since is None:
             self._set(time.time())
             self._dial_delay, self._next_dial = FIRST_DIAL_DELAY, now
+            self._next_remind = now + REMIND_SECONDS
             logger.warning("isolated: no peer of run %s reachable since %s; pausing training and retrying "
                            "our peers until one is back", self._run_id, datetime.now().strftime("%H:%M:%S"))
+        elif now >= self._next_remind:
+            self._next_remind = now + REMIND_SECONDS
+            logger.warning("still isolated: no peer of run %s reachable for %.0f min; training stays paused "
+                           "until one is back (if they are gone for good, restart this node to go on alone)",
+                           self._run_id, (time.time() - self.since) / 60)
         if now >= self._next_dial:
             reached = self._dial()
             logger.debug("dialed contacts reached=%s next_in=%.0fs", reached, self._dial_delay)

@@ -50,6 +50,10 @@ def test_a_node_whose_peers_vanished_is_isolated_until_one_is_back(clock: list[f
         assert isolation.since is not None and changes == [isolation.since]
         assert caplog.text.count("isolated: no peer of run run") == 1, "said once, not every heartbeat"
         assert 2 <= contacts.dials <= 5
+        clock[0] += isolation_module.REMIND_SECONDS
+        isolation.observe([], [])
+        isolation.observe([], [])
+        assert caplog.text.count("still isolated: no peer of run run") == 1, "reminded once a period"
         isolation.observe(["c"], [])
     assert isolation.since is None and changes[-1] is None
     assert "back in the swarm" in caplog.text
