@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import torch
 
 from diloco_node.outer import aggregate as aggregate_module
-from diloco_node.outer.aggregate import Contribution, aggregate, removed_share
+from diloco_node.outer.aggregate import WEIGHTINGS, Contribution, aggregate, removed_share
 from harness.bench import RESULTS_DIR, machine_info, write_results
 
 NAME = "cap_vs_attacker"
@@ -35,22 +35,27 @@ CAPS = (1.0, 1.25, 1.5, 2.0, 3.0)
 GROUPS = (3, 4, 5, 8)
 SPEEDS = ((4, 2, 1, 1), (2, 1, 1, 1))
 BOUNDS = {3: 0.5, 8: 0.8}  # the attacker bounds the trust work set (#41 must-hold 3 restates them)
+MIXED = (4, 1, 2, 1)  # honest speeds in turn: at M = 3 the attacker's cap is the 4x member's declaration
 
 
-def worst_case_cosine(group_size: int, spread: float = 1.0, seeds: int = 5, dim: int = 4096) -> float:
+def worst_case_cosine(group_size: int, spread: float = 1.0, seeds: int = 5, dim: int = 4096,
+                      weighting: str = "tokens", speeds: tuple[int, ...] = (1,)) -> float:
     """cos(mean, honest mean) under `clip` when one member of `group_size` is an attacker that knows
     the honest mean: it claims 1e30 tokens (counted at the cap) and sends the longest vector the clip
     lets through, in the direction that lowers the cosine most (searched over angles from −honest
     mean towards a perpendicular). Honest Δs are a common mean plus noise `spread` times as large
-    per coordinate (spread 1: honest Δs at cosine ≈ 0.5 to one another), tokens 900 to 1100."""
+    per coordinate (spread 1: honest Δs at cosine ≈ 0.5 to one another), tokens 900 to 1100 times
+    the honest members' `speeds` in turn (a mixed-speed group spending its speed on batch: the
+    fastest honest declaration raises the median the attacker is capped at)."""
     worst = 1.0
     for seed in range(seeds):
         generator = torch.Generator().manual_seed(seed)
         common = torch.randn(dim, generator=generator)
-        honest = [Contribution(f"h{i}", float(900 + torch.randint(0, 201, (1,), generator=generator)),
+        honest = [Contribution(f"h{i}", speeds[i % len(speeds)] * float(900 + torch.randint(0, 201, (1,),
+                                                                                          generator=generator)),
                                common + spread * torch.randn(dim, generator=generator))
                   for i in range(group_size - 1)]
-        honest_mean = aggregate(honest).mean
+        honest_mean = aggregate(honest, weighting=weighting).mean
         away = -honest_mean / honest_mean.norm()
         side = torch.randn(dim, generator=generator)
         side -= side.dot(away) * away
@@ -58,7 +63,7 @@ def worst_case_cosine(group_size: int, spread: float = 1.0, seeds: int = 5, dim:
         for degrees in range(0, 91, 5):
             angle = math.radians(degrees)
             direction = math.cos(angle) * away + math.sin(angle) * side
-            attacked = aggregate([*honest, Contribution("x", 1e30, 1e6 * direction)])
+            attacked = aggregate([*honest, Contribution("x", 1e30, 1e6 * direction)], weighting=weighting)
             assert "x" in attacked.clipped  # it reached the clip and the cap: the most it can pull
             cosine = float(torch.nn.functional.cosine_similarity(attacked.mean, honest_mean, dim=0))
             worst = min(worst, cosine)
@@ -86,6 +91,20 @@ def measure() -> list[dict[str, object]]:
     return rows
 
 
+def measure_weightings() -> list[dict[str, object]]:
+    """At today's cap: each --weighting's removed share (it is taken against that weighting's own
+    shares) and its worst cosine, with honest members of equal speed and of speeds 4, 1, 2, 1, ..."""
+    rows: list[dict[str, object]] = []
+    for weighting in WEIGHTINGS:
+        removed = {"/".join(map(str, s)): removed_share([float(v) for v in s], [1.0] * len(s), weighting=weighting)
+                   for s in SPEEDS}
+        cosines = {f"{m}{' mixed' if mixed else ''}": worst_case_cosine(m, weighting=weighting,
+                                                                         speeds=MIXED if mixed else (1,))
+                   for m in GROUPS for mixed in (False, True)}
+        rows.append({"weighting": weighting, "removed": removed, "cosine": cosines})
+    return rows
+
+
 def table(rows: list[dict[str, object]]) -> str:
     speeds = ["/".join(map(str, s)) for s in SPEEDS]
     head = ["cap (× median)", *(f"removed, {s} on batch" for s in speeds),
@@ -100,14 +119,35 @@ def table(rows: list[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+def weighting_table(rows: list[dict[str, object]]) -> str:
+    speeds = ["/".join(map(str, s)) for s in SPEEDS]
+    groups = [f"{m}{' mixed' if mixed else ''}" for m in GROUPS for mixed in (False, True)]
+    head = ["weighting", *(f"removed, {s} on batch" for s in speeds),
+            *(f"worst cos, M = {g.replace(' mixed', ', honest speeds ' + '/'.join(map(str, MIXED)))}" for g in groups)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        removed, cosines = row["removed"], row["cosine"]
+        assert isinstance(removed, dict) and isinstance(cosines, dict)
+        cells = [str(row["weighting"]), *(f"{100 * removed[s]:.1f} %" for s in speeds),
+                 *(f"{cosines[g]:.3f}" + (" ✗" if int(g.split()[0]) in BOUNDS and cosines[g] < BOUNDS[int(g.split()[0])]
+                                          else "") for g in groups)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     logging.disable(logging.WARNING)  # every attacked mean is capped and clipped: one log line each
-    rows = measure()
+    rows, weightings = measure(), measure_weightings()
     text = (f"# The token cap against one attacker ({dt.date.today().isoformat()})\n\n"
             "Removed: the share of the group's declared work the cap takes (equal norms: the clip takes "
             "nothing). Worst cos: one attacker at the cap and the clip, knowing the honest mean "
-            "(✗: below the bound).\n\n" + table(rows) + "\n")
-    write_results(RESULTS_DIR, NAME, {"machine": machine_info(), "rows": rows}, text)
+            "(✗: below the bound).\n\n" + table(rows) + "\n\n"
+            "## Each weighting at the cap of 1 × the median\n\n"
+            "Removed is taken against the weighting's own shares (`--weighting`, docs/architecture.md §13). "
+            f"Mixed: the honest members' speeds are {'/'.join(map(str, MIXED))} in turn (at M = 3 a 4x "
+            "and a 1x member), their tokens scaled alike, so a fast honest declaration sets the median "
+            "the attacker is capped at.\n\n" + weighting_table(weightings) + "\n")
+    write_results(RESULTS_DIR, NAME, {"machine": machine_info(), "rows": rows, "weightings": weightings}, text)
 
 
 if __name__ == "__main__":

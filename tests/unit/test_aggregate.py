@@ -183,6 +183,16 @@ def test_one_attacker_that_knows_the_honest_mean_cannot_turn_the_mean_around() -
     assert CAP.worst_case_cosine(8) >= 0.8
 
 
+def test_among_honest_members_of_mixed_speeds_only_equal_weights_keep_the_bound() -> None:
+    """#41: an attacker that claims what the fastest honest member declares sits at the median of a
+    mixed group; weighted by tokens it then outweighs each honest member (at M = 3, 4:1 speeds: the
+    mean reversed), equally weighted its claim buys nothing (docs/trust.md, benchmarks/results/cap_vs_attacker.md)."""
+    mixed = CAP.MIXED
+    assert CAP.worst_case_cosine(3, weighting="equal", speeds=mixed) >= 0.5
+    assert CAP.worst_case_cosine(8, weighting="equal", speeds=mixed) >= 0.8
+    assert CAP.worst_case_cosine(3, weighting="tokens", speeds=mixed) < 0, "the residual docs/trust.md states"
+
+
 def test_the_old_four_times_bounds_fail_the_same_measure(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(aggregate_module, "NORM_CLIP_MULTIPLE", 4.0)
     monkeypatch.setattr(aggregate_module, "TOKEN_CAP_MULTIPLE", 4.0)
