@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diloco_node.config import NodeConfig
+from diloco_node.config import FIELDS, NodeConfig
 from harness.bench import RESULTS_DIR, machine_info, pyplot
 from harness.corpus import stdlib_shards
 from harness.ddp import ring_all_reduce_bytes
@@ -102,6 +102,9 @@ def parse_row(text: str) -> dict[str, Any]:
     if speeds and len(speeds) != workers or spent not in ("steps", "batch") or inner_state not in ("keep", "reset"):
         raise SystemExit(f"learning: row {text!r}: speeds needs one speed per worker, spent steps or batch, "
                          "inner_state keep or reset")
+    if speeds:  # unequal declarations: the weighting decides how they count, so a row names it (the
+        # default was tokens until #41, equal since: a log's rows of either never share a label)
+        options.setdefault("weighting", FIELDS["weighting"].default)
     NodeConfig.model_validate({**options, "inner_steps": h})  # a wrong key or value fails before any job runs
     text_options = " ".join(f"{k}={v}" for k, v in sorted(options.items()))
     text_options += f" cosine {schedule:g}x" if schedule != 1.0 else ""

@@ -316,7 +316,8 @@ class NodeConfig(BaseModel):
             "algorithm": self.noloco.algorithm, "sync": self.outer.sync, **self._outer_fingerprint(),
             **self.codec.codec_fingerprint(),
             "aggregator": self.averaging.aggregator, "max_tokens_per_round": self.averaging.max_tokens_per_round,
-            # every member must weight alike, or φ splits (docs/architecture.md §13)
+            # every member must weight alike, or φ splits (docs/architecture.md §13); left out for
+            # tokens, the default before equal, so that a run of those nodes keeps its fingerprint
             **({"weighting": self.averaging.weighting} if self.averaging.weighting != "tokens" else {}),
             # every member must hold rounds alike, or a pair would split φ (docs/architecture.md §9)
             **({"min_group_size": self.averaging.min_group_size} if self.averaging.min_group_size != 2 else {}),

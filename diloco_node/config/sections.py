@@ -243,10 +243,10 @@ class Averaging(Section):
                             description="how the group's pseudo-gradients are averaged: mean, clip (each to 1.25x "
                             "the median norm), trimmed or centered-clip (docs/configuration.md, aggregation; "
                             "docs/trust.md)")
-    weighting: str = Field("tokens", pattern=r"^(tokens|sqrt-tokens|equal)$",
-                           description="each peer's weight in the mean, from its tokens after the cap: tokens, "
-                           "sqrt-tokens or equal (docs/configuration.md, rounds by time budget; docs/architecture.md "
-                           "§13)")
+    weighting: str = Field("equal", pattern=r"^(tokens|sqrt-tokens|equal)$",
+                           description="each peer's weight in the mean: equal, or from its declared tokens after "
+                           "the cap: tokens or sqrt-tokens, which one peer's claim can tip when honest peers "
+                           "differ in speed or batch (docs/architecture.md §13, docs/trust.md)")
     reachability: str = Field("auto", pattern=r"^(auto|public|private)$",
                               description="whether peers can connect to this node: public, private (behind a NAT: "
                               "it joins as a client that pushes its parts and owns none) or auto (asks a peer to "

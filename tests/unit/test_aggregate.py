@@ -190,7 +190,7 @@ def test_among_honest_members_of_mixed_speeds_only_equal_weights_keep_the_bound(
     mixed = CAP.MIXED
     assert CAP.worst_case_cosine(3, weighting="equal", speeds=mixed) >= 0.5
     assert CAP.worst_case_cosine(8, weighting="equal", speeds=mixed) >= 0.8
-    assert CAP.worst_case_cosine(3, weighting="tokens", speeds=mixed) < 0, "the residual docs/trust.md states"
+    assert CAP.worst_case_cosine(3, weighting="tokens", speeds=mixed) < 0, "why tokens is no default (docs/trust.md)"
 
 
 def test_the_old_four_times_bounds_fail_the_same_measure(monkeypatch: pytest.MonkeyPatch) -> None:

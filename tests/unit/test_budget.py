@@ -257,8 +257,10 @@ def test_weighting_is_checked_and_fingerprinted_and_each_node_records_its_weight
     with pytest.raises(ValueError, match="weighting"):
         aggregate([Contribution("a", 1.0, torch.ones(2))], weighting="loudest")
     assert "weighting" in _error({"weighting": "loudest"})
-    assert "weighting" not in build_config({}).fingerprint_fields()
-    assert build_config({"weighting": "equal"}).fingerprint() != build_config({}).fingerprint()
+    # equal is the default (#41); tokens, the default before, keeps the fingerprint it had
+    assert build_config({}).fingerprint_fields()["weighting"] == "equal"
+    assert "weighting" not in build_config({"weighting": "tokens"}).fingerprint_fields()
+    assert build_config({"weighting": "tokens"}).fingerprint() != build_config({}).fingerprint()
 
     codec = make_codec(CodecConfig(name="none"))
     averaging = Averaging(codec, 2, "a", weighting="equal")

@@ -300,11 +300,12 @@ def test_simulated_batch_workers_declare_their_batches_and_keep_one_phi() -> Non
 def test_the_simulator_reports_what_the_trust_bounds_took_from_each_round() -> None:
     """Curve.weight_removed, one share a round (outer/aggregate.removed_share): a pair at 2× and 1×
     loses more of its declared work when the fast worker spends its speed on steps (a longer Δ, cut
-    by the clip as well as the token cap) than on batch (the cap alone); an equal pair loses little."""
+    by the clip as well as the token cap) than on batch (the cap alone); an equal pair loses little.
+    Weighted by tokens: under the default equal weights the cap takes nothing."""
     from harness.simulator import simulate
 
     cfg = NodeConfig(model="tiny", seq_len=32, batch_size=4, eval_batches=1, inner_steps=2, sync="blocking",
-                     threads=1, warmup_steps=2, run_id="removed")
+                     threads=1, warmup_steps=2, run_id="removed", weighting="tokens")
     shares = {spent: simulate(cfg, ["fast", "slow"], 2, evaluate=False, speeds=(2, 1), spent=spent).weight_removed
               for spent in ("steps", "batch")}
     equal = simulate(cfg, ["a", "b"], 2, evaluate=False).weight_removed
