@@ -104,6 +104,7 @@ class Presence:
         self._holding: int | None = None  # the round whose ready announce held back for such a joiner (_release_ready)
         # (round, digest, served) of a round we began training while the last one's ready was held
         self._deferred: tuple[int, str, tuple[int, str]] | None = None
+        self._held_at = -math.inf  # monotonic time the hold began
         self._stats: dict[str, Any] = {}
         # monotonic times of our last store of the record, read of the records, store of our config
         self._published_at = self._read_at = self._config_published_at = -math.inf
@@ -147,20 +148,36 @@ class Presence:
         the barrier has seen it (_release_ready)."""
         hold = ready and bool(self._unseen_joiners(self._others(None, read=False), round_, None))
         with self._record_lock:
-            if not ready and self._holding is not None and self._holding < round_:
+            held = self._holding if self._holding is not None and self._holding < round_ else None
+            if not ready and held is not None:
                 # Overlapped modes train the next round while the held one's barrier runs. A record at
                 # `round_` never ready for the held round reads as one that skipped it (trust/view.py,
                 # round_state), and the run would go on without us: the release publishes this one.
                 self._deferred = (round_, digest, served)
                 return
+            # a later round's ready supersedes a hold: the held round's inner phase is over too
+            finished = self._record.ready_round if held is None else max(self._record.ready_round, held)
             self._holding, self._deferred = (round_ if hold else None), None
-            ready_round = round_ if ready and not hold else min(self._record.ready_round, round_ - 1)
+            if hold:
+                self._held_at = time.monotonic()
+            ready_round = round_ if ready and not hold else min(finished, round_ - 1)
             self._announce(round_, ready_round, digest, served)
 
     def _announce(self, round_: int, ready_round: int, digest: str, served: tuple[int, str]) -> None:
+        """Our record at `round_` (the caller holds _record_lock)."""
         self._record = dataclasses.replace(self._record, round=round_, ready_round=ready_round, digest=digest,
                                            served_round=served[0], served_digest=served[1], stats=self._stats)
         self._publish()
+
+    def _release_stale_hold(self) -> None:
+        """The heartbeat's bound on a hold: a held round whose barrier never runs (a re-sync, NoLoCo's
+        held or odd rounds) would keep our record at it, and a deferred round unannounced, until
+        our next ready; no barrier holds for a joiner longer than JOINER_RECORD_SECONDS."""
+        with self._record_lock:
+            held = self._holding
+            stale = held is not None and time.monotonic() - self._held_at >= JOINER_RECORD_SECONDS
+        if stale and held is not None:
+            self._release_ready(held)
 
     def _release_ready(self, round_: int) -> None:
         """Say that we are ready for `round_` after all, if announce held it back. Why it holds: the
@@ -170,7 +187,7 @@ class Presence:
         late joiner's first round averaged with a third node, its server alone). Held, we keep
         their barrier (we are a counted peer) until the joiner is in view for all."""
         with self._record_lock:
-            if self._holding != round_:
+            if self._holding != round_ or self._stop.is_set():  # a node that left publishes no record
                 return
             self._holding = None
             if self._deferred is not None:  # the round we train now, its held predecessor ready
@@ -195,8 +212,7 @@ class Presence:
         first (our record's by default)."""
         with self._record_lock:
             self._served_in.pop(peer, None)
-            now = self._deferred[0] if self._deferred is not None else self._record.round
-            self._served_in[peer] = now if round_ is None else round_
+            self._served_in[peer] = self._record.round if round_ is None else round_
             while len(self._served_in) > MAX_VOUCHED:
                 del self._served_in[next(iter(self._served_in))]
             if self._record.vouched[-1:] == (peer,):
@@ -565,6 +581,7 @@ class Presence:
             # Faster while isolated: a peer that answers a dial is seen (and sees us) a second later.
             every = ISOLATED_HEARTBEAT_SECONDS if self.isolation.since else HEARTBEAT_SECONDS
             try:
+                self._release_stale_hold()
                 if time.monotonic() - self._published_at >= min(every, REFRESH_SECONDS):
                     self._publish()
                 if time.monotonic() - looked_at >= every:

@@ -615,3 +615,34 @@ def test_a_server_training_on_while_its_ready_is_held_for_a_joiner_is_not_read_a
     assert round_state([published[-1]], 4) == Outcome.TOGETHER
     presence.announce(5, True, "d5", (5, "s5"))  # nothing held any more: as before
     assert (published[-1].round, published[-1].ready_round) == (5, 5)
+
+
+def test_a_later_ready_supersedes_a_hold_and_no_hold_outlives_its_bound(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Review findings on the fix above: a ready for round 6 that holds again (a second joiner)
+    while round 5's barrier never released must not say round 5 unfinished; and a hold whose barrier
+    never runs (a re-sync, NoLoCo's held rounds) ends after JOINER_RECORD_SECONDS, by the heartbeat."""
+    from diloco_node.swarm import presence as presence_module
+
+    published: list[NodeRecord] = []
+    offline(monkeypatch, [record("partner", 5, "d")])
+    monkeypatch.setattr(records, "publish", lambda _dht, _run, rec, _signer: published.append(rec))
+    presence = Presence(SimpleNamespace(), "us", "run", "fp", {}, SimpleNamespace(), None, Gate("run"))  # type: ignore[arg-type]
+    presence.compatible_peers(refresh=True)
+    presence.announce(4, True, "d4", (4, "s4"))
+    presence.announce(5, False, "d5", (5, "s5"))
+    presence.vouch("first", 5)
+    presence.announce(5, True, "d5", (5, "s5"))
+    assert presence._holding == 5 and published[-1].ready_round == 4
+    presence.announce(6, False, "d6", (6, "s6"))  # deferred: round 5's barrier has not released
+    presence.vouch("second", 6)
+    presence.announce(6, True, "d6", (6, "s6"))  # held again, for the second joiner
+    assert presence._holding == 6 and (published[-1].round, published[-1].ready_round) == (6, 5)
+    assert round_state([published[-1]], 5) == Outcome.TOGETHER
+    presence.announce(7, False, "d7", (7, "s7"))  # deferred, and round 6's barrier never runs
+    assert published[-1].round == 6
+    presence._release_stale_hold()
+    assert published[-1].round == 6, "within its bound the hold stands"
+    later = presence._held_at + presence_module.JOINER_RECORD_SECONDS
+    monkeypatch.setattr(presence_module.time, "monotonic", lambda: later)
+    presence._release_stale_hold()
+    assert (published[-1].round, published[-1].ready_round, published[-1].digest) == (7, 6, "d7")
