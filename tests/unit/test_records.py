@@ -592,16 +592,22 @@ def test_records_stored_to_outlive_any_node_s_are_passed_over(monkeypatch) -> No
     assert set(live) == {"honest", "skewed"}  # a node whose clock runs ahead within the skew still counts
 
 
+def publishing_presence(monkeypatch, found: list[NodeRecord]) -> tuple[Presence, list[NodeRecord]]:  # type: ignore[no-untyped-def]
+    """A Presence that sees `found` and keeps every record it publishes."""
+    published: list[NodeRecord] = []
+    offline(monkeypatch, found)
+    monkeypatch.setattr(records, "publish", lambda _dht, _run, rec, _signer: published.append(rec))
+    presence = Presence(SimpleNamespace(), "us", "run", "fp", {}, SimpleNamespace(), None, Gate("run"))  # type: ignore[arg-type]
+    presence.compatible_peers(refresh=True)
+    return presence, published
+
+
 def test_a_server_training_on_while_its_ready_is_held_for_a_joiner_is_not_read_as_skipping_it(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Eager: the node that served a joiner holds its ready for round 4 until the joiner's record shows
     (the barrier's _release_ready) while its main thread already trains round 5. Its record once read
     round=5 ready_round=3, which its partner took for a node that skipped round 4: the partner went on
     alone, and the two matchmade different rounds from then on (seen in CI: test_exactly_once)."""
-    published: list[NodeRecord] = []
-    offline(monkeypatch, [record("partner", 4, "d")])
-    monkeypatch.setattr(records, "publish", lambda _dht, _run, rec, _signer: published.append(rec))
-    presence = Presence(SimpleNamespace(), "us", "run", "fp", {}, SimpleNamespace(), None, Gate("run"))  # type: ignore[arg-type]
-    presence.compatible_peers(refresh=True)
+    presence, published = publishing_presence(monkeypatch, [record("partner", 4, "d")])
     presence.announce(3, True, "d3", (3, "s3"))
     presence.announce(4, False, "d4", (4, "s4"))
     presence.vouch("joiner")  # served at round 4; its record does not show yet
@@ -623,11 +629,7 @@ def test_a_later_ready_supersedes_a_hold_and_no_hold_outlives_its_bound(monkeypa
     never runs (a re-sync, NoLoCo's held rounds) ends after JOINER_RECORD_SECONDS, by the heartbeat."""
     from diloco_node.swarm import presence as presence_module
 
-    published: list[NodeRecord] = []
-    offline(monkeypatch, [record("partner", 5, "d")])
-    monkeypatch.setattr(records, "publish", lambda _dht, _run, rec, _signer: published.append(rec))
-    presence = Presence(SimpleNamespace(), "us", "run", "fp", {}, SimpleNamespace(), None, Gate("run"))  # type: ignore[arg-type]
-    presence.compatible_peers(refresh=True)
+    presence, published = publishing_presence(monkeypatch, [record("partner", 5, "d")])
     presence.announce(4, True, "d4", (4, "s4"))
     presence.announce(5, False, "d5", (5, "s5"))
     presence.vouch("first", 5)
