@@ -114,9 +114,14 @@ def table(rows: list[dict[str, object]]) -> str:
         removed, cosines = row["removed"], row["cosine"]
         assert isinstance(removed, dict) and isinstance(cosines, dict)
         cells = [f"{row['cap']:g}", *(f"{100 * removed[s]:.1f} %" for s in speeds),
-                 *(f"{cosines[m]:.3f}" + (" ✗" if m in BOUNDS and cosines[m] < BOUNDS[m] else "") for m in GROUPS)]
+                 *(cosine_cell(cosines[m], m) for m in GROUPS)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def cosine_cell(cosine: float, group_size: int) -> str:
+    """A worst cosine, marked ✗ below the bound of its group size (when one is set)."""
+    return f"{cosine:.3f}" + (" ✗" if cosine < BOUNDS.get(group_size, -math.inf) else "")
 
 
 def weighting_table(rows: list[dict[str, object]]) -> str:
@@ -129,8 +134,7 @@ def weighting_table(rows: list[dict[str, object]]) -> str:
         removed, cosines = row["removed"], row["cosine"]
         assert isinstance(removed, dict) and isinstance(cosines, dict)
         cells = [str(row["weighting"]), *(f"{100 * removed[s]:.1f} %" for s in speeds),
-                 *(f"{cosines[g]:.3f}" + (" ✗" if int(g.split()[0]) in BOUNDS and cosines[g] < BOUNDS[int(g.split()[0])]
-                                          else "") for g in groups)]
+                 *(cosine_cell(cosines[g], int(g.split()[0])) for g in groups)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
