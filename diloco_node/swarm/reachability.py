@@ -26,6 +26,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from diloco_node.swarm import bounded
+from diloco_node.swarm.hosts import host_of
 from diloco_node.swarm.messages import parse_dial_back
 from diloco_node.swarm.streams import PEER_FAILURES, Streams, StreamService, parse_json, receive, send
 
@@ -64,7 +65,7 @@ class DialBack(StreamService):
             if len(self._last_asked) > 4096:  # forget the oldest askers: the table stays small
                 self._last_asked = dict(sorted(self._last_asked.items(), key=lambda item: item[1])[-2048:])
             self._last_asked[peer] = now
-            reached = await self._dial_own(_host(getattr(info, "addr", None)), addresses)
+            reached = await self._dial_own(host_of(getattr(info, "addr", None)), addresses)
             await send(writer, json.dumps({"reachable": list(reached)}).encode())
         except PEER_FAILURES as exc:
             self._refuse_once(peer, str(exc), "dial-back request from peer=%s refused: %s", peer, exc,
@@ -82,22 +83,11 @@ class DialBack(StreamService):
         asker nothing, which it takes as "cannot tell", not as "unreachable"."""
         if asker is None:
             return []
-        own = [a for a in addresses if _host(a) == asker]
+        own = [a for a in addresses if host_of(a) == asker]
         if own:
             return list(await asyncio.gather(*(_dial(a) for a in own)))
-        same_family = [a for a in addresses if (host := _host(a)) is not None and (":" in host) == (":" in asker)]
+        same_family = [a for a in addresses if (host := host_of(a)) is not None and (":" in host) == (":" in asker)]
         return [False] if same_family else []
-
-
-def _host(address: object) -> str | None:
-    """The ip4/ip6 host of a multiaddr (text or Multiaddr); None for a relayed, DNS or malformed one."""
-    try:
-        parts = Multiaddr(str(address)).items()
-        if any(protocol.name == "p2p-circuit" for protocol, _ in parts):
-            return None
-        return next((str(value) for protocol, value in parts if protocol.name in ("ip4", "ip6")), None)
-    except Exception:  # multiaddr raises its own errors on malformed text
-        return None
 
 
 async def _dial(address: str) -> bool:

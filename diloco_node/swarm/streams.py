@@ -28,6 +28,7 @@ from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
 
 from diloco_node.lru import MAX_TRACKED_PEERS, LRUSet, trim_oldest
+from diloco_node.swarm.hosts import UNKNOWN_HOST, host_group
 from diloco_node.swarm.peer_traffic import CountedReader, CountedWriter, PeerTraffic
 from diloco_node.swarm.throttle import Throttle
 
@@ -154,6 +155,7 @@ class _Served:
     opened: float
     reader: SilenceWatch
     trusted: bool  # took its slot as a peer we trust (Streams.trusted): gives it back to that pool
+    host: str  # its connection's hosts.host_group
     evicted: bool = False
 
 
@@ -162,17 +164,26 @@ class Limits:
     """How much of a handler one peer, and all peers together, may hold: streams open at once, and
     requests per second (a bucket of `burst` refilled at `rate`). Fresh peer ids get fresh buckets,
     which is why `total` bounds them all; `reserved` of the total only peers we trust may take
-    (Streams.trusted), so strangers rotating fresh ids, however fast, never hold every slot."""
+    (Streams.trusted), so strangers rotating fresh ids, however fast, never hold every slot; and the
+    strangers of one host group (hosts.host_group: an address, an IPv6 /64, a relay) hold at most
+    `per_host` of theirs (by default a quarter), so fresh ids from one host cannot keep a stranger of
+    another out (an open run's joiner asking for our state is one)."""
 
     per_peer: int = 4
     total: int = 64
     rate: float = 8.0
     burst: float = 32.0
     reserved: int = 16
+    per_host: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.reserved < self.total:
             raise ValueError(f"reserved streams {self.reserved} must leave strangers some of {self.total}")
+        if self.per_host is None:
+            object.__setattr__(self, "per_host", max(1, (self.total - self.reserved) // 4))
+        elif not 0 < self.per_host <= self.total - self.reserved:
+            raise ValueError(f"a host's {self.per_host} streams must be within the strangers' "
+                             f"{self.total - self.reserved}")
 
 
 class StreamLimits:
@@ -182,17 +193,21 @@ class StreamLimits:
         self.limits = limits
         self._open: dict[str, int] = {}
         self._strangers = 0  # streams open for peers we do not trust, at most total − reserved
+        self._hosts: dict[str, int] = {}  # strangers' streams open by host group, each ≤ per_host
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # peer → (tokens, at)
         self._capacity = capacity
 
-    def admit(self, peer: str, now: float | None = None, trusted: bool = False) -> str | None:
-        """Why a new stream from `peer` (`trusted`: Streams.trusted) is refused now; None when it is
-        taken (then `release` it alike)."""
+    def admit(self, peer: str, now: float | None = None, trusted: bool = False,
+              host: str = UNKNOWN_HOST) -> str | None:
+        """Why a new stream from `peer` (`trusted`: Streams.trusted; its connection from `host`, a
+        hosts.host_group) is refused now; None when it is taken (then `release` it alike)."""
         now = time.monotonic() if now is None else now
         if sum(self._open.values()) >= self.limits.total:
             return f"{self.limits.total} streams open already"
         if not trusted and self._strangers >= self.limits.total - self.limits.reserved:
             return f"{self._strangers} streams of peers we do not know open already"
+        if not trusted and self.host_full(host):
+            return f"{self.limits.per_host} streams of peers we do not know from its host open already"
         if self._open.get(peer, 0) >= self.limits.per_peer:
             return f"{self.limits.per_peer} of its streams open already"
         tokens, at = self._buckets.pop(peer, (self.limits.burst, now))
@@ -203,10 +218,17 @@ class StreamLimits:
             return f"more than {self.limits.rate:g} requests/s"
         self._open[peer] = self._open.get(peer, 0) + 1
         self._strangers += not trusted
+        if not trusted:
+            self._hosts[host] = self._hosts.get(host, 0) + 1
         return None
 
-    def release(self, peer: str, trusted: bool = False) -> None:
+    def release(self, peer: str, trusted: bool = False, host: str = UNKNOWN_HOST) -> None:
         self._strangers -= not trusted
+        if not trusted:
+            if (held := self._hosts.get(host, 0) - 1) > 0:
+                self._hosts[host] = held
+            else:
+                self._hosts.pop(host, None)
         left = self._open.get(peer, 0) - 1
         if left > 0:
             self._open[peer] = left
@@ -215,6 +237,10 @@ class StreamLimits:
 
     def open_streams(self) -> int:
         return sum(self._open.values())
+
+    def host_full(self, host: str) -> bool:
+        """Whether the strangers of `host` hold every stream one host's may."""
+        return self._hosts.get(host, 0) >= cast(int, self.limits.per_host)
 
     def full(self, trusted: bool = True) -> bool:
         """Whether every stream a peer (`trusted` or not) may take is taken."""
@@ -311,15 +337,16 @@ class StreamService(ABC):
             peer = str(info.peer_id)
             reader, writer = self._paced(reader, writer, peer)
             trusted = self.streams.trusted(peer)
-            why = self._limits.admit(peer, trusted=trusted)
-            if why is not None and self._limits.full(trusted) and self._evict_silent(trusted):
-                why = self._limits.admit(peer, trusted=trusted)
+            host = host_group(getattr(info, "addr", None))
+            why = self._limits.admit(peer, trusted=trusted, host=host)
+            if why is not None and self._make_room(trusted, host):
+                why = self._limits.admit(peer, trusted=trusted, host=host)
             if why is not None:
                 self._refuse_once(peer, why, "%s refused a stream from peer=%s: %s", self.name, peer, why,
                                   level=logging.INFO)
                 writer.close()
                 return
-            served = _Served(peer, asyncio.current_task(), time.monotonic(), SilenceWatch(reader), trusted)
+            served = _Served(peer, asyncio.current_task(), time.monotonic(), SilenceWatch(reader), trusted, host)
             self._streams_served.append(served)
             try:
                 await handler(info, cast(asyncio.StreamReader, served.reader), writer)
@@ -332,21 +359,30 @@ class StreamService(ABC):
             finally:
                 self._streams_served.remove(served)
                 if not served.evicted:  # an evicted stream gave its slot back when it was closed
-                    self._limits.release(peer, served.trusted)
+                    self._limits.release(peer, served.trusted, served.host)
         return limited
 
-    def _evict_silent(self, trusted: bool) -> bool:
+    def _make_room(self, trusted: bool, host: str) -> bool:
+        """Close a silent stream for a refused one where that frees what it needs: a stranger whose
+        host holds its share takes one of its own host's; else, when the streams it may take are
+        all taken, the longest silent of those. Whether one was closed."""
+        if not trusted and self._limits.host_full(host):
+            return self._evict_silent(trusted, host)
+        return self._limits.full(trusted) and self._evict_silent(trusted)
+
+    def _evict_silent(self, trusted: bool, host: str | None = None) -> bool:
         """Close the stream that has been silent longest, if one has been for SILENT_GRACE_SECONDS
-        (for a stranger's new stream, one of a stranger's: the slots it may take); its slot is free
-        at once. Whether one was closed."""
+        (for a stranger's new stream, one of a stranger's: the slots it may take; with `host`, one of
+        that host's strangers); its slot is free at once. Whether one was closed."""
         now = time.monotonic()
         silent = [s for s in self._streams_served if s.reader.silent and not s.evicted
-                  and (trusted or not s.trusted) and now - s.opened >= SILENT_GRACE_SECONDS]
+                  and (trusted or not s.trusted) and (host is None or (not s.trusted and s.host == host))
+                  and now - s.opened >= SILENT_GRACE_SECONDS]
         if not silent:
             return False
         oldest = min(silent, key=lambda s: s.opened)
         oldest.evicted = True
-        self._limits.release(oldest.peer, oldest.trusted)
+        self._limits.release(oldest.peer, oldest.trusted, oldest.host)
         if oldest.task is not None:
             oldest.task.cancel()
         self._refuse_once(oldest.peer, "silent", "%s closed a silent stream of peer=%s to serve another",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -14,9 +15,12 @@ from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import get_dht_time
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from diloco_node.swarm import messages, records
-from diloco_node.swarm.reachability import DialBack, _host
+from diloco_node.swarm.hosts import UNKNOWN_HOST, host_group, host_of
+from diloco_node.swarm.reachability import DialBack
 from diloco_node.swarm.records import RunValidator
 from diloco_node.swarm.statesync import (
     Admission,
@@ -89,7 +93,7 @@ def test_the_depth_scan_is_linear_in_the_message() -> None:
 # --- stream limits ----------------------------------------------------------------------------
 
 def test_one_peer_holds_at_most_its_share_of_streams_and_requests() -> None:
-    limits = StreamLimits(Limits(per_peer=2, total=3, rate=1.0, burst=3.0, reserved=0))
+    limits = StreamLimits(Limits(per_peer=2, total=3, rate=1.0, burst=3.0, reserved=0, per_host=3))
     assert limits.admit(PEER, now=0.0) is None and limits.admit(PEER, now=0.0) is None
     assert "2 of its streams open" in str(limits.admit(PEER, now=0.0))
     limits.release(PEER)
@@ -211,9 +215,9 @@ def test_an_owner_report_of_the_wrong_shape_is_refused() -> None:
 
 
 def test_dial_back_goes_only_to_the_askers_own_host() -> None:
-    assert _host("/ip4/203.0.113.7/tcp/31337") == "203.0.113.7"
-    assert _host("/ip4/203.0.113.7/tcp/1/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N/p2p-circuit") is None
-    assert _host("/dns4/example.org/tcp/1") is None and _host("nonsense") is None and _host(None) is None
+    assert host_of("/ip4/203.0.113.7/tcp/31337") == "203.0.113.7"
+    assert host_of("/ip4/203.0.113.7/tcp/1/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N/p2p-circuit") is None
+    assert host_of("/dns4/example.org/tcp/1") is None and host_of("nonsense") is None and host_of(None) is None
     assert messages.parse_dial_back(json.dumps({"addresses": ["a"] * 20}).encode(), 8) == ["a"] * 8
     assert isinstance(messages.parse_dial_back(b'{"addresses": [1]}', 8), str)
 
@@ -249,7 +253,6 @@ def test_a_capped_transfer_lowers_the_least_rate_a_download_keeps_but_not_withou
 def test_a_handler_cancelled_by_a_stop_ends_quietly_and_frees_its_slot() -> None:
     """A stop cancels the handlers that run: the wrapper ends the stream and returns, since a cancelled
     handler task makes asyncio log a traceback from hivemind's stream callback."""
-    from types import SimpleNamespace
 
     from diloco_node.swarm.streams import StreamService
 
@@ -268,10 +271,23 @@ def test_a_handler_cancelled_by_a_stop_ends_quietly_and_frees_its_slot() -> None
     assert closed == [True] and service._limits.open_streams() == 0
 
 
-def _silent_service(total: int, reserved: int = 0, trusted=lambda peer: False):  # type: ignore[no-untyped-def]
+_HOSTS: dict[str, int] = {}
+
+
+def _stream_info(peer: str, host: str | None = None):  # type: ignore[no-untyped-def]
+    """A handler's view of a stream from `peer`, whose connection comes from `host` (by default a
+    host of its own: one per peer name)."""
+
+    if host is None:
+        n = _HOSTS.setdefault(peer, len(_HOSTS))
+        host = f"10.{n // 250}.{n % 250}.1"
+    return SimpleNamespace(peer_id=peer, addr=f"/ip4/{host}/tcp/4001")
+
+
+def _silent_service(total: int, reserved: int = 0, trusted=lambda peer: False,  # type: ignore[no-untyped-def]
+                    per_host: int | None = None):
     """A service whose handler reads one message and then holds the stream until `release` is set,
     over fake unpaced streams; `reserved` of its streams for peers `trusted` says yes to."""
-    from types import SimpleNamespace
 
     from diloco_node.swarm.streams import StreamService, receive
 
@@ -287,7 +303,7 @@ def _silent_service(total: int, reserved: int = 0, trusted=lambda peer: False): 
     uncounted = SimpleNamespace(count=lambda *_, **__: None)
     streams = SimpleNamespace(p2p=None, loop=None, throttle=unpaced, traffic=uncounted, trusted=trusted)
     service = Echo(streams, "echo", Limits(per_peer=4, total=total, rate=100.0, burst=100.0,  # type: ignore[arg-type]
-                                           reserved=reserved))
+                                           reserved=reserved, per_host=per_host))
     return service, answered, release
 
 
@@ -295,7 +311,6 @@ def test_silent_streams_cannot_hold_every_slot(monkeypatch: pytest.MonkeyPatch) 
     """16 fresh ids x 4 streams that never send a byte took all 64 slots (each held 10 s + 10 s), and
     honest fetches closed with 0 bytes: once every slot is taken, the stream silent longest is closed
     for a new one; a stream whose first message is in, or silent for less than the grace, never is."""
-    from types import SimpleNamespace
 
     from diloco_node.swarm import streams as streams_module
 
@@ -308,7 +323,7 @@ def test_silent_streams_cannot_hold_every_slot(monkeypatch: pytest.MonkeyPatch) 
             reader.feed_data(data)
             writer = SimpleNamespace(close=lambda: closed.append(peer))
             handler = service._limited(service._serve)
-            return asyncio.ensure_future(handler(SimpleNamespace(peer_id=peer), reader, writer)), reader
+            return asyncio.ensure_future(handler(_stream_info(peer), reader, writer)), reader
 
         def message(n: int) -> bytes:
             body = json.dumps({"n": n}).encode()
@@ -377,7 +392,6 @@ def test_strangers_rotating_fresh_ids_never_take_the_slots_of_peers_we_trust(mon
     wave comes: every slot a stranger may take is always young or taken, and 0 of 10 honest fetches
     were served. The slots `reserved` are for peers we trust (proven, anchors, joiners we served,
     our groups' members: facade._trusted), and strangers' waves never reach them."""
-    from types import SimpleNamespace
 
     from diloco_node.swarm import streams as streams_module
 
@@ -392,7 +406,7 @@ def test_strangers_rotating_fresh_ids_never_take_the_slots_of_peers_we_trust(mon
             reader = asyncio.StreamReader()
             reader.feed_data(data)
             writer = SimpleNamespace(close=lambda: None)
-            tasks.append(asyncio.ensure_future(service._limited(service._serve)(SimpleNamespace(peer_id=peer),
+            tasks.append(asyncio.ensure_future(service._limited(service._serve)(_stream_info(peer),
                                                                                  reader, writer)))
 
         async def settle() -> None:
@@ -423,12 +437,92 @@ def test_strangers_rotating_fresh_ids_never_take_the_slots_of_peers_we_trust(mon
     asyncio.run(scenario())
 
 
+def test_the_strangers_of_one_host_hold_at_most_their_share() -> None:
+    limits = StreamLimits(Limits(per_peer=4, total=16, rate=100.0, burst=100.0, reserved=4))
+    assert limits.limits.per_host == 3  # a quarter of the strangers' 12
+    for n in range(3):
+        assert limits.admit(f"fresh{n}", now=0.0, host="203.0.113.9") is None
+    assert "from its host" in str(limits.admit("fresh3", now=0.0, host="203.0.113.9"))
+    assert limits.admit("other", now=0.0, host="198.51.100.20") is None  # another host's stranger
+    assert limits.admit("member", now=0.0, trusted=True, host="203.0.113.9") is None  # trust is not by host
+    limits.release("fresh0", host="203.0.113.9")
+    assert limits.admit("fresh4", now=0.0, host="203.0.113.9") is None
+    with pytest.raises(ValueError):
+        Limits(total=16, reserved=4, per_host=13)
+
+
+@pytest.mark.parametrize(("address", "group"), [
+    ("/ip4/203.0.113.7/tcp/31337", "203.0.113.7"),
+    ("/ip6/2001:db8:1:2:3:4:5:6/tcp/1", "2001:db8:1:2::/64"),  # a fresh address per id within a /64 buys nothing
+    ("/ip6/2001:db8:1:2:ffff::1/tcp/1", "2001:db8:1:2::/64"),
+    ("/ip4/203.0.113.7/tcp/1/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N/p2p-circuit", "relay 203.0.113.7"),
+    ("/dns4/example.org/tcp/1", UNKNOWN_HOST), ("nonsense", UNKNOWN_HOST), (None, UNKNOWN_HOST), (7, UNKNOWN_HOST),
+])
+def test_a_connection_counts_against_its_address_its_ipv6_64_or_its_relay(address: object, group: str) -> None:
+    assert host_group(address) == group
+
+
+@settings(max_examples=2000, deadline=None)
+@given(address=st.one_of(st.text(max_size=120), st.binary(max_size=120),
+                         st.builds(lambda ip, tail: f"/ip4/{ip}{tail}", st.text(max_size=20), st.text(max_size=60)),
+                         st.builds(lambda ip, tail: f"/ip6/{ip}{tail}", st.text(max_size=40), st.text(max_size=60))))
+def test_any_address_text_has_one_host_group(address: object) -> None:
+    """The address comes from the p2p daemon, yet a relay or a daemon of another version may hand us
+    anything: every text names a group and nothing raises."""
+    assert isinstance(host_group(address), str)
+
+
+def test_fresh_ids_of_one_host_never_keep_a_stranger_of_another_from_our_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state service's limits (statesync.STATE_LIMITS): 100 fresh ids from one host open 16
+    silent streams every second, each just past the grace when the next wave comes. Before, they
+    kept every one of the 12 slots strangers share young, and an open run's joiner (a stranger: its
+    record is free) was refused every time. Its host's share is a quarter of those slots."""
+    from diloco_node.swarm import streams as streams_module
+    from diloco_node.swarm.statesync import STATE_LIMITS
+
+    async def scenario() -> None:
+        service, answered, release = _silent_service(total=STATE_LIMITS.total, reserved=STATE_LIMITS.reserved)
+        clock = [1000.0]
+        monkeypatch.setattr(streams_module.time, "monotonic", lambda: clock[0])
+        tasks = []
+
+        def opened(info: object, data: bytes = b"") -> None:
+            reader = asyncio.StreamReader()
+            reader.feed_data(data)
+            writer = SimpleNamespace(close=lambda: None)
+            tasks.append(asyncio.ensure_future(service._limited(service._serve)(info, reader, writer)))
+
+        async def settle() -> None:
+            for _ in range(20):
+                await asyncio.sleep(0)
+
+        wave = 0
+        for second in range(8):  # 8 joiners held open beside the sybils' 3: within the 12
+            clock[0] += streams_module.SILENT_GRACE_SECONDS
+            for _ in range(STATE_LIMITS.total):
+                opened(_stream_info(f"sybil{wave % 100}", host="203.0.113.9"))
+                wave += 1
+            await settle()
+            assert service._limits._hosts["203.0.113.9"] <= 3
+            clock[0] += 0.01
+            body = json.dumps({"n": second}).encode()
+            joiner = _stream_info(f"joiner{second}", host=f"198.51.100.{20 + second}")
+            opened(joiner, len(body).to_bytes(8, "big") + body)
+            await settle()
+        assert sorted(json.loads(m)["n"] for m in answered) == list(range(8))
+        release.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("permissioned", [False, True])
 def test_a_node_with_a_record_takes_the_reserved_slots_only_in_a_permissioned_run(permissioned: bool) -> None:
     """A joiner is proven to nobody yet: in an open run its record is free and it stays a stranger;
     in a permissioned run its record carries the owner's admission, so strangers rotating fresh ids
     cannot keep it from our state (facade._trusted)."""
-    from types import SimpleNamespace
 
     from diloco_node.swarm.facade import Swarm
 
