@@ -125,7 +125,12 @@ def join(ctx: click.Context, config_file: str | None, log_level: str, **values: 
 
     Example: diloco-node join --peer /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
     """
-    cfg = _config_of_run(ctx, config_file, values, log_level)
+    from diloco_node.commands.join import config_of_run
+
+    cfg, taken = config_of_run(given_values(ctx, config_file, values), lambda: resolve_config(ctx, config_file, values),
+                               lambda: setup_logging(log_level))
+    if taken is not None:
+        click.echo(taken)
     # after the config: checking a --peer imports hivemind, whose import sets its own log handler up
     setup_logging(log_level)
     cfg.fingerprint()  # reads the tokenizer and the data once: a bad one ends here, before anything is made
@@ -141,64 +146,6 @@ def given_values(ctx: click.Context, config_file: str | None, values: dict[str, 
     given = read_toml(config_file) if config_file else {}
     given.update(explicit_values(ctx, values))
     return given
-
-
-def _config_of_run(ctx: click.Context, config_file: str | None, values: dict[str, Any],
-                   log_level: str = "INFO") -> NodeConfig:
-    """The node's config: with --peer (or a manifest beside the checkpoint, which a joiner wrote), the
-    run's manifest's settings with the user's node-level ones (manifest.take); else the user's own."""
-    given = given_values(ctx, config_file, values)
-    if given.get("manifest", "auto") == "off":
-        return resolve_config(ctx, config_file, values)
-    from diloco_node.config import build_config
-    from diloco_node.train import manifest
-
-    checkpoint_dir = str(given.get("checkpoint_dir", FIELDS["checkpoint_dir"].default))
-    peers = list(given.get("peer") or [])
-    # a node that names neither a peer nor a run starts a run of its own: no earlier run's copy is taken
-    local = manifest.find_local(checkpoint_dir, given.get("run_id")) if peers or "run_id" in given else None
-    if local is None and not peers:
-        return resolve_config(ctx, config_file, values)
-    if local is not None:
-        taken, source = manifest.read_local(local), str(local)
-    else:
-        build_config({"peer": peers}, "options")  # a malformed --peer: its own one line, before any network
-        owner = str(given.get("run_owner") or "")
-        if owner:  # a permissioned run: only a manifest this key signed is taken; a malformed key is one line here
-            from diloco_node.trust.admission import parse_public_key
-
-            parse_public_key(owner)  # or AdmissionError
-        setup_logging(log_level)  # the check imported hivemind: its log is quieted before the fetch talks
-        from diloco_node.swarm.manifests import ManifestUnavailable, fetch
-
-        try:
-            taken, source = fetch(peers, given.get("run_id"), owner)
-        except ManifestUnavailable as exc:
-            # A user who named the run set it up themselves: no peer (an older node, a hostile one)
-            # stops them from joining with their own options, which the swarm's fingerprint check
-            # still holds to the run's. Without a run id there is nothing to join with; and a user
-            # who named the run's owner (--run-owner) joins on a manifest that owner signed only, run
-            # id or not (check_signed). Without --run-owner a peer's claim that the run is
-            # permissioned does not lock out a user who named the run: a hostile peer could serve it.
-            if "run_id" not in given or (exc.unsigned and owner):
-                raise
-            logging.getLogger("diloco_node.cli").warning("%s; joining run %s with the options given", exc,
-                                                         given["run_id"])
-            return resolve_config(ctx, config_file, values)
-    if checkpoint_dir:
-        directory = Path(checkpoint_dir) / taken.run_id
-    else:  # no checkpoints: the run's files live as long as the process
-        import atexit
-        import shutil
-        import tempfile
-
-        directory = Path(tempfile.mkdtemp(prefix="diloco-run-"))
-        atexit.register(shutil.rmtree, directory, True)
-    cfg = manifest.take(taken, given, directory)  # or ManifestConflict, ManifestError
-    if checkpoint_dir and local is None:
-        manifest.write_local(taken, manifest.local_path(checkpoint_dir, taken.run_id))
-    click.echo(f"{taken.summary()}, from {source}")
-    return cfg
 
 
 @main.group(cls=Commands)

@@ -80,7 +80,7 @@ def test_a_permissioned_runs_manifest_is_taken_only_with_its_owners_signature(no
                                    "diloco-node run sign)"
         with pytest.raises(ManifestUnavailable, match="its manifest is not signed by the run owner") as caught:
             fetch([address], None, OWNER)
-        assert caught.value.unsigned  # the run is known permissioned: no --run-id fallback (cli._config_of_run)
+        assert caught.value.unsigned  # the run is known permissioned: no --run-id fallback (join.config_of_run)
         assert fetch([address], None, signed=False)[0].signature is None  # `run show`, `run sign`
         signature[0] = manifest.sign(manifest.build(NodeConfig(run_id="perm", run_owner=OWNER, admission="dn1.a.b",
                                                                 identity="id.key", inner_steps=7), 1234),
