@@ -230,11 +230,18 @@ class Islands:
             subprocess.run(["ip", "netns", "exec", name, "sysctl", "-q", "-w", f"net.ipv6.conf.{key}.disable_ipv6=1"],
                            capture_output=True, check=False, timeout=COMMAND_TIMEOUT)
 
-    def _shape(self, ns: str, dev: str) -> None:
-        subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf",
-                        "rate", f"{self.rate_mbit}mbit", "burst", f"{int(self.burst_kb * 1024)}",
+    def _shape(self, ns: str, dev: str, rate_mbit: float | None = None, verb: str = "add") -> None:
+        rate = self.rate_mbit if rate_mbit is None else rate_mbit
+        burst_kb = self.burst_kb if rate_mbit is None else max(32.0, rate * 1e6 / 8 * 0.010 / 1024)
+        subprocess.run(["tc", "-n", ns, "qdisc", verb, "dev", dev, "root", "tbf",
+                        "rate", f"{rate}mbit", "burst", f"{int(burst_kb * 1024)}",
                         "latency", f"{self.latency_ms}ms"],
                        capture_output=True, text=True, check=True, timeout=COMMAND_TIMEOUT)
+
+    def set_rate(self, island: Island, rate_mbit: float) -> None:
+        """Give one island's access line another rate, both ways (a home uplink beside a datacentre's)."""
+        self._shape(island.namespace, IFACE, rate_mbit, "change")
+        self._shape(self.hub, f"p{island.index}", rate_mbit, "change")
 
     def _build(self) -> None:
         self._add_namespace(self.hub)
