@@ -44,6 +44,8 @@ def host_group(address: object) -> str:
         parsed = ipaddress.ip_address(ip)
     except ValueError:
         return UNKNOWN_HOST
+    if isinstance(parsed, ipaddress.IPv6Address) and parsed.ipv4_mapped is not None:
+        parsed = parsed.ipv4_mapped  # an IPv4 peer on a dual-stack socket: its own address, not "::/64"
     group = str(ipaddress.ip_network(f"{parsed}/{IPV6_GROUP_BITS}", strict=False)) if parsed.version == 6 \
         else str(parsed)
     return f"relay {group}" if any(name == "p2p-circuit" for name, _ in parts) else group

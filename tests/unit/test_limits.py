@@ -455,6 +455,7 @@ def test_the_strangers_of_one_host_hold_at_most_their_share() -> None:
     ("/ip4/203.0.113.7/tcp/31337", "203.0.113.7"),
     ("/ip6/2001:db8:1:2:3:4:5:6/tcp/1", "2001:db8:1:2::/64"),  # a fresh address per id within a /64 buys nothing
     ("/ip6/2001:db8:1:2:ffff::1/tcp/1", "2001:db8:1:2::/64"),
+    ("/ip6/::ffff:203.0.113.7/tcp/1", "203.0.113.7"),  # IPv4 on a dual-stack socket: not one group for all
     ("/ip4/203.0.113.7/tcp/1/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N/p2p-circuit", "relay 203.0.113.7"),
     ("/dns4/example.org/tcp/1", UNKNOWN_HOST), ("nonsense", UNKNOWN_HOST), (None, UNKNOWN_HOST), (7, UNKNOWN_HOST),
 ])
