@@ -3,9 +3,10 @@
 A peer chooses its id for free, but not the address its connection comes from: that address is
 the one thing that tells many fresh ids of one attacker apart from many peers. `host_of` is the
 plain host (dial-back dials only the asker's own); `host_group` is the unit that stream limits
-bound strangers by (docs/architecture.md §9): an IPv4 address, an IPv6 /64 (what one subscriber
-line gets, so a host cannot pick a fresh address per id within it), or the relay a relayed
-connection comes through.
+bound strangers by (docs/architecture.md §9): an IPv4 address, an IPv6 /48 (a site's allocation:
+a subscriber given a /56 or a /64 cannot pick a fresh group per id within it), or the relay a
+relayed connection comes through. A connection from our own machine (loopback) is in no group:
+its peers are as trusted as the machine, and test swarms run there.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import ipaddress
 from hivemind.utils.multiaddr import Multiaddr
 
 UNKNOWN_HOST = "unknown"  # an address we cannot read: all such streams share one group
-IPV6_GROUP_BITS = 64
+IPV6_GROUP_BITS = 48
 
 
 def _parts(address: object) -> list[tuple[str, str]]:
@@ -33,9 +34,10 @@ def host_of(address: object) -> str | None:
     return next((value for name, value in parts if name in ("ip4", "ip6")), None)
 
 
-def host_group(address: object) -> str:
+def host_group(address: object) -> str | None:
     """The group of hosts a connection from `address` counts against: its IPv4 address, its IPv6
-    /64, the relay's group for a relayed one (`relay <group>`), UNKNOWN_HOST when there is none."""
+    /48, the relay's group for a relayed one (`relay <group>`), UNKNOWN_HOST when there is none;
+    None for our own machine (loopback, not relayed)."""
     parts = _parts(address)
     ip = next((value for name, value in parts if name in ("ip4", "ip6")), None)
     if ip is None:
@@ -46,6 +48,9 @@ def host_group(address: object) -> str:
         return UNKNOWN_HOST
     if isinstance(parsed, ipaddress.IPv6Address) and parsed.ipv4_mapped is not None:
         parsed = parsed.ipv4_mapped  # an IPv4 peer on a dual-stack socket: its own address, not "::/64"
+    relayed = any(name == "p2p-circuit" for name, _ in parts)
+    if parsed.is_loopback and not relayed:
+        return None
     group = str(ipaddress.ip_network(f"{parsed}/{IPV6_GROUP_BITS}", strict=False)) if parsed.version == 6 \
         else str(parsed)
-    return f"relay {group}" if any(name == "p2p-circuit" for name, _ in parts) else group
+    return f"relay {group}" if relayed else group

@@ -46,8 +46,10 @@ MAX_REQUEST_BYTES = 256
 MAX_HEADER_BYTES = 512  # a run id of 64 characters and a signature of 128 fit well within it
 READ_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 30.0  # starting our own p2p daemon and reaching the peer
-# a few asks per peer: joiners ask once, `run show` once
-MANIFEST_LIMITS = Limits(per_peer=2, total=16, rate=1.0, burst=4.0, reserved=4)
+# a few asks per peer: joiners ask once, `run show` once; a third of the strangers' slots per host
+# group (streams.Limits), since a joiner asks once and does not retry, and a lab's machines behind one
+# address start together
+MANIFEST_LIMITS = Limits(per_peer=2, total=16, rate=1.0, burst=4.0, reserved=4, per_host=4)
 
 
 class ManifestUnavailable(NodeError, RuntimeError):

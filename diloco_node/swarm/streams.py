@@ -155,7 +155,7 @@ class _Served:
     opened: float
     reader: SilenceWatch
     trusted: bool  # took its slot as a peer we trust (Streams.trusted): gives it back to that pool
-    host: str  # its connection's hosts.host_group
+    host: str | None  # its connection's hosts.host_group
     evicted: bool = False
 
 
@@ -165,9 +165,9 @@ class Limits:
     requests per second (a bucket of `burst` refilled at `rate`). Fresh peer ids get fresh buckets,
     which is why `total` bounds them all; `reserved` of the total only peers we trust may take
     (Streams.trusted), so strangers rotating fresh ids, however fast, never hold every slot; and the
-    strangers of one host group (hosts.host_group: an address, an IPv6 /64, a relay) hold at most
-    `per_host` of theirs (by default a quarter), so fresh ids from one host cannot keep a stranger of
-    another out (an open run's joiner asking for our state is one)."""
+    strangers of one host group (hosts.host_group: an IPv4 address, an IPv6 /48, a relay) hold at
+    most `per_host` of theirs (by default a sixth), so fresh ids from fewer than six groups cannot
+    keep a stranger of another out (an open run's joiner asking for our state is one)."""
 
     per_peer: int = 4
     total: int = 64
@@ -180,7 +180,7 @@ class Limits:
         if not 0 <= self.reserved < self.total:
             raise ValueError(f"reserved streams {self.reserved} must leave strangers some of {self.total}")
         if self.per_host is None:
-            object.__setattr__(self, "per_host", max(1, (self.total - self.reserved) // 4))
+            object.__setattr__(self, "per_host", max(1, (self.total - self.reserved) // 6))
         elif not 0 < self.per_host <= self.total - self.reserved:
             raise ValueError(f"a host's {self.per_host} streams must be within the strangers' "
                              f"{self.total - self.reserved}")
@@ -198,9 +198,10 @@ class StreamLimits:
         self._capacity = capacity
 
     def admit(self, peer: str, now: float | None = None, trusted: bool = False,
-              host: str = UNKNOWN_HOST) -> str | None:
+              host: str | None = UNKNOWN_HOST) -> str | None:
         """Why a new stream from `peer` (`trusted`: Streams.trusted; its connection from `host`, a
-        hosts.host_group) is refused now; None when it is taken (then `release` it alike)."""
+        hosts.host_group, None: our own machine, in no group) is refused now; None when it is taken
+        (then `release` it alike)."""
         now = time.monotonic() if now is None else now
         if sum(self._open.values()) >= self.limits.total:
             return f"{self.limits.total} streams open already"
@@ -218,13 +219,13 @@ class StreamLimits:
             return f"more than {self.limits.rate:g} requests/s"
         self._open[peer] = self._open.get(peer, 0) + 1
         self._strangers += not trusted
-        if not trusted:
+        if not trusted and host is not None:
             self._hosts[host] = self._hosts.get(host, 0) + 1
         return None
 
-    def release(self, peer: str, trusted: bool = False, host: str = UNKNOWN_HOST) -> None:
+    def release(self, peer: str, trusted: bool = False, host: str | None = UNKNOWN_HOST) -> None:
         self._strangers -= not trusted
-        if not trusted:
+        if not trusted and host is not None:
             if (held := self._hosts.get(host, 0) - 1) > 0:
                 self._hosts[host] = held
             else:
@@ -238,9 +239,9 @@ class StreamLimits:
     def open_streams(self) -> int:
         return sum(self._open.values())
 
-    def host_full(self, host: str) -> bool:
-        """Whether the strangers of `host` hold every stream one host's may."""
-        return self._hosts.get(host, 0) >= cast(int, self.limits.per_host)
+    def host_full(self, host: str | None) -> bool:
+        """Whether the strangers of `host` hold every stream one host's may (our own machine's: never)."""
+        return host is not None and self._hosts.get(host, 0) >= cast(int, self.limits.per_host)
 
     def full(self, trusted: bool = True) -> bool:
         """Whether every stream a peer (`trusted` or not) may take is taken."""
@@ -362,7 +363,7 @@ class StreamService(ABC):
                     self._limits.release(peer, served.trusted, served.host)
         return limited
 
-    def _make_room(self, trusted: bool, host: str) -> bool:
+    def _make_room(self, trusted: bool, host: str | None) -> bool:
         """Close a silent stream for a refused one where that frees what it needs: a stranger whose
         host holds its share takes one of its own host's; else, when the streams it may take are
         all taken, the longest silent of those. Whether one was closed."""

@@ -439,10 +439,11 @@ def test_strangers_rotating_fresh_ids_never_take_the_slots_of_peers_we_trust(mon
 
 def test_the_strangers_of_one_host_hold_at_most_their_share() -> None:
     limits = StreamLimits(Limits(per_peer=4, total=16, rate=100.0, burst=100.0, reserved=4))
-    assert limits.limits.per_host == 3  # a quarter of the strangers' 12
-    for n in range(3):
+    assert limits.limits.per_host == 2  # a sixth of the strangers' 12
+    for n in range(2):
         assert limits.admit(f"fresh{n}", now=0.0, host="203.0.113.9") is None
     assert "from its host" in str(limits.admit("fresh3", now=0.0, host="203.0.113.9"))
+    assert limits.admit("local", now=0.0, host=None) is None  # our own machine: in no group
     assert limits.admit("other", now=0.0, host="198.51.100.20") is None  # another host's stranger
     assert limits.admit("member", now=0.0, trusted=True, host="203.0.113.9") is None  # trust is not by host
     limits.release("fresh0", host="203.0.113.9")
@@ -453,13 +454,15 @@ def test_the_strangers_of_one_host_hold_at_most_their_share() -> None:
 
 @pytest.mark.parametrize(("address", "group"), [
     ("/ip4/203.0.113.7/tcp/31337", "203.0.113.7"),
-    ("/ip6/2001:db8:1:2:3:4:5:6/tcp/1", "2001:db8:1:2::/64"),  # a fresh address per id within a /64 buys nothing
-    ("/ip6/2001:db8:1:2:ffff::1/tcp/1", "2001:db8:1:2::/64"),
+    ("/ip6/2001:db8:1:2:3:4:5:6/tcp/1", "2001:db8:1::/48"),
+    ("/ip6/2001:db8:1:ff:ffff::1/tcp/1", "2001:db8:1::/48"),  # a fresh /64 per id within a site's /48 buys nothing
     ("/ip6/::ffff:203.0.113.7/tcp/1", "203.0.113.7"),  # IPv4 on a dual-stack socket: not one group for all
     ("/ip4/203.0.113.7/tcp/1/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N/p2p-circuit", "relay 203.0.113.7"),
+    ("/ip4/127.0.0.1/tcp/1", None), ("/ip6/::1/tcp/1", None),  # our own machine: in no group
+    ("/ip4/127.0.0.1/tcp/1/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N/p2p-circuit", "relay 127.0.0.1"),
     ("/dns4/example.org/tcp/1", UNKNOWN_HOST), ("nonsense", UNKNOWN_HOST), (None, UNKNOWN_HOST), (7, UNKNOWN_HOST),
 ])
-def test_a_connection_counts_against_its_address_its_ipv6_64_or_its_relay(address: object, group: str) -> None:
+def test_a_connection_counts_against_its_address_its_ipv6_48_or_its_relay(address: object, group: str | None) -> None:
     assert host_group(address) == group
 
 
@@ -469,15 +472,62 @@ def test_a_connection_counts_against_its_address_its_ipv6_64_or_its_relay(addres
                          st.builds(lambda ip, tail: f"/ip6/{ip}{tail}", st.text(max_size=40), st.text(max_size=60))))
 def test_any_address_text_has_one_host_group(address: object) -> None:
     """The address comes from the p2p daemon, yet a relay or a daemon of another version may hand us
-    anything: every text names a group and nothing raises."""
-    assert isinstance(host_group(address), str)
+    anything: every text names a group (or our own machine) and nothing raises."""
+    assert host_group(address) is None or isinstance(host_group(address), str)
+
+
+def test_a_host_at_its_share_closes_only_its_own_silent_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stranger whose host holds its share takes the place of that host's stream silent longest,
+    once past the grace; another host's silent stream, older still, is never touched for it."""
+    from diloco_node.swarm import streams as streams_module
+
+    async def scenario() -> None:
+        service, answered, release = _silent_service(total=16, reserved=4)  # per_host 2
+        clock = [1000.0]
+        monkeypatch.setattr(streams_module.time, "monotonic", lambda: clock[0])
+        tasks: dict[str, asyncio.Task[None]] = {}
+
+        def opened(peer: str, host: str, data: bytes = b"") -> None:
+            reader = asyncio.StreamReader()
+            reader.feed_data(data)
+            writer = SimpleNamespace(close=lambda: None)
+            tasks[peer] = asyncio.ensure_future(service._limited(service._serve)(_stream_info(peer, host),
+                                                                                 reader, writer))
+
+        async def settle() -> None:
+            for _ in range(20):
+                await asyncio.sleep(0)
+
+        body = json.dumps({"n": 1}).encode()
+        opened("other", "198.51.100.1")  # silent, and the oldest of all
+        clock[0] += 0.1
+        opened("sybil0", "203.0.113.9")
+        clock[0] += 0.1
+        opened("sybil1", "203.0.113.9")
+        await settle()
+        opened("early", "203.0.113.9", len(body).to_bytes(8, "big") + body)  # within the grace: refused
+        await settle()
+        assert tasks["early"].done() and answered == []
+        clock[0] += streams_module.SILENT_GRACE_SECONDS
+        opened("late", "203.0.113.9", len(body).to_bytes(8, "big") + body)
+        await settle()
+        assert answered == [body]
+        assert tasks["sybil0"].done() and not tasks["sybil1"].done() and not tasks["other"].done()
+        assert service._limits._hosts == {"203.0.113.9": 2, "198.51.100.1": 1}
+        release.set()
+        for task in tasks.values():
+            task.cancel()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        assert service._limits._hosts == {} and service._limits.open_streams() == 0
+
+    asyncio.run(scenario())
 
 
 def test_fresh_ids_of_one_host_never_keep_a_stranger_of_another_from_our_state(monkeypatch: pytest.MonkeyPatch) -> None:
     """The state service's limits (statesync.STATE_LIMITS): 100 fresh ids from one host open 16
     silent streams every second, each just past the grace when the next wave comes. Before, they
     kept every one of the 12 slots strangers share young, and an open run's joiner (a stranger: its
-    record is free) was refused every time. Its host's share is a quarter of those slots."""
+    record is free) was refused every time. Its host's share is a sixth of those slots."""
     from diloco_node.swarm import streams as streams_module
     from diloco_node.swarm.statesync import STATE_LIMITS
 
@@ -498,13 +548,13 @@ def test_fresh_ids_of_one_host_never_keep_a_stranger_of_another_from_our_state(m
                 await asyncio.sleep(0)
 
         wave = 0
-        for second in range(8):  # 8 joiners held open beside the sybils' 3: within the 12
+        for second in range(8):  # 8 joiners held open beside the sybils' 2: within the 12
             clock[0] += streams_module.SILENT_GRACE_SECONDS
             for _ in range(STATE_LIMITS.total):
                 opened(_stream_info(f"sybil{wave % 100}", host="203.0.113.9"))
                 wave += 1
             await settle()
-            assert service._limits._hosts["203.0.113.9"] <= 3
+            assert service._limits._hosts["203.0.113.9"] <= STATE_LIMITS.per_host
             clock[0] += 0.01
             body = json.dumps({"n": second}).encode()
             joiner = _stream_info(f"joiner{second}", host=f"198.51.100.{20 + second}")
