@@ -253,7 +253,6 @@ def test_a_capped_transfer_lowers_the_least_rate_a_download_keeps_but_not_withou
 def test_a_handler_cancelled_by_a_stop_ends_quietly_and_frees_its_slot() -> None:
     """A stop cancels the handlers that run: the wrapper ends the stream and returns, since a cancelled
     handler task makes asyncio log a traceback from hivemind's stream callback."""
-
     from diloco_node.swarm.streams import StreamService
 
     closed: list[bool] = []
@@ -284,11 +283,29 @@ def _stream_info(peer: str, host: str | None = None):  # type: ignore[no-untyped
     return SimpleNamespace(peer_id=peer, addr=f"/ip4/{host}/tcp/4001")
 
 
+async def _settle() -> None:
+    """Every task that can go on goes as far as it can."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def _framed(n: int) -> bytes:
+    """One message of a stream: {"n": n}, length-prefixed."""
+    body = json.dumps({"n": n}).encode()
+    return len(body).to_bytes(8, "big") + body
+
+
+def _open(service, info, data: bytes = b"") -> asyncio.Task[None]:  # type: ignore[no-untyped-def]
+    """A stream of `info` (_stream_info) to `service`'s limited handler, `data` already in it."""
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    return asyncio.ensure_future(service._limited(service._serve)(info, reader, SimpleNamespace(close=lambda: None)))
+
+
 def _silent_service(total: int, reserved: int = 0, trusted=lambda peer: False,  # type: ignore[no-untyped-def]
                     per_host: int | None = None):
     """A service whose handler reads one message and then holds the stream until `release` is set,
     over fake unpaced streams; `reserved` of its streams for peers `trusted` says yes to."""
-
     from diloco_node.swarm.streams import StreamService, receive
 
     answered: list[bytes] = []
@@ -311,7 +328,6 @@ def test_silent_streams_cannot_hold_every_slot(monkeypatch: pytest.MonkeyPatch) 
     """16 fresh ids x 4 streams that never send a byte took all 64 slots (each held 10 s + 10 s), and
     honest fetches closed with 0 bytes: once every slot is taken, the stream silent longest is closed
     for a new one; a stream whose first message is in, or silent for less than the grace, never is."""
-
     from diloco_node.swarm import streams as streams_module
 
     async def scenario() -> None:
@@ -392,7 +408,6 @@ def test_strangers_rotating_fresh_ids_never_take_the_slots_of_peers_we_trust(mon
     wave comes: every slot a stranger may take is always young or taken, and 0 of 10 honest fetches
     were served. The slots `reserved` are for peers we trust (proven, anchors, joiners we served,
     our groups' members: facade._trusted), and strangers' waves never reach them."""
-
     from diloco_node.swarm import streams as streams_module
 
     async def scenario() -> None:
@@ -402,32 +417,17 @@ def test_strangers_rotating_fresh_ids_never_take_the_slots_of_peers_we_trust(mon
         monkeypatch.setattr(streams_module.time, "monotonic", lambda: clock[0])
         tasks = []
 
-        def opened(peer: str, data: bytes = b"") -> None:
-            reader = asyncio.StreamReader()
-            reader.feed_data(data)
-            writer = SimpleNamespace(close=lambda: None)
-            tasks.append(asyncio.ensure_future(service._limited(service._serve)(_stream_info(peer),
-                                                                                 reader, writer)))
-
-        async def settle() -> None:
-            for _ in range(20):
-                await asyncio.sleep(0)
-
-        def message(n: int) -> bytes:
-            body = json.dumps({"n": n}).encode()
-            return len(body).to_bytes(8, "big") + body
-
         wave = 0
         for second in range(10):
             clock[0] += streams_module.SILENT_GRACE_SECONDS
             for _ in range(64):
-                opened(f"sybil{wave % 100}")
+                tasks.append(_open(service, _stream_info(f"sybil{wave % 100}")))
                 wave += 1
-            await settle()
+            await _settle()
             assert service._limits._strangers <= 64 - 16
             clock[0] += 0.01
-            opened(f"member{second}", message(second))
-            await settle()
+            tasks.append(_open(service, _stream_info(f"member{second}"), _framed(second)))
+            await _settle()
         assert sorted(json.loads(m)["n"] for m in answered) == list(range(10))
         release.set()
         for task in tasks:
@@ -488,30 +488,21 @@ def test_a_host_at_its_share_closes_only_its_own_silent_stream(monkeypatch: pyte
         tasks: dict[str, asyncio.Task[None]] = {}
 
         def opened(peer: str, host: str, data: bytes = b"") -> None:
-            reader = asyncio.StreamReader()
-            reader.feed_data(data)
-            writer = SimpleNamespace(close=lambda: None)
-            tasks[peer] = asyncio.ensure_future(service._limited(service._serve)(_stream_info(peer, host),
-                                                                                 reader, writer))
+            tasks[peer] = _open(service, _stream_info(peer, host), data)
 
-        async def settle() -> None:
-            for _ in range(20):
-                await asyncio.sleep(0)
-
-        body = json.dumps({"n": 1}).encode()
         opened("other", "198.51.100.1")  # silent, and the oldest of all
         clock[0] += 0.1
         opened("sybil0", "203.0.113.9")
         clock[0] += 0.1
         opened("sybil1", "203.0.113.9")
-        await settle()
-        opened("early", "203.0.113.9", len(body).to_bytes(8, "big") + body)  # within the grace: refused
-        await settle()
+        await _settle()
+        opened("early", "203.0.113.9", _framed(1))  # within the grace: refused
+        await _settle()
         assert tasks["early"].done() and answered == []
         clock[0] += streams_module.SILENT_GRACE_SECONDS
-        opened("late", "203.0.113.9", len(body).to_bytes(8, "big") + body)
-        await settle()
-        assert answered == [body]
+        opened("late", "203.0.113.9", _framed(1))
+        await _settle()
+        assert [json.loads(m)["n"] for m in answered] == [1]
         assert tasks["sybil0"].done() and not tasks["sybil1"].done() and not tasks["other"].done()
         assert service._limits._hosts == {"203.0.113.9": 2, "198.51.100.1": 1}
         release.set()
@@ -536,30 +527,18 @@ def test_fresh_ids_of_one_host_never_keep_a_stranger_of_another_from_our_state(m
         clock = [1000.0]
         monkeypatch.setattr(streams_module.time, "monotonic", lambda: clock[0])
         tasks = []
-
-        def opened(info: object, data: bytes = b"") -> None:
-            reader = asyncio.StreamReader()
-            reader.feed_data(data)
-            writer = SimpleNamespace(close=lambda: None)
-            tasks.append(asyncio.ensure_future(service._limited(service._serve)(info, reader, writer)))
-
-        async def settle() -> None:
-            for _ in range(20):
-                await asyncio.sleep(0)
-
         wave = 0
         for second in range(8):  # 8 joiners held open beside the sybils' 2: within the 12
             clock[0] += streams_module.SILENT_GRACE_SECONDS
             for _ in range(STATE_LIMITS.total):
-                opened(_stream_info(f"sybil{wave % 100}", host="203.0.113.9"))
+                tasks.append(_open(service, _stream_info(f"sybil{wave % 100}", host="203.0.113.9")))
                 wave += 1
-            await settle()
+            await _settle()
             assert service._limits._hosts["203.0.113.9"] <= STATE_LIMITS.per_host
             clock[0] += 0.01
-            body = json.dumps({"n": second}).encode()
-            joiner = _stream_info(f"joiner{second}", host=f"198.51.100.{20 + second}")
-            opened(joiner, len(body).to_bytes(8, "big") + body)
-            await settle()
+            tasks.append(_open(service, _stream_info(f"joiner{second}", host=f"198.51.100.{20 + second}"),
+                               _framed(second)))
+            await _settle()
         assert sorted(json.loads(m)["n"] for m in answered) == list(range(8))
         release.set()
         for task in tasks:
@@ -574,7 +553,6 @@ def test_a_node_with_a_record_takes_the_reserved_slots_only_in_a_permissioned_ru
     """A joiner is proven to nobody yet: in an open run its record is free and it stays a stranger;
     in a permissioned run its record carries the owner's admission, so strangers rotating fresh ids
     cannot keep it from our state (facade._trusted)."""
-
     from diloco_node.swarm.facade import Swarm
 
     records = {"joiner": object()}
