@@ -47,7 +47,7 @@ def host_group(address: object) -> str | None:
     except ValueError:
         return UNKNOWN_HOST
     if isinstance(parsed, ipaddress.IPv6Address) and parsed.ipv4_mapped is not None:
-        parsed = parsed.ipv4_mapped  # an IPv4 peer on a dual-stack socket: its own address, not "::/64"
+        parsed = parsed.ipv4_mapped  # an IPv4 peer on a dual-stack socket: its own address, not one ::/48 for all
     relayed = any(name == "p2p-circuit" for name, _ in parts)
     if parsed.is_loopback and not relayed:
         return None
