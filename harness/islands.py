@@ -108,6 +108,11 @@ def remove_leftovers() -> list[str]:
     return removed
 
 
+def default_burst_kb(rate_mbit: float) -> float:
+    """A tbf bucket of 10 ms at the rate, at least 32 KiB (tbf needs rate/HZ and a GSO super-packet)."""
+    return max(32.0, rate_mbit * 1e6 / 8 * 0.010 / 1024)
+
+
 def require_netns() -> str | None:
     """None when this process can create network namespaces, veths and tbf qdiscs; else why not."""
     if sys.platform != "linux":
@@ -196,7 +201,7 @@ class Islands:
             raise ValueError("count must be within 1..200")
         self.count = count
         self.rate_mbit = rate_mbit
-        self.burst_kb = burst_kb if burst_kb is not None else max(32.0, rate_mbit * 1e6 / 8 * 0.010 / 1024)
+        self.burst_kb = burst_kb if burst_kb is not None else default_burst_kb(rate_mbit)
         self.latency_ms = latency_ms
         self.prefix = f"{PREFIX}-{os.getpid()}-{int(time.time() * 1000) % 100000}"
         self.hub = f"{self.prefix}-hub"
@@ -232,7 +237,7 @@ class Islands:
 
     def _shape(self, ns: str, dev: str, rate_mbit: float | None = None, verb: str = "add") -> None:
         rate = self.rate_mbit if rate_mbit is None else rate_mbit
-        burst_kb = self.burst_kb if rate_mbit is None else max(32.0, rate * 1e6 / 8 * 0.010 / 1024)
+        burst_kb = self.burst_kb if rate_mbit is None else default_burst_kb(rate)
         subprocess.run(["tc", "-n", ns, "qdisc", verb, "dev", dev, "root", "tbf",
                         "rate", f"{rate}mbit", "burst", f"{int(burst_kb * 1024)}",
                         "latency", f"{self.latency_ms}ms"],

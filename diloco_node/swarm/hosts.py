@@ -26,10 +26,14 @@ def _parts(address: object) -> list[tuple[str, str]]:
         return []
 
 
+def _relayed(parts: list[tuple[str, str]]) -> bool:
+    return any(name == "p2p-circuit" for name, _ in parts)
+
+
 def host_of(address: object) -> str | None:
     """The ip4/ip6 host of a multiaddr (text or Multiaddr); None for a relayed, DNS or malformed one."""
     parts = _parts(address)
-    if any(name == "p2p-circuit" for name, _ in parts):
+    if _relayed(parts):
         return None
     return next((value for name, value in parts if name in ("ip4", "ip6")), None)
 
@@ -48,7 +52,7 @@ def host_group(address: object) -> str | None:
         return UNKNOWN_HOST
     if isinstance(parsed, ipaddress.IPv6Address) and parsed.ipv4_mapped is not None:
         parsed = parsed.ipv4_mapped  # an IPv4 peer on a dual-stack socket: its own address, not one ::/48 for all
-    relayed = any(name == "p2p-circuit" for name, _ in parts)
+    relayed = _relayed(parts)
     if parsed.is_loopback and not relayed:
         return None
     group = str(ipaddress.ip_network(f"{parsed}/{IPV6_GROUP_BITS}", strict=False)) if parsed.version == 6 \
