@@ -454,6 +454,9 @@ def main() -> None:
         if stored and not announced:
             print(f"forging {me}", flush=True)
             announced = True
+        if not announced:  # a store that failed under load: our first line names us, so try it again first
+            stop.wait(1.0)
+            continue
         if mode == "intruder":
             for target in honest:
                 for round_ in range(max(0, target["round"] - 1), target["round"] + 2):

@@ -61,9 +61,16 @@ def test_four_nodes_gossip_in_small_groups_and_stay_close(spawn: NodeFactory, tm
         store.close()
         assert state is not None
         phis[node.name] = torch.cat([p.reshape(-1) for p in state["outer_params"]])
+    by_name = {node.name: node for node in nodes}
     for a, b in itertools.combinations(phis, 2):
         distance = float((phis[a] - phis[b]).norm() / phis[b].norm())
-        assert 0 < distance < CLOSE, f"{a}-{b}: {distance}"
+        assert distance < CLOSE, f"{a}-{b}: {distance}"
+        # Two nodes in one group every round take the same steps from the same φ: they may be
+        # copies (CI once saw a hivemind matchmaking fail between two others, who then lagged and
+        # were left out of every later draw, so c and d met under the spare key each round).
+        apart = any(set(by_name[a].rounds[r].group) != set(by_name[b].rounds[r].group) for r in range(1, ROUNDS + 1))
+        if apart:
+            assert distance > 0, f"{a}-{b} are copies although their groups differed"
 
 
 def test_odd_one_out_averages_alone_at_once_with_a_sparse_codec(spawn: NodeFactory) -> None:
