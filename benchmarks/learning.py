@@ -78,15 +78,27 @@ def parse_options(text: str) -> dict[str, Any]:
     return options
 
 
+# The settings a row's label names even where the row leaves them to the defaults, so that a label in
+# a log keeps naming what ran after a default changes (#39 changed all four).
+STEP_KEYS = ("sync", "inner_lr", "outer_lr", "outer_momentum")
+
+
+def pinned(options: dict[str, Any], keys: tuple[str, ...], **extra: Any) -> dict[str, Any]:
+    """`options` with `keys` added at the values NodeConfig gives them; a wrong key or value fails
+    here, before any job runs."""
+    flat = NodeConfig.model_validate({**options, **extra}).flat()
+    return {**options, **{key: flat[key] for key in keys if key not in options}}
+
+
 def parse_row(text: str) -> dict[str, Any]:
     """`ddp:M`, `alone` or `M:H:key=value,...` → a job's row."""
     parts = text.strip().split(":")
     options = parse_options(parts[2] if len(parts) > 2 else "")
-    given = "".join(f" {k}={v}" for k, v in sorted(options.items()))
     if parts[0] in ("ddp", "alone"):
         # `ddp:4:inner_lr=...`, `alone:F:inner_lr=...`: the baselines get their own best settings too,
         # so that a gain is neither over an untuned baseline nor against an untuned target
-        NodeConfig.model_validate(options)
+        options = pinned(options, ("inner_lr",))
+    given = "".join(f" {k}={v}" for k, v in sorted(options.items()))
     if parts[0] == "ddp":
         return {"kind": "ddp", "workers": int(parts[1]), "options": options,
                 "label": f"DDP M={int(parts[1])}{given}"}
@@ -105,7 +117,7 @@ def parse_row(text: str) -> dict[str, Any]:
     if speeds:  # unequal declarations: the weighting decides how they count, so a row names it (the
         # default was tokens until #41, equal since: a log's rows of either never share a label)
         options.setdefault("weighting", FIELDS["weighting"].default)
-    NodeConfig.model_validate({**options, "inner_steps": h})  # a wrong key or value fails before any job runs
+    options = pinned(options, STEP_KEYS, inner_steps=h)
     text_options = " ".join(f"{k}={v}" for k, v in sorted(options.items()))
     text_options += f" cosine {schedule:g}x" if schedule != 1.0 else ""
     text_options += f" speeds {'/'.join(map(str, speeds))} spent on {spent}" if speeds else ""

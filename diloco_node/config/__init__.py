@@ -33,10 +33,13 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from diloco_node.config.defaults import (
     AUTO_BUTTERFLY_FROM,
+    BLOCKING_STEP,
     DEFAULT_STATUS_PORT,
     DILOCO_MOMENTUM,
     FEEDBACK_CODECS,
     FEEDBACK_OUTER,
+    INNER_LR,
+    OUTER_LR,
     SYNC_MOMENTUM,
     keeps_residual,
 )
@@ -377,17 +380,20 @@ def _flattened(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str
 
 
 def _defaults_that_follow(data: dict[str, Any]) -> dict[str, Any]:
-    """Unset sync follows the algorithm (NoLoCo's small groups exchange blocking), and unset
-    momentum follows sync: a step that lands a round late already acts as momentum. Unset
-    local_ranks follows the number of --devices. A DiLoCo run with an error-feedback codec takes
-    FEEDBACK_OUTER for whichever of those settings are unset. On the flat keys, before they are
-    distributed into their sections (NodeConfig._by_section)."""
+    """Unset sync is blocking. The step follows the mode: a DiLoCo run with an error-feedback codec
+    takes FEEDBACK_OUTER for whichever of its settings are unset, a blocking DiLoCo run without one
+    BLOCKING_STEP; the rest keep INNER_LR and OUTER_LR, and unset momentum follows sync (a step that
+    lands a round late already acts as momentum). Unset local_ranks follows the number of --devices.
+    On the flat keys, before they are distributed into their sections (NodeConfig._by_section)."""
     if data.get("sync") is None:
-        data = {**data, "sync": "blocking" if data.get("algorithm") == "noloco" else "eager"}
+        data = {**data, "sync": "blocking"}
     if data.get("local_ranks") is None and data.get("devices"):
         data = {**data, "local_ranks": len(str(data["devices"]).split(","))}
-    if keeps_residual(data.get("compression")) and data.get("algorithm", "diloco") == "diloco":
-        data = {**data, **{key: value for key, value in FEEDBACK_OUTER.items() if data.get(key) is None}}
+    diloco = data.get("algorithm", "diloco") == "diloco"
+    step = FEEDBACK_OUTER if keeps_residual(data.get("compression")) and diloco else \
+        BLOCKING_STEP if diloco and data["sync"] == "blocking" else {}
+    step = {"inner_lr": INNER_LR, "outer_lr": OUTER_LR, **step}
+    data = {**data, **{key: value for key, value in step.items() if data.get(key) is None}}
     if data.get("outer_momentum") is None:
         # an unknown sync keeps DiLoCo's; the sync field's own check then names the mistake
         data = {**data, "outer_momentum": SYNC_MOMENTUM.get(data["sync"], DILOCO_MOMENTUM)}

@@ -21,6 +21,15 @@ EAGER_MOMENTUM = 0.6
 # 0.3, 1.17× with 0 (benchmarks/eager_loss.py --modes
 # blocking,delayed:0.9,delayed:0.6,delayed:0.3,delayed:0 --repeats 1).
 DELAYED_MOMENTUM = 0.0
+# DiLoCo with a blocking exchange takes plain averaging (outer lr 1, no momentum) of inner phases at
+# 4x the inner lr the other modes keep. The learning simulator (benchmarks/results/learning_b2.md:
+# llama-2m, 4 workers of 2 x 128 tokens a step, H = 50, 3 seeds) ended at eval 5.40-5.42 with it, 1.97x
+# fewer tokens per worker than one node alone; the published step (inner 4e-4, outer 0.7, Nesterov 0.9)
+# ended at 5.58 at H = 30, and eager with either step at 5.69-5.96 (0.56-0.94x: no better than alone).
+# With both halves of the step measured together: 1.6e-3 under eager, or momentum 0.5 under blocking,
+# each lost (docs/configuration.md, sync modes).
+BLOCKING_STEP = {"inner_lr": 1.6e-3, "outer_lr": 1.0, "outer_momentum": 0.0}
+INNER_LR, OUTER_LR = 4e-4, 0.7  # every other mode's
 AUTO_BUTTERFLY_FROM = 3  # see NodeConfig.butterfly_from and benchmarks/scale.py
 SYNC_MOMENTUM = {"blocking": DILOCO_MOMENTUM, "delayed": DELAYED_MOMENTUM, "eager": EAGER_MOMENTUM}
 # With a codec that keeps an error-feedback residual (topk, sign), the residual does momentum's job

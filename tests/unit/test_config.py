@@ -37,8 +37,8 @@ def _error(values: dict[str, Any]) -> str:
 def test_defaults_are_valid() -> None:
     cfg = build_config({})
     assert cfg == NodeConfig()
-    assert cfg.inner.inner_steps == 50 and cfg.outer.outer_lr == 0.7
-    assert cfg.outer.outer_momentum == 0.6 and cfg.outer.sync == "eager"
+    assert cfg.inner.inner_steps == 50 and cfg.inner.inner_lr == 1.6e-3 and cfg.outer.outer_lr == 1.0
+    assert cfg.outer.outer_momentum == 0.0 and cfg.outer.sync == "blocking"
     assert cfg.swarm.status_host_port == ("127.0.0.1", 7780)
 
 
@@ -247,7 +247,7 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None
     assert values["warmup_steps"] == 6        # flag > file
     assert values["outer_lr"] == 0.25         # env > default
     assert values["peer"] == [PEER_A, PEER_B]  # list from env, whitespace-separated, replaces the file's
-    assert values["eval_batches"] == 8 and values["outer_momentum"] == 0.6  # untouched defaults (eager)
+    assert values["eval_batches"] == 8 and values["outer_momentum"] == 0.0  # untouched defaults (blocking)
     assert fingerprint == build_config({"outer_lr": 0.25}).fingerprint()
 
 
@@ -284,20 +284,25 @@ def test_shipped_configs_are_valid(path: Path) -> None:
     assert load_config(str(path), {}).inputs.model
 
 
-def test_unset_sync_follows_the_algorithm() -> None:
-    assert load_config(None, {}).outer.sync == "eager"
+def test_unset_sync_is_blocking_for_either_algorithm() -> None:
+    assert load_config(None, {}).outer.sync == "blocking"
     assert load_config(None, {"algorithm": "noloco"}).outer.sync == "blocking"
     assert load_config(None, {"sync": "delayed"}).outer.sync == "delayed"
 
 
-def test_unset_outer_momentum_follows_the_sync_mode(tmp_path: Path) -> None:
-    assert load_config(None, {"sync": "blocking"}).outer.outer_momentum == 0.9
-    assert load_config(None, {"algorithm": "noloco"}).outer.outer_momentum == 0.9
-    assert load_config(None, {}).outer.outer_momentum == 0.6
-    assert load_config(None, {"sync": "eager"}).outer.outer_momentum == 0.6
-    assert load_config(None, {"sync": "eager", "outer_momentum": 0.8}).outer.outer_momentum == 0.8
-    assert load_config(None, {"sync": "delayed"}).outer.outer_momentum == 0.0
-    assert load_config(None, {"sync": "delayed", "outer_momentum": 0.9}).outer.outer_momentum == 0.9
+def test_the_unset_step_follows_the_sync_mode(tmp_path: Path) -> None:
+    def step(given: dict[str, Any]) -> tuple[float, float, float]:
+        cfg = load_config(None, given)
+        return cfg.inner.inner_lr, cfg.outer.outer_lr, cfg.outer.outer_momentum
+
+    # blocking DiLoCo: plain averaging of phases at 4x the inner lr (config/defaults.py, BLOCKING_STEP)
+    assert step({}) == step({"sync": "blocking"}) == step({"compression": "int4"}) == (1.6e-3, 1.0, 0.0)
+    assert step({"outer_lr": 0.5}) == (1.6e-3, 0.5, 0.0) and step({"inner_lr": 1e-3}) == (1e-3, 1.0, 0.0)
+    assert step({"algorithm": "noloco"}) == (4e-4, 0.7, 0.9)
+    assert step({"sync": "eager"}) == (4e-4, 0.7, 0.6)
+    assert step({"sync": "eager", "outer_momentum": 0.8})[2] == 0.8
+    assert step({"sync": "delayed"}) == (4e-4, 0.7, 0.0)
+    assert step({"sync": "delayed", "outer_momentum": 0.9})[2] == 0.9
     path = tmp_path / "node.toml"
     path.write_text('sync = "eager"\nouter_momentum = 0.95\n')
     assert load_config(str(path), {}).outer.outer_momentum == 0.95
@@ -317,7 +322,7 @@ def test_error_feedback_codecs_take_its_outer_settings_where_unset() -> None:
         assert (cfg.outer.outer_momentum, cfg.outer.outer_lr, cfg.codec.ef_decay) == (0.9, 0.7, 1.0)
         noloco = load_config(None, {"compression": codec, "algorithm": "noloco"})
         assert (noloco.outer.outer_momentum, noloco.outer.outer_lr, noloco.codec.ef_decay) == (0.9, 0.7, 1.0)
-    assert load_config(None, {"compression": "int4", "sync": "blocking"}).outer.outer_lr == 0.7
+    assert load_config(None, {"compression": "int4", "sync": "eager"}).outer.outer_lr == 0.7
     # peers on the same codec flags agree; a peer that sets DiLoCo's outer optimizer does not meet them
     assert build_config({"compression": "sign"}).fingerprint() != build_config(
         {"compression": "sign", "outer_momentum": 0.9, "outer_lr": 0.7}).fingerprint()
@@ -436,7 +441,7 @@ def test_validation_reads_the_owners_values_whatever_was_imported_first() -> Non
 def test_the_codecs_defaults_are_the_configs() -> None:
     from diloco_node.codec import CodecConfig, codec_config_of
 
-    assert codec_config_of(NodeConfig()) == CodecConfig()
+    assert codec_config_of(NodeConfig()) == CodecConfig(name="int4")  # the node's default codec, the codec's knobs
     assert codec_config_of(NodeConfig(compression="int8", block_size=128, zstd="off")) == \
         CodecConfig(name="int8", block_size=128, zstd=False)
     assert NodeConfig(compression="int4").codec.part_align == 64
@@ -536,7 +541,7 @@ def _every_setting_changed(tmp_path: Path) -> dict[str, Any]:
         "inner_steps": 7, "round_seconds": 5.0, "speed_spent": "batch", "inner_lr": 1e-3, "warmup_steps": 3,
         "weight_decay": 0.05, "grad_clip": 0.5,
         # outer
-        "outer_lr": 0.5, "outer_momentum": 0.4, "sync": "blocking", "eager_proxy": "share", "sync_timeout": 60.0,
+        "outer_lr": 0.5, "outer_momentum": 0.4, "eager_proxy": "share", "sync_timeout": 60.0,
         "max_outer_steps": 9, "fragments": 2,
         # averaging
         "aggregator": "trimmed", "weighting": "sqrt-tokens", "reachability": "public", "exchange": "allgather",
@@ -556,7 +561,8 @@ def _every_setting_changed(tmp_path: Path) -> dict[str, Any]:
 
 # init pretrained needs a model directory with weights; a tokenizer needs a trained tokenizer.json (both are
 # spelled through the same code as every other key: test_config_sections, test_data_input, test_model_input)
-LEFT_OUT_OF_SPELLINGS = {"init", "tokenizer"}
+# sync: NoLoCo (in the values) runs blocking only, which is sync's default; it is spelled on its own
+LEFT_OUT_OF_SPELLINGS = {"init", "tokenizer", "sync"}
 
 
 def _joined_with(monkeypatch: pytest.MonkeyPatch, args: list[str], env: dict[str, str] | None = None) -> NodeConfig:
@@ -597,6 +603,12 @@ def test_every_old_spelling_sets_its_setting_read_through_its_section(
     assert (cfg.outer.outer_lr, cfg.inner.inner_steps, cfg.swarm.run_id, cfg.codec.compression) == \
         (0.5, 7, "spelled", "int8")
     assert (cfg.swarm.peer, cfg.local.micro_batch_size, cfg.noloco.noloco_gamma) == ([PEER_A], 1, 0.3)
+    folder = tmp_path / "sync"
+    folder.mkdir()
+    flags, env, files = spellings({"sync": "eager"}, folder)
+    for cfg in (_joined_with(monkeypatch, flags), _joined_with(monkeypatch, [], env),
+                *(_joined_with(monkeypatch, ["--config", str(path)]) for path in files)):
+        assert cfg.outer.sync == "eager" and "sync" in cfg.outer.model_fields_set
 
 
 def test_flat_sectioned_and_section_model_input_build_the_same_config() -> None:
@@ -616,8 +628,8 @@ def test_flat_sectioned_and_section_model_input_build_the_same_config() -> None:
         assert (cfg.outer.outer_momentum, cfg.outer.outer_lr, cfg.codec.ef_decay) == (0.0, 2.0, 0.95)
     assert NodeConfig(devices="cpu,cpu", parallel="fsdp").local.local_ranks == 2
     # what was given (or follows from it) is each section's own fields set, flat in `given`
-    assert "inner_steps" in flat.inner.model_fields_set and "inner_lr" not in flat.inner.model_fields_set
-    assert {"outer_lr", "inner_steps", "compression", "sync", "outer_momentum"} == set(flat.given)
+    assert "inner_steps" in flat.inner.model_fields_set and "warmup_steps" not in flat.inner.model_fields_set
+    assert {"outer_lr", "inner_steps", "compression", "sync", "outer_momentum", "inner_lr"} == set(flat.given)
     assert NodeConfig.model_validate(flat.flat()) == flat  # the flat dict reads back as the same config
 
 
@@ -645,14 +657,18 @@ def test_replaced_swaps_flat_keys_as_model_copy_did() -> None:
 
 # Fingerprints computed on main before NodeConfig was nested (flat NodeConfig, commit 768f5d2):
 # `NodeConfig.model_validate(values).fingerprint(), .checkpoint_fingerprint()`. Those configs weighted
-# by tokens, the default then (#41 made it equal); tokens is left out of the fingerprint, so they keep it.
+# by tokens, ran eager and sent fp32, the defaults then (#41 made weighting equal, #39 sync blocking
+# and codec int4); tokens is left out of the fingerprint, so they keep it.
+OLD = {"sync": "eager", "compression": "none"}
 MAIN_FINGERPRINTS = [
-    ({"weighting": "tokens"}, "1263e060383735ae", "00a2e6c9266c8bac"),
-    ({"inner_steps": 7, "weighting": "tokens"}, "1263e060383735ae", "00a2e6c9266c8bac"),
-    ({"compression": "sign", "outer_lr": 1.5, "weighting": "tokens"}, "6c6a6fe8a19f40a2", "9b974f0fa7250f0f"),
-    ({"algorithm": "noloco", "group_size": 3, "weighting": "tokens"}, "aa1445b2241c4ecd", "691d96995b3d5735"),
+    ({"weighting": "tokens", **OLD}, "1263e060383735ae", "00a2e6c9266c8bac"),
+    ({"inner_steps": 7, "weighting": "tokens", **OLD}, "1263e060383735ae", "00a2e6c9266c8bac"),
+    ({"compression": "sign", "outer_lr": 1.5, "weighting": "tokens", "sync": "eager"}, "6c6a6fe8a19f40a2",
+     "9b974f0fa7250f0f"),
+    ({"algorithm": "noloco", "group_size": 3, "weighting": "tokens", "compression": "none"}, "aa1445b2241c4ecd",
+     "691d96995b3d5735"),
     ({"round_seconds": 30.0, "speed_spent": "batch", "inner_steps": 20, "fragments": 2, "weighting": "equal",
-      "min_group_size": 3, "exchange": "allgather"}, "beda9b4b1dcc57c9", "025412b323346364"),
+      "min_group_size": 3, "exchange": "allgather", **OLD}, "beda9b4b1dcc57c9", "025412b323346364"),
 ]
 
 
@@ -670,5 +686,5 @@ def test_flat_is_what_model_dump_was() -> None:
     assert list(flat) == list(FIELDS)
     assert {key: flat[key] for key in ("outer_lr", "outer_momentum", "sync", "ef_decay", "compression",
                                        "inner_steps", "listen", "peer", "tokenizer", "noloco_gamma")} == {
-        "outer_lr": 1.5, "outer_momentum": 0.0, "sync": "eager", "ef_decay": 0.95, "compression": "sign",
+        "outer_lr": 1.5, "outer_momentum": 0.0, "sync": "blocking", "ef_decay": 0.95, "compression": "sign",
         "inner_steps": 50, "listen": ["/ip4/0.0.0.0/tcp/0"], "peer": [], "tokenizer": None, "noloco_gamma": None}

@@ -79,7 +79,7 @@ def test_taken_config_has_the_run_fingerprint(hf_run: tuple[NodeConfig, Manifest
 def test_schedule_given_overrides_and_same_values_pass(hf_run: tuple[NodeConfig, Manifest], tmp_path: Path) -> None:
     _, m = hf_run
     # flags travel as text: the run's own values given again are no conflict
-    taken = take(m, {"inner_steps": "3", "sync": "blocking", "compression": "int8", "outer_lr": "0.7",
+    taken = take(m, {"inner_steps": "3", "sync": "blocking", "compression": "int8", "outer_lr": "1.0",
                      "run_id": "hand", "model": "llama-2m"}, tmp_path)
     assert taken.inner.inner_steps == 3 and taken.fingerprint() == m.fingerprint
 
@@ -91,7 +91,7 @@ def test_schedule_given_overrides_and_same_values_pass(hf_run: tuple[NodeConfig,
     ({"sync": "eager"}, "--sync: the run's is blocking, given eager"),
     ({"compression": "none"}, "--compression: the run's is int8, given none"),
     ({"run_id": "other"}, "--run-id: the run's is hand, given other"),
-    ({"outer_lr": "0.5"}, "--outer-lr: the run's is 0.7, given 0.5"),
+    ({"outer_lr": "0.5"}, "--outer-lr: the run's is 1.0, given 0.5"),
     ({"model": "tiny"}, "--model: the run's is llama-2m (hf:llama), given tiny"),
     ({"tokenizer": ""}, None),  # bytes against the run's BPE: refused naming --tokenizer
 ])
