@@ -46,13 +46,14 @@ import torch
 
 from diloco_node.codec import CODECS, FEEDBACK, SPECS, codec_config_of, make_codec
 from diloco_node.config import FEEDBACK_OUTER, NodeConfig
+from diloco_node.config.defaults import keeps_residual
 from diloco_node.outer.diloco import pseudo_gradient
 from diloco_node.train.bytedata import ByteDataset
 from diloco_node.train.inner import InnerTrainer
 from diloco_node.train.model import build_model
 from diloco_node.train.sources import load_corpus
 from harness.bench import RESULTS_DIR, StartupStalled, inner_config, machine_info, pair, pyplot, run_pair
-from harness.nodes import BLOCKING_FLAGS, WORLD
+from harness.nodes import BLOCKING_FLAGS, PUBLISHED_OUTER, WORLD
 
 NAME = "codecs"
 # codec → (max payload bytes per parameter per round, max eval-loss gap to `none` in %)
@@ -75,6 +76,11 @@ def sample_pseudo_gradient(cfg: NodeConfig, steps: int) -> torch.Tensor:
     for step in range(steps):
         trainer.train_step(*dataset.train_batch(cfg.inputs.batch_size, cfg.inputs.seed, step))
     return torch.cat([d.reshape(-1) for d in pseudo_gradient(outer, list(model.parameters()))]).contiguous()
+
+
+def outer_step(flags: list[str]) -> tuple[str, ...]:
+    """DiLoCo's published outer step for a dense codec; an error-feedback one takes FEEDBACK_OUTER."""
+    return () if keeps_residual(flag_options(flags).get("compression")) else PUBLISHED_OUTER
 
 
 def flag_options(flags: list[str]) -> dict[str, str]:
@@ -138,7 +144,8 @@ def run_codec(label: str, flags: list[str], h: int, rounds: int, cfg: NodeConfig
         run_id = f"bench-codec-{label}-{os.getpid()}-{int(time.time())}"
         try:
             logs, wall, lo_node = run_pair(label, h, rounds, run_id, work / f"attempt{attempt}", timeout,
-                                           checkpoint_dirs=("", ""), extra=[*BLOCKING_FLAGS, *flags],
+                                           checkpoint_dirs=("", ""),
+                                           extra=[*BLOCKING_FLAGS, *outer_step(flags), *flags],
                                            join_timeout=JOIN_TIMEOUT)
         except StartupStalled as exc:
             print(f"  {label}: the nodes did not join within {JOIN_TIMEOUT:.0f}s (attempt {attempt}); "

@@ -6,8 +6,8 @@ Mbit/s with `tc tbf`. Side by side in one run on that link, the same model, data
 - DDP: 2 gloo ranks, gradients all-reduced across the link every step (harness/ddp.py); rank 0
   evaluates the held-out loss every --eval-every steps. Its eval loss after --steps steps (the token
   budget) is the TARGET every other method has to reach.
-- DiLoCo blocking, fp32 (`--sync blocking --compression none`): DiLoCo as published (outer Nesterov,
-  lr 0.7, momentum 0.9), H = --blocking-h.
+- DiLoCo blocking, fp32 (`--sync blocking --compression none --inner-lr 4e-4 --outer-lr 0.7
+  --outer-momentum 0.9`): DiLoCo as published, H = --blocking-h.
 - Candidates for our best configuration: join flags at a given H, eager unless they say otherwise
   (--candidates "H:FLAGS;...", e.g. `300:--compression int4;300:--sync blocking --compression int4
   --block-size 256 --outer-momentum 0.6`). The best one is chosen from this run's own measurements: the
@@ -60,7 +60,7 @@ from harness.bench import (
 )
 from harness.ddp import run_ddp_on_link
 from harness.islands import Islands, require_netns
-from harness.nodes import WORLD, final_eval_loss
+from harness.nodes import BLOCKING_FLAGS, PUBLISHED_OUTER, WORLD, final_eval_loss
 from harness.wire import WireSampler, wire_bytes
 
 NAME = "headline"
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             print(f"  DDP: {args.steps} steps, {ddp['seconds_per_step']:.2f} s/step, target eval loss {target:.4f} "
                   f"at {ddp['reached']['seconds']:.0f} s, {ddp['reached']['bytes'] / 1e6:.1f} MB", flush=True)
             plan = [("DiLoCo blocking fp32", "blocking", args.blocking_h,
-                     ["--sync", "blocking", "--compression", "none"])]
+                     [*BLOCKING_FLAGS, *PUBLISHED_OUTER, "--compression", "none"])]
             for candidate in args.candidates.split(";"):
                 label, h, options = parse_candidate(candidate)
                 plan.append((label, "candidate", h, options))

@@ -35,7 +35,7 @@ from typing import Any
 
 from diloco_node.commands.launch import NodeProcess, read_events
 from harness.bench import RESULTS_DIR, machine_info
-from harness.nodes import BLOCKING_FLAGS, start_node
+from harness.nodes import BLOCKING_FLAGS, PUBLISHED_OUTER, start_node
 
 NAME = "layouts"
 LOCAL_RANKS = 2
@@ -71,7 +71,7 @@ def wait_exit(node: NodeProcess, timeout: float) -> int | None:
 
 def node_flags(parallel: str, ranks: int, args: argparse.Namespace, run_id: str, identity: Path) -> list[str]:
     return ["--listen", "/ip4/127.0.0.1/tcp/0", "--status", "127.0.0.1:0", "--run-id", run_id,
-            "--checkpoint-dir", "", "--identity", str(identity), *BLOCKING_FLAGS, "--threads", "0",
+            "--checkpoint-dir", "", "--identity", str(identity), *BLOCKING_FLAGS, *PUBLISHED_OUTER, "--threads", "0",
             "--model", args.model, "--seed", str(args.seed), "--seq-len", str(args.seq_len),
             "--batch-size", str(args.batch_size), "--inner-steps", str(args.inner_steps),
             "--max-outer-steps", str(args.rounds), "--parallel", parallel, "--local-ranks", str(ranks)]

@@ -79,8 +79,8 @@ def parse_options(text: str) -> dict[str, Any]:
 
 
 # The settings a row's label names even where the row leaves them to the defaults, so that a label in
-# a log keeps naming what ran after a default changes (#39 changed all four).
-STEP_KEYS = ("sync", "inner_lr", "outer_lr", "outer_momentum")
+# a log keeps naming what ran after a default changes (#39 changed all five).
+STEP_KEYS = ("sync", "compression", "inner_lr", "outer_lr", "outer_momentum")
 
 
 def pinned(options: dict[str, Any], keys: tuple[str, ...], **extra: Any) -> dict[str, Any]:
@@ -430,7 +430,8 @@ def report(args: argparse.Namespace) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=("run", "report"))
-    parser.add_argument("--rows", default="ddp:4;alone;4:30:sync=blocking,outer_momentum=0.9")
+    parser.add_argument("--rows", default="ddp:4;alone;4:30:sync=blocking,compression=none,inner_lr=0.0004,"
+                        "outer_lr=0.7,outer_momentum=0.9")
     parser.add_argument("--seeds", default="0,1,2", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--steps", type=int, default=800, help="DDP steps per worker: the token budget")
     parser.add_argument("--eval-every", type=int, default=50)

@@ -45,7 +45,7 @@ from typing import Any
 from diloco_node.commands.launch import read_events
 from diloco_node.swarm.groups import random_groups
 from harness.bench import RESULTS_DIR, StartupStalled, machine_info, pyplot, run_swarm
-from harness.nodes import BLOCKING_FLAGS
+from harness.nodes import BLOCKING_FLAGS, PUBLISHED_OUTER
 
 NAME = "noloco"
 ALGORITHMS = ("diloco", "noloco")
@@ -90,9 +90,9 @@ def run_config(label: str, series: str, algorithm: str, codec: str, n: int, h: i
                timeout: float, flags: list[str]) -> dict[str, Any]:
     """One n-node run; a swarm that stalls before joining is recorded and started once more."""
     stalled = []
-    # Both blocking: the wait is then the synchronization itself (DiLoCo's default, eager, would
-    # hide it behind the next round, and NoLoCo has no overlapped mode).
-    extra = ["--algorithm", algorithm, "--compression", codec, *BLOCKING_FLAGS, *NODE_FLAGS, *flags]
+    # Both blocking, at DiLoCo's published step: the wait is then the synchronization itself (eager
+    # would hide it behind the next round, and NoLoCo has no overlapped mode).
+    extra = ["--algorithm", algorithm, "--compression", codec, *BLOCKING_FLAGS, *PUBLISHED_OUTER, *NODE_FLAGS, *flags]
     if algorithm == "noloco":
         extra += ["--group-size", str(GROUP_SIZE)]
     for attempt in range(1, START_ATTEMPTS + 1):
@@ -344,7 +344,7 @@ def notes(payload: dict[str, Any]) -> str:
         f"{cfg['part_a']['H'] * cfg['part_a']['rounds'] * TOKENS_PER_STEP:,} tokens per node in every configuration "
         f"(equal tokens: {cfg['part_a']['equal_tokens']}). NoLoCo: `--group-size {GROUP_SIZE}`, α/β/γ at their "
         "defaults; DiLoCo: outer lr 0.7, Nesterov momentum 0.9. Both with `--sync blocking`, so the wait is the "
-        "synchronization itself (DiLoCo's default, eager, overlaps it with the next round).",
+        "synchronization itself (eager would overlap it with the next round).",
         "`sent` / `received` are all the bytes a node put on / took from the swarm in a round; `payload` is its own "
         "encoded contribution (NoLoCo: Δ through the codec, then φ in fp32 under `none` and fp16 otherwise). Under "
         "DiLoCo the group's payloads are all-gathered, so a node sends its payload to each of the N − 1 others; "

@@ -2,7 +2,8 @@
 
 The measure of the "slow links never thrash" requirement (docs/scale-and-networks.md, slow links):
 nodes on network-namespace islands (harness/islands.py), each inner step paced to the same time
-(harness/pace.py) so that only the links differ, at the run's defaults (eager, no compression):
+(harness/pace.py) so that only the links differ, at the node's defaults (eager and no compression
+when results/slow_link.md was measured; blocking int4 since #39):
 
 - "fast only": `--fast` nodes on `--fast-mbit` links: the fast nodes' round time without the slow one;
 - "with a slow node": the same, and one more node on a `--slow-mbit` link.
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from diloco_node.config import FIELDS
 from harness.bench import RESULTS_DIR, machine_info, run_diloco_on_link, unwind_on_sigterm, write_results
 from harness.islands import Islands, require_netns
 
@@ -69,7 +71,8 @@ def table(args: argparse.Namespace, alone: dict[str, Any], mixed: dict[str, Any]
         "",
         f"`python benchmarks/slow_link.py --fast {args.fast} --fast-mbit {args.fast_mbit:g} --slow-mbit "
         f"{args.slow_mbit:g} --h {args.h} --rounds {args.rounds} --step-seconds {args.step_seconds:g}`, "
-        f"{time.strftime('%Y-%m-%d')}: defaults (eager, no compression), payload "
+        f"{time.strftime('%Y-%m-%d')}: defaults (sync {FIELDS['sync'].default}, codec "
+        f"{FIELDS['compression'].default}), payload "
         f"{mixed['payload_bytes'] / 1e6:.2f} MB.",
         "",
         "| measure | fast only | with a slow node | requirement |",

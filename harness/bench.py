@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from diloco_node.commands.launch import LaunchTimeout, NodeProcess
-from diloco_node.config import NodeConfig
+from diloco_node.config import FIELDS, NodeConfig
 from diloco_node.daemon.checkpoint import CheckpointStore
 from diloco_node.train.inner import InnerConfig
 from harness import wire
@@ -46,7 +46,7 @@ def parse_candidate(text: str) -> tuple[str, int, list[str]]:
     named = dict(zip(options[::2], options[1:][::2], strict=False))
     rest = [f"{flag.removeprefix('--').replace('-', ' ')} {value}" for flag, value in named.items()
             if flag not in ("--sync", "--compression")]
-    label = f"DiLoCo {named['--sync']} {named.get('--compression', 'none')}"
+    label = f"DiLoCo {named['--sync']} {named.get('--compression', FIELDS['compression'].default)}"
     return label + (f" ({', '.join(rest)})" if rest else ""), int(h), options
 
 

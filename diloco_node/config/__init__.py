@@ -381,17 +381,21 @@ def _flattened(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str
 
 def _defaults_that_follow(data: dict[str, Any]) -> dict[str, Any]:
     """Unset sync is blocking. The step follows the mode: a DiLoCo run with an error-feedback codec
-    takes FEEDBACK_OUTER for whichever of its settings are unset, a blocking DiLoCo run without one
-    BLOCKING_STEP; the rest keep INNER_LR and OUTER_LR, and unset momentum follows sync (a step that
-    lands a round late already acts as momentum). Unset local_ranks follows the number of --devices.
-    On the flat keys, before they are distributed into their sections (NodeConfig._by_section)."""
+    takes FEEDBACK_OUTER for whichever of its settings are unset; a blocking DiLoCo run without one
+    takes BLOCKING_STEP when neither outer lr nor momentum is given (its inner lr only where unset,
+    so that the inner lr stays a node's own, outside the fingerprint; one outer setting given keeps
+    DiLoCo's published rest of the step, since the step was measured as a whole); the rest keep
+    INNER_LR and OUTER_LR, and unset momentum follows sync (a step that lands a round late already
+    acts as momentum). Unset local_ranks follows the number of --devices. On the flat keys, before
+    they are distributed into their sections (NodeConfig._by_section)."""
     if data.get("sync") is None:
         data = {**data, "sync": "blocking"}
     if data.get("local_ranks") is None and data.get("devices"):
         data = {**data, "local_ranks": len(str(data["devices"]).split(","))}
     diloco = data.get("algorithm", "diloco") == "diloco"
+    untouched = data.get("outer_lr") is None and data.get("outer_momentum") is None
     step = FEEDBACK_OUTER if keeps_residual(data.get("compression")) and diloco else \
-        BLOCKING_STEP if diloco and data["sync"] == "blocking" else {}
+        BLOCKING_STEP if diloco and data["sync"] == "blocking" and untouched else {}
     step = {"inner_lr": INNER_LR, "outer_lr": OUTER_LR, **step}
     data = {**data, **{key: value for key, value in step.items() if data.get(key) is None}}
     if data.get("outer_momentum") is None:

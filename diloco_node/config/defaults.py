@@ -26,8 +26,10 @@ DELAYED_MOMENTUM = 0.0
 # llama-2m, 4 workers of 2 x 128 tokens a step, H = 50, 3 seeds) ended at eval 5.40-5.42 with it, 1.97x
 # fewer tokens per worker than one node alone; the published step (inner 4e-4, outer 0.7, Nesterov 0.9)
 # ended at 5.58 at H = 30, and eager with either step at 5.69-5.96 (0.56-0.94x: no better than alone).
-# With both halves of the step measured together: 1.6e-3 under eager, or momentum 0.5 under blocking,
-# each lost (docs/configuration.md, sync modes).
+# The halves were measured together, so a run that gives its outer lr or momentum keeps DiLoCo's
+# published step for the rest: 1.6e-3 under eager's step lost (5.86), so did momentum 0.5 at 1.6e-3
+# under blocking (H = 5: 5.50 against 5.25-5.29; docs/configuration.md, sync modes). The inner lr is
+# a node's own (outside the fingerprint), so giving it changes no outer setting.
 BLOCKING_STEP = {"inner_lr": 1.6e-3, "outer_lr": 1.0, "outer_momentum": 0.0}
 INNER_LR, OUTER_LR = 4e-4, 0.7  # every other mode's
 AUTO_BUTTERFLY_FROM = 3  # see NodeConfig.butterfly_from and benchmarks/scale.py

@@ -204,8 +204,9 @@ class Inner(Section):
     inner_lr: float = Field(INNER_LR, gt=0, description="peak inner learning rate (linear warmup, then cosine "
                             "decay when --max-outer-steps is set); unset, it follows the outer step "
                             "(docs/configuration.md, sync modes)",
-                            json_schema_extra=unset(f"{BLOCKING_STEP['inner_lr']:g} with blocking DiLoCo without "
-                                                    f"{FEEDBACK_CODECS}, {INNER_LR:g} otherwise"))
+                            json_schema_extra=unset(f"{BLOCKING_STEP['inner_lr']:g} with blocking DiLoCo "
+                                                    f"(no {FEEDBACK_CODECS}, no outer lr or momentum given); "
+                                                    f"{INNER_LR:g} otherwise"))
     warmup_steps: int = Field(50, ge=0, description="inner linear warmup steps")
     weight_decay: float = Field(0.1, ge=0, description="inner AdamW weight decay")
     grad_clip: float = Field(1.0, gt=0, description="inner gradient norm clip")
@@ -217,15 +218,16 @@ class Outer(Section):
 
     outer_lr: float = Field(OUTER_LR, gt=0, description="outer learning rate (an error-feedback codec's residual "
                             "does momentum's job, so its runs step further: docs/configuration.md, compression)",
-                            json_schema_extra=unset(f"{BLOCKING_STEP['outer_lr']:g} with blocking DiLoCo, "
-                                                    f"{FEEDBACK_OUTER['outer_lr']:g} with {FEEDBACK_CODECS}, "
-                                                    f"{OUTER_LR:g} otherwise"))
+                            json_schema_extra=unset(f"{FEEDBACK_OUTER['outer_lr']:g} with {FEEDBACK_CODECS}; "
+                                                    f"{BLOCKING_STEP['outer_lr']:g} with blocking DiLoCo "
+                                                    f"(no momentum given); {OUTER_LR:g} otherwise"))
     outer_momentum: float = Field(DILOCO_MOMENTUM, ge=0, lt=1, description=(
         "outer Nesterov momentum; unset, it follows --sync (a step that lands a round late already acts as "
         "momentum) and is 0 with an error-feedback codec, whose residual does momentum's job "
         "(docs/configuration.md, sync modes and compression)"),
-        json_schema_extra=unset(f"{BLOCKING_STEP['outer_momentum']:g} blocking DiLoCo, {DILOCO_MOMENTUM:g} NoLoCo, "
-                                 f"{EAGER_MOMENTUM:g} eager, {DELAYED_MOMENTUM:g} delayed; 0 with {FEEDBACK_CODECS}"))
+        json_schema_extra=unset(f"{BLOCKING_STEP['outer_momentum']:g} blocking DiLoCo (no outer lr given), "
+                                 f"else {DILOCO_MOMENTUM:g} blocking, {EAGER_MOMENTUM:g} eager, "
+                                 f"{DELAYED_MOMENTUM:g} delayed; 0 with {FEEDBACK_CODECS}"))
     sync: str = Field("blocking", pattern=r"^(blocking|delayed|eager)$",
                       description="when the exchange runs: blocking, delayed or eager (overlaps the next round at "
                       "a cost in tokens; docs/configuration.md, sync modes)")

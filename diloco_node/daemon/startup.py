@@ -132,7 +132,9 @@ def resume(store: CheckpointStore, fingerprint: str, state: OuterState, replica:
         return None
     check_node_state(saved, store.path)  # every key read below is there and of its kind: one line if not
     if saved["fingerprint"] != fingerprint:
-        raise CheckpointError(f"checkpoint in '{store.directory}' was made with another model/config")
+        raise CheckpointError(f"checkpoint in '{store.directory}' was made with another model/config: start it "
+                              "with the options it was made with (defaults change between versions: "
+                              "docs/running.md, upgrading)")
     check_fits(saved, store.path, [p.shape for p in state.phi])
     with installing(store.path):
         state.install(saved["round"], saved["outer_params"], saved["momentum"])

@@ -247,7 +247,8 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None
     assert values["warmup_steps"] == 6        # flag > file
     assert values["outer_lr"] == 0.25         # env > default
     assert values["peer"] == [PEER_A, PEER_B]  # list from env, whitespace-separated, replaces the file's
-    assert values["eval_batches"] == 8 and values["outer_momentum"] == 0.0  # untouched defaults (blocking)
+    # untouched defaults (an outer lr given keeps DiLoCo's published momentum, config/defaults.py)
+    assert values["eval_batches"] == 8 and values["outer_momentum"] == 0.9
     assert fingerprint == build_config({"outer_lr": 0.25}).fingerprint()
 
 
@@ -297,7 +298,10 @@ def test_the_unset_step_follows_the_sync_mode(tmp_path: Path) -> None:
 
     # blocking DiLoCo: plain averaging of phases at 4x the inner lr (config/defaults.py, BLOCKING_STEP)
     assert step({}) == step({"sync": "blocking"}) == step({"compression": "int4"}) == (1.6e-3, 1.0, 0.0)
-    assert step({"outer_lr": 0.5}) == (1.6e-3, 0.5, 0.0) and step({"inner_lr": 1e-3}) == (1e-3, 1.0, 0.0)
+    # give the outer step (or part of it) and the rest is DiLoCo's published one; the inner lr is a
+    # node's own (outside the fingerprint), so giving it changes no outer setting
+    assert step({"outer_lr": 0.5}) == (4e-4, 0.5, 0.9) and step({"inner_lr": 1e-3}) == (1e-3, 1.0, 0.0)
+    assert step({"outer_momentum": 0.9}) == (4e-4, 0.7, 0.9)
     assert step({"algorithm": "noloco"}) == (4e-4, 0.7, 0.9)
     assert step({"sync": "eager"}) == (4e-4, 0.7, 0.6)
     assert step({"sync": "eager", "outer_momentum": 0.8})[2] == 0.8

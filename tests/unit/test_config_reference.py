@@ -38,7 +38,7 @@ def test_a_default_that_follows_other_settings_is_shown_in_words() -> None:
     """outer_momentum's Field default (0.9) is what only NoLoCo runs with: the page and --help say what
     unset means instead."""
     assert config_reference.default_cell("outer_momentum") == \
-        "0 blocking DiLoCo, 0.9 NoLoCo, 0.6 eager, 0 delayed; 0 with topk or sign"
+        "0 blocking DiLoCo (no outer lr given), else 0.9 blocking, 0.6 eager, 0 delayed; 0 with topk or sign"
     assert config_reference.default_cell("run_id") == '`"diloco-default"`'
     assert config_reference.default_cell("listen") == '`["/ip4/0.0.0.0/tcp/0"]`'
     assert unset_default("threads") is None
@@ -54,5 +54,5 @@ def test_join_help_shows_the_same_descriptions_and_defaults() -> None:
     shown = " ".join(CliRunner().invoke(main, ["join", "--help"], terminal_width=10_000).stdout.split())
     for key in ("outer_momentum", "upload_limit", "run_owner"):
         assert describe(key) in shown, key
-    assert ("[default: 0 blocking DiLoCo, 0.9 NoLoCo, 0.6 eager, 0 delayed; 0 with topk or sign; env "
-            "DILOCO_OUTER_MOMENTUM]") in shown
+    assert ("[default: 0 blocking DiLoCo (no outer lr given), else 0.9 blocking, 0.6 eager, 0 delayed; "
+            "0 with topk or sign; env DILOCO_OUTER_MOMENTUM]") in shown
