@@ -19,16 +19,17 @@ ROUNDS = 3
 # Each node pushes (M−1)/M of its payload and sends back its averaged part M−1 times: 2·(M−1)/M,
 # plus headers, requests and the groups' peer ids in the answers' reports.
 BYTES_BOUND = 2.2
-# n1's upload cap: ~2 × 1.8 MB (tiny, uncompressed) per round take it ~4 s, so every round runs at
-# the cap; the others are uncapped and wait for it (blocking)
+# n1's upload cap: ~2 × 1.8 MB (tiny, uncompressed: codec none, not the default int4) per round take
+# it ~4 s, so every round runs at the cap; the others are uncapped and wait for it (blocking)
 CAP = "8mbit"
 CAP_BYTES = 1_000_000  # bytes/s
 SAMPLE_SECONDS = 0.1
 
 
 def test_eight_nodes_agree_bit_for_bit_and_each_sends_about_two_payloads(spawn: NodeFactory) -> None:
-    options = ("--exchange", "butterfly", "--inner-steps", "3", "--max-outer-steps", str(ROUNDS),
-               "--min-peers", str(NODES), "--round-timeout", "120", "--batch-size", "4", "--eval-batches", "1")
+    options = ("--exchange", "butterfly", "--compression", "none", "--inner-steps", "3",
+               "--max-outer-steps", str(ROUNDS), "--min-peers", str(NODES), "--round-timeout", "120",
+               "--batch-size", "4", "--eval-batches", "1")
     first = spawn("n0", *options)
     capped = spawn("n1", *options, "--upload-limit", CAP, peer=first)
     capped.wait_for_address()  # its libp2p daemon runs, so the meter finds its connections
