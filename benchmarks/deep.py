@@ -78,6 +78,7 @@ from harness.bench import (
 from harness.corpus import stdlib_shards
 from harness.ddp import run_ddp_local, run_ddp_on_link
 from harness.islands import Islands, require_netns
+from harness.nodes import PUBLISHED_FP32
 from harness.pace import steps_per_second
 from harness.wire import WireSampler, wire_bytes
 
@@ -320,8 +321,7 @@ def run(args: argparse.Namespace, work: Path, shared: dict[str, Any], estimated:
             plan: list[tuple[str, str, str, int, list[str], tuple[float, ...] | None, int | None]] = []
             if "blocking" in args.rows:
                 plan.append(("blocking", f"DiLoCo blocking fp32 H={args.blocking_h}", "blocking", args.blocking_h,
-                             ["--sync", "blocking", "--compression", "none", "--outer-lr", "0.7",
-                              "--outer-momentum", "0.9"], None, None))
+                             list(PUBLISHED_FP32), None, None))
             if "candidates" in args.rows:
                 for candidate in args.candidates.split(";"):
                     label, h, options = labelled_candidate(candidate)

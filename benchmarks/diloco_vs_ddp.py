@@ -42,7 +42,7 @@ from typing import Any
 from diloco_node.config import NodeConfig
 from harness.bench import RESULTS_DIR, machine_info, outer_difference, pair, pyplot, run_pair
 from harness.ddp import run_ddp
-from harness.nodes import BLOCKING_FLAGS, PUBLISHED_OUTER, WORLD
+from harness.nodes import PUBLISHED_FP32, WORLD
 
 NAME = "diloco_vs_ddp"
 
@@ -52,8 +52,7 @@ NAME = "diloco_vs_ddp"
 
 def run_diloco(h: int, rounds: int, cfg: NodeConfig, work: Path, timeout: float) -> dict[str, Any]:
     run_id = f"bench-h{h}-{os.getpid()}-{int(time.time())}"
-    logs, wall, lo_node = run_pair(f"H={h}", h, rounds, run_id, work, timeout,
-                                   extra=[*BLOCKING_FLAGS, *PUBLISHED_OUTER, "--compression", "none"])
+    logs, wall, lo_node = run_pair(f"H={h}", h, rounds, run_id, work, timeout, extra=list(PUBLISHED_FP32))
     result = summarize_diloco(h, rounds, cfg, logs, wall, lo_node)
     result["outer_params_difference"] = outer_difference(run_id, work / "ck1", work / "ck2")
     return result

@@ -60,7 +60,7 @@ from harness.bench import (
 )
 from harness.ddp import run_ddp_on_link
 from harness.islands import Islands, require_netns
-from harness.nodes import BLOCKING_FLAGS, PUBLISHED_OUTER, WORLD, final_eval_loss
+from harness.nodes import PUBLISHED_FP32, WORLD, final_eval_loss
 from harness.wire import WireSampler, wire_bytes
 
 NAME = "headline"
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             print(f"  DDP: {args.steps} steps, {ddp['seconds_per_step']:.2f} s/step, target eval loss {target:.4f} "
                   f"at {ddp['reached']['seconds']:.0f} s, {ddp['reached']['bytes'] / 1e6:.1f} MB", flush=True)
             plan = [("DiLoCo blocking fp32", "blocking", args.blocking_h,
-                     [*BLOCKING_FLAGS, *PUBLISHED_OUTER, "--compression", "none"])]
+                     list(PUBLISHED_FP32))]
             for candidate in args.candidates.split(";"):
                 label, h, options = parse_candidate(candidate)
                 plan.append((label, "candidate", h, options))

@@ -42,6 +42,7 @@ WORLD = 2  # workers / nodes per benchmark configuration
 # are benchmarks of their own (wide_area.py, eager_loss.py).
 BLOCKING_FLAGS = ("--sync", "blocking", "--inner-lr", "4e-4")
 PUBLISHED_OUTER = ("--outer-lr", "0.7", "--outer-momentum", "0.9")
+PUBLISHED_FP32 = (*BLOCKING_FLAGS, *PUBLISHED_OUTER, "--compression", "none")  # the baseline row of a headline
 STOP_BOUND = 30.0  # README: a stop takes at most this plus the exchange in flight
 
 # A diloco_node warning on a node's stderr (the log format of cli.setup_logging; hivemind's log
